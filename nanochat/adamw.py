@@ -1,0 +1,80 @@
+"""
+AdamW for the embedding and lm_head, and DistAdamW, its ZeRO-1 sharded form: each DDP rank keeps the optimizer
+state for and updates only its 1/world_size slice of every parameter.
+
+The update is written out here (rather than using torch.optim.AdamW) so the single-process and sharded optimizers
+share one formula and give the same parameters on the same averaged gradients.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+def adamw_update(param, grad, state, lr, betas, eps, weight_decay):
+    beta1, beta2 = betas
+    if not state:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(grad)
+        state["exp_avg_sq"] = torch.zeros_like(grad)
+    state["step"] += 1
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].lerp_(grad.square(), 1 - beta2)
+    bias1, bias2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
+    if weight_decay:
+        param.mul_(1 - lr * weight_decay)
+    denom = (state["exp_avg_sq"] / bias2).sqrt_().add_(eps)
+    param.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
+
+
+class AdamW(torch.optim.Optimizer):
+    """Single-process AdamW. Call reduce_grads() (returns the squared gradient norm, for clipping), then step()."""
+
+    def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def reduce_grads(self):
+        return sum((p.grad.float().square().sum() for g in self.param_groups for p in g["params"]),
+                   torch.zeros((), device=self.param_groups[0]["params"][0].device))
+
+    @torch.no_grad()
+    def step(self, grad_scale=1.0):
+        for group in self.param_groups:
+            for p in group["params"]:
+                adamw_update(p, p.grad * grad_scale, self.state[p], group["lr"], group["betas"], group["eps"],
+                             group["weight_decay"])
+
+
+class DistAdamW(AdamW):
+    """ZeRO-1 AdamW: reduce-scatter each flattened gradient (zero-padded to a multiple of world_size), update the
+    owned slice, all-gather the parameter. Any shape works, divisible or not."""
+
+    @torch.no_grad()
+    def reduce_grads(self):
+        world = dist.get_world_size()
+        self._shards = []  # (param, group, averaged grad slice, padded flat length)
+        sq = torch.zeros((), device=self.param_groups[0]["params"][0].device)
+        for group in self.param_groups:
+            for p in group["params"]:
+                padded_len = -(-p.numel() // world) * world
+                flat = torch.zeros(padded_len, dtype=p.grad.dtype, device=p.device)
+                flat[:p.numel()] = p.grad.reshape(-1)
+                shard = torch.empty(padded_len // world, dtype=flat.dtype, device=p.device)
+                dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.AVG)
+                self._shards.append((p, group, shard, padded_len))
+                sq += shard.float().square().sum()
+        return sq
+
+    @torch.no_grad()
+    def step(self, grad_scale=1.0):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for p, group, grad_shard, padded_len in self._shards:
+            flat = torch.zeros(padded_len, dtype=p.dtype, device=p.device)
+            flat[:p.numel()] = p.reshape(-1)
+            size = padded_len // world
+            shard = flat[rank * size:(rank + 1) * size].clone()
+            adamw_update(shard, grad_shard * grad_scale, self.state[p], group["lr"], group["betas"], group["eps"],
+                         group["weight_decay"])
+            dist.all_gather_into_tensor(flat, shard)
+            p.copy_(flat[:p.numel()].view_as(p))
+        self._shards = []

@@ -1,0 +1,104 @@
+"""Shared plumbing: device detection, torch.distributed setup, printing and logging, the base directory."""
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("nanochat")
+
+
+def setup_logging(level=logging.INFO):
+    """One plain format for every entry point; only rank 0 logs at INFO so 8 GPUs don't print 8 times."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logger.setLevel(level if get_dist_info()[1] == 0 else logging.WARNING)
+
+
+def print0(*args, **kwargs):
+    """print on rank 0 only (flushes, so progress shows through pipes and tee)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def get_base_dir():
+    """Where data, tokenizer, checkpoints and reports live: $NANOCHAT_BASE_DIR, default ~/.cache/nanochat."""
+    base = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
+def autodetect_device_type():
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def device_available(device_type):
+    return device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available()) or (
+        device_type == "mps" and torch.backends.mps.is_available())
+
+
+def is_ddp():
+    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def get_dist_info():
+    """(ddp, rank, local_rank, world_size) from torchrun's environment; a plain process is rank 0 of 1."""
+    if is_ddp():
+        return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    return False, 0, 0, 1
+
+
+def compute_init(device_type=None, seed=42):
+    """Pick the device, seed, and join the process group when launched by torchrun (NCCL on CUDA, Gloo otherwise).
+
+    Returns (ddp, rank, local_rank, world_size, device).
+    """
+    device_type = device_type or autodetect_device_type()
+    if not device_available(device_type):
+        raise ValueError(f"device_type={device_type!r} is not available on this machine "
+                         f"(found {autodetect_device_type()!r}); pass --device_type={autodetect_device_type()}")
+    torch.manual_seed(seed)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(seed)
+        torch.set_float32_matmul_precision("high")
+    ddp, rank, local_rank, world_size = get_dist_info()
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device(device_type)
+    if ddp and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                device_id=device if device_type == "cuda" else None)
+        dist.barrier()
+    return ddp, rank, local_rank, world_size, device
+
+
+def compute_cleanup():
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def atomic_write_bytes(path, data):
+    """Write to a temporary file beside `path`, fsync, rename: a crash leaves the old file or the new one, never half."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def fsync_dir(path):
+    """Make a rename durable: the directory entry itself must reach the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
