@@ -102,3 +102,16 @@ def fsync_dir(path):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# Dense bf16 peak FLOP/s per GPU (vendor datasheets, no sparsity), matched against torch's device name.
+GPU_PEAK_BF16_FLOPS = {"B200": 2.25e15, "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+                       "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+
+
+def gpu_peak_flops(device_name):
+    """Peak bf16 FLOP/s for a GPU name like 'NVIDIA H100 80GB HBM3', or None when unknown (e.g. a CPU)."""
+    for key, flops in GPU_PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return flops
+    return None

@@ -10,7 +10,7 @@ import torch.distributed as dist
 def clip_and_step(optimizers, grad_clip):
     """Average gradients across ranks, clip their global norm to grad_clip (<= 0: no clipping), step.
 
-    Returns the gradient norm before clipping. Under DDP each rank holds a disjoint share of the averaged gradients
+    Returns the gradient norm before clipping; a non-finite norm skips the update. Under DDP each rank holds a disjoint share of the averaged gradients
     after reduce_grads(), so summing the shares' squared norms across ranks gives the exact global norm, the same
     number a single process computes on the same averaged gradient.
     """
@@ -18,7 +18,9 @@ def clip_and_step(optimizers, grad_clip):
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(sq)
     grad_norm = sq.sqrt().item()
-    scale = min(1.0, grad_clip / (grad_norm + 1e-6)) if grad_clip > 0 and math.isfinite(grad_norm) else 1.0
+    if not math.isfinite(grad_norm):  # never write NaN/Inf into the weights; the caller decides what to do
+        return grad_norm
+    scale = min(1.0, grad_clip / (grad_norm + 1e-6)) if grad_clip > 0 else 1.0
     for opt in optimizers:
         opt.step(grad_scale=scale)
     return grad_norm

@@ -1,0 +1,35 @@
+"""Bits per byte for every supervision step: a tokenizer-independent loss, so refinement is measured on held-out text."""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+@torch.no_grad()
+def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None):
+    """Per supervision step, sum of per-token nats over sum of bytes of the target tokens, in bits.
+
+    Special tokens have byte length 0 and are left out of both sums; targets of -1 (ignored) likewise.
+    Under DDP the sums are reduced across ranks, so every rank returns the same numbers.
+    """
+    nats, nbytes = None, torch.zeros((), dtype=torch.float64, device=token_bytes.device)
+    for _ in range(steps):
+        x, y = next(batches)
+        with autocast or torch.autocast(x.device.type, enabled=False):
+            losses = model(x, y, n_sup=n_sup, loss_reduction="none")  # (N, B, T)
+        valid = y >= 0
+        num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
+        counted = num_bytes > 0
+        step_nats = (losses.double() * counted).sum(dim=(1, 2))
+        nats = step_nats if nats is None else nats + step_nats
+        nbytes += num_bytes.sum()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(nats)
+        dist.all_reduce(nbytes)
+    return [(n / (math.log(2) * nbytes)).item() for n in nats]
+
+
+def refinement(values):
+    """(first - last) / first: the fraction of the first draft's loss that the later steps removed."""
+    return (values[0] - values[-1]) / values[0] if values and values[0] else 0.0

@@ -1,0 +1,78 @@
+"""
+Evaluate a checkpoint: train and validation bits per byte for every supervision step, the refinement %, and samples.
+
+    python -m scripts.base_loss --model_tag=d4
+    torchrun --standalone --nproc_per_node=8 -m scripts.base_loss -- --model_tag=d12 --step=best
+"""
+
+import argparse
+import contextlib
+import json
+import os
+
+import torch
+
+from nanochat import checkpoint_manager as ckpt
+from nanochat.common import atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init, print0
+from nanochat.loss_eval import evaluate_bpb, refinement
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m scripts.base_loss", allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model_tag", default=None, help="default: the most recently written model")
+    p.add_argument("--step", default="latest", help="latest | best | a step number")
+    p.add_argument("--device_batch_size", type=int, default=8)
+    p.add_argument("--max_seq_len", type=int, default=None, help="default: the model's sequence_len")
+    p.add_argument("--split_tokens", type=int, default=2 * 524288, help="tokens evaluated per split")
+    p.add_argument("--n_sup", type=int, default=None, help="supervision steps to run (default: n_sup_inference)")
+    p.add_argument("--device_type", default="")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    p.add_argument("--sample_tokens", type=int, default=24)
+    argv = argv if argv is not None else __import__("sys").argv[1:]
+    return p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device_type = args.device_type or autodetect_device_type()
+    ddp, rank, _, world_size, device = compute_init(device_type)
+    from nanochat.dataloader import DataLoader
+    from nanochat.tokenizer import get_token_bytes
+    try:
+        model, tokenizer, meta = ckpt.load_model(args.model_tag, args.step, device)
+    except ValueError as e:
+        raise SystemExit(f"base_loss: {e}")
+    model_tag = args.model_tag or ckpt.latest_model_tag()
+    n_sup = args.n_sup or model.config.n_sup_inference
+    T = args.max_seq_len or model.config.sequence_len
+    steps = max(1, args.split_tokens // (args.device_batch_size * T * world_size))
+    dtype = args.dtype or ("bfloat16" if device_type == "cuda" else "float32")
+    autocast = (torch.autocast(device_type, dtype=torch.bfloat16) if dtype == "bfloat16"
+                else contextlib.nullcontext())
+    print0(f"evaluating {model_tag} step {meta['step']} with {n_sup} supervision steps on "
+           f"{steps * args.device_batch_size * T * world_size:,} tokens per split")
+    results = {"model_tag": model_tag, "step": meta["step"], "n_sup": n_sup}
+    token_bytes = get_token_bytes(device=device)
+    for split in ("train", "val"):
+        loader = DataLoader(tokenizer, args.device_batch_size, T, split, device=device, rank=rank,
+                            world_size=world_size)
+        bpb = evaluate_bpb(model, loader, steps, token_bytes, n_sup=n_sup, autocast=autocast)
+        results[f"{split}_bpb"], results[f"{split}_refinement"] = bpb, refinement(bpb)
+        print0(f"{split:5s} bpb per step: {' > '.join(f'{b:.4f}' for b in bpb)} | refinement "
+               f"{100 * refinement(bpb):.1f}%")
+    if rank == 0:
+        from nanochat.engine import Engine
+        from scripts.base_train import SAMPLE_PROMPTS
+        for prompt, completion in zip(SAMPLE_PROMPTS, Engine(model, tokenizer).complete(
+                SAMPLE_PROMPTS, max_tokens=args.sample_tokens, temperature=0, n_sup=n_sup)):
+            print0(f"sample: {prompt!r} -> {completion!r}")
+        path = os.path.join(ckpt.model_dir(model_tag), f"base_loss_step{meta['step']:06d}.json")
+        atomic_write_bytes(path, json.dumps(results, indent=2).encode())
+        print0(f"results: {path}")
+    compute_cleanup()
+    return results
+
+
+if __name__ == "__main__":
+    main()

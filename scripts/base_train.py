@@ -1,0 +1,635 @@
+"""
+Pretrain the TRM GPT.
+
+    python -m scripts.base_train --depth=4 --num_iterations=100                      # one process
+    torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth=12     # one node, 8 GPUs
+
+Every step logs the final-step loss, every supervision step's loss, refinement %, gradient norm, lr, time, tokens/s,
+MFU, memory, ETA and cost; evaluation measures validation bits per byte for every supervision step. Checkpoints go
+to $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/ and a killed run resumes exactly with --resume.
+
+Data order: the token stream is split into world_size x grad_accum data ranks and micro-step j of process r reads
+data rank r*grad_accum + j, so the data of a step depends only on the effective batch: 2 GPUs x 1 accumulation
+and 1 GPU x 2 accumulation see the same tokens in every step.
+"""
+
+import argparse
+import contextlib
+import difflib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from nanochat import checkpoint_manager as ckpt
+from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
+                             device_available, get_base_dir, get_dist_info, gpu_peak_flops, print0)
+from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
+from nanochat.loss_eval import evaluate_bpb, refinement
+from nanochat.optim import clip_and_step
+
+# Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
+MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "detach_between_steps",
+               "activation_checkpointing", "supervision_weight_base", "improvement_reward_scale"]
+SAMPLE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The opposite of hot is", "import os\n"]
+
+
+class ExitWithMessage(Exception):
+    """A run that must stop: printed without a traceback, with its exit code."""
+
+    def __init__(self, message, code=1):
+        super().__init__(message)
+        self.code = code
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+def str2bool(value):
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        raise SystemExit(f"base_train: error: {message}")
+
+
+def build_parser():
+    p = Parser(prog="python -m scripts.base_train", allow_abbrev=False,
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+               description="Pretrain the TRM GPT. Flags take --name=value or --name value.")
+    flag = p.add_argument
+    model = p.add_argument_group("model (unset = preset, then the defaults written in nanochat/gpt.py)")
+    model.add_argument("--depth", type=int, default=12, help="layers; width = 64*depth, head dim 128")
+    model.add_argument("--n_embd", type=int, default=None, help="override the width derived from --depth")
+    model.add_argument("--n_head", type=int, default=None, help="override the head count (n_embd/128)")
+    model.add_argument("--n_kv_head", type=int, default=None, help="key/value heads (GQA); default n_head")
+    model.add_argument("--max_seq_len", type=int, default=2048)
+    model.add_argument("--n_loops", type=int, default=None, help="latent updates per layer visit (0 = plain GPT)")
+    model.add_argument("--T_recursion", type=int, default=None, help="sweeps per supervision step")
+    model.add_argument("--n_sup_train", type=int, default=None, help="supervision steps in training")
+    model.add_argument("--n_sup_inference", type=int, default=None, help="supervision steps at inference")
+    model.add_argument("--activation_fn", choices=["relu_squared", "swiglu", "geglu"], default=None)
+    model.add_argument("--detach_between_steps", type=str2bool, nargs="?", const=True, default=None)
+    model.add_argument("--activation_checkpointing", type=str2bool, nargs="?", const=True, default=None)
+    model.add_argument("--preset", default=None, help=f"refinement preset: {', '.join(REFINEMENT_PRESETS)}")
+    model.add_argument("--supervision_weight_base", type=float, default=None)
+    model.add_argument("--improvement_reward_scale", type=float, default=None)
+    batch = p.add_argument_group("batch (effective batch = processes x device batch x accumulation)")
+    batch.add_argument("--device_batch_size", type=int, default=32, help="sequences per micro-batch per process")
+    batch.add_argument("--total_batch_size", type=int, default=None, help="tokens per optimizer step")
+    batch.add_argument("--gradient_accumulation_steps", type=int, default=None, help="micro-batches per step")
+    horizon = p.add_argument_group("horizon (first given wins: iterations, FLOPs, ratio)")
+    horizon.add_argument("--num_iterations", type=int, default=None)
+    horizon.add_argument("--target_flops", type=float, default=None)
+    horizon.add_argument("--target_param_data_ratio", type=float, default=20.0, help="training tokens per parameter")
+    optim = p.add_argument_group("optimisation")
+    optim.add_argument("--matrix_lr", type=float, default=0.02, help="Muon lr for transformer matrices")
+    optim.add_argument("--embedding_lr", type=float, default=0.2, help="AdamW lr for the embedding")
+    optim.add_argument("--unembedding_lr", type=float, default=0.004, help="AdamW lr for lm_head")
+    optim.add_argument("--weight_decay", type=float, default=0.0)
+    optim.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
+    optim.add_argument("--warmup_steps", type=int, default=None, help="lr warmup steps (overrides the ratio)")
+    optim.add_argument("--warmup_ratio", type=float, default=0.02, help="lr warmup as a fraction of the run")
+    optim.add_argument("--warmdown_ratio", type=float, default=0.2, help="final fraction with linear lr decay")
+    optim.add_argument("--final_lr_frac", type=float, default=0.0, help="lr at the end, as a fraction of peak")
+    runtime = p.add_argument_group("runtime")
+    runtime.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
+    runtime.add_argument("--compile", type=str2bool, nargs="?", const=True, default=False, help="torch.compile")
+    runtime.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                         help="autocast dtype (default: bfloat16 on CUDA, float32 elsewhere)")
+    runtime.add_argument("--seed", type=int, default=42)
+    output = p.add_argument_group("evaluation and output")
+    output.add_argument("--eval_every", type=int, default=250, help="steps between validation evals (0 = end only)")
+    output.add_argument("--eval_tokens", type=int, default=10 * 524288, help="validation tokens per eval")
+    output.add_argument("--sample_every", type=int, default=2000, help="steps between samples (0 = end only)")
+    output.add_argument("--sample_tokens", type=int, default=16, help="tokens generated per sample prompt")
+    output.add_argument("--save_every", type=int, default=0, help="steps between checkpoints (0 = end only)")
+    output.add_argument("--save_every_minutes", type=float, default=0, help="wall-clock minutes between checkpoints")
+    output.add_argument("--keep_last", type=int, default=3, help="checkpoints kept besides the best (0 = keep all)")
+    output.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
+    output.add_argument("--model_tag", default=None, help="checkpoint directory name (default d<depth>)")
+    budget = p.add_argument_group("budgets (stop cleanly with a checkpoint when spent)")
+    budget.add_argument("--max_hours", type=float, default=None, help="wall-clock hours for the whole run")
+    budget.add_argument("--max_cost", type=float, default=None, help="dollars for the whole run")
+    budget.add_argument("--gpu_hourly_price", type=float, default=None, help="dollars per GPU-hour (cost reports)")
+    resume = p.add_argument_group("resume")
+    resume.add_argument("--resume", type=str2bool, nargs="?", const=True, default=False,
+                        help="continue from the latest checkpoint of --model_tag")
+    resume.add_argument("--resume_from_step", type=int, default=None, help="continue from this checkpoint step")
+    return p
+
+
+def reject_unknown(parser, unknown):
+    """argparse says 'unrecognized arguments'; say which flag was probably meant."""
+    known = [opt for action in parser._actions for opt in action.option_strings if opt.startswith("--")]
+    for arg in unknown:
+        name = arg.split("=", 1)[0]
+        if not name.startswith("-"):
+            parser.error(f"unexpected argument {arg!r}: flags take the form --name=value")
+        guess = difflib.get_close_matches(name.replace("-", "_"), known, n=1, cutoff=0.5)
+        hint = f"; did you mean {guess[0]}?" if guess else "; see --help for the list of flags"
+        parser.error(f"unknown flag {name}{hint}")
+
+
+def resolve_model_config(args):
+    """The effective GPTConfig fields and where each came from: explicit flag > --preset > gpt.py default."""
+    defaults = GPTConfig(vocab_size=1)
+    n_embd = args.n_embd or args.depth * 64
+    values = {"n_layer": args.depth, "n_embd": n_embd, "sequence_len": args.max_seq_len,
+              "n_head": args.n_head or max(1, n_embd // 128)}
+    values["n_kv_head"] = args.n_kv_head or values["n_head"]
+    sources = {"n_layer": "--depth", "sequence_len": "--max_seq_len",
+               "n_embd": "--n_embd" if args.n_embd else "derived from --depth (64 per layer)",
+               "n_head": "--n_head" if args.n_head else "derived (head dim 128)",
+               "n_kv_head": "--n_kv_head" if args.n_kv_head else "= n_head"}
+    preset = REFINEMENT_PRESETS[args.preset] if args.preset else None
+    for name in MODEL_FLAGS:
+        if getattr(args, name) is not None:
+            values[name], sources[name] = getattr(args, name), "flag"
+        elif preset and name in ("supervision_weight_base", "improvement_reward_scale"):
+            values[name] = preset[0] if name == "supervision_weight_base" else preset[1]
+            sources[name] = f"preset {args.preset}"
+        else:
+            values[name], sources[name] = getattr(defaults, name), "gpt.py default"
+    if args.n_sup_inference is None:
+        values["n_sup_inference"], sources["n_sup_inference"] = values["n_sup_train"], "= n_sup_train"
+    return values, sources
+
+
+def parse_args(argv=None, world_size=None, check_hardware=True):
+    """Parse and validate every flag without touching a model or data; errors exit with what to change."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # torchrun ... -m scripts.base_train -- --depth=12
+        argv = argv[1:]
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        reject_unknown(parser, unknown)
+    world_size = world_size or get_dist_info()[3]
+    if args.preset is not None and args.preset not in REFINEMENT_PRESETS:
+        parser.error(f"unknown --preset={args.preset}; valid presets: {', '.join(REFINEMENT_PRESETS)}")
+    if args.depth < 1:
+        parser.error(f"--depth={args.depth} must be >= 1")
+    args.model_config, args.config_sources = resolve_model_config(args)
+    try:
+        GPTConfig(vocab_size=1, **args.model_config)
+    except ValueError as e:
+        parser.error(f"{e} (set --n_embd/--n_head/--n_kv_head or pick another --depth)")
+    if args.device_batch_size < 1:
+        parser.error(f"--device_batch_size={args.device_batch_size} must be >= 1")
+    tokens_per_micro = args.device_batch_size * args.max_seq_len * world_size
+    accum = args.gradient_accumulation_steps
+    if accum is not None and accum < 1:
+        parser.error(f"--gradient_accumulation_steps={accum} must be >= 1")
+    if args.total_batch_size is not None:
+        if args.total_batch_size % tokens_per_micro:
+            parser.error(f"--total_batch_size={args.total_batch_size} is not a multiple of processes x "
+                         f"device_batch_size x max_seq_len = {world_size} x {args.device_batch_size} x "
+                         f"{args.max_seq_len} = {tokens_per_micro}; use a multiple of {tokens_per_micro} or set "
+                         f"--gradient_accumulation_steps instead")
+        if accum is not None and accum != args.total_batch_size // tokens_per_micro:
+            parser.error(f"--total_batch_size={args.total_batch_size} implies gradient accumulation "
+                         f"{args.total_batch_size // tokens_per_micro}, but --gradient_accumulation_steps={accum}; "
+                         f"give only one of them")
+        accum = args.total_batch_size // tokens_per_micro
+    args.grad_accum = accum or 1
+    args.total_batch_size = tokens_per_micro * args.grad_accum
+    args.world_size = world_size
+    if args.num_iterations is not None and args.num_iterations < 1:
+        parser.error(f"--num_iterations={args.num_iterations} must be >= 1")
+    if args.eval_tokens < tokens_per_micro:
+        parser.error(f"--eval_tokens={args.eval_tokens} is less than one validation batch ({tokens_per_micro} "
+                     f"tokens = processes x device_batch_size x max_seq_len); raise it or lower the batch")
+    if args.max_cost is not None and not args.gpu_hourly_price:
+        parser.error("--max_cost needs --gpu_hourly_price to know what an hour costs")
+    for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
+        if not 0 <= getattr(args, name) <= 1:
+            parser.error(f"--{name}={getattr(args, name)} must be between 0 and 1")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        parser.error(f"--warmup_steps={args.warmup_steps} must be >= 0")
+    args.device_type = args.device_type or autodetect_device_type()
+    if args.device_type not in ("cuda", "cpu", "mps"):
+        parser.error(f"--device_type={args.device_type} is not one of cuda, cpu, mps")
+    if check_hardware and not device_available(args.device_type):
+        parser.error(f"--device_type={args.device_type} is not available on this machine; "
+                     f"use --device_type={autodetect_device_type()}")
+    args.dtype = args.dtype or ("bfloat16" if args.device_type == "cuda" else "float32")
+    args.model_tag = args.model_tag or f"d{args.depth}"
+    args.argv = argv
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------- schedules
+def lr_multiplier(step, num_iterations, warmup_steps, warmdown_ratio, final_lr_frac):
+    warmdown_steps = round(warmdown_ratio * num_iterations)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if step <= num_iterations - warmdown_steps:
+        return 1.0
+    progress = (num_iterations - step) / warmdown_steps
+    return progress + (1 - progress) * final_lr_frac
+
+
+def muon_momentum(step):
+    """Momentum warms up from 0.85 to 0.95 over the first 300 steps, as in nanochat."""
+    frac = min(step / 300, 1)
+    return (1 - frac) * 0.85 + frac * 0.95
+
+
+def num_iterations_for(args, model):
+    if args.num_iterations:
+        return args.num_iterations, "--num_iterations"
+    flops_per_step = model.estimate_flops() * args.total_batch_size
+    if args.target_flops:
+        return max(1, round(args.target_flops / flops_per_step)), f"--target_flops={args.target_flops:g}"
+    tokens = args.target_param_data_ratio * model.num_params()
+    return max(1, round(tokens / args.total_batch_size)), f"--target_param_data_ratio={args.target_param_data_ratio:g}"
+
+
+# ---------------------------------------------------------------------------------------------------- monitoring
+class Health:
+    """The guides' success criteria, watched every step: one warning per problem per 100 steps, with what to try."""
+
+    def __init__(self, window=50):
+        self.window, self.ema, self.inverted_for, self.last_warned = window, None, 0, {}
+
+    def warn(self, kind, step, message):
+        if step - self.last_warned.get(kind, -10**9) >= 100:
+            self.last_warned[kind] = step
+            print0(f"WARNING step {step}: {message}")
+
+    def check(self, step, step_losses, grad_norm):
+        beta = 0.9  # smoothed, so one noisy batch does not count as an inversion
+        self.ema = step_losses if self.ema is None else [beta * e + (1 - beta) * l for e, l in zip(self.ema, step_losses)]
+        inverted = any(later > earlier for earlier, later in zip(self.ema, self.ema[1:]))
+        self.inverted_for = self.inverted_for + 1 if inverted else 0
+        if self.inverted_for >= self.window:
+            order = " ".join(f"{l:.3f}" for l in self.ema)
+            self.warn("order", step, f"supervision order inverted for {self.inverted_for} steps (smoothed per-step "
+                      f"losses {order}): later steps should be lower. Try a lower --matrix_lr (2x), a longer warmup "
+                      f"(--warmup_steps), and check --grad_clip=1.0 and the preset.")
+        if grad_norm > 20:
+            self.warn("grad", step, f"gradient norm {grad_norm:.1f} > 20: training may diverge. Lower --matrix_lr "
+                      f"or switch to a milder --preset (extreme -> aggressive).")
+
+
+class MetricsLog:
+    """metrics.jsonl beside the checkpoints (rank 0), mirrored to wandb when --run is not 'dummy'."""
+
+    def __init__(self, path, args, rank, resume_step):
+        self.path, self.enabled, self.wandb = path, rank == 0, None
+        if not self.enabled:
+            return
+        if resume_step is not None and os.path.exists(path):  # drop what the interrupted run logged past the checkpoint
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
+            atomic_write_bytes(path, "".join(kept).encode())
+        elif resume_step is None and os.path.exists(path):
+            os.remove(path)
+        if args.run != "dummy":
+            try:
+                import wandb
+                self.wandb = wandb.init(project="nanochat-trm", name=args.run, config=vars(args), resume="allow")
+            except ImportError:
+                print0("wandb is not installed (pip install -e '.[wandb]'); logging to metrics.jsonl only")
+
+    def log(self, record):
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+
+
+def format_duration(seconds):
+    return f"{seconds / 3600:.1f}h" if seconds > 5400 else f"{seconds / 60:.1f}m"
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+def autocast_for(args):
+    if args.dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=args.device_type, dtype=torch.bfloat16)
+
+
+def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
+    print0(f"model config ({args.model_tag}):")
+    for name, value in model.config.to_dict().items():
+        print0(f"  {name:26s} = {value!s:14s} ({args.config_sources.get(name, 'tokenizer')})")
+    print0(f"parameters: {model.num_params():,}   FLOPs per token (training step): {model.estimate_flops():.3e}")
+    print0(f"batch: {args.world_size} processes x {args.device_batch_size} x {args.max_seq_len} tokens x "
+           f"{args.grad_accum} accumulation = {tokens_per_step:,} tokens per step")
+    print0(f"horizon: {num_iterations} steps ({horizon_source}), {num_iterations * tokens_per_step:,} tokens")
+
+
+def check_data_ready():
+    """Fail before building anything when the tokenizer or shards are missing, naming the command that makes them."""
+    from nanochat.dataset import DatasetError, parquets_for_split
+    tok_dir = os.path.join(get_base_dir(), "tokenizer")
+    if not os.path.isdir(tok_dir):
+        raise ExitWithMessage(f"no tokenizer in {tok_dir}: train one first with python -m scripts.tok_train")
+    try:
+        parquets_for_split("train")
+    except DatasetError as e:
+        raise ExitWithMessage(str(e))
+
+
+def load_resume(args, model_config):
+    """The checkpoint to resume from, validated against this run before anything is built."""
+    if not (args.resume or args.resume_from_step is not None):
+        return None
+    try:
+        step = ckpt.resolve_step(args.model_tag, args.resume_from_step if args.resume_from_step is not None else "latest")
+    except ValueError as e:
+        raise ExitWithMessage(f"cannot resume: {e}")
+    meta = ckpt.read_meta(args.model_tag, step)
+    diffs = ckpt.config_differences(meta["model_config"], model_config)
+    saved_geometry = meta["batch_geometry"]
+    geometry = batch_geometry(args)
+    diffs += [f"{k}: checkpoint {saved_geometry[k]!r} vs this run {geometry[k]!r}"
+              for k in geometry if saved_geometry.get(k) != geometry[k]]
+    if diffs:
+        raise ExitWithMessage(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
+                              f"different configuration:\n  " + "\n  ".join(diffs) +
+                              f"\nPass the checkpoint's values, or start a new run with another --model_tag.")
+    return step, meta
+
+
+def batch_geometry(args):
+    return {"world_size": args.world_size, "device_batch_size": args.device_batch_size,
+            "max_seq_len": args.max_seq_len, "grad_accum": args.grad_accum}
+
+
+def write_nan_diagnostic(path, step, losses, history, model_config):
+    record = {"step": step, "step_losses": losses, "last_good": history[-5:], "model_config": model_config,
+              "advice": "Lower --matrix_lr (2x), use a milder --preset (extreme -> aggressive), keep --grad_clip=1.0,"
+                        " and resume from the last good checkpoint with --resume."}
+    atomic_write_bytes(path, json.dumps(record, indent=2).encode())
+
+
+def oom_message(args):
+    smaller = max(1, args.device_batch_size // 2)
+    accum = args.grad_accum * args.device_batch_size // smaller
+    return (f"CUDA out of memory at --device_batch_size={args.device_batch_size}, --max_seq_len={args.max_seq_len}, "
+            f"--depth={args.depth}. Lower --device_batch_size (e.g. {smaller}) with --gradient_accumulation_steps="
+            f"{accum} to keep the same effective batch; or lower --max_seq_len or --depth; or turn on "
+            f"--activation_checkpointing (or --detach_between_steps) to stop storing every step's activations.")
+
+
+def train(args):
+    ddp, rank, local_rank, world_size, device = compute_init(args.device_type, args.seed)
+    if ddp and world_size != args.world_size:
+        raise ExitWithMessage(f"internal: parsed for {args.world_size} processes, running {world_size}")
+    check_data_ready()
+    from nanochat.dataloader import DataLoader
+    from nanochat.tokenizer import get_token_bytes, get_tokenizer
+    tokenizer = get_tokenizer()
+    model_config = {**args.model_config, "vocab_size": tokenizer.get_vocab_size()}
+    resume = load_resume(args, model_config)
+
+    model = ckpt.build_model(model_config, device)
+    model.train()
+    optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
+                                        matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
+    num_iterations, horizon_source = num_iterations_for(args, model)
+    warmup_steps = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * num_iterations)
+    tokens_per_step = args.total_batch_size
+    flops_per_token = model.estimate_flops()
+    peak_flops = gpu_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    print_config(args, num_iterations, horizon_source, model, tokens_per_step)
+
+    start_step, prior_seconds, loader_states, best_bpb = 0, 0.0, [None] * args.grad_accum, None
+    if resume:
+        start_step, meta = resume
+        model.load_state_dict(ckpt.load_model_weights(args.model_tag, start_step, device))
+        state = ckpt.load_rank_state(args.model_tag, start_step, rank, device)
+        for opt, opt_state in zip(optimizers, state["optimizers"]):
+            opt.load_state_dict(opt_state)
+        loader_states = state["loaders"]
+        ckpt.set_rng_state(state["rng"])
+        prior_seconds = meta["elapsed_seconds"]
+        print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
+    train_model = torch.compile(model, dynamic=False) if args.compile else model
+    loaders = [DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
+                          rank=rank * args.grad_accum + j, world_size=world_size * args.grad_accum,
+                          resume_state=loader_states[j]) for j in range(args.grad_accum)]
+    token_bytes = get_token_bytes(device=device)
+    run_dir = ckpt.model_dir(args.model_tag)
+    os.makedirs(run_dir, exist_ok=True)
+    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), args, rank, start_step if resume else None)
+    health, history, grad_norms = Health(), [], []
+    val_bpb, last_eval_step = None, None
+    price_per_hour = (args.gpu_hourly_price or 0) * world_size
+    t_start = time.time()
+    last_save_time = t_start
+
+    def elapsed():
+        return prior_seconds + time.time() - t_start
+
+    def save(step):
+        meta = {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
+                "train_config": {k: v for k, v in vars(args).items() if k not in ("model_config", "config_sources")},
+                "batch_geometry": batch_geometry(args), "num_iterations": num_iterations,
+                "val_bpb": val_bpb if last_eval_step == step else None, "elapsed_seconds": elapsed(),
+                "cost": elapsed() / 3600 * price_per_hour, "dataloader": loaders[0].state_dict()}
+        path = ckpt.save_checkpoint(args.model_tag, step, model, optimizers, meta,
+                                    {"loaders": [loader.state_dict() for loader in loaders]}, rank)
+        print0(f"saved checkpoint {path}")
+
+    step = start_step
+    while True:
+        last_step = step == num_iterations
+        over_budget = budget_spent(args, elapsed(), price_per_hour)
+        if over_budget:
+            print0(f"budget spent ({over_budget}) at step {step}: saving and stopping")
+        minutes_due = args.save_every_minutes and time.time() - last_save_time >= args.save_every_minutes * 60
+        steps_due = args.save_every and step % args.save_every == 0
+        save_due = (step > start_step and (last_step or minutes_due or steps_due)) or (
+            over_budget and (step > start_step or resume is None))
+        if save_due:
+            save(step)  # before evaluation, so a failing eval can never cost the checkpoint
+            last_save_time = time.time()
+        if last_step or over_budget or (args.eval_every and step % args.eval_every == 0):
+            val_bpb = run_eval(model, tokenizer, args, device, rank, world_size, token_bytes, DataLoader)
+            if val_bpb:
+                last_eval_step = step
+                metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb, "val_refinement": refinement(val_bpb)})
+                if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
+                    update_checkpoint_bpb(args.model_tag, step, val_bpb)
+        if rank == 0 and (last_step or over_budget or (args.sample_every and step % args.sample_every == 0)):
+            run_samples(model, tokenizer, args)
+        if rank == 0 and save_due:
+            removed = ckpt.prune_checkpoints(args.model_tag, args.keep_last)
+            if removed:
+                print0(f"pruned checkpoints at steps {removed} (keeping the last {args.keep_last} and the best)")
+        if last_step or over_budget:
+            break
+
+        # ---- one optimizer step
+        t0 = time.time()
+        total = torch.zeros((), device=device)
+        step_losses = torch.zeros(model.config.n_sup_train, device=device)
+        try:
+            for j, loader in enumerate(loaders):
+                x, y = next(loader)
+                with autocast_for(args):
+                    loss, aux = train_model(x, y)
+                (loss / args.grad_accum).backward()
+                total += loss.detach() / args.grad_accum
+                step_losses += aux["step_losses"].float() / args.grad_accum
+        except torch.OutOfMemoryError:
+            raise ExitWithMessage(oom_message(args), code=4)
+        if ddp:
+            dist.all_reduce(total, op=dist.ReduceOp.AVG)
+            dist.all_reduce(step_losses, op=dist.ReduceOp.AVG)
+        losses = step_losses.tolist()
+        if not all(math.isfinite(v) for v in losses + [total.item()]):
+            path = os.path.join(run_dir, f"nan_diagnostic_step{step:06d}.json")
+            if rank == 0:
+                write_nan_diagnostic(path, step, losses, history, model_config)
+            raise ExitWithMessage(f"loss is NaN/Inf at step {step} (per-step losses {losses}); stopped without "
+                                  f"saving, the last good checkpoint is untouched. Diagnostic: {path}", code=3)
+        lrm = lr_multiplier(step, num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * lrm
+        for group in optimizers[1].param_groups:
+            group["momentum"] = muon_momentum(step)
+        grad_norm = clip_and_step(optimizers, args.grad_clip)
+        model.zero_grad(set_to_none=True)
+        if not math.isfinite(grad_norm):
+            raise ExitWithMessage(f"gradient norm is {grad_norm} at step {step}: the update was skipped and the run "
+                                  f"stopped; lower --matrix_lr or use a milder --preset, then --resume", code=3)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.time() - t0
+        step += 1
+
+        # ---- log
+        history.append({"step": step, "step_losses": losses})
+        grad_norms.append(grad_norm)
+        health.check(step, losses, grad_norm)
+        tok_per_sec = tokens_per_step / dt
+        mfu = flops_per_token * tok_per_sec / (peak_flops * world_size) if peak_flops else None
+        mem_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+        eta = (num_iterations - step) * dt
+        record = {"kind": "train", "step": step, "loss": losses[-1], "total_loss": total.item(), "step_losses": losses,
+                  "refinement": refinement(losses), "grad_norm": grad_norm, "lr_multiplier": lrm, "dt": dt,
+                  "tok_per_sec": tok_per_sec, "mfu": mfu, "peak_mem_gb": mem_gb, "elapsed_s": elapsed(),
+                  "cost": elapsed() / 3600 * price_per_hour if price_per_hour else None}
+        metrics.log(record)
+        steps_text = " > ".join(f"{l:.3f}" for l in losses)
+        print0(f"step {step:05d}/{num_iterations} | loss {losses[-1]:.4f} | steps {steps_text} | refine "
+               f"{100 * refinement(losses):5.1f}% | gnorm {grad_norm:.3f} | lrm {lrm:.2f} | {dt * 1000:.0f}ms | "
+               f"{tok_per_sec:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem "
+               f"{'n/a' if mem_gb is None else f'{mem_gb:.1f}GB'} | eta {format_duration(eta)}"
+               + (f" | ${record['cost']:.2f}" if price_per_hour else ""))
+
+    if rank == 0:
+        write_summary(args, run_dir, step, val_bpb, history, grad_norms, elapsed(), price_per_hour, model)
+    return step
+
+
+def budget_spent(args, seconds, price_per_hour):
+    if args.max_hours is not None and seconds >= args.max_hours * 3600:
+        return f"--max_hours={args.max_hours}"
+    if args.max_cost is not None and seconds / 3600 * price_per_hour >= args.max_cost:
+        return f"--max_cost={args.max_cost}"
+    return None
+
+
+def run_eval(model, tokenizer, args, device, rank, world_size, token_bytes, DataLoader):
+    """Validation bpb per supervision step; a failure is reported and skipped, never the end of the run."""
+    try:
+        model.eval()
+        loader = DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "val", device=device, rank=rank,
+                            world_size=world_size)
+        steps = args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size)
+        bpb = evaluate_bpb(model, loader, steps, token_bytes, autocast=autocast_for(args))
+        print0(f"validation bpb per step: {' > '.join(f'{b:.4f}' for b in bpb)} | refinement "
+               f"{100 * refinement(bpb):.1f}%")
+        return bpb
+    except Exception as e:  # noqa: BLE001 - evaluation must never end a paid run
+        print0(f"WARNING: evaluation failed and was skipped: {type(e).__name__}: {e}")
+        return None
+    finally:
+        model.train()
+
+
+def run_samples(model, tokenizer, args):
+    try:
+        from nanochat.engine import Engine
+        model.eval()
+        completions = Engine(model, tokenizer).complete(SAMPLE_PROMPTS, max_tokens=args.sample_tokens, temperature=0)
+        for prompt, completion in zip(SAMPLE_PROMPTS, completions):
+            print0(f"sample: {prompt!r} -> {completion!r}")
+    except Exception as e:  # noqa: BLE001 - a sample is a courtesy, not a reason to stop
+        print0(f"WARNING: sampling failed and was skipped: {type(e).__name__}: {e}")
+    finally:
+        model.train()
+
+
+def update_checkpoint_bpb(model_tag, step, val_bpb):
+    path = os.path.join(ckpt.step_dir(model_tag, step), "meta.json")
+    with open(path) as f:
+        meta = json.load(f)
+    meta["val_bpb"] = val_bpb
+    atomic_write_bytes(path, json.dumps(meta, indent=2).encode())
+
+
+def write_summary(args, run_dir, step, val_bpb, history, grad_norms, seconds, price_per_hour, model):
+    """summary.json for the launch scripts' success check, report.md for people."""
+    tail = grad_norms[-max(1, len(grad_norms) // 10):] or [float("nan")]
+    summary = {"model_tag": args.model_tag, "step": step, "val_bpb": val_bpb,
+               "val_refinement": refinement(val_bpb) if val_bpb else None,
+               "train_step_losses": history[-1]["step_losses"] if history else None,
+               "train_refinement": refinement(history[-1]["step_losses"]) if history else None,
+               "grad_norm_median_last": statistics.median(tail), "grad_norm_max": max(grad_norms, default=None),
+               "wall_time_s": seconds, "cost": seconds / 3600 * price_per_hour if price_per_hour else None,
+               "parameters": model.num_params(), "flops_per_token": model.estimate_flops()}
+    atomic_write_bytes(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2).encode())
+    lines = [f"# Run report: {args.model_tag}", "",
+             f"- system: {args.world_size} x {args.device_type}"
+             + (f" ({torch.cuda.get_device_name()})" if args.device_type == "cuda" else ""),
+             f"- steps: {step}, wall time {format_duration(seconds)}"
+             + (f", cost ${summary['cost']:.2f}" if summary["cost"] is not None else ""),
+             f"- parameters: {summary['parameters']:,}, FLOPs per token {summary['flops_per_token']:.3e}",
+             f"- command line: {' '.join(args.argv)}", "", "## Config", "",
+             *[f"- {k} = {v} ({args.config_sources.get(k, 'tokenizer')})" for k, v in model.config.to_dict().items()],
+             "", "## Final per-step losses", "", "| step | train loss | val bpb |", "|---|---|---|"]
+    train_losses = summary["train_step_losses"] or []
+    for s in range(model.config.n_sup_train):
+        train = f"{train_losses[s]:.4f}" if s < len(train_losses) else "-"
+        val = f"{val_bpb[s]:.4f}" if val_bpb and s < len(val_bpb) else "-"
+        lines.append(f"| step_{s} | {train} | {val} |")
+    if val_bpb:
+        lines += ["", f"Validation refinement: {100 * summary['val_refinement']:.1f}%"]
+    atomic_write_bytes(os.path.join(run_dir, "report.md"), ("\n".join(lines) + "\n").encode())
+    print0(f"report: {os.path.join(run_dir, 'report.md')}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        train(args)
+    except ExitWithMessage as e:
+        print(f"base_train: {e}", file=sys.stderr, flush=True)
+        compute_cleanup()
+        sys.exit(e.code)
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    main()

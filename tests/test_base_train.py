@@ -1,0 +1,225 @@
+"""base_train end to end on a tiny model: resume exactness, crash safety, DDP equivalence, rejections, health stops."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--n_loops=1",
+        "--n_sup_train=2", "--eval_tokens=256", "--eval_every=4", "--sample_every=0", "--sample_tokens=4",
+        "--matrix_lr=0.02", "--device_type=cpu", "--warmup_steps=1"]
+WORDS = "the a model data refine step loss token draft answer of to in is was by with layer sweep".split()
+
+
+def make_corpus(directory, num_shards=3, groups_per_shard=4, docs_per_group=20):
+    """Small shards with several row groups each, so every data rank of a 2x2 run has its own row groups."""
+    rng = random.Random(0)
+    os.makedirs(directory, exist_ok=True)
+    for s in range(num_shards):
+        writer = None
+        path = os.path.join(directory, f"shard_{s:05d}.parquet")
+        for _ in range(groups_per_shard):
+            docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) for _ in range(docs_per_group)]
+            table = pa.table({"text": docs})
+            writer = writer or pq.ParquetWriter(path, table.schema)
+            writer.write_table(table)
+        writer.close()
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A NANOCHAT_BASE_DIR with shards and a tiny tokenizer, shared by this module's runs."""
+    from nanochat.tokenizer import RustBPETokenizer
+    base = tmp_path_factory.mktemp("base")
+    make_corpus(os.path.join(base, "base_data"))
+    texts = pq.read_table(os.path.join(base, "base_data", "shard_00000.parquet")).column("text").to_pylist()
+    RustBPETokenizer.train_from_iterator(iter(texts), 300).save(os.path.join(base, "tokenizer"))
+    return str(base)
+
+
+def run(base_dir, *flags, torchrun=False, check=True):
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+                if torchrun else [sys.executable])
+    proc = subprocess.run(launcher + ["-m", "scripts.base_train"] + (["--"] if torchrun else []) + list(flags),
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"base_train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def ckpt_dir(base_dir, tag, step=None):
+    path = os.path.join(base_dir, "base_checkpoints", tag)
+    return path if step is None else os.path.join(path, f"step_{step:06d}")
+
+
+def weights(base_dir, tag, step):
+    return torch.load(os.path.join(ckpt_dir(base_dir, tag, step), "model.pt"), weights_only=True)
+
+
+def meta(base_dir, tag, step):
+    with open(os.path.join(ckpt_dir(base_dir, tag, step), "meta.json")) as f:
+        return json.load(f)
+
+
+def tree(path):
+    """Every file under path with its size and mtime: 'writes nothing' means this does not change."""
+    return {os.path.join(d, f): (os.path.getsize(os.path.join(d, f)), os.path.getmtime(os.path.join(d, f)))
+            for d, _, files in os.walk(path) for f in files}
+
+
+def test_sigkill_then_resume_is_bit_identical(base_dir):
+    flags = TINY + ["--num_iterations=8", "--save_every=2"]
+    run(base_dir, *flags, "--model_tag=straight")
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.base_train", *flags, "--model_tag=killed"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # kill between checkpoints: after step 5 is logged, before step 6 saves
+        if line.startswith("step 00005/"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not os.path.exists(ckpt_dir(base_dir, "killed", 8))
+    resumed = run(base_dir, *flags, "--model_tag=killed", "--resume")
+    assert "resumed killed from step" in resumed.stdout
+    a, b = weights(base_dir, "straight", 8), weights(base_dir, "killed", 8)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert meta(base_dir, "straight", 8)["dataloader"] == meta(base_dir, "killed", 8)["dataloader"]
+
+
+def test_kill_during_checkpoint_write_leaves_previous_loadable(base_dir, tmp_path):
+    run(base_dir, *TINY, "--num_iterations=2", "--save_every=2", "--model_tag=midsave")
+    # a process that dies (SIGKILL) halfway through writing the step-4 checkpoint
+    script = f"""
+import os, signal, torch
+from nanochat import checkpoint_manager as ckpt
+model, _, meta = ckpt.load_model("midsave", "latest")
+real_save = torch.save
+def dying_save(obj, f, *a, **k):
+    real_save(obj, f, *a, **k)
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = dying_save
+ckpt.save_checkpoint("midsave", 4, model, [], {{**meta}}, {{"loaders": []}})
+"""
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert os.path.isdir(ckpt_dir(base_dir, "midsave", 4) + ".tmp")  # the half-written attempt
+    from nanochat import checkpoint_manager as ckpt
+    os.environ["NANOCHAT_BASE_DIR"] = base_dir
+    try:
+        assert ckpt.list_steps("midsave") == [2]
+        model, _, m = ckpt.load_model("midsave", "latest")
+        assert m["step"] == 2
+    finally:
+        del os.environ["NANOCHAT_BASE_DIR"]
+    resumed = run(base_dir, *TINY, "--num_iterations=4", "--save_every=2", "--model_tag=midsave", "--resume")
+    assert "resumed midsave from step 2" in resumed.stdout
+    assert not os.path.exists(ckpt_dir(base_dir, "midsave", 4) + ".tmp")
+
+
+def test_two_gloo_processes_match_one_process_with_double_accumulation(base_dir):
+    flags = TINY + ["--num_iterations=4", "--eval_every=0", "--grad_clip=0.5"]
+    run(base_dir, *flags, "--gradient_accumulation_steps=1", "--model_tag=ddp2", torchrun=True)
+    run(base_dir, *flags, "--gradient_accumulation_steps=2", "--model_tag=single2")
+
+    def train_losses(tag):
+        with open(os.path.join(ckpt_dir(base_dir, tag), "metrics.jsonl")) as f:
+            return [r["step_losses"] for r in map(json.loads, f) if r["kind"] == "train"]
+
+    assert torch.allclose(torch.tensor(train_losses("ddp2")), torch.tensor(train_losses("single2")), atol=1e-5)
+    a, b = weights(base_dir, "ddp2", 4), weights(base_dir, "single2", 4)
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device_batch=4"], "did you mean --device_batch_size"),
+    (["--total_batch_size=100"], "not a multiple of"),
+    (["--preset=insane"], "valid presets: moderate, aggressive, extreme"),
+    (["--n_head=5"], "n_embd=32 is not divisible by n_head=5"),
+    (["--model_tag=nothing_here", "--resume"], "no checkpoint found for model tag 'nothing_here'"),
+    (["--device_type=cuda"], "not available on this machine"),
+])
+def test_bad_flags_are_rejected_and_write_nothing(base_dir, flags, message):
+    before = tree(base_dir)
+    proc = run(base_dir, *TINY, "--num_iterations=2", *flags, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert tree(base_dir) == before
+
+
+def test_resume_with_a_different_config_names_the_fields(base_dir):
+    run(base_dir, *TINY, "--num_iterations=2", "--model_tag=mismatch")
+    before = tree(base_dir)
+    proc = run(base_dir, *TINY, "--num_iterations=4", "--n_loops=2", "--n_sup_train=3", "--model_tag=mismatch",
+               "--resume", check=False)
+    assert proc.returncode != 0
+    assert "n_loops: checkpoint 1 vs this run 2" in proc.stderr
+    assert "n_sup_train: checkpoint 2 vs this run 3" in proc.stderr
+    assert tree(base_dir) == before
+
+
+def test_nan_loss_stops_with_diagnostic_and_keeps_last_good_checkpoint(base_dir, monkeypatch):
+    import nanochat.gpt
+    from scripts import base_train
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    real_loss, calls = nanochat.gpt.deep_supervision_loss, []
+
+    def poisoned(step_losses, base, scale):  # the 4th training step's loss becomes NaN
+        calls.append(1)
+        total = real_loss(step_losses, base, scale)
+        return total * float("nan") if len(calls) == 4 else total
+
+    monkeypatch.setattr(nanochat.gpt, "deep_supervision_loss", poisoned)
+    with pytest.raises(SystemExit) as exit_info:
+        base_train.main(TINY + ["--num_iterations=8", "--save_every=2", "--model_tag=nan"])
+    assert exit_info.value.code == 3
+    assert os.listdir(ckpt_dir(base_dir, "nan")).count("step_000002") == 1
+    assert not os.path.exists(ckpt_dir(base_dir, "nan", 4))
+    with open(os.path.join(ckpt_dir(base_dir, "nan"), "nan_diagnostic_step000003.json")) as f:
+        diagnostic = json.load(f)
+    assert diagnostic["step"] == 3 and len(diagnostic["last_good"]) == 3
+    assert weights(base_dir, "nan", 2)  # still loadable
+
+
+def test_max_hours_stops_cleanly_with_a_checkpoint(base_dir):
+    proc = run(base_dir, *TINY, "--num_iterations=1000", "--max_hours=0.0000001", "--model_tag=budget")
+    stop = [line for line in proc.stdout.splitlines() if line.startswith("budget spent (--max_hours=1e-07) at step")]
+    assert len(stop) == 1
+    stopped_at = int(stop[0].split("at step ")[1].split(":")[0])
+    assert stopped_at <= 2  # far short of the 1000 iterations asked for
+    steps = sorted(os.listdir(ckpt_dir(base_dir, "budget")))
+    assert [s for s in steps if s.startswith("step_")] == [f"step_{stopped_at:06d}"]
+
+
+def test_precedence_metrics_report_and_plot(base_dir):
+    run(base_dir, *TINY, "--num_iterations=4", "--preset=extreme", "--improvement_reward_scale=0.7",
+        "--model_tag=prec")
+    m = meta(base_dir, "prec", 4)
+    assert m["model_config"]["supervision_weight_base"] == 10.0  # preset
+    assert m["model_config"]["improvement_reward_scale"] == 0.7  # explicit flag beats the preset
+    assert m["config_sources"]["improvement_reward_scale"] == "flag"
+    assert m["config_sources"]["supervision_weight_base"] == "preset extreme"
+    assert m["config_sources"]["activation_fn"] == "gpt.py default"
+    assert len(m["val_bpb"]) == 2  # the final eval is recorded in the final checkpoint
+    with open(os.path.join(ckpt_dir(base_dir, "prec"), "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and all(len(r["step_losses"]) == 2 for r in train)
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 4]
+    assert os.path.exists(os.path.join(ckpt_dir(base_dir, "prec"), "report.md"))
+    png = os.path.join(ckpt_dir(base_dir, "prec"), "training.png")
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
+    subprocess.run([sys.executable, "-m", "scripts.plot_run", "prec"], cwd=ROOT, env=env, check=True)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
