@@ -1,0 +1,135 @@
+"""Byte-level BPE: trained with rustbpe, encoded and decoded with tiktoken.
+
+A str holding surrogates (not valid Unicode, so not UTF-8 encodable) is encoded as tiktoken does it: a lone
+surrogate becomes U+FFFD and a high+low pair the character it stands for, and decode(encode(s)) returns that.
+Every other str round-trips exactly.
+"""
+
+import base64
+import json
+import os
+import shutil
+
+import tiktoken
+import torch
+
+from nanochat.common import fsync_dir, get_base_dir
+
+SPECIAL_TOKENS = [
+    "<|bos|>",  # begins every document
+    "<|user_start|>", "<|user_end|>",
+    "<|assistant_start|>", "<|assistant_end|>",
+    "<|python_start|>", "<|python_end|>",  # the assistant calling the python tool
+    "<|output_start|>", "<|output_end|>",  # what the tool returned
+]
+
+# GPT-4's pattern, but numbers split in runs of at most 2 digits (nanochat's choice: fewer merges spent on numbers)
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
+FILENAME = "tokenizer.json"
+
+
+def train_bpe(text_iterator, vocab_size):
+    """Learn merges with rustbpe, leaving room for the special tokens in vocab_size."""
+    import rustbpe
+    num_merged = vocab_size - len(SPECIAL_TOKENS)
+    if num_merged < 256:
+        raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes + "
+                         f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+    bpe = rustbpe.Tokenizer()
+    bpe.train_from_iterator(text_iterator, num_merged, pattern=SPLIT_PATTERN)
+    return bpe
+
+
+class RustBPETokenizer:
+    """A tiktoken Encoding holding the learned merges plus nanochat's special tokens."""
+
+    def __init__(self, pattern, mergeable_ranks):
+        self.pattern = pattern
+        self.mergeable_ranks = mergeable_ranks  # token bytes -> id, ids 0..n-1
+        special_tokens = {name: len(mergeable_ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
+        self.enc = tiktoken.Encoding(name="rustbpe", pat_str=pattern, mergeable_ranks=mergeable_ranks,
+                                     special_tokens=special_tokens)
+        self.bos_token_id = self.encode_special("<|bos|>")
+
+    @classmethod
+    def from_rustbpe(cls, bpe):
+        # the pattern is read back from the trainer, so encoding can only ever split text the way training did
+        return cls(bpe.get_pattern(), {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()})
+
+    @classmethod
+    def train_from_iterator(cls, iterator, vocab_size):
+        return cls.from_rustbpe(train_bpe(iterator, vocab_size))
+
+    @classmethod
+    def from_directory(cls, directory):
+        path = os.path.join(directory, FILENAME)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no tokenizer at {path}; train one with `python -m scripts.tok_train`")
+        with open(path) as f:
+            saved = json.load(f)
+        ranks = {base64.b64decode(token): rank for rank, token in enumerate(saved["tokens"])}
+        return cls(saved["pattern"], ranks)
+
+    def save(self, directory):
+        """Write into a fresh directory and swap it in: readers see the old tokenizer or the new one, never half."""
+        tokens = sorted(self.mergeable_ranks, key=self.mergeable_ranks.get)
+        # written by hand: tiktoken's dump needs blobfile, and its loader caches by path, which would serve a
+        # retrained tokenizer's old merges
+        saved = {"pattern": self.pattern, "tokens": [base64.b64encode(token).decode() for token in tokens]}
+        directory = os.path.abspath(directory)
+        tmp, old = f"{directory}.tmp{os.getpid()}", f"{directory}.old{os.getpid()}"
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, FILENAME), "w") as f:
+            json.dump(saved, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(directory):
+            os.rename(directory, old)
+        os.rename(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(os.path.dirname(directory))
+
+    def get_vocab_size(self):
+        return self.enc.n_vocab
+
+    def get_special_tokens(self):
+        return list(SPECIAL_TOKENS)
+
+    def get_bos_token_id(self):
+        return self.bos_token_id
+
+    def encode_special(self, name):
+        return self.enc.encode_single_token(name)
+
+    def id_to_token(self, token_id):
+        return self.enc.decode([token_id])
+
+    def encode(self, text, prepend=None, num_threads=8):
+        """str -> ids, or list of str -> list of ids. Special-token text in the input stays ordinary text."""
+        if isinstance(prepend, str):
+            prepend = self.encode_special(prepend)
+        head = [] if prepend is None else [prepend]
+        if isinstance(text, str):
+            return head + self.enc.encode_ordinary(text)
+        return [head + ids for ids in self.enc.encode_ordinary_batch(text, num_threads=num_threads)]
+
+    def decode(self, ids):
+        return self.enc.decode(ids)
+
+
+def tokenizer_dir():
+    return os.path.join(get_base_dir(), "tokenizer")
+
+
+def get_tokenizer():
+    return RustBPETokenizer.from_directory(tokenizer_dir())
+
+
+def get_token_bytes(device="cpu", tokenizer=None):
+    """UTF-8 byte length of every token id, 0 for special tokens so bits-per-byte counts only real text."""
+    tokenizer = tokenizer or get_tokenizer()
+    enc = tokenizer.enc
+    lengths = [0 if enc.is_special_token(i) else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
+    return torch.tensor(lengths, dtype=torch.int32, device=device)

@@ -1,0 +1,107 @@
+"""Tokenizing loader: window shapes, exact resume, disjoint DDP ranks, restartable validation."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from nanochat.dataloader import DataLoader
+from nanochat.dataset import import_corpus
+from nanochat.tokenizer import RustBPETokenizer
+
+B, T = 2, 16
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """60 documents of varied length, each starting with a unique marker; returns (data dir, tokenizer)."""
+    src = tmp_path_factory.mktemp("src")
+    lines = [json.dumps({"text": f"doc-{i}- " + "lorem ipsum dolor sit amet " * (1 + i % 7)}) for i in range(60)]
+    (src / "docs.jsonl").write_text("\n".join(lines))
+    directory = tmp_path_factory.mktemp("data") / "base_data"
+    import_corpus([str(src)], directory=str(directory))
+    tokenizer = RustBPETokenizer.train_from_iterator(iter(json.loads(line)["text"] for line in lines), 300)
+    return str(directory), tokenizer
+
+
+def make_loader(corpus, split="train", **kwargs):
+    directory, tokenizer = corpus
+    return DataLoader(tokenizer, B, T, split, data_dir=directory, tokenizer_threads=1, tokenizer_batch_size=3, **kwargs)
+
+
+def test_shapes_and_shifted_targets(corpus):
+    loader = make_loader(corpus, rank=0, world_size=1)
+    bos = corpus[1].get_bos_token_id()
+    for _ in range(10):
+        inputs, targets = next(loader)
+        assert inputs.shape == targets.shape == (B, T) and inputs.dtype == targets.dtype == torch.long
+        assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert (inputs == bos).any() or (targets == bos).any()
+
+
+def test_first_window_starts_with_bos_and_first_document(corpus):
+    directory, tokenizer = corpus
+    inputs, _ = next(make_loader(corpus, rank=0, world_size=1))
+    assert inputs[0, 0].item() == tokenizer.get_bos_token_id()
+    assert tokenizer.decode(inputs[0, 1:].tolist()).startswith("doc-")
+
+
+def test_resume_reproduces_following_batches_across_epochs(corpus):
+    loader = make_loader(corpus, rank=0, world_size=1)
+    states, batches = [], []
+    while not states or states[-1]["epoch"] < 2:  # well past an epoch boundary
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        batches.append(next(loader))
+    for i in range(0, len(batches) - 3, 5):
+        resumed = make_loader(corpus, rank=0, world_size=1, resume_state=states[i])
+        for inputs, targets in batches[i:i + 3]:
+            got_inputs, got_targets = next(resumed)
+            assert torch.equal(got_inputs, inputs) and torch.equal(got_targets, targets)
+
+
+def documents_seen_in_first_epoch(loader, tokenizer):
+    """Markers of the documents in this loader's stream, up to and including the batch that crosses epoch 0."""
+    tokens = []
+    while loader.state_dict()["epoch"] == 0:
+        inputs, targets = next(loader)
+        tokens += torch.cat([inputs[:, :1], targets], dim=1).flatten().tolist()
+    return set(re.findall(r"doc-(\d+)-", tokenizer.decode(tokens)))
+
+
+def test_two_ranks_read_disjoint_shares_that_cover_one_rank(corpus):
+    tokenizer = corpus[1]
+    single = documents_seen_in_first_epoch(make_loader(corpus, rank=0, world_size=1), tokenizer)
+    rank0 = documents_seen_in_first_epoch(make_loader(corpus, rank=0, world_size=2), tokenizer)
+    rank1 = documents_seen_in_first_epoch(make_loader(corpus, rank=1, world_size=2), tokenizer)
+    assert rank0 and rank1 and not rank0 & rank1
+    assert rank0 | rank1 == single
+    assert len(single) >= 50  # all but the held-out validation documents
+
+
+def test_val_restarts_from_the_beginning(corpus):
+    evaluations = [make_loader(corpus, "val", rank=0, world_size=1) for _ in range(2)]
+    for _ in range(5):
+        (a_inputs, a_targets), (b_inputs, b_targets) = (next(loader) for loader in evaluations)
+        assert torch.equal(a_inputs, b_inputs) and torch.equal(a_targets, b_targets)
+
+
+def test_rank_and_world_size_default_to_torchrun_environment(corpus, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert torch.equal(next(make_loader(corpus))[0], next(make_loader(corpus, rank=1, world_size=2))[0])
+
+
+def test_foreign_resume_state_is_refused(corpus):
+    state = make_loader(corpus, rank=0, world_size=1).state_dict()
+    with pytest.raises(ValueError, match="lacks"):
+        make_loader(corpus, rank=0, world_size=1, resume_state={"epoch": 0})
+    with pytest.raises(ValueError, match="does not read"):
+        make_loader(corpus, rank=1, world_size=2, resume_state=state)

@@ -1,0 +1,146 @@
+"""BPE tokenizer: round trips, special tokens, save/load, token byte lengths, and the training scripts."""
+
+import pytest
+import tiktoken
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanochat import dataset
+from nanochat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer, get_token_bytes, train_bpe
+from scripts import tok_eval, tok_train
+
+TRAIN_TEXT = [
+    "The quick brown fox jumps over the lazy dog. " * 20,
+    "def add(a, b):\n    return a + b\n\n\nprint(add(12345, 678))\n" * 10,
+    "Größe, naïve café — 日本語のテキスト, 한국어 문장, emoji 🙂🙃, tabs\t\tand  spaces.\n" * 10,
+]
+WHITESPACE = st.text(alphabet=" \t\n\r\x0b\x0c\u00a0\u2003\u3000", max_size=300)
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
+
+
+@pytest.fixture(scope="session")
+def bpe():
+    return train_bpe(iter(TRAIN_TEXT), 400)
+
+
+@pytest.fixture(scope="session")
+def tok(bpe):
+    return RustBPETokenizer.from_rustbpe(bpe)
+
+
+def test_vocab_holds_merges_then_special_tokens(tok):
+    assert tok.get_vocab_size() == 400
+    ids = [tok.encode_special(name) for name in SPECIAL_TOKENS]
+    assert ids == list(range(400 - len(SPECIAL_TOKENS), 400))
+    assert tok.get_bos_token_id() == ids[0]
+    assert [tok.id_to_token(i) for i in ids] == SPECIAL_TOKENS
+
+
+def test_training_split_pattern_is_the_encoding_pattern(bpe, tok):
+    # training and encoding must cut text at the same places, or learned merges go unused at encode time
+    assert bpe.get_pattern() == SPLIT_PATTERN == tok.pattern
+    for text in TRAIN_TEXT + ["digits 1234567 and 'll 've  \n\n x", "unseen Ωmega words 99"]:
+        assert bpe.encode(text) == tok.encode(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200) | WHITESPACE)
+def test_round_trip(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.text(max_size=50), max_size=8))
+def test_batch_encode_matches_single(tok, texts):
+    assert tok.encode(texts, num_threads=2) == [tok.encode(text) for text in texts]
+
+
+def test_empty_string(tok):
+    assert tok.encode("") == []
+    assert tok.encode("", prepend="<|bos|>") == [tok.get_bos_token_id()]
+    assert tok.decode([]) == ""
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(st.characters(codec=None, categories=["Cs"]) | st.characters(), max_size=50))
+def test_lone_surrogates_become_replacement_characters(tok, text):
+    # documented: what tiktoken does, a lone surrogate becomes U+FFFD and a high+low pair the character it encodes
+    expected = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    assert tok.decode(tok.encode(text)) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=100) | st.sampled_from(SPECIAL_TOKENS).map(lambda s: f"x{s}y"))
+def test_ordinary_text_never_yields_special_tokens(tok, text):
+    special = {tok.encode_special(name) for name in SPECIAL_TOKENS}
+    assert not special & set(tok.encode(text))
+
+
+def test_prepend_by_name_or_id(tok):
+    bos = tok.get_bos_token_id()
+    assert tok.encode("hi", prepend="<|bos|>") == tok.encode("hi", prepend=bos) == [bos] + tok.encode("hi")
+    assert tok.encode(["a", "b"], prepend=bos) == [[bos] + tok.encode("a"), [bos] + tok.encode("b")]
+
+
+def test_save_and_load_give_identical_encodings(tok, tmp_path):
+    tok.save(tmp_path / "tok")
+    tok.save(tmp_path / "tok")  # overwriting swaps the directory in whole
+    loaded = RustBPETokenizer.from_directory(tmp_path / "tok")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]
+    for text in TRAIN_TEXT + ["brand new text 🙂", ""]:
+        assert loaded.encode(text) == tok.encode(text)
+    assert loaded.get_vocab_size() == tok.get_vocab_size()
+
+
+def test_missing_tokenizer_says_how_to_train(tmp_path):
+    with pytest.raises(FileNotFoundError, match="scripts.tok_train"):
+        RustBPETokenizer.from_directory(tmp_path / "none")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=200))
+def test_token_bytes_sum_to_utf8_length(tok, text):
+    token_bytes = get_token_bytes(tokenizer=tok)
+    ids = tok.encode(text, prepend="<|bos|>")
+    assert int(token_bytes[ids].sum()) == len(text.encode("utf-8"))
+
+
+def test_token_bytes_shape_and_specials(tok):
+    token_bytes = get_token_bytes(tokenizer=tok)
+    assert token_bytes.shape == (tok.get_vocab_size(),)
+    assert (token_bytes[:256] == 1).all() and (token_bytes[-len(SPECIAL_TOKENS):] == 0).all()
+
+
+def test_vocab_too_small_is_refused():
+    with pytest.raises(ValueError, match="at least 265"):
+        train_bpe(iter(TRAIN_TEXT), 100)
+
+
+# -----------------------------------------------------------------------------
+# scripts
+
+def test_tok_train_without_shards_names_the_command(capsys):
+    assert tok_train.main(["--vocab_size", "300"]) == 1
+    assert "python -m nanochat.dataset --builtin" in capsys.readouterr().err
+
+
+def test_tok_train_then_eval(tmp_path, monkeypatch, capsys):
+    for i, text in enumerate(TRAIN_TEXT * 3):
+        (tmp_path / f"doc{i}.txt").write_text(f"{i} {text}")
+    dataset.import_corpus([str(tmp_path)])
+    assert tok_train.main(["--vocab_size", "300", "--doc_cap", "200", "--max_chars", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "MB/s" in out and "vocab size 300" in out
+
+    def offline(name):
+        raise ConnectionError("offline")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    assert tok_eval.main([]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2 (gpt2) is not available offline" in out
+    assert [line.split()[0] for line in out.splitlines()[-2:]] == ["train", "val"]
