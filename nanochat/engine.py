@@ -1,0 +1,217 @@
+"""
+Inference for the TRM GPT: a KV cache with one slot per virtual layer, and an Engine that samples from it.
+
+A forward of the recursion applies attention n_sup * T_recursion * n_layer * (n_loops+1) times, and each of those
+applications (a "virtual layer": supervision step, sweep, layer, loop) sees its own inputs, so it has its own keys
+and values. The cache keeps one slot for each: sharing a slot per physical layer would make a decoded token attend
+to keys the full forward never computed.
+
+Rows of different lengths are left-padded to a common length and the padding is masked out of every attention.
+The model rotates q and k at absolute positions, and rotary attention depends only on the distance between
+positions, so a row shifted right by its padding computes the same logits (to float rounding) as the row alone.
+"""
+
+import itertools
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def kv_cache_bytes_per_token(model, n_sup, dtype=None):
+    """Cache memory per token of one row: keys and values for every attention application of the recursion."""
+    c = model.config
+    element_size = (dtype or model.lm_head.weight.dtype).itemsize
+    return 2 * model.num_attention_slots(n_sup) * c.n_kv_head * (c.n_embd // c.n_head) * element_size
+
+
+class KVCache:
+    """Keys and values of every slot for a batch of rows, each row left-padded by pads[b] tokens."""
+
+    def __init__(self, num_slots, batch_size, max_len, pads=None):
+        self.num_slots, self.batch_size, self.max_len = num_slots, batch_size, max_len
+        self.pads = pads  # (B,) long tensor of left-padding per row, or None when no row is padded
+        self.k = [None] * num_slots  # allocated on first use, in the dtype and device the model computes in
+        self.v = [None] * num_slots
+        self.pos = 0  # tokens already cached (padding included); the model rotates new tokens from here
+        self._mask = None  # one attention mask serves every slot of a forward
+
+    def attend(self, slot, q, k, v):
+        """Append this forward's k, v to the slot and attend q causally over everything the slot holds."""
+        T = q.size(2)
+        end = self.pos + T
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; this forward would need {end}")
+        if self.k[slot] is None:
+            shape = (self.batch_size, k.size(1), self.max_len, k.size(3))
+            self.k[slot], self.v[slot] = k.new_empty(shape), v.new_empty(shape)
+        self.k[slot][:, :, self.pos:end] = k
+        self.v[slot][:, :, self.pos:end] = v
+        keys, values = self.k[slot][:, :, :end], self.v[slot][:, :, :end]
+        gqa = q.size(1) != k.size(1)
+        if self.pads is None and self.pos == 0:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+        if self.pads is None and T == 1:
+            return F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)  # a new last token sees all
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(T, q.device), enable_gqa=gqa)
+
+    def mask(self, T, device):
+        """(B, 1, T, pos+T) bool: causal, padding hidden; a padding query sees itself so its softmax is defined."""
+        if self._mask is None:
+            q_pos = torch.arange(self.pos, self.pos + T, device=device)[:, None]
+            k_pos = torch.arange(self.pos + T, device=device)[None, :]
+            mask = (k_pos <= q_pos)[None, None]
+            if self.pads is not None:
+                not_pad = k_pos[None, None] >= self.pads.to(device)[:, None, None, None]
+                mask = mask & (not_pad | (k_pos == q_pos)[None, None])
+            self._mask = mask
+        return self._mask
+
+    def advance(self, T):
+        self.pos += T
+        self._mask = None
+
+    def bytes_allocated(self):
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+
+def left_pad(prompts, pad_id=0):
+    """Token lists -> (idx (B, L) long, pads (B,) long, or None when all rows have the same length)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (prepend <|bos|>)")
+    L = max(len(p) for p in prompts)
+    idx = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in prompts], dtype=torch.long)
+    pads = torch.tensor([L - len(p) for p in prompts], dtype=torch.long)
+    return idx, (pads if pads.any() else None)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, rng=None):
+    """(B, V) logits -> (B,) token ids: greedy at temperature 0, else softmax(logits/T) restricted to the top k."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    if top_k is not None and top_k < logits.size(-1):
+        values, indices = torch.topk(logits, top_k, dim=-1)
+        choice = torch.multinomial(F.softmax(values / temperature, dim=-1), 1, generator=rng)
+        return indices.gather(-1, choice).squeeze(-1)
+    return torch.multinomial(F.softmax(logits / temperature, dim=-1), 1, generator=rng).squeeze(-1)
+
+
+class Engine:
+    """Generation with a per-virtual-layer KV cache. Engine(model, tokenizer).complete(["Once upon"]) -> [str]."""
+
+    def __init__(self, model, tokenizer=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.stats = {}  # timings of the last generation: prefill/decode tokens and seconds
+
+    @property
+    def device(self):
+        return self.model.lm_head.weight.device
+
+    def check_n_sup(self, n_sup):
+        most = self.model.config.n_sup_inference
+        n_sup = most if n_sup is None else n_sup
+        if not isinstance(n_sup, int) or not 1 <= n_sup <= most:
+            raise ValueError(f"n_sup={n_sup!r}: must be an integer from 1 to the model's n_sup_inference={most}")
+        return n_sup
+
+    def stop_tokens(self):
+        """<|bos|> starts the next document, so a base model 'ends' by emitting it; chat models also end a turn."""
+        if self.tokenizer is None:
+            return set()
+        stops = {self.tokenizer.get_bos_token_id()}
+        for name in ("<|assistant_end|>",):
+            try:
+                stops.add(self.tokenizer.encode_special(name))
+            except (KeyError, ValueError):
+                pass  # a tokenizer without chat tokens
+        return stops
+
+    def new_cache(self, batch_size, max_len, n_sup, pads=None):
+        return KVCache(self.model.num_attention_slots(n_sup), batch_size, max_len, pads)
+
+    def generate(self, prompts, max_tokens=64, temperature=1.0, top_k=None, n_sup=None, seed=None, stop_tokens=None):
+        """Stream tokens: an iterator of one list per step holding each row's new token, or None once it stopped.
+
+        prompts: token-id lists of any lengths. Rows stop at a stop token (not yielded) or after max_tokens.
+        seed: a private generator, so the same call samples the same tokens whatever else uses torch's RNG.
+        Arguments are checked here, before the first token is asked for.
+        """
+        n_sup = self.check_n_sup(n_sup)
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens={max_tokens!r}: must be an integer >= 0")
+        if not temperature >= 0:
+            raise ValueError(f"temperature={temperature}: must be >= 0 (0 is greedy)")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k={top_k}: must be >= 1, or None for no restriction")
+        idx, pads = left_pad(prompts)
+        vocab_size = self.model.config.vocab_size
+        if idx.min() < 0 or idx.max() >= vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab_size}); got {idx.min()}..{idx.max()}")
+        if idx.size(1) + max_tokens > self.model.rotary_seq_len:
+            raise ValueError(f"prompt of {idx.size(1)} tokens + max_tokens={max_tokens} exceeds the model's "
+                             f"longest position ({self.model.rotary_seq_len})")
+        stops = self.stop_tokens() if stop_tokens is None else set(stop_tokens)
+        rng = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        return self._decode(idx, pads, [len(p) for p in prompts], max_tokens, temperature, top_k, n_sup, rng, stops)
+
+    @torch.inference_mode()
+    def _decode(self, idx, pads, lengths, max_tokens, temperature, top_k, n_sup, rng, stops):
+        """Prefill all rows in one forward, then feed each sampled token back one at a time."""
+        if max_tokens == 0:
+            return
+        B = idx.size(0)
+        cache = self.new_cache(B, idx.size(1) + max_tokens, n_sup, pads)
+        t0 = time.perf_counter()
+        logits = self.model(idx.to(self.device), kv_cache=cache, n_sup=n_sup)[:, -1]
+        done = [False] * B
+        for step in range(max_tokens):
+            tokens = sample_next(logits, temperature, top_k, rng)
+            column = tokens.tolist()  # syncs the device, so the timings are real
+            if step == 0:
+                self.stats = {"prefill_tokens": sum(lengths), "prefill_s": time.perf_counter() - t0,
+                              "decode_tokens": 0, "decode_s": 0.0}
+            else:
+                self.stats["decode_tokens"] += B
+                self.stats["decode_s"] += time.perf_counter() - t0
+            done = [d or t in stops for d, t in zip(done, column)]
+            yield [None if d else t for d, t in zip(done, column)]
+            if all(done) or step == max_tokens - 1:
+                return
+            t0 = time.perf_counter()
+            logits = self.model(tokens[:, None], kv_cache=cache, n_sup=n_sup)[:, -1]
+
+    def generate_batch(self, prompts, **kwargs):
+        """Token-id lists in, the generated token-id lists out (stop tokens excluded). kwargs as generate()."""
+        outputs = [[] for _ in prompts]
+        for column in self.generate(prompts, **kwargs):
+            for out, token in zip(outputs, column):
+                if token is not None:
+                    out.append(token)
+        return outputs
+
+    def encode_prompt(self, text):
+        return self.tokenizer.encode(text, prepend=self.tokenizer.get_bos_token_id())
+
+    def complete(self, texts, **kwargs):
+        """Prompt strings in, completion strings out: the one call for printing samples. kwargs as generate()."""
+        outputs = self.generate_batch([self.encode_prompt(t) for t in texts], **kwargs)
+        return [self.tokenizer.decode(ids) for ids in outputs]
+
+    def stream_text(self, text, **kwargs):
+        """Yield the completion of one prompt string piece by piece, as its tokens are produced."""
+        tokens = (column[0] for column in self.generate([self.encode_prompt(text)], **kwargs))
+        return decode_stream(self.tokenizer, itertools.takewhile(lambda t: t is not None, tokens))
+
+
+def decode_stream(tokenizer, tokens):
+    """Token ids in, text pieces out; a character whose bytes span several tokens is held back until complete."""
+    ids, emitted = [], ""
+    for token in tokens:
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        if not text.endswith("\ufffd"):
+            yield text[len(emitted):]
+            emitted = text
+    text = tokenizer.decode(ids)
+    if text != emitted:
+        yield text[len(emitted):]  # the stream ended inside a character: flush what decode makes of it

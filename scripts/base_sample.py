@@ -1,0 +1,105 @@
+"""
+Sample completions from a base-model checkpoint.
+
+python -m scripts.base_sample --model_tag d12 --step best --prompt "The capital of France is" --show_steps
+python -m scripts.base_sample --prompts_file prompts.txt --temperature 0 --n_sup 2
+
+--show_steps prints, under each completion, the greedy continuation after every supervision step: the draft the
+model would commit to if it stopped refining there (a forward with n_sup=s computes exactly the first s steps).
+"""
+
+import argparse
+import sys
+
+import torch
+
+from nanochat.checkpoint_manager import load_model
+from nanochat.common import autodetect_device_type, device_available
+from nanochat.engine import Engine, kv_cache_bytes_per_token
+
+DEFAULT_PROMPTS = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then"]
+
+
+def step_arg(value):
+    if value in ("latest", "best") or value.isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: use 'latest', 'best' or a step number")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Print completions from a base-model checkpoint")
+    parser.add_argument("--model_tag", default=None, help="checkpoint tag (default: the most recently written)")
+    parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
+    parser.add_argument("--prompts_file", default=None, help="a file of prompts, one per line (blank lines skipped)")
+    parser.add_argument("--max_tokens", type=int, default=64, help="tokens to generate per prompt")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top_k", type=int, default=50, help="sample from the k likeliest tokens; 0 = all")
+    parser.add_argument("--n_sup", type=int, default=None, help="supervision steps, 1..n_sup_inference (default: all)")
+    parser.add_argument("--seed", type=int, default=42, help="sampling seed, for reproducible samples")
+    parser.add_argument("--show_steps", action="store_true", help="print the greedy draft after each supervision step")
+    parser.add_argument("--device_type", default=None, help="cuda|cpu|mps (default: autodetect)")
+    args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        parser.error(f"--max_tokens={args.max_tokens}: must be >= 1")
+    if args.temperature < 0:
+        parser.error(f"--temperature={args.temperature}: must be >= 0 (0 is greedy)")
+    if args.top_k < 0:
+        parser.error(f"--top_k={args.top_k}: must be >= 0 (0 = no restriction)")
+    args.device_type = args.device_type or autodetect_device_type()
+    if not device_available(args.device_type):
+        parser.error(f"--device_type={args.device_type} is not available on this machine")
+    args.prompts = args.prompt + (read_prompts(parser, args.prompts_file) if args.prompts_file else [])
+    args.prompts = args.prompts or DEFAULT_PROMPTS
+    return args
+
+
+def read_prompts(parser, path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        parser.error(f"--prompts_file {path}: {e}")
+    if not prompts:
+        parser.error(f"--prompts_file {path} holds no prompts")
+    return prompts
+
+
+def rate(tokens, seconds):
+    return f"{tokens} tokens in {seconds:.3f}s ({tokens / max(seconds, 1e-9):,.1f} tok/s)"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        model, tokenizer, meta = load_model(args.model_tag, args.step, torch.device(args.device_type))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    engine = Engine(model, tokenizer)
+    config = model.config
+    n_sup = config.n_sup_inference if args.n_sup is None else args.n_sup
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k or None, seed=args.seed)
+    try:
+        completions = engine.complete(args.prompts, n_sup=n_sup, **sampling)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stats = engine.stats
+    print(f"model step {meta['step']}: n_layer={config.n_layer} n_embd={config.n_embd} n_loops={config.n_loops} "
+          f"T_recursion={config.T_recursion} n_sup={n_sup} (of {config.n_sup_inference})")
+    print(f"KV cache: {kv_cache_bytes_per_token(model, n_sup):,} bytes/token "
+          f"({model.num_attention_slots(n_sup)} attention slots)")
+    drafts = [engine.complete(args.prompts, n_sup=s, **{**sampling, "temperature": 0.0})
+              for s in range(1, n_sup + 1)] if args.show_steps else []
+    for i, (prompt, completion) in enumerate(zip(args.prompts, completions)):
+        print(f"\n--- {prompt!r}\n{prompt}{completion}")
+        for s, draft in enumerate(drafts, start=1):
+            print(f"  step {s}/{n_sup} (greedy): {draft[i]!r}")
+    print(f"\nprefill: {rate(stats['prefill_tokens'], stats['prefill_s'])}")
+    print(f"decode:  {rate(stats['decode_tokens'], stats['decode_s'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Tests for the inference engine: cached decoding against full forwards, sampling, and the sampling CLI."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from nanochat.engine import Engine, KVCache, kv_cache_bytes_per_token, left_pad, sample_next
+from nanochat.gpt import GPT, GPTConfig
+from scripts import base_sample
+from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
+
+ATOL = 1e-4  # logits are soft-capped at 15; float32 reorderings move them by ~1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a loaded 2-core box two threads are many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**overrides):
+    base = dict(sequence_len=8, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                n_loops=2, T_recursion=1, n_sup_train=4)
+    return GPTConfig(**{**base, **overrides})
+
+
+def random_model(config, seed=0):
+    """Every weight random: init_weights zeroes c_proj and lm_head, which makes every block the identity and every
+    logit equal, so a cache that attends over the wrong keys would still match."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=1.0 / math.sqrt(p.size(-1)))
+    return model.eval()
+
+
+def cached_logits(model, idx, prompt_len, n_sup, pads=None):
+    """Prefill idx[:, :prompt_len], then feed the rest one token at a time; logits at every position."""
+    cache = KVCache(model.num_attention_slots(n_sup), idx.size(0), idx.size(1), pads)
+    outputs = [model(idx[:, :prompt_len], kv_cache=cache, n_sup=n_sup)]
+    for t in range(prompt_len, idx.size(1)):
+        outputs.append(model(idx[:, t:t + 1], kv_cache=cache, n_sup=n_sup))
+    assert cache.pos == idx.size(1)
+    return torch.cat(outputs, dim=1)
+
+
+CONFIGS = list(itertools.product([0, 1, 2], [1, 2], [4, 2]))  # n_loops, T_recursion, n_kv_head (2 = GQA)
+
+
+@pytest.mark.parametrize("n_loops,T_recursion,n_kv_head", CONFIGS)
+@torch.no_grad()
+def test_cached_decoding_matches_full_forward(n_loops, T_recursion, n_kv_head):
+    config = tiny_config(n_loops=n_loops, T_recursion=T_recursion, n_kv_head=n_kv_head)
+    model = random_model(config)
+    L = config.sequence_len + 2  # decoding runs past a prompt that fills the context exactly
+    idx = torch.randint(0, config.vocab_size, (2, L), generator=torch.Generator().manual_seed(1))
+    for n_sup in range(1, 5):
+        full = model(idx, n_sup=n_sup)
+        assert full.std() > 0.3  # the comparison has signal
+        for prompt_len in (1, 4, config.sequence_len):
+            cached = cached_logits(model, idx, prompt_len, n_sup)
+            torch.testing.assert_close(cached, full, atol=ATOL, rtol=0,
+                                       msg=lambda m: f"n_sup={n_sup} prompt_len={prompt_len}: {m}")
+
+
+class PhysicalLayerCache(KVCache):
+    """The mistake this engine replaces: one cache entry per physical layer, shared by every recursion step."""
+
+    def __init__(self, model, batch_size, max_len):
+        super().__init__(model.config.n_layer, batch_size, max_len)
+        self.applications_per_layer = model.config.n_loops + 1
+
+    def attend(self, slot, q, k, v):
+        return super().attend(slot // self.applications_per_layer % self.num_slots, q, k, v)
+
+
+@torch.no_grad()
+def test_comparison_catches_a_cache_shared_across_the_recursion():
+    """The equality test is only worth something if a per-physical-layer cache fails it."""
+    model = random_model(tiny_config(n_loops=1, n_sup_train=2))
+    idx = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(2))
+    full = model(idx, n_sup=2)
+    cache = PhysicalLayerCache(model, 1, 10)
+    outputs = [model(idx[:, :4], kv_cache=cache, n_sup=2)]
+    outputs += [model(idx[:, t:t + 1], kv_cache=cache, n_sup=2) for t in range(4, 10)]
+    assert (torch.cat(outputs, dim=1) - full)[:, 4:].abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("n_loops,T_recursion,n_kv_head", CONFIGS)
+@torch.no_grad()
+def test_padded_rows_match_each_row_alone(n_loops, T_recursion, n_kv_head):
+    config = tiny_config(n_loops=n_loops, T_recursion=T_recursion, n_kv_head=n_kv_head)
+    model = random_model(config)
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (1, 7, config.sequence_len)]
+    continuation = torch.randint(0, 64, (len(rows), 4), generator=g)
+    for n_sup in (1, 4):
+        idx, pads = left_pad(rows)
+        L = idx.size(1)
+        logits = cached_logits(model, torch.cat([idx, continuation], dim=1), L, n_sup, pads)
+        for b, row in enumerate(rows):
+            alone = model(torch.tensor([row + continuation[b].tolist()]), n_sup=n_sup)[0]
+            torch.testing.assert_close(logits[b, L - len(row):], alone, atol=ATOL, rtol=0,
+                                       msg=lambda m: f"row of length {len(row)}, n_sup={n_sup}: {m}")
+
+
+def naive_greedy(model, row, max_tokens, n_sup):
+    """Greedy decoding with a full uncached forward per token."""
+    row = list(row)
+    for _ in range(max_tokens):
+        row.append(model(torch.tensor([row]), n_sup=n_sup)[0, -1].argmax().item())
+    return row[-max_tokens:]
+
+
+@torch.no_grad()
+def test_engine_greedy_matches_uncached_greedy_for_rows_of_different_lengths():
+    model = random_model(tiny_config(n_loops=1, T_recursion=2))
+    engine = Engine(model)
+    prompts = [[5], [1, 2, 3, 4, 5, 6, 7], list(range(10, 22))]
+    for n_sup in (1, 4):
+        got = engine.generate_batch(prompts, max_tokens=6, temperature=0.0, n_sup=n_sup)
+        assert got == [naive_greedy(model, p, 6, n_sup) for p in prompts]
+        assert got == engine.generate_batch(prompts, max_tokens=6, temperature=0.0, n_sup=n_sup)  # deterministic
+
+
+@torch.no_grad()
+def test_fewer_supervision_steps_give_that_steps_logits():
+    """n_sup=s computes the first s steps of the full recursion: what --show_steps relies on."""
+    model = random_model(tiny_config())
+    idx = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    steps = model.step_logits(idx, n_sup=4)
+    for s in range(1, 5):
+        torch.testing.assert_close(cached_logits(model, idx, 3, s), steps[s - 1], atol=ATOL, rtol=0)
+    assert (steps[0] - steps[-1]).abs().max() > 0.1  # the steps differ, so picking the wrong one would show
+
+
+def test_seeded_sampling_is_reproducible():
+    engine = Engine(random_model(tiny_config()))
+    prompts = [[1, 2, 3], [4]]
+    kwargs = dict(max_tokens=12, temperature=1.0, top_k=20)
+    first = engine.generate_batch(prompts, seed=7, **kwargs)
+    torch.manual_seed(123)  # the global RNG must not matter
+    torch.rand(5)
+    assert engine.generate_batch(prompts, seed=7, **kwargs) == first
+    assert engine.generate_batch(prompts, seed=8, **kwargs) != first
+
+
+def test_top_k_and_temperature():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]]).repeat(500, 1)
+    rng = torch.Generator().manual_seed(0)
+    assert set(sample_next(logits, 1.0, top_k=2, rng=rng).tolist()) == {1, 3}
+    assert sample_next(logits, 1.0, top_k=1, rng=rng).unique().tolist() == [1]
+    assert sample_next(logits, 0.0).unique().tolist() == [1]
+    assert set(sample_next(logits, 1.0, rng=rng).tolist()) == {0, 1, 2, 3, 4}
+    assert sample_next(logits, 0.01, rng=rng).unique().tolist() == [1]  # low temperature approaches greedy
+
+
+def test_generation_streams_and_stops():
+    engine = Engine(random_model(tiny_config()))
+    prompts = [[1, 2, 3], [9, 8]]
+    greedy = engine.generate_batch(prompts, max_tokens=5, temperature=0.0)
+    stream = engine.generate(prompts, max_tokens=5, temperature=0.0)
+    assert next(stream) == [greedy[0][0], greedy[1][0]]  # one column per step, before the rest is computed
+    stop = greedy[0][2]
+    stopped = engine.generate_batch(prompts, max_tokens=5, temperature=0.0, stop_tokens={stop})
+    assert stopped[0] == greedy[0][:greedy[0].index(stop)]
+    assert stopped[1] == (greedy[1][:greedy[1].index(stop)] if stop in greedy[1] else greedy[1])
+    assert [len(r) for r in engine.generate_batch(prompts, max_tokens=3, temperature=0.0)] == [3, 3]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(n_sup=0), "n_sup=0"), (dict(n_sup=5), "n_sup=5"), (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(top_k=0), "top_k"), (dict(max_tokens=-1), "max_tokens"),
+    (dict(max_tokens=1000), "longest position"), (dict(prompts=[[1], []]), "at least one token"),
+    (dict(prompts=[[64]]), "token ids"),
+])
+def test_bad_arguments_are_rejected_with_a_message(kwargs, message):
+    engine = Engine(random_model(tiny_config()))
+    kwargs = {"prompts": [[1, 2]], **kwargs}
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
+
+
+@torch.no_grad()
+def test_cache_bytes_per_token_is_what_the_cache_allocates():
+    config = tiny_config(n_loops=2, T_recursion=2, n_kv_head=2)
+    model = random_model(config)
+    cache = KVCache(model.num_attention_slots(3), 2, 10)
+    model(torch.zeros(2, 4, dtype=torch.long), kv_cache=cache, n_sup=3)
+    assert all(k is not None for k in cache.k)  # every slot was used
+    assert cache.bytes_allocated() == kv_cache_bytes_per_token(model, 3) * 2 * 10
+    assert kv_cache_bytes_per_token(model, 3) == 2 * (3 * 2 * 2 * 3) * 2 * 8 * 4  # k+v, slots, kv heads, dim, fp32
+
+
+# ---------------------------------------------------------------- the sampling CLI on a tiny trained checkpoint
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def test_engine_complete_and_stream_text(trained):
+    _, model, tokenizer = trained
+    engine = Engine(model, tokenizer)
+    completions = engine.complete(["the cat sat", "the"], max_tokens=12, temperature=0.0)
+    assert completions[0].startswith(" on the")  # the tiny model learned its text
+    pieces = list(engine.stream_text("the cat sat", max_tokens=12, temperature=0.0))
+    assert len(pieces) > 1 and "".join(pieces) == completions[0]
+
+
+def test_sample_cli_show_steps_lists_every_step(trained, monkeypatch, capsys):
+    base_dir, model, _ = trained
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    argv = ["--model_tag", MODEL_TAG, "--step", "best", "--prompt", "the cat", "--prompt", "the dog sat",
+            "--max_tokens", "8", "--show_steps", "--device_type", "cpu"]
+    assert base_sample.main(argv) == 0
+    out = capsys.readouterr().out
+    n_sup = model.config.n_sup_inference
+    assert "model step 20:" in out  # best, not latest
+    assert f"{kv_cache_bytes_per_token(model, n_sup):,} bytes/token" in out
+    for prompt in ("the cat", "the dog sat"):
+        section = out.split(f"--- {prompt!r}")[1].split("---")[0]
+        for s in range(1, n_sup + 1):
+            assert f"step {s}/{n_sup} (greedy): " in section
+    assert "prefill: " in out and "decode: " in out and "tok/s" in out
+
+
+def test_sample_cli_reads_prompts_file_and_reports_bad_input(trained, monkeypatch, capsys, tmp_path):
+    base_dir, _, _ = trained
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the log\n\nthe mat\n")
+    assert base_sample.main(["--model_tag", MODEL_TAG, "--prompts_file", str(prompts), "--max_tokens", "4",
+                             "--n_sup", "1", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "--- 'the log'" in out and "--- 'the mat'" in out and "n_sup=1" in out
+    assert base_sample.main(["--model_tag", MODEL_TAG, "--step", "7"]) == 2
+    assert "no checkpoint at step 7" in capsys.readouterr().err
+    assert base_sample.main(["--model_tag", MODEL_TAG, "--n_sup", "9", "--prompt", "the"]) == 2
+    assert "n_sup=9" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        base_sample.main(["--temperature", "-1"])
+    assert "--temperature=-1.0: must be >= 0" in capsys.readouterr().err
