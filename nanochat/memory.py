@@ -1,0 +1,149 @@
+"""
+Memory of one training micro-batch on one GPU, estimated from the config alone, so a launch script can refuse (or
+fix) a batch that would run out of memory before anyone pays for GPU time.
+
+The peak comes at the start of backward, when every supervision step's graph is still alive:
+    parameters (fp32) + gradients (fp32) + optimizer state (Muon momentum, AdamW's two moments; ZeRO-1 sharded
+    under DDP) + the low-precision weight copies autocast keeps for backward
+    + activations saved for backward by every block application with gradient (each loop, layer and supervision
+      step; the no-grad sweeps of T_recursion > 1 save nothing)
+    + what the head of every supervision step saves: (B, T, vocab) float32 tensors, which dominate at vocab 65536
+    + the transient working set of backward (the last head's (B, T, vocab) gradients, or one recomputed layer
+      visit under activation checkpointing).
+
+detach_between_steps changes none of it: it cuts the gradient between steps, but forward() returns one loss over
+all steps, so every step's saved tensors are alive when backward() starts.
+
+The counts follow eager PyTorch tensor by tensor (listed in _block_bytes_per_token); torch.compile fuses pointwise
+ops and usually needs less, so for a compiled run this errs on the safe side.
+"""
+
+import functools
+import math
+
+import torch
+
+from nanochat.gpt import GPT, GPTConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Of a GPU's memory, how much a training process can count on: the rest goes to the CUDA context, NCCL buffers,
+# allocator fragmentation and torch.compile's workspaces.
+USABLE_FRACTION = 0.85
+
+
+def _mlp_hidden(config):
+    # mirrors gpt.MLP: relu^2 is 4x wide; gated activations 2/3 of that, rounded up to a multiple of 64
+    hidden = 4 * config.n_embd
+    return hidden if config.activation_fn == "relu_squared" else 64 * math.ceil(hidden * 2 / 3 / 64)
+
+
+def _block_bytes_per_token(config, dtype):
+    """Bytes that one block application D(u) = attn + mlp saves for backward, per token.
+
+    The residual stream is float32; under autocast (bf16/fp16) every linear saves its own low-precision copy of its
+    input and the rotary embedding promotes q and k back to float32 (cos and sin are float32 buffers).
+    """
+    C = config.n_embd
+    Ckv = config.n_kv_head * (config.n_embd // config.n_head)
+    act = DTYPE_BYTES[dtype]
+    autocast = act < 4
+    residual_inputs = 2 * 4 * C  # u and u + attn(u), saved by the two RMSNorms
+    # fp32: the norm outputs are shared by the linears that read them; autocast casts them once per linear
+    linear_inputs = (4 if autocast else 2) * act * C
+    rotary = 4 * (C + Ckv)  # rotated q and k, saved by QK-norm
+    attention = act * (C + 2 * Ckv) + act * C  # the q, k, v that attention saves, and its output (c_proj's input)
+    hidden = _mlp_hidden(config)
+    # relu^2 saves relu's output and its square; gated: fc's output (gate and up), the activation and the product
+    mlp = act * (2 * hidden if config.activation_fn == "relu_squared" else 4 * hidden)
+    return residual_inputs + linear_inputs + rotary + attention + mlp
+
+
+def _head_bytes_per_token(config, dtype):
+    """What one supervision step's head saves: y for the final norm, lm_head's input, and two (vocab,) float32
+    tensors per token (tanh's output for the softcap, log_softmax's output for the cross-entropy)."""
+    return 4 * config.n_embd + DTYPE_BYTES[dtype] * config.n_embd + 2 * 4 * config.vocab_size
+
+
+def _param_counts(config):
+    c = config  # cached on the fields that shape the parameters: fit_micro_batch asks many times
+    return _param_counts_cached(c.vocab_size, c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.activation_fn,
+                                c.sequence_len)
+
+
+@functools.lru_cache(maxsize=64)
+def _param_counts_cached(vocab_size, n_layer, n_embd, n_head, n_kv_head, activation_fn, sequence_len):
+    config = GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head,
+                       activation_fn=activation_fn, sequence_len=sequence_len)
+    with torch.device("meta"):  # shapes only: no memory, no init
+        model = GPT(config)
+    matrix_shapes = {}  # Muon groups its matrices by shape
+    for p in model.transformer.h.parameters():
+        matrix_shapes.setdefault(tuple(p.shape), []).append(p.numel())
+    adamw = [p.numel() for p in (model.transformer.wte.weight, model.lm_head.weight)]
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return model.num_params(), matrix_shapes, adamw, buffers
+
+
+def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1):
+    """Peak bytes of one rank during a training micro-step: a dict of the parts and their "total".
+
+    config: a GPTConfig (sequence_len is the micro-batch's T); dtype: the autocast dtype ("float32" = no autocast).
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
+    c = config
+    tokens = device_batch_size * c.sequence_len
+    n_params, matrix_shapes, adamw, buffers = _param_counts(c)
+    n_matrix = sum(sum(sizes) for sizes in matrix_shapes.values())
+    # DistMuon: each rank keeps momentum for every world_size-th matrix of a shape group (rank 0 owns the most)
+    muon_state = sum(math.ceil(len(sizes) / world_size) * sizes[0] for sizes in matrix_shapes.values())
+    # DistAdamW: exp_avg and exp_avg_sq for this rank's 1/world_size slice of each (zero-padded) parameter
+    adamw_state = 2 * sum(math.ceil(n / world_size) for n in adamw)
+    block = _block_bytes_per_token(c, dtype)
+    visits = c.n_sup_train * c.n_layer  # layer visits with gradient (the last sweep of each supervision step)
+    deltas_per_visit = c.n_loops + 1 if c.n_loops else 1
+    if c.activation_checkpointing:
+        # a checkpointed visit keeps only its inputs y and z (x is shared); backward recomputes one visit at a time
+        activations = visits * (2 if c.n_loops else 1) * 4 * c.n_embd * tokens
+        recompute = deltas_per_visit * block * tokens
+    else:
+        activations = visits * deltas_per_visit * block * tokens
+        recompute = 0
+    logits = c.n_sup_train * _head_bytes_per_token(c, dtype) * tokens
+    # backward of the last head holds about three (B, T, vocab) float32 gradients at once
+    transient = max(3 * 4 * c.vocab_size * tokens, recompute)
+    parts = {
+        "params": 4 * n_params + buffers,
+        "grads": 4 * n_params,
+        "optimizer": 4 * (muon_state + adamw_state),
+        "weight_copies": DTYPE_BYTES[dtype] * (n_matrix + adamw[1]) if DTYPE_BYTES[dtype] < 4 else 0,
+        "activations": activations,
+        "logits": logits,
+        "transient": transient,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def usable_bytes(total_bytes):
+    return int(USABLE_FRACTION * total_bytes)
+
+
+def fit_micro_batch(config, sequences_per_rank, max_batch, memory_bytes, dtype="bfloat16", world_size=1,
+                    allow_checkpointing=True):
+    """Pick (device_batch_size, activation_checkpointing) so that one micro-batch fits in memory_bytes.
+
+    Keeps max_batch if it fits; otherwise turns on activation checkpointing (when allowed and not already on);
+    otherwise the largest device batch below max_batch that divides sequences_per_rank (so gradient accumulation
+    keeps the effective batch exactly). Returns None when not even one sequence fits.
+    """
+    budget = usable_bytes(memory_bytes)
+    fits = lambda cfg, b: estimate_memory(cfg, b, dtype, world_size)["total"] <= budget
+    if fits(config, max_batch):
+        return max_batch, config.activation_checkpointing
+    if allow_checkpointing and not config.activation_checkpointing:
+        config = config.replace(activation_checkpointing=True)
+    for b in range(min(max_batch, sequences_per_rank), 0, -1):
+        if sequences_per_rank % b == 0 and fits(config, b):
+            return b, config.activation_checkpointing
+    return None

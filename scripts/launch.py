@@ -1,0 +1,522 @@
+"""
+The twelve scripts/train_<N>x<GPU>_<phase>.sh in one table-driven place: the guides' table, the plan, the preflight
+checks, data and tokenizer, torchrun, and the success check after training.
+
+    bash scripts/train_8xH100_fast.sh [base_train flags...]   # = python -m scripts.launch train 8xH100 fast [...]
+    DRY_RUN=1 bash scripts/train_8xH100_fast.sh               # print the plan and the torchrun command, run nothing
+    python -m scripts.launch check --model_tag=8xH100_fast --phase=fast   # success criteria (exit 1: not all met)
+    python -m scripts.launch detect                            # this node's GPUs as a table row, e.g. 8xH100
+
+Extra flags go to base_train after the table's, so they win. Environment overrides:
+    DEPTH, NPROC (processes per node), DEVICE_TYPE        model depth, processes, cuda|cpu
+    NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR                   where data, tokenizer and checkpoints live
+    DATASET=builtin                                        the offline built-in corpus instead of FineWeb shards
+    VOCAB_SIZE, TOK_MAX_CHARS                              the tokenizer trained when there is none
+    NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT            multi-node: run the same script on every node
+    DRY_RUN=1                                              plan and command only
+    FORCE=1                                                go on past a failed preflight check (hardware, disk, memory)
+"""
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+from nanochat import memory
+from nanochat.common import GPU_PEAK_BF16_FLOPS, get_base_dir
+from nanochat.gpt import GPT, GPTConfig
+
+# The guides' table: GPUs per node, GPU model, its memory (GB), the node's $/hour, and per phase the device batch,
+# gradient accumulation and the guide's seconds per step (low, high).
+HARDWARE = {
+    "8xB200": dict(gpus=8, gpu="B200", gb=180, price=50.00, fast=(40, 2, (0.3, 0.5)), extreme=(20, 2, (0.5, 1.0))),
+    "8xH200": dict(gpus=8, gpu="H200", gb=141, price=36.32, fast=(36, 2, (0.4, 0.6)), extreme=(18, 2, (0.8, 1.2))),
+    "8xH100": dict(gpus=8, gpu="H100", gb=80, price=31.60, fast=(32, 2, (0.5, 1.0)), extreme=(16, 2, (1.0, 2.0))),
+    "8xA100": dict(gpus=8, gpu="A100", gb=80, price=20.00, fast=(28, 2, (0.7, 1.0)), extreme=(14, 2, (1.5, 2.0))),
+    "4xH100": dict(gpus=4, gpu="H100", gb=80, price=15.80, fast=(32, 4, (0.8, 1.2)), extreme=(16, 4, (1.5, 2.5))),
+    "4xA100": dict(gpus=4, gpu="A100", gb=80, price=10.00, fast=(28, 4, (1.0, 1.5)), extreme=(14, 4, (2.0, 3.0))),
+}
+PHASES = {
+    "fast": dict(title="Phase 1 (fast)", iterations=1000, preset="aggressive", matrix_lr=0.001, embedding_lr=0.01,
+                 shards=50, tok_chars=500_000_000, refinement=(15, 25), grad_norm=(0.5, 1.5)),
+    "extreme": dict(title="Phase 2 (extreme)", iterations=5000, preset="extreme", matrix_lr=0.0005,
+                    embedding_lr=0.005, shards=100, tok_chars=1_000_000_000, refinement=(50, 97), grad_norm=(2, 15)),
+}
+ASSUMED_MFU = 0.40  # model FLOPs utilisation a compiled bf16 run of this size reaches; stated in the plan
+SHARD_BYTES = 100e6  # one FineWeb-Edu parquet shard is about 100 MB on disk
+DEFAULT_VOCAB = 65536  # scripts.tok_train's default
+
+
+def env(name, default=None):
+    value = os.environ.get(name, "")
+    return value if value != "" else default
+
+
+def env_flag(name):
+    return env(name, "0") != "0"  # as the bash side reads it: set and not 0
+
+
+def env_int(name, default):
+    value = env(name, default)
+    if not str(value).isdigit() or int(value) < 1:
+        raise Stop(f"{name}={value!r} must be a positive integer")
+    return int(value)
+
+
+def processes(key):
+    """(processes per node, nodes)."""
+    return env_int("NPROC", HARDWARE[key]["gpus"]), env_int("NNODES", 1)
+
+
+class Stop(Exception):
+    """Stop with a message for the user and an exit code."""
+
+    def __init__(self, message, code=2):
+        super().__init__(message)
+        self.code = code
+
+
+# ---------------------------------------------------------------------------------------------------- hardware
+def detect_gpus():
+    """[(name, memory bytes)] of this machine's GPUs: nvidia-smi, else torch, else none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return [(name.strip(), int(float(mib)) * 2**20) for name, mib in
+                (line.rsplit(",", 1) for line in out.strip().splitlines() if line.strip())]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        import torch
+        return [(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
+                for i in range(torch.cuda.device_count())]
+
+
+def gpu_model(name):
+    """The table's GPU model in a device name ('NVIDIA H100 80GB HBM3' -> 'H100'), or None."""
+    return next((hw["gpu"] for hw in HARDWARE.values() if hw["gpu"] in name), None)
+
+
+def hardware_key(gpus):
+    """The table row for a list of detected GPUs ('8xH100'), or None."""
+    models = {gpu_model(name) for name, _ in gpus}
+    key = f"{len(gpus)}x{models.pop()}" if len(models) == 1 and None not in models else None
+    return key if key in HARDWARE else None
+
+
+def describe(gpus):
+    return f"{len(gpus)}x {gpus[0][0]} ({gpus[0][1] / 1e9:.0f} GB)" if gpus else "no GPU"
+
+
+# ---------------------------------------------------------------------------------------------------- the command
+def user_flag_names(extra):
+    return {arg[2:].split("=", 1)[0] for arg in extra if arg.startswith("--")}
+
+
+def torchrun_prefix(nproc, nnodes):
+    if nnodes == 1:
+        return ["torchrun", "--standalone", f"--nproc_per_node={nproc}"]
+    missing = [name for name in ("NODE_RANK", "MASTER_ADDR") if env(name) is None]
+    if missing:
+        raise Stop(f"NNODES={nnodes} also needs {' and '.join(missing)}: set NODE_RANK=0..{nnodes - 1} (0 on the node "
+                   f"at MASTER_ADDR) and MASTER_ADDR=<address of node 0 reachable from every node>")
+    return ["torchrun", f"--nnodes={nnodes}", f"--node_rank={env('NODE_RANK')}", f"--master_addr={env('MASTER_ADDR')}",
+            f"--master_port={env('MASTER_PORT', 29500)}", f"--nproc_per_node={nproc}"]
+
+
+def model_config(args, vocab_size):
+    return GPTConfig(vocab_size=vocab_size, **args.model_config)
+
+
+def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
+    """Device batch, accumulation and checkpointing that fit memory and keep the table's effective batch.
+
+    argv: the table's flags (minus those the user gives) + the user's. Returns (flags to add, notes on what changed
+    and why); flags the user passed are left as they are.
+    """
+    from scripts.base_train import parse_args
+    batch, accum, _ = row[phase]
+    sequences = row["gpus"] * batch * accum  # the table's effective batch, in sequences per optimizer step
+    if given & {"gradient_accumulation_steps", "total_batch_size"}:
+        return {}, ["batch geometry set by your flags: the table's effective batch is not enforced"]
+    if sequences % world:
+        raise Stop(f"the table's effective batch of {sequences} sequences does not split over {world} processes; "
+                   f"pass --device_batch_size and --gradient_accumulation_steps yourself")
+    per_rank = sequences // world
+    args = parse_args(argv, world_size=world, check_hardware=False)
+    if "device_batch_size" in given:
+        b = args.device_batch_size
+        if per_rank % b:
+            raise Stop(f"--device_batch_size={b} does not divide the {per_rank} sequences each process needs per step "
+                       f"(the table's {sequences} over {world} processes); pick a divisor of {per_rank}")
+        return {"gradient_accumulation_steps": per_rank // b}, [
+            f"accumulation {accum} -> {per_rank // b} keeps the table's {sequences} sequences at your device batch {b}"]
+    config = model_config(args, vocab_size)
+    fit = memory.fit_micro_batch(config, per_rank, min(batch, per_rank), memory_bytes, args.dtype, world,
+                                 allow_checkpointing="activation_checkpointing" not in given)
+    if fit is None:
+        raise Stop(f"not even one sequence of {args.max_seq_len} tokens fits in {memory_bytes / 1e9:.0f} GB per "
+                   f"device with activation checkpointing (estimate); lower DEPTH, --max_seq_len or --n_sup_train")
+    b, checkpointing = fit
+    flags, notes = {"device_batch_size": b, "gradient_accumulation_steps": per_rank // b}, []
+    if checkpointing and not config.activation_checkpointing:
+        flags["activation_checkpointing"] = "true"
+        need = memory.estimate_memory(config, batch, args.dtype, world)["total"]
+        notes.append(f"activation checkpointing turned ON: the table's batch {batch} would need ~{need / 1e9:,.0f} GB "
+                     f"per device without it, {memory.usable_bytes(memory_bytes) / 1e9:.0f} GB are usable")
+    if (b, per_rank // b) != (batch, accum):
+        notes.append(f"device batch {batch} -> {b} and accumulation {accum} -> {per_rank // b}: the largest batch "
+                     f"that fits, and {world} processes x {b} x {per_rank // b} = {sequences} sequences keeps the "
+                     f"table's effective batch ({row['gpus']} x {batch} x {accum})")
+    return flags, notes
+
+
+def compose(key, phase, extra, vocab_size, memory_bytes):
+    """(torchrun command, base_train's parsed args, notes): the table's flags, the memory fit, then the user's."""
+    from scripts.base_train import parse_args
+    row, ph = HARDWARE[key], PHASES[phase]
+    nproc, nnodes = processes(key)
+    tag = f"{key}_{phase}"
+    table = {"depth": env("DEPTH", 12), "n_loops": 2, "preset": ph["preset"], "matrix_lr": ph["matrix_lr"],
+             "embedding_lr": ph["embedding_lr"], "num_iterations": ph["iterations"],
+             "device_batch_size": row[phase][0], "gradient_accumulation_steps": row[phase][1],
+             "compile": "true", "dtype": "bfloat16", "grad_clip": 1.0, "save_every": 200, "eval_every": 100,
+             "sample_every": 100, "device_type": env("DEVICE_TYPE", "cuda"), "run": tag, "model_tag": tag,
+             "gpu_hourly_price": round(row["price"] / row["gpus"], 4)}  # base_train counts $ per GPU-hour
+    given = user_flag_names(extra)
+    if "total_batch_size" in given:  # it implies the accumulation; giving both would contradict
+        given.add("gradient_accumulation_steps")
+    as_flags = lambda d: [f"--{k}={v}" for k, v in d.items()]
+    table = {k: v for k, v in table.items() if k not in given}  # the user's flag wins, and is printed once
+    fitted, notes = fit_batch(row, phase, nproc * nnodes, given, as_flags(table) + extra, vocab_size, memory_bytes)
+    argv = as_flags({**table, **fitted}) + list(extra)
+    args = parse_args(argv, world_size=nproc * nnodes, check_hardware=False)  # base_train's own validation
+    return torchrun_prefix(nproc, nnodes) + ["-m", "scripts.base_train", "--"] + argv, args, notes
+
+
+# ---------------------------------------------------------------------------------------------------- preflight
+def hardware_problem(key, phase, gpus):
+    """None when this node has the GPUs the script is for, else what is wrong and the fix."""
+    row = HARDWARE[key]
+    nproc = processes(key)[0]
+    enough = len(gpus) >= nproc if env("NPROC") else len(gpus) == nproc
+    if enough and all(gpu_model(name) == row["gpu"] for name, _ in gpus):
+        return None
+    wanted = f"{nproc}x {row['gpu']}"
+    if not gpus:
+        return (f"no GPU found (neither nvidia-smi nor torch sees one); this script is for {wanted}. On a GPU node "
+                f"check the driver with nvidia-smi; to run on CPU set DEVICE_TYPE=cpu; FORCE=1 skips this check.")
+    found = hardware_key(gpus)
+    fix = (f"run scripts/train_{found}_{phase}.sh instead" if found else
+           f"no script matches it: NPROC={len(gpus)} FORCE=1 bash scripts/train_{key}_{phase}.sh runs this recipe "
+           f"on it (the effective batch is kept by more accumulation)")
+    return f"found {describe(gpus)}, this script is for {wanted}: {fix}"
+
+
+def memory_budget(key, device_type, gpus, nproc):
+    """(bytes per device, where the number comes from)."""
+    if device_type != "cuda":
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return avail // nproc, f"{avail / 1e9:.0f} GB free RAM / {nproc} processes"
+    if gpus:
+        return min(b for _, b in gpus), f"{gpus[0][0]}, detected"
+    gb = HARDWARE[key]["gb"]
+    return int(gb * 1e9), f"{HARDWARE[key]['gpu']} nominal {gb} GB, no GPU detected"
+
+
+def data_status(phase):
+    """(shard files needed, present, data dir) for this phase; DATASET=builtin needs the built-in corpus only."""
+    from nanochat.dataset import data_dir, list_parquet_files
+    needed = 2 if env("DATASET") == "builtin" else PHASES[phase]["shards"] + 1  # + the validation shard
+    return needed, len(list_parquet_files()), data_dir()
+
+
+def disk_problem(needed, present, directory):
+    missing = 0 if env("DATASET") == "builtin" else max(0, needed - present)
+    path = directory
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    free = shutil.disk_usage(path).free
+    if missing * SHARD_BYTES > free:
+        return (f"{missing} shards to download need ~{missing * SHARD_BYTES / 1e9:.0f} GB, {path} has "
+                f"{free / 1e9:.0f} GB free: free space or point NANOCHAT_DATA_DIR at a bigger disk")
+    return None
+
+
+def tokenizer_vocab():
+    """The existing tokenizer's vocab size, or None when there is no tokenizer yet."""
+    from nanochat.tokenizer import get_tokenizer
+    try:
+        return get_tokenizer().get_vocab_size()
+    except FileNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+def meta_model(config):
+    import torch
+    with torch.device("meta"):  # shapes only: no memory, no init
+        return GPT(config)
+
+
+def flops_per_token(model):
+    """(model FLOPs per token, extra FLOPs per token that activation checkpointing recomputes)."""
+    config = model.config
+    train, forward = model.estimate_flops(), model.estimate_flops(n_sup=config.n_sup_train, backward=False)
+    # train - forward = 2 x (block + head forward FLOPs of the grad sweeps); recomputation redoes the blocks only
+    head = 2 * model.lm_head.weight.numel() * config.n_sup_train
+    recompute = (train - forward) / 2 - head if config.activation_checkpointing else 0
+    return train, recompute
+
+
+def hours(seconds):
+    return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
+def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have_tokenizer, data):
+    row, ph = HARDWARE[key], PHASES[phase]
+    nproc, nnodes = processes(key)
+    world = nproc * nnodes
+    config = model_config(args, vocab)
+    sequences = world * args.device_batch_size * args.grad_accum
+    table_sequences = row["gpus"] * row[phase][0] * row[phase][1]
+    est = memory.estimate_memory(config, args.device_batch_size, args.dtype, world)
+    model = meta_model(config)
+    model_flops, recompute = flops_per_token(model)
+    step_flops = model_flops * args.total_batch_size
+    peak = GPU_PEAK_BF16_FLOPS[row["gpu"]] if args.device_type == "cuda" else None
+    iterations = args.num_iterations or ph["iterations"]
+    warmup = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * iterations)
+    src = args.config_sources
+    out = [f"=== {ph['title']} on {key}: scripts/train_{key}_{phase}.sh ===",
+           f"hardware     script for {row['gpus']}x {row['gpu']} ({row['gb']} GB), {nnodes} node(s) x {nproc} "
+           f"processes, device {args.device_type}; found: {describe(gpus) if args.device_type == 'cuda' else 'GPU check skipped (not cuda)'}",
+           f"model        depth {config.n_layer}, width {config.n_embd}, {config.n_head} heads, n_loops "
+           f"{config.n_loops}, {config.n_sup_train} supervision steps, T_recursion {config.T_recursion}, vocab "
+           f"{vocab:,}{'' if have_tokenizer else ' (tokenizer to be trained)'}: "
+           f"{model.num_params():,} parameters",
+           f"refinement   supervision_weight_base={config.supervision_weight_base} "
+           f"({src['supervision_weight_base']}), improvement_reward_scale={config.improvement_reward_scale} "
+           f"({src['improvement_reward_scale']}). The script passes --preset={args.preset}, so the guides' edit of "
+           f"nanochat/gpt.py is not needed; gpt.py's defaults (now {GPTConfig.supervision_weight_base}, "
+           f"{GPTConfig.improvement_reward_scale}) apply to base_train runs without --preset or these flags.",
+           f"batch        table: {row['gpus']} GPUs x {row[phase][0]} x {row[phase][1]} accumulation = "
+           f"{table_sequences} sequences",
+           f"             run:   {world} processes x {args.device_batch_size} x {args.grad_accum} accumulation = "
+           f"{sequences} sequences x {args.max_seq_len} tokens = {args.total_batch_size:,} tokens per step"
+           + ("" if sequences == table_sequences else "  (DIFFERS from the table)"),
+           *[f"             changed: {note}" for note in notes],
+           f"memory       ~{est['total'] / 1e9:.1f} GB per device at batch {args.device_batch_size}"
+           f"{' with activation checkpointing' if config.activation_checkpointing else ''} (nanochat/memory.py: "
+           f"params+grads+optimizer {(est['params'] + est['grads'] + est['optimizer']) / 1e9:.1f}, activations "
+           f"{est['activations'] / 1e9:.1f}, logits {est['logits'] / 1e9:.1f}, transient {est['transient'] / 1e9:.1f})"
+           f"; usable {memory.usable_bytes(budget[0]) / 1e9:.0f} GB ({budget[1]})",
+           f"schedule     {iterations} steps, matrix_lr {args.matrix_lr}, embedding_lr {args.embedding_lr}, warmup "
+           f"{warmup} steps, grad clip {args.grad_clip}, eval every {args.eval_every}, samples every "
+           f"{args.sample_every}, checkpoint every {args.save_every}, compile {args.compile}, {args.dtype}",
+           f"compute      {model_flops:.3e} FLOPs per token (GPT.estimate_flops: every loop, sweep and supervision "
+           f"step) x {args.total_batch_size:,} tokens = {step_flops:.3e} FLOPs per step"
+           + (f", + {recompute * args.total_batch_size:.3e} recomputed by checkpointing" if recompute else "")]
+    if peak:
+        seconds = (model_flops + recompute) * args.total_batch_size / (world * peak * ASSUMED_MFU)
+        lo, hi = row[phase][2]
+        cost = seconds * iterations / 3600 * row["price"] * nnodes
+        out += [f"time         peak {peak / 1e12:,.0f} TFLOP/s bf16 per GPU, assuming {ASSUMED_MFU:.0%} MFU: "
+                f"{seconds:.2f} s/step, {iterations} steps = {hours(seconds * iterations)}; the guide says "
+                f"{lo}-{hi} s/step = {hours(lo * iterations)}-{hours(hi * iterations)}",
+                f"cost         ${row['price']:.2f}/hour per node x {nnodes} x {hours(seconds * iterations)} = "
+                f"${cost:,.0f} (guide's figure: ${lo * iterations / 3600 * row['price']:,.0f}-"
+                f"${hi * iterations / 3600 * row['price']:,.0f} on one node)"]
+        if seconds > 2 * hi or seconds < lo / 2:
+            out.append(f"WARNING      the guide's {lo}-{hi} s/step and the FLOPs-based {seconds:.2f} s/step disagree "
+                       f"by more than 2x: budget with the FLOPs-based figure and watch the measured dt in the log "
+                       f"(--max_cost / --max_hours stop a run cleanly)")
+    needed, present, directory = data
+    out += [f"data         {directory}: {present} shard files present, {needed} needed"
+            + ("" if present >= needed else (" -> build the built-in corpus" if env("DATASET") == "builtin" else
+                                              f" -> download {needed - 1} FineWeb shards (+ validation)")),
+            f"tokenizer    {'present' if have_tokenizer else f'missing -> train on {tok_chars(phase):,} chars, vocab {vocab:,}'}",
+            *[f"PREFLIGHT    {p}" for p in problems],
+            f"command      {shlex.join(cmd)}"]
+    print("\n".join(out), flush=True)
+
+
+def tok_chars(phase):
+    return env_int("TOK_MAX_CHARS", PHASES[phase]["tok_chars"])
+
+
+# ---------------------------------------------------------------------------------------------------- after training
+def check_criteria(summary, phase):
+    """The guides' success criteria for a finished run: [(met, line)]."""
+    ph = PHASES[phase]
+    bpb = summary.get("val_bpb")
+    results = []
+    if bpb:
+        order = " > ".join(f"step_{s} {b:.4f}" for s, b in enumerate(bpb))
+        results.append((all(a > b for a, b in zip(bpb, bpb[1:])), f"supervision order (val bpb): {order}"))
+        refinement = 100 * summary["val_refinement"]
+        lo, hi = ph["refinement"]
+        results.append((lo <= refinement <= hi, f"refinement {refinement:.1f}% (expected {lo}-{hi}%)"))
+    else:
+        results.append((False, "supervision order and refinement: no validation result in summary.json"))
+    g = summary.get("grad_norm_median_last")
+    lo, hi = ph["grad_norm"]
+    results.append((g is not None and lo <= g <= hi,
+                    f"gradient norm, median of the last 10% of steps: {g if g is None else f'{g:.3f}'} "
+                    f"(expected {lo}-{hi})"))
+    return results
+
+
+def read_summary(model_tag):
+    path = os.path.join(get_base_dir(), "base_checkpoints", model_tag, "summary.json")
+    if not os.path.exists(path):
+        raise Stop(f"no {path}: the run {model_tag} has not finished (train it with its scripts/train_*.sh)", code=1)
+    with open(path) as f:
+        return json.load(f)
+
+
+def criteria_report(model_tag, phase):
+    """(text, all met) for a finished run."""
+    summary = read_summary(model_tag)
+    results = check_criteria(summary, phase)
+    losses = summary.get("train_step_losses") or []
+    lines = [f"=== {PHASES[phase]['title']} results: {model_tag} (step {summary['step']}) ===",
+             "final train loss per supervision step: " + ", ".join(f"step_{s} {l:.4f}" for s, l in enumerate(losses)),
+             *[f"[{'met' if met else 'NOT MET'}] {text}" for met, text in results]]
+    all_met = all(met for met, _ in results)
+    if phase == "fast":
+        key = model_tag.rsplit("_", 1)[0]
+        nxt = f"bash scripts/train_{key}_extreme.sh" if key in HARDWARE else "the matching scripts/train_*_extreme.sh"
+        lines.append(f"next: {nxt}   (Phase 2; it passes --preset=extreme itself)" if all_met else
+                     f"not every criterion is met: see the guides' troubleshooting (train longer, lower --matrix_lr) "
+                     f"before Phase 2 ({nxt})")
+    return "\n".join(lines), all_met
+
+
+# ---------------------------------------------------------------------------------------------------- commands
+def run(cmd):
+    print(f"+ {shlex.join(cmd)}", flush=True)
+    rc = subprocess.run(cmd).returncode
+    if rc:
+        raise Stop(f"{shlex.join(cmd[:4])} ... failed with exit code {rc}", code=rc)
+
+
+def train(key, phase, extra):
+    nproc = processes(key)[0]
+    device_type = env("DEVICE_TYPE", "cuda")
+    if env("DATASET", "fineweb") not in ("fineweb", "builtin"):
+        raise Stop(f"DATASET={env('DATASET')!r}: use fineweb (the default) or builtin")
+    gpus = detect_gpus() if device_type == "cuda" else []
+    vocab = tokenizer_vocab()
+    have_tokenizer = vocab is not None
+    vocab = vocab or env_int("VOCAB_SIZE", DEFAULT_VOCAB)
+    budget = memory_budget(key, device_type, gpus, nproc)
+    cmd, args, notes = compose(key, phase, extra, vocab, budget[0])
+    data = data_status(phase)
+    problems = [p for p in (hardware_problem(key, phase, gpus) if args.device_type == "cuda" else None,
+                            disk_problem(*data)) if p]
+    est = memory.estimate_memory(model_config(args, vocab), args.device_batch_size, args.dtype, args.world_size)
+    if est["total"] > memory.usable_bytes(budget[0]):
+        problems.append(oom_problem(args, vocab, budget[0], est["total"]))
+    print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have_tokenizer, data)
+    if env_flag("DRY_RUN"):
+        print("DRY_RUN=1: nothing was run" + (" (the preflight above would stop a real run)" if problems else ""))
+        return 0
+    if problems and not env_flag("FORCE"):
+        raise Stop("preflight failed, nothing was run or downloaded:\n  " + "\n  ".join(problems) +
+                   "\nFix it as above, or set FORCE=1 to go on anyway.")
+    needed, present, _ = data
+    if env("DATASET") == "builtin":
+        run([sys.executable, "-m", "nanochat.dataset", "--builtin"])
+    elif present < needed:
+        run([sys.executable, "-m", "nanochat.dataset", "-n", str(PHASES[phase]["shards"])])
+    if not have_tokenizer:
+        run([sys.executable, "-m", "scripts.tok_train", f"--max_chars={tok_chars(phase)}", f"--vocab_size={vocab}"])
+    run(cmd)
+    if env("NODE_RANK", "0") == "0":  # node 0 ran rank 0, which wrote the summary
+        print(criteria_report(args.model_tag, phase)[0])
+    return 0
+
+
+def oom_problem(args, vocab, budget, need):
+    config = model_config(args, vocab)
+    per_rank = args.device_batch_size * args.grad_accum
+    fit = memory.fit_micro_batch(config, per_rank, args.device_batch_size, budget, args.dtype, args.world_size)
+    fix = ("lower DEPTH or --max_seq_len" if fit is None else
+           f"use --device_batch_size={fit[0]} --gradient_accumulation_steps={per_rank // fit[0]}"
+           + (" --activation_checkpointing" if fit[1] and not config.activation_checkpointing else "")
+           + " (same effective batch)")
+    return (f"predicted out of memory: ~{need / 1e9:.0f} GB per device at --device_batch_size={args.device_batch_size}, "
+            f"{memory.usable_bytes(budget) / 1e9:.0f} GB usable: {fix}")
+
+
+def detect(gpus_wanted):
+    """Print this node's table row (e.g. 8xH100); HARDWARE=8xA100 overrides, DRY_RUN falls back to 8xH100."""
+    key = env("HARDWARE") or hardware_key(detect_gpus())
+    if key is None and env_flag("DRY_RUN"):
+        print(f"no {gpus_wanted}-GPU node of the table found; DRY_RUN shows 8xH100 (set HARDWARE= to pick)",
+              file=sys.stderr)
+        key = "8xH100"
+    if key not in HARDWARE or HARDWARE[key]["gpus"] != gpus_wanted:
+        rows = ", ".join(k for k, v in HARDWARE.items() if v["gpus"] == gpus_wanted)
+        raise Stop(f"found {key or describe(detect_gpus())}; this needs one of {rows} (HARDWARE= overrides the "
+                   f"detection); for other hardware use the scripts/train_*.sh with NPROC=", code=1)
+    print(key)
+    return 0
+
+
+def report(runs, out_path):
+    """The speedrun's report: each run's report.md and its success criteria, in one file."""
+    parts = []
+    for run_spec in runs:
+        tag, phase = run_spec.split(":")
+        text, _ = criteria_report(tag, phase)
+        with open(os.path.join(get_base_dir(), "base_checkpoints", tag, "report.md")) as f:
+            parts += [f.read(), "```", text, "```", ""]
+    with open(out_path, "w") as f:
+        f.write("\n".join(parts))
+    print(f"report: {out_path}")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m scripts.launch", allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="plan, preflight, data, tokenizer, torchrun, success check")
+    p.add_argument("hardware", choices=HARDWARE)
+    p.add_argument("phase", choices=PHASES)
+    p = sub.add_parser("check", help="success criteria of a finished run (exit 1 when not all met)")
+    p.add_argument("--model_tag", required=True)
+    p.add_argument("--phase", choices=PHASES, required=True)
+    p = sub.add_parser("detect", help="print this node's row of the table")
+    p.add_argument("--gpus", type=int, default=8)
+    p = sub.add_parser("report", help="collect runs' reports and criteria into one file")
+    p.add_argument("runs", nargs="+", metavar="MODEL_TAG:PHASE")
+    p.add_argument("--out", required=True)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        if args.command == "train":
+            return train(args.hardware, args.phase, extra)
+        if args.command == "check":
+            text, all_met = criteria_report(args.model_tag, args.phase)
+            print(text)
+            return 0 if all_met else 1
+        if args.command == "detect":
+            return detect(args.gpus)
+        return report(args.runs, args.out)
+    except Stop as e:
+        print(f"launch: {e}", file=sys.stderr, flush=True)
+        return e.code
+    except SystemExit as e:  # base_train's parse_args rejected a flag: its message says which
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr, flush=True)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

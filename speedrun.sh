@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The whole nanochat-TRM pipeline on one 8-GPU node (8x B200, H200, H100 or A100 80GB), top to bottom:
+#   environment -> data -> tokenizer (+ its evaluation) -> Phase 1 (fast) -> its verification -> Phase 2 (extreme)
+#   -> evaluation of the final model -> samples -> the run report.
+#
+#   bash speedrun.sh                 # the GPUs are detected; HARDWARE=8xA100 picks a row of the table yourself
+#   DRY_RUN=1 bash speedrun.sh       # print every step and both plans, run nothing
+#   FORCE=1 bash speedrun.sh         # go on to Phase 2 even if Phase 1 misses a success criterion
+# The environment overrides of scripts/train_*.sh (DEPTH, NANOCHAT_BASE_DIR, ...) apply here too.
+set -euo pipefail
+cd "$(dirname "$0")"
+export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+dry_run() { [ "${DRY_RUN:-0}" != 0 ]; }
+say() { printf '\n=== %s ===\n' "$*"; }
+run() { echo "+ $*"; if ! dry_run; then "$@"; fi; }
+
+say "1. Environment: .venv with the project installed"
+if dry_run && [ ! -x .venv/bin/python ]; then
+    echo "DRY_RUN needs the environment to print the plans: run 'bash dev/setup_env.sh' first" >&2
+    exit 1
+fi
+run bash dev/setup_env.sh
+export PATH="$PWD/.venv/bin:$PATH"
+
+say "2. Hardware: which 8-GPU node is this?"
+hw=$(python -m scripts.launch detect --gpus=8)
+echo "this node: $hw (scripts/train_${hw}_fast.sh and scripts/train_${hw}_extreme.sh)"
+
+say "3. Data: 100 FineWeb-Edu shards, enough for both phases (complete shards are kept)"
+run python -m nanochat.dataset -n 100
+
+say "4. Tokenizer: trained on 1B characters (unless one exists), then its compression"
+if [ -f "$NANOCHAT_BASE_DIR/tokenizer/tokenizer.json" ]; then
+    echo "tokenizer present in $NANOCHAT_BASE_DIR/tokenizer"
+else
+    run python -m scripts.tok_train --max_chars="${TOK_MAX_CHARS:-1000000000}" --vocab_size="${VOCAB_SIZE:-65536}"
+fi
+run python -m scripts.tok_eval
+
+say "5. Phase 1 (fast): does the refinement work? (prints its plan, then trains)"
+bash "scripts/train_${hw}_fast.sh"
+
+say "6. Phase 1 verification: supervision order, refinement 15-25%, gradient norms 0.5-1.5"
+if ! run python -m scripts.launch check --model_tag="${hw}_fast" --phase=fast; then
+    if [ "${FORCE:-0}" = 0 ]; then
+        echo "Phase 1 missed a success criterion: stopping before Phase 2 (FORCE=1 goes on anyway)" >&2
+        exit 1
+    fi
+    echo "FORCE=1: going on to Phase 2 anyway"
+fi
+
+say "7. Phase 2 (extreme): the final model (passes --preset=extreme itself; no edit of gpt.py needed)"
+bash "scripts/train_${hw}_extreme.sh"
+
+say "8. Evaluation of the final model: train/val bits per byte of every supervision step"
+run torchrun --standalone --nproc_per_node=8 -m scripts.base_loss -- --model_tag="${hw}_extreme"
+
+say "9. Samples from the final model"
+run python -m scripts.base_sample --model_tag="${hw}_extreme"
+
+say "10. Run report"
+run python -m scripts.launch report "${hw}_fast:fast" "${hw}_extreme:extreme" --out="$NANOCHAT_BASE_DIR/speedrun_report.md"

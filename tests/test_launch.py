@@ -1,0 +1,249 @@
+"""The twelve scripts/train_<N>x<GPU>_<phase>.sh, scripts/launch.py and speedrun.sh: dry runs against the guides'
+table, preflight stops, multi-node, the success check, shell hygiene, and one real run end to end on CPU."""
+
+import glob
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from scripts import launch
+from scripts.base_train import parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The issue's table, written out again so the test does not check the launcher against itself:
+# script -> (GPUs, phase -> (batch per GPU, accumulation))
+TABLE = {
+    "8xB200": (8, {"fast": (40, 2), "extreme": (20, 2)}),
+    "8xH200": (8, {"fast": (36, 2), "extreme": (18, 2)}),
+    "8xH100": (8, {"fast": (32, 2), "extreme": (16, 2)}),
+    "8xA100": (8, {"fast": (28, 2), "extreme": (14, 2)}),
+    "4xH100": (4, {"fast": (32, 4), "extreme": (16, 4)}),
+    "4xA100": (4, {"fast": (28, 4), "extreme": (14, 4)}),
+}
+PHASE = {"fast": dict(iterations=1000, preset="aggressive", matrix_lr=0.001, embedding_lr=0.01),
+         "extreme": dict(iterations=5000, preset="extreme", matrix_lr=0.0005, embedding_lr=0.005)}
+OVERRIDES = ["DEPTH", "NPROC", "DEVICE_TYPE", "NANOCHAT_DATA_DIR", "DATASET", "VOCAB_SIZE", "TOK_MAX_CHARS", "NNODES",
+             "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DRY_RUN", "FORCE", "HARDWARE"]
+
+
+def start_script(script, base_dir, *args, path_prefix=None, **env):
+    clean = {k: v for k, v in os.environ.items() if k not in OVERRIDES}
+    clean.update(NANOCHAT_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", **env)
+    if path_prefix:
+        clean["PATH"] = f"{path_prefix}:{clean['PATH']}"
+    return subprocess.Popen(["bash", os.path.join(ROOT, script), *args], cwd=ROOT, env=clean, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(popen, timeout=180):
+    stdout, stderr = popen.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
+
+
+def run_script(script, base_dir, *args, path_prefix=None, timeout=180, **env):
+    return finish(start_script(script, base_dir, *args, path_prefix=path_prefix, **env), timeout)
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory):
+    """All twelve scripts under DRY_RUN=1, started together (each spends most of its time importing torch)."""
+    base_dir = tmp_path_factory.mktemp("dry")
+    started = {(key, phase): start_script(f"scripts/train_{key}_{phase}.sh", base_dir, DRY_RUN="1")
+               for key in TABLE for phase in ("fast", "extreme")}
+    return base_dir, {name: finish(popen) for name, popen in started.items()}
+
+
+def torchrun_command(stdout):
+    """The plan's command line, split into (torchrun options, base_train argv)."""
+    line = next(l for l in stdout.splitlines() if l.startswith("command "))
+    cmd = shlex.split(line.split(None, 1)[1])
+    assert cmd[0] == "torchrun" and cmd[cmd.index("-m") + 1] == "scripts.base_train" and "--" in cmd, line
+    return cmd[1:cmd.index("-m")], cmd[cmd.index("--") + 1:]
+
+
+def fake_nvidia_smi(tmp_path, name, count):
+    """A directory with an nvidia-smi that reports `count` GPUs called `name` (80 GB each)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\nfor i in $(seq {count}); do echo '{name}, 81559'; done\n")
+    script.chmod(0o755)
+    return str(bin_dir)
+
+
+@pytest.mark.parametrize("phase", ["fast", "extreme"])
+@pytest.mark.parametrize("key", list(TABLE))
+def test_dry_run_prints_the_tables_command(key, phase, dry_runs):
+    base_dir, procs = dry_runs
+    gpus, phases = TABLE[key]
+    batch, accum = phases[phase]
+    proc = procs[key, phase]
+    assert proc.returncode == 0, proc.stderr
+    options, argv = torchrun_command(proc.stdout)
+    assert options == ["--standalone", f"--nproc_per_node={gpus}"]
+    args = parse_args(argv, world_size=gpus, check_hardware=False)  # base_train accepts it, for real
+    ph = PHASE[phase]
+    assert (args.num_iterations, args.preset, args.matrix_lr, args.embedding_lr) == (
+        ph["iterations"], ph["preset"], ph["matrix_lr"], ph["embedding_lr"])
+    assert (args.depth, args.model_config["n_loops"], args.compile, args.dtype, args.grad_clip) == (
+        12, 2, True, "bfloat16", 1.0)
+    assert (args.save_every, args.eval_every, args.sample_every) == (200, 100, 100)
+    assert args.model_tag == args.run == f"{key}_{phase}"
+    # the memory fit may change batch and accumulation, never the effective batch; the plan says what changed
+    assert args.device_batch_size * args.grad_accum == batch * accum
+    if (args.device_batch_size, args.grad_accum) != (batch, accum):
+        assert f"device batch {batch} -> {args.device_batch_size} and accumulation {accum} -> {args.grad_accum}" \
+            in proc.stdout
+    if args.model_config["activation_checkpointing"]:
+        assert "activation checkpointing turned ON" in proc.stdout
+    for needle in ("FLOPs per step", "s/step", "MFU", "cost", "guide says", f"{gpus * batch * accum} sequences"):
+        assert needle in proc.stdout
+    assert "DRY_RUN=1: nothing was run" in proc.stdout
+    assert not os.path.exists(base_dir / "base_data") and not os.path.exists(base_dir / "tokenizer")
+
+
+def test_extra_arguments_win_and_env_overrides_apply(tmp_path):
+    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, "--num_iterations=2000", "--device_batch_size=4",
+                      DRY_RUN="1", DEPTH="6", NPROC="4")
+    assert proc.returncode == 0, proc.stderr
+    options, argv = torchrun_command(proc.stdout)
+    assert options == ["--standalone", "--nproc_per_node=4"]
+    assert [a.split("=")[0] for a in argv].count("--num_iterations") == 1
+    args = parse_args(argv, world_size=4, check_hardware=False)
+    # the user's batch is kept; accumulation keeps the table's 8 x 32 x 2 = 512 sequences over 4 processes
+    assert (args.num_iterations, args.depth, args.device_batch_size, args.grad_accum) == (2000, 6, 4, 32)
+
+
+def test_bad_flag_is_rejected_by_base_trains_parser(tmp_path):
+    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, "--num_iteration=5", DRY_RUN="1")
+    assert proc.returncode != 0 and "did you mean --num_iterations" in proc.stderr
+
+
+def test_multi_node_dry_run(tmp_path):
+    proc = run_script("scripts/train_8xA100_extreme.sh", tmp_path, DRY_RUN="1", NNODES="2", NODE_RANK="1",
+                      MASTER_ADDR="10.1.2.3", MASTER_PORT="29600")
+    assert proc.returncode == 0, proc.stderr
+    options, argv = torchrun_command(proc.stdout)
+    assert options == ["--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=29600",
+                       "--nproc_per_node=8"]
+    args = parse_args(argv, world_size=16, check_hardware=False)
+    assert 16 * args.device_batch_size * args.grad_accum == 8 * 14 * 2  # the table's effective batch, over 2 nodes
+    proc = run_script("scripts/train_8xA100_extreme.sh", tmp_path, DRY_RUN="1", NNODES="2")
+    assert proc.returncode != 0 and "NNODES=2 also needs NODE_RANK and MASTER_ADDR" in proc.stderr
+
+
+def test_preflight_stops_without_gpus_before_anything_runs(tmp_path):
+    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path)
+    assert proc.returncode != 0
+    assert "no GPU found" in proc.stderr and "FORCE=1" in proc.stderr and "nothing was run" in proc.stderr
+    assert not os.path.exists(tmp_path / "base_data") and not os.path.exists(tmp_path / "tokenizer")
+
+
+@pytest.mark.parametrize("found, count, fix", [("NVIDIA A100-SXM4-80GB", 8, "scripts/train_8xA100_fast.sh"),
+                                               ("NVIDIA H100 80GB HBM3", 4, "scripts/train_4xH100_fast.sh"),
+                                               ("NVIDIA L40S", 2, "NPROC=2 FORCE=1")])
+def test_preflight_names_the_script_for_the_hardware_found(tmp_path, found, count, fix):
+    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, path_prefix=fake_nvidia_smi(tmp_path, found, count))
+    assert proc.returncode != 0 and f"found {count}x {found}" in proc.stderr and fix in proc.stderr
+
+
+def test_preflight_predicts_oom_with_the_fix(tmp_path):
+    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, "--device_batch_size=32",
+                      "--activation_checkpointing=false",
+                      path_prefix=fake_nvidia_smi(tmp_path, "NVIDIA H100 80GB HBM3", 8))
+    assert proc.returncode != 0 and "predicted out of memory" in proc.stderr
+    assert "--gradient_accumulation_steps=" in proc.stderr and "same effective batch" in proc.stderr
+
+
+def test_force_goes_on_past_a_failed_preflight(tmp_path, monkeypatch, capsys):
+    """In process, with the commands recorded instead of run: FORCE=1 reaches data, tokenizer and torchrun."""
+    for name in OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    monkeypatch.setattr(launch, "detect_gpus", lambda: [("NVIDIA A100-SXM4-80GB", 80e9)] * 8)
+    ran = []
+    monkeypatch.setattr(launch, "run", ran.append)
+    assert launch.main(["train", "8xH100", "fast"]) == 2 and not ran
+    monkeypatch.setenv("FORCE", "1")
+    assert launch.main(["train", "8xH100", "fast"]) == 1  # the recorded torchrun wrote no summary.json
+    assert [cmd[1:4] for cmd in ran[:2]] == [["-m", "nanochat.dataset", "-n"], ["-m", "scripts.tok_train",
+                                                                                "--max_chars=500000000"]]
+    assert ran[2][:2] == ["torchrun", "--standalone"]
+    assert "run scripts/train_8xA100_fast.sh instead" in capsys.readouterr().out
+
+
+def test_detect_reads_the_node(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "scripts.launch", "detect"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{fake_nvidia_smi(tmp_path, 'NVIDIA H200', 8)}:{os.environ['PATH']}",
+                               "PYTHONPATH": ROOT})
+    assert proc.returncode == 0 and proc.stdout.strip() == "8xH200"
+
+
+@pytest.mark.parametrize("phase, summary, expected", [
+    ("fast", dict(val_bpb=[1.3, 1.2, 1.1, 1.0], val_refinement=0.2308, grad_norm_median_last=0.9), [True] * 3),
+    ("fast", dict(val_bpb=[1.0, 1.1, 0.9, 0.95], val_refinement=0.05, grad_norm_median_last=3.0), [False] * 3),
+    ("extreme", dict(val_bpb=[4.0, 2.0, 1.0, 0.5], val_refinement=0.875, grad_norm_median_last=5.0), [True] * 3),
+    ("extreme", dict(val_bpb=[4.0, 2.0, 1.0, 0.5], val_refinement=0.875, grad_norm_median_last=0.9),
+     [True, True, False]),
+    ("fast", dict(val_bpb=None, val_refinement=None, grad_norm_median_last=1.0), [False, True]),
+])
+def test_success_criteria(phase, summary, expected):
+    assert [met for met, _ in launch.check_criteria(summary, phase)] == expected
+
+
+def test_shell_scripts_parse_and_pass_shellcheck():
+    scripts = sorted(glob.glob(os.path.join(ROOT, "scripts", "train_*x*_*.sh")))
+    assert len(scripts) == 12
+    scripts += [os.path.join(ROOT, "scripts", "launch.sh"), os.path.join(ROOT, "speedrun.sh")]
+    for script in scripts:
+        proc = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{script}: {proc.stderr}"
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck); bash -n passed")
+    proc = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_speedrun_dry_run_tells_the_whole_story(tmp_path):
+    proc = run_script("speedrun.sh", tmp_path, DRY_RUN="1", HARDWARE="8xA100", timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    steps = ["+ bash dev/setup_env.sh", "+ python -m nanochat.dataset -n 100", "+ python -m scripts.tok_train",
+             "+ python -m scripts.tok_eval", "Phase 1 (fast) on 8xA100", "check --model_tag=8xA100_fast --phase=fast",
+             "Phase 2 (extreme) on 8xA100",
+             "+ torchrun --standalone --nproc_per_node=8 -m scripts.base_loss -- --model_tag=8xA100_extreme",
+             "+ python -m scripts.base_sample --model_tag=8xA100_extreme", "+ python -m scripts.launch report"]
+    positions = [out.index(step) for step in steps]
+    assert positions == sorted(positions)
+    commands = [line for line in out.splitlines() if line.startswith("command ")]
+    assert len(commands) == 2 and "--preset=aggressive" in commands[0] and "--preset=extreme" in commands[1]
+
+
+def test_end_to_end_on_cpu(tmp_path):
+    """train_8xH100_fast.sh for real: 2 Gloo processes, tiny model, built-in corpus, tiny tokenizer, 4 steps."""
+    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, "--n_embd=32", "--n_head=2", "--max_seq_len=32",
+                      "--device_batch_size=2", "--gradient_accumulation_steps=1", "--num_iterations=4",
+                      "--compile=false", "--dtype=float32", "--eval_every=2", "--eval_tokens=256",
+                      "--sample_every=0", "--sample_tokens=4", "--save_every=2", "--warmup_steps=1",
+                      NPROC="2", DEVICE_TYPE="cpu", DEPTH="1", DATASET="builtin", VOCAB_SIZE="300",
+                      TOK_MAX_CHARS="300000", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "torchrun --standalone --nproc_per_node=2 -m scripts.base_train" in out
+    assert "=== Phase 1 (fast) results: 8xH100_fast (step 4) ===" in out
+    with open(tmp_path / "base_checkpoints" / "8xH100_fast" / "summary.json") as f:
+        summary = json.load(f)
+    results = launch.check_criteria(summary, "fast")
+    for met, text in results:
+        assert f"[{'met' if met else 'NOT MET'}] {text}" in out
+    assert f"{100 * summary['val_refinement']:.1f}%" in out
+    assert ("next: bash scripts/train_8xH100_extreme.sh" in out) == all(met for met, _ in results)
+    check = subprocess.run([sys.executable, "-m", "scripts.launch", "check", "--model_tag=8xH100_fast", "--phase=fast"],
+                           cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "NANOCHAT_BASE_DIR": str(tmp_path), "PYTHONPATH": ROOT})
+    assert check.returncode == (0 if all(met for met, _ in results) else 1)

@@ -1,0 +1,103 @@
+"""nanochat.memory against measured peak memory of real training steps on CPU, and the batch fit built on it."""
+
+import json
+import os
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.memory import estimate_memory, fit_micro_batch, usable_bytes
+from nanochat.optim import clip_and_step
+
+SMALL = GPTConfig(sequence_len=64, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=128, n_loops=2,
+                  n_sup_train=2)
+
+
+def training_steps(config, batch, dtype):
+    """Two optimizer steps as base_train runs them; gradients kept between steps so the second step's backward
+    holds parameters, gradients, optimizer state and activations at once (the steady state of accumulation)."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.init_weights()
+    optimizers = model.setup_optimizers()
+    idx = torch.randint(0, config.vocab_size, (batch, config.sequence_len))
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            loss, _ = model(idx, idx)
+        loss.backward()
+        clip_and_step(optimizers, 1.0)
+
+
+def measured_peak(config, batch, dtype, tmp_path):
+    """Peak bytes of live CPU tensors during training_steps.
+
+    With profile_memory=True the CPU allocator reports every allocation and free to the profiler, and each
+    "[memory]" event carries "Total Allocated": the bytes allocated since profiling started and not yet freed. The
+    model is built inside the profiled region, so its maximum is the peak of all tensor memory of the run. (RSS
+    would also count the allocator's cache, the Python heap and libraries; this counts exactly the tensors.)
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        training_steps(config, batch, dtype)
+    trace = os.path.join(tmp_path, "trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    return max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")
+
+
+@pytest.mark.parametrize("config, batch, dtype", [
+    (SMALL, 4, "float32"),
+    (SMALL, 4, "bfloat16"),  # autocast: low-precision copies of weights and linear inputs
+    (SMALL.replace(detach_between_steps=True), 4, "float32"),
+    (SMALL.replace(activation_checkpointing=True), 4, "float32"),
+    (SMALL.replace(vocab_size=4096, n_embd=64, n_head=1, n_kv_head=1), 4, "bfloat16"),  # logits dominate
+    (SMALL.replace(n_loops=0, n_sup_train=3, activation_fn="swiglu", n_kv_head=1), 4, "float32"),
+], ids=["fp32", "bf16", "detach", "checkpointing", "large-vocab", "plain-swiglu-gqa"])
+def test_estimate_within_25_percent_of_measured_peak(config, batch, dtype, tmp_path):
+    estimate = estimate_memory(config, batch, dtype)["total"]
+    measured = measured_peak(config, batch, dtype, tmp_path)
+    assert abs(estimate - measured) <= 0.25 * measured, f"estimate {estimate:,} vs measured {measured:,}"
+
+
+def test_the_parts_move_the_way_the_model_does():
+    d12 = GPTConfig()  # depth 12, n_loops 2, 4 supervision steps, vocab 65536, 2048 tokens
+    plain = estimate_memory(d12, 1)
+    tokens = d12.sequence_len
+    # the issue's order of magnitude: ~10 MB of stored activations (blocks + every step's logits) per token
+    assert 5e6 < (plain["activations"] + plain["logits"]) / tokens < 20e6
+    # checkpointing keeps only each layer visit's inputs; logits are untouched
+    ckpt = estimate_memory(d12.replace(activation_checkpointing=True), 1)
+    assert ckpt["activations"] < plain["activations"] / 10 and ckpt["logits"] == plain["logits"]
+    # detach_between_steps cuts gradients, not storage: every step's graph is alive at backward()
+    assert estimate_memory(d12.replace(detach_between_steps=True), 1) == plain
+    # no-grad sweeps (T_recursion > 1) store nothing
+    assert estimate_memory(d12.replace(T_recursion=3), 1)["activations"] == plain["activations"]
+    # activations scale with supervision steps and loops
+    assert estimate_memory(d12.replace(n_sup_train=8), 1)["activations"] == 2 * plain["activations"]
+    # ZeRO-1: optimizer state shrinks with the world size, parameters and gradients do not
+    sharded = estimate_memory(d12, 1, world_size=8)
+    assert sharded["optimizer"] < plain["optimizer"] / 6 and sharded["grads"] == plain["grads"]
+
+
+def test_fit_keeps_effective_batch_and_picks_the_largest_fitting_divisor():
+    d12 = GPTConfig()
+    memory = 80e9
+    b, checkpointing = fit_micro_batch(d12, 64, 32, memory)
+    assert checkpointing and 64 % b == 0 and b < 32
+    fits = lambda c, n: estimate_memory(c, n)["total"] <= usable_bytes(memory)
+    on = d12.replace(activation_checkpointing=True)
+    assert fits(on, b) and not any(fits(on, n) for n in range(b + 1, 33) if 64 % n == 0)
+    assert not fits(d12, 32)
+    # a batch that fits as it is stays; checkpointing is only turned on when needed
+    assert fit_micro_batch(d12.replace(sequence_len=64), 64, 32, memory) == (32, False)
+    # without permission to checkpoint, the batch shrinks further
+    assert fit_micro_batch(d12, 64, 32, memory, allow_checkpointing=False)[0] < b
+    # nothing fits in 1 GB
+    assert fit_micro_batch(d12, 64, 32, 1e9) is None
+
+
+def test_bad_dtype_is_rejected():
+    with pytest.raises(ValueError, match="float8"):
+        estimate_memory(SMALL, 1, "float8")
