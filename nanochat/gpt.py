@@ -46,7 +46,7 @@ class GPTConfig:
     n_sup_train: int = 4  # supervision steps during training
     # None = same as n_sup_train: evaluating at a step that training barely weighted (or never saw) is a trap.
     n_sup_inference: int | None = None
-    detach_between_steps: bool = False  # True: carry y, z detached between steps (TRM paper); memory stops growing
+    detach_between_steps: bool = False  # True: carry y, z detached between steps (TRM paper); see forward_backward
     activation_checkpointing: bool = False  # recompute each layer visit in backward instead of storing it
     # The guides tell users to edit these two lines between phases (aggressive -> extreme): keep them plain literals.
     supervision_weight_base: float = 5.0
@@ -254,15 +254,15 @@ class GPT(nn.Module):
                 y, z = self._visit_layer(layer, x, y, z, cos_sin, kv_cache, s)
         return y, z
 
-    def refine(self, idx, n_sup, kv_cache=None):
-        """Yield the answer state y after each of n_sup supervision steps."""
+    def refine(self, idx, n_sup, kv_cache=None, x=None):
+        """Yield the answer state y after each of n_sup supervision steps (x: the embedded input, if precomputed)."""
         c = self.config
         B, T = idx.shape
         T0 = kv_cache.pos if kv_cache is not None else 0
         if T0 + T > self.cos.size(1):
             raise ValueError(f"sequence of {T0 + T} tokens exceeds the rotary table ({self.cos.size(1)})")
         cos_sin = self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
-        x = norm(self.transformer.wte(idx))
+        x = norm(self.transformer.wte(idx)) if x is None else x
         y = x
         z = torch.zeros_like(x) if c.n_loops else None
         slots_per_sweep = c.n_layer * (c.n_loops + 1)  # a plain block (n_loops=0) attends once
@@ -309,6 +309,34 @@ class GPT(nn.Module):
         losses = torch.stack([l.detach() for l in step_losses])
         aux = {"step_losses": losses, "refinement": (losses[0] - losses[-1]) / losses[0]}
         return total, aux
+
+    def forward_backward(self, idx, targets, loss_scale=1.0):
+        """A training micro-step: the loss of model(idx, targets), backpropagated (scaled by loss_scale).
+
+        With detach_between_steps each supervision step is backpropagated as soon as its loss is known, so only one
+        step's activations and logits are alive at a time: memory stops growing with the number of steps. The
+        gradients equal those of total.backward(): d total / d loss_s = w_s + c / sg(loss_{s-1}) for s >= 1.
+        Returns (total, aux) like model(idx, targets), detached.
+        """
+        c = self.config
+        if not c.detach_between_steps:
+            total, aux = self(idx, targets)
+            (total * loss_scale).backward()
+            return total.detach(), aux
+        x = norm(self.transformer.wte(idx))
+        x_leaf = x.detach().requires_grad_()  # every step reads x: collect its gradient, backprop into wte once
+        weights = supervision_weights(c.n_sup_train, c.supervision_weight_base)
+        step_losses = []
+        for s, y in enumerate(self.refine(idx, c.n_sup_train, x=x_leaf)):
+            logits = self.head(y)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            weight = weights[s] + (c.improvement_reward_scale / step_losses[-1] if s else 0.0)
+            (loss * weight * loss_scale).backward()
+            step_losses.append(loss.detach())
+        x.backward(x_leaf.grad)
+        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
+        losses = torch.stack(step_losses)
+        return total, {"step_losses": losses, "refinement": (losses[0] - losses[-1]) / losses[0]}
 
     def step_logits(self, idx, n_sup=None):
         """Logits of every supervision step, (N, B, T, V): to watch a draft become the final answer."""

@@ -11,8 +11,8 @@ The peak comes at the start of backward, when every supervision step's graph is 
     + the transient working set of backward (the last head's (B, T, vocab) gradients, or one recomputed layer
       visit under activation checkpointing).
 
-detach_between_steps changes none of it: it cuts the gradient between steps, but forward() returns one loss over
-all steps, so every step's saved tensors are alive when backward() starts.
+With detach_between_steps, GPT.forward_backward backpropagates each supervision step as soon as its loss is known,
+so only one step's activations and logits are alive at a time.
 
 The counts follow eager PyTorch tensor by tensor (listed in _block_bytes_per_token); torch.compile fuses pointwise
 ops and usually needs less, so for a compiled run this errs on the safe side.
@@ -100,7 +100,8 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1):
     # DistAdamW: exp_avg and exp_avg_sq for this rank's 1/world_size slice of each (zero-padded) parameter
     adamw_state = 2 * sum(math.ceil(n / world_size) for n in adamw)
     block = _block_bytes_per_token(c, dtype)
-    visits = c.n_sup_train * c.n_layer  # layer visits with gradient (the last sweep of each supervision step)
+    steps_alive = 1 if c.detach_between_steps else c.n_sup_train  # graphs alive at once (see forward_backward)
+    visits = steps_alive * c.n_layer  # layer visits with gradient (the last sweep of each supervision step)
     deltas_per_visit = c.n_loops + 1 if c.n_loops else 1
     if c.activation_checkpointing:
         # a checkpointed visit keeps only its inputs y and z (x is shared); backward recomputes one visit at a time
@@ -109,7 +110,7 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1):
     else:
         activations = visits * deltas_per_visit * block * tokens
         recompute = 0
-    logits = c.n_sup_train * _head_bytes_per_token(c, dtype) * tokens
+    logits = steps_alive * _head_bytes_per_token(c, dtype) * tokens
     # backward of the last head holds about three (B, T, vocab) float32 gradients at once
     transient = max(3 * 4 * c.vocab_size * tokens, recompute)
     parts = {

@@ -385,7 +385,7 @@ def oom_message(args):
     return (f"CUDA out of memory at --device_batch_size={args.device_batch_size}, --max_seq_len={args.max_seq_len}, "
             f"--depth={args.depth}. Lower --device_batch_size (e.g. {smaller}) with --gradient_accumulation_steps="
             f"{accum} to keep the same effective batch; or lower --max_seq_len or --depth; or turn on "
-            f"--activation_checkpointing (or --detach_between_steps) to stop storing every step's activations.")
+            f"--activation_checkpointing, or --detach_between_steps (one supervision step's activations alive at a time).")
 
 
 def train(args):
@@ -484,9 +484,13 @@ def train(args):
         try:
             for j, loader in enumerate(loaders):
                 x, y = next(loader)
-                with autocast_for(args):
-                    loss, aux = train_model(x, y)
-                (loss / args.grad_accum).backward()
+                if model.config.detach_between_steps:  # backward step by step: see GPT.forward_backward
+                    with autocast_for(args):
+                        loss, aux = model.forward_backward(x, y, loss_scale=1 / args.grad_accum)
+                else:
+                    with autocast_for(args):
+                        loss, aux = train_model(x, y)
+                    (loss / args.grad_accum).backward()
                 total += loss.detach() / args.grad_accum
                 step_losses += aux["step_losses"].float() / args.grad_accum
         except torch.OutOfMemoryError:
