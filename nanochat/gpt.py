@@ -70,6 +70,9 @@ class GPTConfig:
         if self.n_head % self.n_kv_head:
             raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head} "
                              f"(each key/value head serves n_head/n_kv_head query heads)")
+        if self.n_loops == 0 and self.T_recursion > 1:
+            raise ValueError(f"GPTConfig.T_recursion={self.T_recursion} needs n_loops >= 1: a plain block never re-reads "
+                             f"the input, so the no-gradient sweeps would cut the embedding off from the loss")
         if self.activation_fn not in ACTIVATIONS:
             raise ValueError(f"GPTConfig.activation_fn={self.activation_fn!r} is unknown; choose one of {ACTIVATIONS}")
         if not self.supervision_weight_base > 0:

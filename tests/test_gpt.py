@@ -1,0 +1,447 @@
+"""Tests for the TRM GPT: causality, gradient flow, baseline equivalence, the deep-supervision loss, the config."""
+
+import importlib.util
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat.gpt import GPT, GPTConfig, deep_supervision_loss, supervision_weights
+from nanochat.optim import clip_and_step
+
+GPT_SOURCE = Path(__file__).resolve().parents[1] / "nanochat" / "gpt.py"
+
+
+def tiny_config(**overrides):
+    base = dict(sequence_len=16, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                n_loops=1, T_recursion=1, n_sup_train=2)
+    return GPTConfig(**{**base, **overrides})
+
+
+def random_model(config, seed=0):
+    """A model whose zero-initialised projections (c_proj, lm_head) are randomised: with them at zero every block
+    is the identity and the logits are uniform, so causality and gradient tests would pass vacuously."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():
+                p.normal_(std=1.0 / math.sqrt(p.size(-1)))
+    assert all(p.any() for p in model.parameters())
+    return model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors: a second intra-op thread only adds synchronisation, and on a loaded 2-core box it costs 10-50x
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_batch(config, B=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, config.vocab_size, (B, config.sequence_len), generator=g)
+    targets = torch.randint(0, config.vocab_size, (B, config.sequence_len), generator=g)
+    return idx, targets
+
+
+# ---------------------------------------------------------------------------------------------------- causality
+
+# every value of every axis appears: n_loops x T_recursion x activation, with n_sup, GQA and detach cycled
+CAUSALITY_CONFIGS = [
+    dict(n_loops=n_loops, T_recursion=T, activation_fn=act, n_sup_train=1 + i % 4, n_sup_inference=1 + i % 4,
+         n_kv_head=2 if i % 2 else 4, detach_between_steps=bool(i // 2 % 2))
+    for i, (n_loops, T, act) in enumerate(itertools.product([0, 1, 2], [1, 2], ["relu_squared", "swiglu", "geglu"]))
+    if n_loops or T == 1  # T_recursion > 1 needs latent loops (see the validation test)
+]
+
+
+@pytest.mark.parametrize("overrides", CAUSALITY_CONFIGS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@torch.no_grad()
+def test_future_tokens_change_no_logit_or_loss_at_or_before_t(overrides):
+    config = tiny_config(**overrides)
+    model = random_model(config)
+    idx, targets = random_batch(config)
+    t = 6
+    idx2, targets2 = idx.clone(), targets.clone()
+    idx2[:, t + 1:] = (idx[:, t + 1:] + 1) % config.vocab_size  # every later token differs
+    targets2[:, t + 1:] = (targets[:, t + 1:] + 1) % config.vocab_size
+    logits, logits2 = model.step_logits(idx), model.step_logits(idx2)
+    losses = model(idx, targets, loss_reduction="none")
+    losses2 = model(idx2, targets2, loss_reduction="none")
+    assert logits.shape[0] == losses.shape[0] == config.n_sup_train
+    # every supervision step, every position <= t: identical
+    torch.testing.assert_close(logits[:, :, :t + 1], logits2[:, :, :t + 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(losses[:, :, :t + 1], losses2[:, :, :t + 1], atol=1e-5, rtol=1e-5)
+    # ...while the perturbation really reached the later positions of every step (otherwise the above proves nothing)
+    for s in range(config.n_sup_train):
+        assert not torch.allclose(logits[s, :, t + 1:], logits2[s, :, t + 1:], atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------- gradients
+
+@pytest.mark.parametrize("T_recursion, n_loops", [
+    (1, 0), (1, 1), (1, 2), (2, 1), (2, 2),
+])
+def test_every_parameter_of_every_layer_gets_a_gradient(T_recursion, n_loops):
+    config = tiny_config(T_recursion=T_recursion, n_loops=n_loops, n_sup_train=2)
+    model = random_model(config)
+    total, _ = model(*random_batch(config))
+    total.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"
+
+
+@pytest.mark.parametrize("T_recursion", [1, 2])
+def test_activation_checkpointing_gives_the_same_gradients(T_recursion):
+    config = tiny_config(n_loops=2, T_recursion=T_recursion, n_sup_train=2)
+    model = random_model(config)
+    ckpt = GPT(config.replace(activation_checkpointing=True))
+    ckpt.load_state_dict(model.state_dict())
+    batch = random_batch(config)
+    loss, _ = model(*batch)
+    loss_ckpt, _ = ckpt(*batch)
+    loss.backward()
+    loss_ckpt.backward()
+    torch.testing.assert_close(loss_ckpt, loss)
+    for (name, p), q in zip(model.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_plain_blocks_with_no_grad_sweeps_are_rejected():
+    # a plain block (n_loops=0) never re-reads x, and the no-grad sweeps would consume y = x: nothing reaches wte
+    with pytest.raises(ValueError, match="T_recursion=2 needs n_loops >= 1"):
+        tiny_config(n_loops=0, T_recursion=2)
+
+
+@pytest.mark.parametrize("detach, T_recursion", [(False, 1), (True, 1), (True, 2)])
+def test_forward_backward_gives_the_gradients_of_the_total(detach, T_recursion):
+    # with detach, forward_backward backpropagates step by step; the gradients must equal total.backward()'s
+    config = tiny_config(n_loops=1, T_recursion=T_recursion, n_sup_train=3, detach_between_steps=detach)
+    model = random_model(config)
+    stepwise = GPT(config)
+    stepwise.load_state_dict(model.state_dict())
+    batch = random_batch(config)
+    total, aux = model(*batch)
+    (total * 0.5).backward()
+    total_s, aux_s = stepwise.forward_backward(*batch, loss_scale=0.5)
+    torch.testing.assert_close(total_s, total.detach())
+    torch.testing.assert_close(aux_s["step_losses"], aux["step_losses"])
+    for (name, p), q in zip(model.named_parameters(), stepwise.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_detach_between_steps_keeps_forward_and_still_trains_every_parameter():
+    config = tiny_config(n_loops=1, T_recursion=1, n_sup_train=3)
+    model = random_model(config)
+    detached = GPT(config.replace(detach_between_steps=True))
+    detached.load_state_dict(model.state_dict())
+    batch = random_batch(config)
+    total, aux = model(*batch)
+    total_d, aux_d = detached(*batch)
+    torch.testing.assert_close(aux_d["step_losses"], aux["step_losses"])
+    torch.testing.assert_close(total_d, total)
+    total.backward()
+    total_d.backward()
+    for name, p in detached.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"
+    # the flag must actually cut something: gradients through earlier steps' states are gone
+    assert any(not torch.allclose(p.grad, q.grad) for p, q in zip(model.parameters(), detached.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------------- baseline
+
+def reference_gpt(model, idx, targets):
+    """nanochat's plain pre-norm GPT (late 2025), written out from the raw weights, sharing no code with gpt.py."""
+    c = model.config
+    W = {k: v.detach() for k, v in model.state_dict().items()}
+    B, T = idx.shape
+    hd = c.n_embd // c.n_head
+
+    def rms_norm(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
+
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, hd, 2).float() / hd)
+    angles = torch.arange(T).float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+    cos, sin = angles.cos()[None, None], angles.sin()[None, None]
+
+    def rotary(x):  # x: (B, heads, T, hd); rotate the pairs (x_i, x_{i + hd/2})
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
+
+    def heads(x, n):
+        return x.view(B, T, n, hd).transpose(1, 2)
+
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    x = rms_norm(W["transformer.wte.weight"][idx])
+    for l in range(c.n_layer):
+        p = f"transformer.h.{l}."
+        h = rms_norm(x)
+        q = rms_norm(rotary(heads(h @ W[p + "attn.c_q.weight"].T, c.n_head)))
+        k = rms_norm(rotary(heads(h @ W[p + "attn.c_k.weight"].T, c.n_kv_head)))
+        v = heads(h @ W[p + "attn.c_v.weight"].T, c.n_kv_head)
+        group = c.n_head // c.n_kv_head  # query head i reads key/value head i // group
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, c.n_embd)
+        x = x + y @ W[p + "attn.c_proj.weight"].T
+        h = torch.relu(rms_norm(x) @ W[p + "mlp.c_fc.weight"].T) ** 2
+        x = x + h @ W[p + "mlp.c_proj.weight"].T
+    logits = rms_norm(x) @ W["lm_head.weight"].T
+    logits = 15 * torch.tanh(logits / 15)
+    loss = F.cross_entropy(logits.view(-1, c.vocab_size), targets.view(-1), ignore_index=-1)
+    return logits, loss
+
+
+def test_baseline_config_is_a_plain_pre_norm_gpt():
+    config = tiny_config(n_loops=0, T_recursion=1, n_sup_train=1, n_head=4, n_kv_head=2)
+    model = random_model(config)
+    idx, targets = random_batch(config)
+    targets[0, :3] = -1  # ignored positions
+    ref_logits, ref_loss = reference_gpt(model, idx, targets)
+    with torch.no_grad():
+        logits = model(idx)
+        total, aux = model(idx, targets)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(total, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux["step_losses"], ref_loss[None], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- the loss
+
+def test_supervision_weights_for_base_5_and_4_steps():
+    # 5**s / (1 + 5 + 25 + 125)
+    assert supervision_weights(4, 5.0) == pytest.approx([1 / 156, 5 / 156, 25 / 156, 125 / 156])
+    assert supervision_weights(4, 5.0) == pytest.approx([0.0064, 0.0321, 0.1603, 0.8013], abs=1e-4)
+
+
+@pytest.mark.parametrize("base", [3.0, 5.0, 10.0])
+@pytest.mark.parametrize("n_sup", [1, 2, 4])
+def test_supervision_weights_are_normalised_powers(base, n_sup):
+    denominator = sum(base ** j for j in range(n_sup))
+    assert supervision_weights(n_sup, base) == pytest.approx([base ** s / denominator for s in range(n_sup)])
+
+
+@pytest.mark.parametrize("preset", ["moderate", "aggressive", "extreme"])
+def test_total_is_weighted_losses_minus_improvement_reward(preset):
+    config = GPTConfig.with_refinement_preset(preset, **{k: getattr(tiny_config(), k) for k in
+                                                        ("sequence_len", "vocab_size", "n_layer", "n_head",
+                                                         "n_kv_head", "n_embd")}, n_sup_train=4)
+    model = random_model(config)
+    with torch.no_grad():
+        total, aux = model(*random_batch(config))
+    L = aux["step_losses"].tolist()
+    b, c = config.supervision_weight_base, config.improvement_reward_scale
+    w = [b ** s / sum(b ** j for j in range(4)) for s in range(4)]
+    expected = sum(ws * ls for ws, ls in zip(w, L)) - c * sum((L[s - 1] - L[s]) / L[s - 1] for s in range(1, 4))
+    assert total.item() == pytest.approx(expected, rel=1e-5)
+    assert aux["refinement"].item() == pytest.approx((L[0] - L[-1]) / L[0], rel=1e-5)
+
+
+def test_improvement_reward_stops_gradient_into_previous_step():
+    b, c = 5.0, 1.0
+    losses = torch.tensor([4.0, 3.0, 2.5, 2.4], requires_grad=True)
+    deep_supervision_loss(list(losses.unbind()), b, c).backward()
+    w = [b ** s / sum(b ** j for j in range(4)) for s in range(4)]
+    L = losses.tolist()
+    # d total / d loss_k = w_k + c / loss_{k-1}; no -c * loss_{k+1} / loss_k**2 term from the next step's reward
+    expected = [w[0]] + [w[k] + c / L[k - 1] for k in range(1, 4)]
+    torch.testing.assert_close(losses.grad, torch.tensor(expected))
+
+
+def test_model_gradient_is_the_stop_gradient_linearisation():
+    # through the model: grad(total) == grad(sum_k coef_k * loss_k) with coef_k = w_k + c / sg(loss_{k-1})
+    config = tiny_config(n_sup_train=3, improvement_reward_scale=2.0)
+    model = random_model(config)
+    batch = random_batch(config)
+    total, aux = model(*batch)
+    g_total = torch.autograd.grad(total, list(model.parameters()))
+    L = aux["step_losses"].tolist()
+    b, c = config.supervision_weight_base, config.improvement_reward_scale
+    w = [b ** s / sum(b ** j for j in range(3)) for s in range(3)]
+    coef = [w[0]] + [w[k] + c / L[k - 1] for k in range(1, 3)]
+    per_step = model(*batch, loss_reduction="none").mean(dim=(1, 2))
+    g_lin = torch.autograd.grad(sum(ck * lk for ck, lk in zip(coef, per_step)), list(model.parameters()))
+    for a, e in zip(g_total, g_lin):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------- the config
+
+@pytest.mark.parametrize("name, base, scale", [("moderate", 3.0, 0.5), ("aggressive", 5.0, 1.0),
+                                               ("extreme", 10.0, 2.0)])
+def test_refinement_presets(name, base, scale):
+    config = GPTConfig.with_refinement_preset(name)
+    assert (config.supervision_weight_base, config.improvement_reward_scale) == (base, scale)
+    # explicit overrides win over the preset
+    assert GPTConfig.with_refinement_preset(name, improvement_reward_scale=0.0).improvement_reward_scale == 0.0
+
+
+def test_unknown_preset_names_the_valid_ones():
+    with pytest.raises(ValueError) as e:
+        GPTConfig.with_refinement_preset("turbo")
+    assert all(name in str(e.value) for name in ("moderate", "aggressive", "extreme"))
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(n_embd=30, n_head=4), "n_embd"),  # head dimension not an integer
+    (dict(n_embd=12, n_head=4, n_kv_head=4), "n_embd"),  # odd head dimension: rotary needs pairs
+    (dict(n_head=4, n_kv_head=3), "n_kv_head"),
+    (dict(sequence_len=0), "sequence_len"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(n_layer=0), "n_layer"),
+    (dict(n_head=0), "n_head"),
+    (dict(n_kv_head=0), "n_kv_head"),
+    (dict(n_embd=0), "n_embd"),
+    (dict(n_loops=-1), "n_loops"),
+    (dict(T_recursion=0), "T_recursion"),
+    (dict(n_sup_train=0), "n_sup_train"),
+    (dict(n_sup_inference=0), "n_sup_inference"),
+    (dict(n_loops=1.5), "n_loops"),
+    (dict(supervision_weight_base=0.0), "supervision_weight_base"),
+    (dict(supervision_weight_base=-2.0), "supervision_weight_base"),
+    (dict(improvement_reward_scale=-0.1), "improvement_reward_scale"),
+    (dict(activation_fn="gelu"), "activation_fn"),
+])
+def test_invalid_config_raises_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**overrides)
+
+
+def test_zero_reward_scale_and_zero_loops_are_valid():
+    config = tiny_config(improvement_reward_scale=0.0, n_loops=0)
+    assert config.improvement_reward_scale == 0.0 and config.n_loops == 0
+
+
+def test_default_weight_lines_are_plain_literals():
+    # the guides tell users to edit exactly these lines between training phases
+    lines = [line.strip() for line in GPT_SOURCE.read_text().splitlines()]
+    assert "supervision_weight_base: float = 5.0" in lines
+    assert "improvement_reward_scale: float = 1.0" in lines
+    assert (GPTConfig().supervision_weight_base, GPTConfig().improvement_reward_scale) == (5.0, 1.0)
+
+
+def test_editing_the_default_lines_changes_plain_gptconfig(tmp_path, monkeypatch):
+    source = GPT_SOURCE.read_text()
+    edited = source.replace("supervision_weight_base: float = 5.0", "supervision_weight_base: float = 10.0")
+    edited = edited.replace("improvement_reward_scale: float = 1.0", "improvement_reward_scale: float = 2.0")
+    assert edited.count("= 10.0") > source.count("= 10.0") and edited.count("= 2.0") > source.count("= 2.0")
+    path = tmp_path / "gpt_edited.py"
+    path.write_text(edited)
+    spec = importlib.util.spec_from_file_location("gpt_edited", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpt_edited", module)
+    spec.loader.exec_module(module)
+    assert (module.GPTConfig().supervision_weight_base, module.GPTConfig().improvement_reward_scale) == (10.0, 2.0)
+    # and a model built from the edited defaults trains on them: total uses b=10, c=2
+    config = module.GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=4, n_kv_head=4, n_embd=32,
+                              n_loops=1, n_sup_train=2)
+    torch.manual_seed(0)
+    model = module.GPT(config)
+    model.init_weights()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.5)
+        total, aux = model(*random_batch(config))
+    L0, L1 = aux["step_losses"].tolist()
+    assert total.item() == pytest.approx(L0 / 11 + 10 * L1 / 11 - 2.0 * (L0 - L1) / L0, rel=1e-5)
+
+
+def test_n_sup_inference_defaults_to_n_sup_train_and_can_be_lower():
+    assert tiny_config(n_sup_train=3).n_sup_inference == 3
+    assert tiny_config(n_sup_train=3, n_sup_inference=1).n_sup_inference == 1
+    config = tiny_config(n_sup_train=3, n_sup_inference=1)
+    model = random_model(config)
+    idx, _ = random_batch(config)
+    with torch.no_grad():
+        logits = model(idx)
+        torch.testing.assert_close(logits, model(idx, n_sup=1))
+        assert not torch.allclose(logits, model(idx, n_sup=3), atol=1e-3)  # the steps really differ
+        assert model.step_logits(idx).shape[0] == 1
+        assert model(idx, idx, loss_reduction="none").shape[0] == 3  # training still uses n_sup_train
+
+
+def test_n_sup_argument_sets_the_number_of_supervised_steps():
+    config = tiny_config(n_sup_train=2)
+    model = random_model(config)
+    with torch.no_grad():
+        _, aux = model(*random_batch(config), n_sup=4)
+    assert aux["step_losses"].shape == (4,)
+
+
+# ---------------------------------------------------------------------------------------------------- flops
+
+def expected_flops(model, n_sup, backward=True):
+    """TRM per-token FLOPs from the spec: n_sup * [L*(n_loops+1) * (2 P_block + 4 h q t) * (3 + T-1) + 6 V d]."""
+    c = model.config
+    P_block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    attn = 4 * c.n_head * (c.n_embd // c.n_head) * c.sequence_len
+    grad_mult = 3 if backward else 1
+    per_app = 2 * P_block + attn
+    return n_sup * (c.n_layer * (c.n_loops + 1) * per_app * (grad_mult + c.T_recursion - 1)
+                    + grad_mult * 2 * c.vocab_size * c.n_embd)
+
+
+def test_plain_model_flops_are_nanochats_formula():
+    config = tiny_config(n_loops=0, T_recursion=1, n_sup_train=1)
+    model = GPT(config)
+    non_embedding = sum(p.numel() for p in model.parameters()) - model.transformer.wte.weight.numel()
+    L, h, q, t = config.n_layer, config.n_head, config.n_embd // config.n_head, config.sequence_len
+    assert model.estimate_flops() == 6 * non_embedding + 12 * L * h * q * t
+
+
+@pytest.mark.parametrize("n_loops, T_recursion", [(0, 1), (1, 1), (2, 1), (1, 2), (2, 3)])
+def test_flops_scale_with_the_recursion(n_loops, T_recursion):
+    config = tiny_config(n_loops=n_loops, T_recursion=T_recursion, n_sup_train=2, n_sup_inference=3)
+    model = GPT(config)
+    assert model.estimate_flops() == expected_flops(model, 2)
+    assert model.estimate_flops(n_sup=4) == 2 * model.estimate_flops(n_sup=2)
+    assert model.estimate_flops(backward=False) == expected_flops(model, 3, backward=False)
+
+
+def test_flops_count_the_block_applications_the_forward_makes():
+    # count attention calls (one per block application), with and without gradient, during one training forward
+    config = tiny_config(n_loops=2, T_recursion=2, n_sup_train=3)
+    model = random_model(config)
+    calls = {True: 0, False: 0}
+    for block in model.transformer.h:
+        block.attn.register_forward_hook(lambda *_: calls.__setitem__(torch.is_grad_enabled(),
+                                                                      calls[torch.is_grad_enabled()] + 1))
+    model(*random_batch(config, B=1))
+    P_block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    per_app = 2 * P_block + 4 * config.n_embd * config.sequence_len
+    head = 3 * 6 * config.vocab_size * config.n_embd
+    # n_sup=3 steps x n_layer x (n_loops + 1 = 3) applications, once with gradient and once (T_recursion - 1) without
+    assert calls[True] == 3 * config.n_layer * 3 and calls[False] == 3 * config.n_layer * 3
+    assert model.estimate_flops() == per_app * (3 * calls[True] + calls[False]) + head
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+def test_tiny_trm_overfits_one_batch_and_later_steps_are_better():
+    config = tiny_config(n_layer=1, n_embd=32, n_head=4, n_kv_head=4, n_loops=1, T_recursion=1, n_sup_train=3)
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.init_weights()  # the real init, zero projections included: training must get out of it
+    optimizers = model.setup_optimizers()
+    batch = random_batch(config, B=8)
+    first = None
+    for step in range(20):
+        total, aux = model(*batch)
+        total.backward()
+        clip_and_step(optimizers, grad_clip=1.0)
+        model.zero_grad(set_to_none=True)
+        first = aux["step_losses"] if first is None else first
+    with torch.no_grad():
+        _, aux = model(*batch)
+    losses = aux["step_losses"].tolist()
+    assert first.tolist() == pytest.approx([math.log(config.vocab_size)] * 3, rel=1e-4)  # uniform at init
+    assert losses[-1] < 0.1 * first[-1].item()
+    assert losses == sorted(losses, reverse=True), losses

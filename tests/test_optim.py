@@ -1,0 +1,158 @@
+"""Tests for Muon, AdamW, their distributed forms and clip_and_step."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanochat.adamw import AdamW
+from nanochat.muon import Muon, zeropower_via_newtonschulz5
+from nanochat.optim import clip_and_step
+from tests import dist_optim_worker as worker
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors: a second intra-op thread only adds synchronisation, and on a loaded 2-core box it costs 10-50x
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------------- Newton-Schulz
+
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (48, 96), (96, 48), (3, 64, 24)])
+def test_newton_schulz_puts_singular_values_of_random_rectangular_matrices_near_1(shape):
+    torch.manual_seed(0)
+    G = torch.randn(shape) * 37.0  # the scale must not matter
+    X = zeropower_via_newtonschulz5(G)
+    assert X.shape == G.shape
+    s = torch.linalg.svdvals(X)
+    assert s.min() > 0.5 and s.max() < 1.5, (s.min(), s.max())
+
+
+@pytest.mark.parametrize("n", [32, 128])
+def test_newton_schulz_puts_singular_values_of_square_matrices_near_1(n):
+    # a square Gaussian matrix has singular values arbitrarily close to 0, which 5 iterations cannot lift (Muon's
+    # known trade-off); give it a spread of 100x instead, about what a gradient's top directions span
+    torch.manual_seed(0)
+    U, _ = torch.linalg.qr(torch.randn(n, n))
+    V, _ = torch.linalg.qr(torch.randn(n, n))
+    G = U @ torch.diag(torch.logspace(-2, 0, n) * 5) @ V.T
+    s = torch.linalg.svdvals(zeropower_via_newtonschulz5(G))
+    assert s.min() > 0.5 and s.max() < 1.5, (s.min(), s.max())
+
+
+def test_newton_schulz_keeps_the_singular_vectors():
+    # orthogonalisation changes the singular values only: X ~ U V^T, so <X, U V^T> / ||U V^T||^2 is close to 1
+    torch.manual_seed(0)
+    G = torch.randn(40, 24)
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    X = zeropower_via_newtonschulz5(G)
+    polar = U @ Vh
+    cos = (X * polar).sum() / (X.norm() * polar.norm())
+    assert cos > 0.97
+
+
+# ---------------------------------------------------------------------------------------------------- Muon
+
+def least_squares(W, A, B):
+    return ((A @ W.T - B) ** 2).mean()
+
+
+def test_muon_update_points_downhill():
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(8, 16))
+    A, B = torch.randn(64, 16), torch.randn(64, 8)
+    least_squares(W, A, B).backward()
+    before = W.detach().clone()
+    Muon([W], lr=0.02).step()
+    assert ((W.detach() - before) * W.grad).sum() < 0
+
+
+def test_muon_decreases_a_least_squares_loss():
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.zeros(8, 16))
+    A = torch.randn(64, 16)
+    B = A @ (0.1 * torch.randn(8, 16)).T  # realisable: the optimum has zero loss
+    opt = Muon([W], lr=0.05)
+    start = least_squares(W, A, B).item()
+    for _ in range(30):
+        opt.zero_grad()
+        least_squares(W, A, B).backward()
+        opt.step()
+    assert least_squares(W, A, B).item() < 0.1 * start
+
+
+def test_muon_groups_params_by_shape():
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in [(4, 8), (8, 4), (4, 8), (2, 2)]]
+    groups = Muon(params).param_groups
+    assert sorted(len(g["params"]) for g in groups) == [1, 1, 2]
+    assert all(len({tuple(p.shape) for p in g["params"]}) == 1 for g in groups)
+
+
+# ---------------------------------------------------------------------------------------------------- AdamW
+
+def test_adamw_matches_torch_adamw():
+    torch.manual_seed(0)
+    p1 = torch.nn.Parameter(torch.randn(5, 3))
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    ours = AdamW([dict(params=[p1])], lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.1)
+    ref = torch.optim.AdamW([p2], lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(5):
+        g = torch.randn(5, 3)
+        p1.grad, p2.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(p1, p2)
+
+
+# ---------------------------------------------------------------------------------------------------- clipping
+
+class RecordingOptimizer:
+    def __init__(self, *grads):
+        self.grads, self.scales = grads, []
+
+    def reduce_grads(self):
+        return sum(g.square().sum() for g in self.grads)
+
+    def step(self, grad_scale=1.0):
+        self.scales.append(grad_scale)
+
+
+@pytest.mark.parametrize("clip, expected_scale", [(1.0, 1.0 / 13), (20.0, 1.0), (0.0, 1.0)])
+def test_clip_and_step_returns_global_norm_and_scales_to_the_clip(clip, expected_scale):
+    # two optimizers' gradients (3, 4) and (12,): global norm sqrt(9 + 16 + 144) = 13
+    a, b = RecordingOptimizer(torch.tensor([3.0, 4.0])), RecordingOptimizer(torch.tensor([12.0]))
+    assert clip_and_step([a, b], clip) == pytest.approx(13.0)
+    assert a.scales == b.scales == [pytest.approx(expected_scale, rel=1e-5)]
+
+
+# ---------------------------------------------------------------------------------------------------- distributed
+
+def test_dist_optimizers_on_two_gloo_ranks_match_single_process(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run([str(torchrun), "--standalone", f"--nproc_per_node={worker.WORLD_SIZE}",
+                             str(REPO / "tests" / "dist_optim_worker.py"), str(tmp_path)],
+                            env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reference = worker.run(distributed=False)
+    start = worker.build_gpt().state_dict()
+    for rank in range(worker.WORLD_SIZE):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        # same clipped norms as the single process, and the clip really clipped
+        norms = [n for pair in got["norms"] for n in pair]
+        assert norms == pytest.approx([n for pair in reference["norms"] for n in pair], rel=1e-5)
+        assert all(n > worker.GRAD_CLIP for n in norms)
+        for name, value in reference["gpt"].items():
+            torch.testing.assert_close(got["gpt"][name], value, atol=1e-5, rtol=1e-5, msg=f"rank {rank} {name}")
+            assert not torch.equal(value, start[name]), f"{name} never moved"
+        for i, value in enumerate(reference["toy"]):
+            torch.testing.assert_close(got["toy"][i], value, atol=1e-5, rtol=1e-5, msg=f"rank {rank} toy {i}")
