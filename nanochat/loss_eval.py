@@ -33,3 +33,10 @@ def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None):
 def refinement(values):
     """(first - last) / first: the fraction of the first draft's loss that the later steps removed."""
     return (values[0] - values[-1]) / values[0] if values and values[0] else 0.0
+
+
+def format_steps(values, digits=4, names=False):
+    """'2.70 > 2.64 < 2.65': per-step values joined by their true order, so an inversion is visible at a glance."""
+    parts = [f"step_{s} {v:.{digits}f}" if names else f"{v:.{digits}f}" for s, v in enumerate(values)]
+    signs = [">" if a > b else "<" if a < b else "=" for a, b in zip(values, values[1:])]
+    return parts[0] + "".join(f" {sign} {part}" for sign, part in zip(signs, parts[1:])) if parts else ""

@@ -14,7 +14,7 @@ import torch
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.common import atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init, print0
-from nanochat.loss_eval import evaluate_bpb, refinement
+from nanochat.loss_eval import evaluate_bpb, format_steps, refinement
 
 
 def parse_args(argv=None):
@@ -59,7 +59,7 @@ def main(argv=None):
                             world_size=world_size)
         bpb = evaluate_bpb(model, loader, steps, token_bytes, n_sup=n_sup, autocast=autocast)
         results[f"{split}_bpb"], results[f"{split}_refinement"] = bpb, refinement(bpb)
-        print0(f"{split:5s} bpb per step: {' > '.join(f'{b:.4f}' for b in bpb)} | refinement "
+        print0(f"{split:5s} bpb per step: {format_steps(bpb)} | refinement "
                f"{100 * refinement(bpb):.1f}%")
     if rank == 0:
         from nanochat.engine import Engine

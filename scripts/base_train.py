@@ -30,7 +30,7 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              device_available, get_base_dir, get_dist_info, gpu_peak_flops, print0)
 from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
-from nanochat.loss_eval import evaluate_bpb, refinement
+from nanochat.loss_eval import evaluate_bpb, format_steps, refinement
 from nanochat.optim import clip_and_step
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
@@ -534,7 +534,7 @@ def train(args):
                   "tok_per_sec": tok_per_sec, "mfu": mfu, "peak_mem_gb": mem_gb, "elapsed_s": elapsed(),
                   "cost": elapsed() / 3600 * price_per_hour if price_per_hour else None}
         metrics.log(record)
-        steps_text = " > ".join(f"{l:.3f}" for l in losses)
+        steps_text = format_steps(losses, digits=3)
         print0(f"step {step:05d}/{num_iterations} | loss {losses[-1]:.4f} | steps {steps_text} | refine "
                f"{100 * refinement(losses):5.1f}% | gnorm {grad_norm:.3f} | lrm {lrm:.2f} | {dt * 1000:.0f}ms | "
                f"{tok_per_sec:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem "
@@ -562,7 +562,7 @@ def run_eval(model, tokenizer, args, device, rank, world_size, token_bytes, Data
                             world_size=world_size)
         steps = args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size)
         bpb = evaluate_bpb(model, loader, steps, token_bytes, autocast=autocast_for(args))
-        print0(f"validation bpb per step: {' > '.join(f'{b:.4f}' for b in bpb)} | refinement "
+        print0(f"validation bpb per step: {format_steps(bpb)} | refinement "
                f"{100 * refinement(bpb):.1f}%")
         return bpb
     except Exception as e:  # noqa: BLE001 - evaluation must never end a paid run

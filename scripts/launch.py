@@ -28,6 +28,7 @@ import sys
 from nanochat import memory
 from nanochat.common import GPU_PEAK_BF16_FLOPS, get_base_dir
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.loss_eval import format_steps
 
 # The guides' table: GPUs per node, GPU model, its memory (GB), the node's $/hour, and per phase the device batch,
 # gradient accumulation and the guide's seconds per step (low, high).
@@ -353,7 +354,7 @@ def check_criteria(summary, phase):
     bpb = summary.get("val_bpb")
     results = []
     if bpb:
-        order = " > ".join(f"step_{s} {b:.4f}" for s, b in enumerate(bpb))
+        order = format_steps(bpb, names=True)
         results.append((all(a > b for a, b in zip(bpb, bpb[1:])), f"supervision order (val bpb): {order}"))
         refinement = 100 * summary["val_refinement"]
         lo, hi = ph["refinement"]

@@ -1,0 +1,355 @@
+"""
+Does refinement pay? Train a grid of configurations on the same data, tokenizer, seed and data order, evaluate each on
+the same validation tokens, and write a markdown table, a JSON file and plots to a results directory.
+
+    python -m scripts.compare                                                    # CPU default grid, equal FLOPs
+    python -m scripts.compare --mode=tokens --num_iterations=300 -- --depth=4 --n_embd=128 --max_seq_len=128
+    torchrun --standalone --nproc_per_node=8 -m scripts.compare -- --target_flops=2e18 -- --depth=12
+
+Budget modes:
+    tokens   every config trains --num_iterations steps on the same batches
+    flops    every config trains for the same training FLOPs: --target_flops, default --num_iterations steps of the
+             costliest config; iterations come from each model's recursion-aware estimate_flops, so a plain model
+             trains on proportionally more tokens (the same batches, in the same order, for longer)
+    params   equal tokens, plus for each TRM config a plain model of the same width made deeper (or of the same depth
+             made wider) until its FLOPs per token match the TRM's: same parameters vs same compute
+
+Configs are --config NAME="base_train flags" (repeatable; default: the grid below). Flags after a second `--` go to
+base_train for every config (a config's own flags win); with none, on CPU the small default model below is used.
+Every trained TRM model is then evaluated with 1 .. --inference_factor x n_sup_train supervision steps.
+Finished configs are recorded in <out>/compare.json after each one, so a rerun skips them; a config interrupted
+mid-training resumes from its last checkpoint (written every 5 minutes). On a shared CPU, OMP_NUM_THREADS=1 is often
+several times faster than oversubscribed threads.
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+from nanochat import checkpoint_manager as ckpt
+from nanochat.common import atomic_write_bytes, compute_cleanup, compute_init, get_dist_info, print0
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.loss_eval import format_steps
+from scripts import base_train
+from scripts.plot_run import read_metrics
+
+DEFAULT_GRID = {
+    "plain": "--n_loops=0 --n_sup_train=1",
+    "trm_l1_s2": "--n_loops=1 --n_sup_train=2",
+    "trm_l2_s4": "--n_loops=2 --n_sup_train=4",  # gpt.py's defaults with the aggressive preset (the guides' Phase 1)
+    "trm_l2_s4_extreme": "--n_loops=2 --n_sup_train=4 --preset=extreme",  # the guides' "97% refinement" Phase 2
+}
+# Two layers, as in the TRM paper's tiny network; the default grid took 9 min on 2 shared CPU cores (OMP_NUM_THREADS=1).
+CPU_MODEL = ["--depth=2", "--n_embd=128", "--n_head=2", "--max_seq_len=128", "--device_batch_size=8",
+             "--eval_tokens=16384", "--sample_tokens=8"]
+# Set by this script per config; a user value would silently break the comparison.
+MANAGED = ("--num_iterations", "--target_flops", "--target_param_data_ratio", "--model_tag", "--resume",
+           "--resume_from_step", "--eval_every", "--max_hours", "--max_cost")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        raise SystemExit(f"compare: error: {message}")
+
+
+def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # torchrun ... -m scripts.compare -- --mode=flops -- --depth=12
+        argv = argv[1:]
+    own, shared = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = Parser(prog="python -m scripts.compare", allow_abbrev=False, description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["tokens", "flops", "params"], default="flops", help="budget mode (see above)")
+    p.add_argument("--config", action="append", default=None, metavar='NAME="FLAGS"', help="a config of the grid")
+    p.add_argument("--num_iterations", type=int, default=128,
+                   help="steps of every config (tokens, params) or of the costliest config (flops)")
+    p.add_argument("--target_flops", type=float, default=None, help="flops mode: training FLOPs of every config")
+    p.add_argument("--match_by", choices=["depth", "width"], default="depth", help="params mode: how plain grows")
+    p.add_argument("--evals", type=int, default=4, help="validation evals per run besides step 0")
+    p.add_argument("--inference_factor", type=int, default=2, help="evaluate TRMs up to this x n_sup_train steps")
+    p.add_argument("--out", default="compare_results", help="results directory")
+    p.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
+    args = p.parse_args(own)
+    args.argv = argv
+    if args.num_iterations < 1 or args.evals < 1 or args.inference_factor < 1:
+        p.error("--num_iterations, --evals and --inference_factor must be >= 1")
+    if args.target_flops is not None and (args.mode != "flops" or args.target_flops <= 0):
+        p.error("--target_flops is for --mode=flops and must be > 0")
+    specs = args.config or [f"{name}={flags}" for name, flags in DEFAULT_GRID.items()]
+    args.configs = []
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.isidentifier():
+            p.error(f"--config {spec!r}: expected NAME=\"base_train flags\" with NAME a plain identifier")
+        args.configs.append((name, flags.split()))
+    names = [name for name, _ in args.configs]
+    if len(set(names)) != len(names):
+        p.error(f"config names must be unique, got {names}")
+    args.device_type = args.device_type or base_train.autodetect_device_type()
+    args.shared = shared or (CPU_MODEL if args.device_type == "cpu" else [])
+    for flag in args.shared + [f for _, flags in args.configs for f in flags]:
+        if flag.split("=")[0] in MANAGED:
+            p.error(f"{flag} is set by compare for each config; use compare's --mode/--num_iterations/--target_flops")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+def base_args(name, flags, world_size):
+    """base_train's parsed arguments for one config; bad flags exit naming the config."""
+    try:
+        return base_train.parse_args(flags, world_size=world_size, check_hardware=False)
+    except SystemExit as e:
+        raise SystemExit(f"compare: config {name}: {e}")
+
+
+def meta_model(args, vocab_size):
+    """The config's model without memory (meta device): enough for parameter and FLOP counts."""
+    with torch.device("meta"):
+        return GPT(GPTConfig(**args.model_config, vocab_size=vocab_size))
+
+
+def is_trm(args):
+    return args.model_config["n_loops"] > 0 or args.model_config["n_sup_train"] > 1
+
+
+def make_run(name, flags, shared, vocab_size, world_size):
+    args = base_args(name, shared + flags, world_size)
+    model = meta_model(args, vocab_size)
+    return {"name": name, "flags": shared + flags, "args": args, "model": model, "parameters": model.num_params(),
+            "flops_per_token": model.estimate_flops(), "tokens_per_step": args.total_batch_size}
+
+
+def matched_plain(trm, vocab_size, world_size, by):
+    """The plain model of the TRM's width (depth) with more layers (heads) whose FLOPs per token come closest."""
+    c, target = trm["args"].model_config, trm["flops_per_token"]
+    head_dim, group = c["n_embd"] // c["n_head"], c["n_head"] // c["n_kv_head"]
+    best = None
+    for k in range(1, 1024):  # wider = more heads of the same size, keeping the GQA grouping
+        depth, kv_heads = (k, c["n_kv_head"]) if by == "depth" else (c["n_layer"], k)
+        geometry = [f"--depth={depth}", f"--n_embd={kv_heads * group * head_dim}", f"--n_head={kv_heads * group}",
+                    f"--n_kv_head={kv_heads}"]
+        run = make_run(f"plain_{by[0]}{k}", trm["flags"] + geometry + ["--n_loops=0", "--n_sup_train=1",
+                                                                       "--T_recursion=1"], [], vocab_size, world_size)
+        if best is None or abs(run["flops_per_token"] - target) < abs(best["flops_per_token"] - target):
+            best = run
+        if run["flops_per_token"] >= target:
+            break
+    if abs(best["flops_per_token"] / target - 1) > 0.1:
+        raise SystemExit(f"compare: no plain model within 10% of {trm['name']}'s {target:.3e} FLOPs per token by "
+                         f"{by} (closest {best['flops_per_token']:.3e}); try --match_by="
+                         f"{'width' if by == 'depth' else 'depth'}")
+    best["matches"] = trm["name"]
+    return best
+
+
+def plan(args, vocab_size, world_size):
+    """Every run of the comparison with its parameters, FLOPs per token, iterations, tokens and training FLOPs."""
+    runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
+    data_order = {r["name"]: {**base_train.batch_geometry(r["args"]), "seed": r["args"].seed} for r in runs}
+    if len({json.dumps(v, sort_keys=True) for v in data_order.values()}) > 1:  # the batches depend on exactly these
+        raise SystemExit("compare: every config must see the same tokens in the same order, so batch flags and "
+                         "--seed belong after the second `--`, not in a config: " +
+                         "; ".join(f"{name} {v}" for name, v in data_order.items()))
+    if args.mode == "params":
+        trms = [r for r in runs if is_trm(r["args"])]
+        if not trms:
+            raise SystemExit("compare: --mode=params needs at least one TRM config to match")
+        matched = {}
+        for trm in trms:
+            run = matched_plain(trm, vocab_size, world_size, args.match_by)
+            matched.setdefault(run["name"], run)
+        runs += matched.values()
+    target = None
+    if args.mode == "flops":
+        target = args.target_flops or args.num_iterations * max(r["flops_per_token"] * r["tokens_per_step"]
+                                                                for r in runs)
+    for r in runs:
+        r["args"].num_iterations, r["args"].target_flops = (None, target) if target else (args.num_iterations, None)
+        r["iterations"] = base_train.num_iterations_for(r["args"], r["model"])[0]
+        r["tokens"] = r["iterations"] * r["tokens_per_step"]
+        r["train_flops"] = r["tokens"] * r["flops_per_token"]
+        eval_every = max(1, r["iterations"] // args.evals)
+        r["train_argv"] = r["flags"] + [f"--num_iterations={r['iterations']}", f"--eval_every={eval_every}",
+                                        "--save_every_minutes=5", "--keep_last=1", f"--device_type={args.device_type}"]
+        # the tag names the exact training, so a changed config never resumes another's checkpoints
+        r["tag"] = f"compare_{r['name']}_{hashlib.sha1(' '.join(r['train_argv']).encode()).hexdigest()[:8]}"
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------------- one run
+def train(run, world_size):
+    argv = run["train_argv"] + [f"--model_tag={run['tag']}"]
+    steps = ckpt.list_steps(run["tag"])
+    if steps and steps[-1] == run["iterations"]:
+        print0(f"{run['name']}: training already finished, evaluating")
+        return
+    args = base_train.parse_args(argv + (["--resume"] if steps else []), world_size=world_size)
+    try:
+        base_train.train(args)
+    except base_train.ExitWithMessage as e:
+        raise SystemExit(f"compare: {run['name']}: base_train: {e}")
+
+
+def inference_sweep(run, max_sup, device, rank, world_size):
+    """Validation bpb after each of 1 .. max_sup supervision steps (a model's step s never depends on later steps)."""
+    model, tokenizer, _ = ckpt.load_model(run["tag"], run["iterations"], device, n_sup_train=max_sup)
+    args = run["args"]
+    from nanochat.dataloader import DataLoader
+    from nanochat.tokenizer import get_token_bytes
+    bpb = base_train.run_eval(model, tokenizer, args, device, rank, world_size, get_token_bytes(device=device),
+                              DataLoader)
+    if bpb is None:
+        raise SystemExit(f"compare: {run['name']}: the inference evaluation failed (see the warning above)")
+    return [{"n_sup": k + 1, "flops_per_token": run["model"].estimate_flops(n_sup=k + 1, backward=False),
+             "val_bpb": b} for k, b in enumerate(bpb)]
+
+
+def result(run, inference):
+    """The numbers of one finished run, from its metrics.jsonl and summary.json."""
+    run_dir = ckpt.model_dir(run["tag"])
+    train_records, evals = read_metrics(run_dir)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    tail = train_records[-max(1, len(train_records) // 10):]  # last 10% of training batches, smoothed
+    final = evals[-1]["val_bpb"]
+    flops_per_step = run["flops_per_token"] * run["tokens_per_step"]
+    return {"name": run["name"], "tag": run["tag"], "flags": run["flags"], "matches": run.get("matches"),
+            "model_config": run["args"].model_config, "parameters": run["parameters"],
+            "flops_per_token": run["flops_per_token"], "iterations": run["iterations"], "tokens": run["tokens"],
+            "train_flops": run["train_flops"], "wall_time_s": summary["wall_time_s"],
+            "val_bpb": final, "final_bpb": final[-1], "val_refinement": evals[-1]["val_refinement"],
+            "train_refinement": sum(r["refinement"] for r in tail) / len(tail),
+            "evals": [{"step": e["step"], "tokens": e["step"] * run["tokens_per_step"],
+                       "train_flops": e["step"] * flops_per_step, "final_bpb": e["val_bpb"][-1]} for e in evals],
+            "inference": inference}
+
+
+# ---------------------------------------------------------------------------------------------------- reporting
+def human(x):
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def table(report):
+    rows = ["| config | parameters | FLOPs/token | tokens seen | training FLOPs | wall time | val bpb per step | "
+            "final bpb | val refinement | train refinement |", "|---" * 10 + "|"]
+    for r in report["runs"]:
+        name = r["name"] + (f" (≈ {r['matches']} FLOPs)" if r["matches"] else "")
+        rows.append(f"| {name} | {r['parameters']:,} | {human(r['flops_per_token'])} | {human(r['tokens'])} | "
+                    f"{human(r['train_flops'])} | {r['wall_time_s'] / 60:.1f} min | "
+                    f"{format_steps(r['val_bpb'])} | **{r['final_bpb']:.4f}** | "
+                    f"{100 * r['val_refinement']:.1f}% | {100 * r['train_refinement']:.1f}% |")
+    rows += ["", "Validation bpb by supervision steps at inference (inference FLOPs per token in brackets; "
+             "* = the steps the model was trained with):", "",
+             "| config | " + " | ".join(f"n_sup={k}" for k in range(1, report["max_inference_sup"] + 1)) + " |",
+             "|---" * (report["max_inference_sup"] + 1) + "|"]
+    for r in report["runs"]:
+        cells = [f"{i['val_bpb']:.4f}{'*' if i['n_sup'] == len(r['val_bpb']) else ''} ({human(i['flops_per_token'])})"
+                 for i in r["inference"]]
+        rows.append(f"| {r['name']} | " + " | ".join(cells + ["-"] * (report["max_inference_sup"] - len(cells))) + " |")
+    header = [f"Mode: **{report['mode']}**. Command: `{report['command']}` ({report['date']}, {report['device']}).",
+              f"Wall time summed over runs (training and periodic evals): {report['wall_time_s'] / 60:.1f} min.", ""]
+    return "\n".join(header + rows) + "\n"
+
+
+def plot(report, out):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("compare: matplotlib is not installed; pip install -e '.[plot]'")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for r in report["runs"]:
+        evals = r["evals"][1:]  # step 0 is the same untrained model for every config
+        for ax, x in zip(axes, ("train_flops", "tokens")):
+            ax.plot([e[x] for e in evals], [e["final_bpb"] for e in evals], marker="o", label=r["name"])
+    axes[0].set(title="final-step validation bpb vs training FLOPs", xlabel="training FLOPs", ylabel="bpb")
+    axes[1].set(title="final-step validation bpb vs tokens seen", xlabel="tokens", ylabel="bpb")
+    finish(fig, axes, os.path.join(out, "bpb_vs_training.png"))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for r in report["runs"]:
+        steps = [i["n_sup"] for i in r["inference"]]
+        bpb = [i["val_bpb"] for i in r["inference"]]
+        line, = axes[0].plot(steps, bpb, marker="o", label=r["name"])
+        axes[1].plot([i["flops_per_token"] for i in r["inference"]], bpb, marker="o", label=r["name"])
+        trained = len(r["val_bpb"]) - 1  # ring the step count the model was trained with
+        axes[0].plot(steps[trained], bpb[trained], "o", ms=12, mfc="none", color=line.get_color())
+    axes[0].set(title="validation bpb vs supervision steps at inference (ring = trained)", xlabel="n_sup",
+                ylabel="bpb")
+    axes[1].set(title="validation bpb vs inference FLOPs per token", xlabel="FLOPs per token", ylabel="bpb",
+                xscale="log")
+    finish(fig, axes, os.path.join(out, "bpb_vs_inference.png"))
+    plt.close("all")
+
+
+def finish(fig, axes, path):
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+
+
+def write_report(report, out):
+    atomic_write_bytes(os.path.join(out, "compare.json"), json.dumps(report, indent=2).encode())
+    atomic_write_bytes(os.path.join(out, "compare.md"), table(report).encode())
+    plot(report, out)
+
+
+# ---------------------------------------------------------------------------------------------------- the story
+def main(argv=None):
+    args = parse_args(argv)
+    world_size = get_dist_info()[3]
+    try:
+        base_train.check_data_ready()
+    except base_train.ExitWithMessage as e:
+        raise SystemExit(f"compare: {e}")
+    from nanochat.tokenizer import get_tokenizer
+    runs = plan(args, get_tokenizer().get_vocab_size(), world_size)
+    _, rank, _, _, device = compute_init(args.device_type)
+    path = os.path.join(args.out, "compare.json")
+    done = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            done = {r["tag"]: r for r in json.load(f)["runs"]}
+    print0(f"compare ({args.mode} mode): {len(runs)} runs, {sum(r['train_flops'] for r in runs):.3e} training FLOPs")
+    for r in runs:
+        print0(f"  {r['name']:22s} {r['parameters']:>12,} params  {r['flops_per_token']:.3e} FLOPs/token  "
+               f"{r['iterations']:>6} steps  {human(r['tokens']):>7} tokens  {r['train_flops']:.3e} FLOPs"
+               + ("  (done)" if r["tag"] in done else ""))
+    os.makedirs(args.out, exist_ok=True)
+    report = {"mode": args.mode, "command": " ".join(["python -m scripts.compare"] + args.argv),
+              "date": datetime.date.today().isoformat(), "device": f"{world_size} x {args.device_type}",
+              "wall_time_s": 0.0, "max_inference_sup": 1, "runs": []}
+    for i, run in enumerate(runs):
+        if run["tag"] in done:
+            print0(f"[{i + 1}/{len(runs)}] {run['name']}: finished in an earlier invocation, skipping")
+            report["runs"].append(done[run["tag"]])
+        else:
+            print0(f"[{i + 1}/{len(runs)}] {run['name']}: training {run['iterations']} steps ({run['tag']})")
+            train(run, world_size)
+            n_sup = run["args"].model_config["n_sup_train"]
+            max_sup = n_sup * args.inference_factor if is_trm(run["args"]) else 1  # a plain stack is no refiner
+            print0(f"[{i + 1}/{len(runs)}] {run['name']}: validation bpb for 1..{max_sup} supervision steps")
+            report["runs"].append(result(run, inference_sweep(run, max_sup, device, rank, world_size)))
+        report["wall_time_s"] = sum(r["wall_time_s"] for r in report["runs"])
+        report["max_inference_sup"] = max(len(r["inference"]) for r in report["runs"])
+        if rank == 0:
+            write_report(report, args.out)  # after every run: partial results are readable and a rerun skips them
+    print0(table(report))
+    print0(f"results: {os.path.abspath(args.out)}")
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""scripts/compare: budget arithmetic, a tiny grid end to end with interrupt and resume, identical data order."""
+
+import itertools
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from nanochat.gpt import GPT, GPTConfig
+from scripts import base_train, compare
+from tests.test_base_train import make_corpus
+
+TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=128",
+        "--sample_tokens=2", "--device_type=cpu"]
+GRID = ["--config", "plain=--n_loops=0 --n_sup_train=1", "--config", "trm=--n_loops=1 --n_sup_train=2"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a loaded 2-core box two threads are many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A NANOCHAT_BASE_DIR with shards (several row groups each) and a tiny tokenizer."""
+    from nanochat.tokenizer import RustBPETokenizer
+    base = tmp_path_factory.mktemp("base")
+    make_corpus(os.path.join(base, "base_data"))
+    texts = pq.read_table(os.path.join(base, "base_data", "shard_00000.parquet")).column("text").to_pylist()
+    RustBPETokenizer.train_from_iterator(iter(texts), 300).save(os.path.join(base, "tokenizer"))
+    return str(base)
+
+
+@pytest.fixture
+def base_dir(corpus, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", corpus)
+    return corpus
+
+
+def plan(*argv):
+    return compare.plan(compare.parse_args(list(argv)), vocab_size=4096, world_size=1)
+
+
+@pytest.mark.parametrize("budget", [["--num_iterations=20"], ["--target_flops=3e11"]])
+def test_equal_flops_iterations_spend_the_same_flops_within_one_step(budget):
+    runs = plan("--mode=flops", *budget, "--config", "plain=--n_loops=0 --n_sup_train=1",
+                "--config", "trm=--n_loops=1 --n_sup_train=2", "--config", "deep=--n_loops=2 --n_sup_train=4",
+                "--config", "sweeps=--n_loops=1 --n_sup_train=3 --T_recursion=2", "--", "--depth=2", "--n_embd=64",
+                "--max_seq_len=128", "--device_batch_size=4")
+    recursion = {"plain": (0, 1, 1), "trm": (1, 2, 1), "deep": (2, 4, 1), "sweeps": (1, 3, 2)}
+    for r in runs:  # each config's own recursion-aware estimate, not a plain model's
+        n_loops, n_sup, sweeps = recursion[r["name"]]
+        model = GPT(GPTConfig(sequence_len=128, vocab_size=4096, n_layer=2, n_embd=64, n_head=1, n_kv_head=1,
+                              n_loops=n_loops, n_sup_train=n_sup, T_recursion=sweeps))
+        assert r["flops_per_token"] == model.estimate_flops()
+        assert r["train_flops"] == r["iterations"] * r["tokens_per_step"] * r["flops_per_token"]
+    for a, b in itertools.combinations(runs, 2):
+        one_step = max(r["flops_per_token"] * r["tokens_per_step"] for r in (a, b))
+        assert abs(a["train_flops"] - b["train_flops"]) <= one_step, (a["name"], b["name"])
+    by_name = {r["name"]: r for r in runs}
+    assert by_name["plain"]["iterations"] > by_name["trm"]["iterations"] > by_name["deep"]["iterations"]
+    if budget == ["--num_iterations=20"]:  # the costliest config gets exactly the steps asked for
+        assert max(runs, key=lambda r: r["flops_per_token"])["iterations"] == 20
+
+
+@pytest.mark.parametrize("by", ["depth", "width"])
+def test_params_mode_matches_plain_flops_within_ten_percent(by):
+    runs = plan("--mode=params", f"--match_by={by}", "--num_iterations=7",
+                "--config", "plain=--n_loops=0 --n_sup_train=1", "--config", "trm=--n_loops=2 --n_sup_train=4",
+                "--", "--depth=2", "--n_embd=128", "--n_head=2")
+    by_name = {r["name"]: r for r in runs}
+    matched = [r for r in runs if r.get("matches")]
+    assert len(matched) == 1 and matched[0]["matches"] == "trm"
+    plain, trm = matched[0], by_name["trm"]
+    assert abs(plain["flops_per_token"] / trm["flops_per_token"] - 1) <= 0.1
+    assert plain["args"].model_config["n_loops"] == 0 and plain["args"].model_config["n_sup_train"] == 1
+    grown, kept = ("n_layer", "n_embd") if by == "depth" else ("n_embd", "n_layer")
+    assert plain["args"].model_config[grown] > trm["args"].model_config[grown]
+    assert plain["args"].model_config[kept] == trm["args"].model_config[kept]
+    assert plain["parameters"] > by_name["plain"]["parameters"] == trm["parameters"]
+    assert {r["iterations"] for r in runs} == {7}  # equal tokens
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_tiny_grid_end_to_end_then_interrupted_rerun_skips_finished_configs(base_dir, tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "results")
+    argv = ["--mode=flops", "--num_iterations=3", "--evals=1", f"--out={out}", *GRID, "--", *TINY]
+    real_train, trained = base_train.train, []
+
+    def interrupted(args):  # Ctrl-C as the second config starts
+        if trained:
+            raise KeyboardInterrupt
+        trained.append(args.model_tag)
+        return real_train(args)
+
+    monkeypatch.setattr(base_train, "train", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        compare.main(argv)
+    with open(os.path.join(out, "compare.json")) as f:
+        assert [r["name"] for r in json.load(f)["runs"]] == ["plain"]
+    first = read(os.path.join(out, "compare.json"))
+
+    trained.clear()
+    monkeypatch.setattr(base_train, "train", lambda args: trained.append(args.model_tag) or real_train(args))
+    capsys.readouterr()
+    compare.main(argv)
+    assert "plain: finished in an earlier invocation, skipping" in capsys.readouterr().out
+    assert len(trained) == 1 and trained[0].startswith("compare_trm_")
+    with open(os.path.join(out, "compare.json")) as f:
+        report = json.load(f)
+    plain, trm = report["runs"]
+    assert json.loads(first)["runs"][0] == plain  # kept, not retrained
+    assert plain["iterations"] > trm["iterations"] == 3
+    assert len(trm["val_bpb"]) == 2 and [i["n_sup"] for i in trm["inference"]] == [1, 2, 3, 4]
+    assert trm["inference"][1]["val_bpb"] == pytest.approx(trm["val_bpb"][1], abs=1e-4)  # the same validation tokens
+    assert [i["n_sup"] for i in plain["inference"]] == [1]
+    assert trm["evals"][-1]["train_flops"] == trm["train_flops"] and trm["final_bpb"] == trm["val_bpb"][-1]
+    table = read(os.path.join(out, "compare.md")).decode()
+    assert "| plain | " in table and "| trm | " in table and "n_sup=4" in table
+    for png in ("bpb_vs_training.png", "bpb_vs_inference.png"):
+        assert read(os.path.join(out, png))[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_equal_tokens_mode_feeds_every_config_the_identical_token_stream(base_dir, tmp_path, monkeypatch):
+    from nanochat import dataloader
+    streams, current = {}, {}
+
+    class Recording(dataloader.DataLoader):
+        def __init__(self, tokenizer, B, T, split, *args, **kwargs):
+            super().__init__(tokenizer, B, T, split, *args, **kwargs)
+            self.split = split
+
+        def __next__(self):
+            x, y = super().__next__()
+            if self.split == "train":
+                streams.setdefault(current["tag"], []).append(torch.cat([x, y[:, -1:]], 1).tolist())
+            return x, y
+
+    real_train = base_train.train
+
+    def train(args):
+        current["tag"] = args.model_tag
+        return real_train(args)
+
+    monkeypatch.setattr(dataloader, "DataLoader", Recording)
+    monkeypatch.setattr(base_train, "train", train)
+    compare.main(["--mode=tokens", "--num_iterations=4", "--evals=1", f"--out={tmp_path}", *GRID, "--", *TINY,
+                  "--gradient_accumulation_steps=2"])
+    assert len(streams) == 2
+    plain, trm = streams.values()
+    assert len(plain) == 4 * 2  # 4 steps x 2 micro-batches
+    assert plain == trm
+    assert plain[0] != plain[2]  # a real stream, not one batch repeated
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode=equal"], "invalid choice: 'equal'"),
+    (["--config", "trm=--n_loops=1", "--config", "trm=--n_loops=2"], "config names must be unique"),
+    (["--config", "trm=--n_loops=1 --num_iterations=9"], "--num_iterations=9 is set by compare"),
+    (["--config", "trm=--n_lops=1"], "config trm: base_train: error: unknown flag --n_lops; did you mean --n_loops?"),
+    (["--config", "a=--n_loops=1", "--config", "b=--n_loops=0 --device_batch_size=4"], "same tokens in the same order"),
+    (["--mode=params", "--config", "plain=--n_loops=0 --n_sup_train=1"], "needs at least one TRM config"),
+])
+def test_bad_input_exits_with_a_clear_message(base_dir, tmp_path, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main([*argv, f"--out={tmp_path / 'results'}", "--", *TINY])
+    assert exit_info.value.code not in (0, None)
+    assert message in str(exit_info.value.code) + capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "results")
