@@ -131,7 +131,7 @@ def main():
 
     if args.no_memory:
         return
-    print(f"\npeak tensor memory of one training step above weights + optimizer state, MiB")
+    print("\npeak tensor memory of one training step above weights + optimizer state, MiB")
     print(f"{'config':<16} {'default':>8} {'ckpt':>8} {'detach':>8}")
     variants = [{}, dict(activation_checkpointing=True), dict(detach_between_steps=True)]
     for (name, *shape) in configs:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from nanochat import checkpoint_manager as ckpt
 from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              device_available, get_base_dir, get_dist_info, gpu_peak_flops, print0)
-from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
+from nanochat.gpt import GPTConfig, REFINEMENT_PRESETS
 from nanochat.loss_eval import evaluate_bpb, format_steps, refinement
 from nanochat.optim import clip_and_step
 
@@ -68,7 +68,6 @@ def build_parser():
     p = Parser(prog="python -m scripts.base_train", allow_abbrev=False,
                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                description="Pretrain the TRM GPT. Flags take --name=value or --name value.")
-    flag = p.add_argument
     model = p.add_argument_group("model (unset = preset, then the defaults written in nanochat/gpt.py)")
     model.add_argument("--depth", type=int, default=12, help="layers; width = 64*depth, head dim 128")
     model.add_argument("--n_embd", type=int, default=None, help="override the width derived from --depth")
@@ -363,7 +362,7 @@ def load_resume(args, model_config):
     if diffs:
         raise ExitWithMessage(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
                               f"different configuration:\n  " + "\n  ".join(diffs) +
-                              f"\nPass the checkpoint's values, or start a new run with another --model_tag.")
+                              "\nPass the checkpoint's values, or start a new run with another --model_tag.")
     return step, meta
 
 
@@ -410,7 +409,7 @@ def train(args):
     peak_flops = gpu_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     print_config(args, num_iterations, horizon_source, model, tokens_per_step)
 
-    start_step, prior_seconds, loader_states, best_bpb = 0, 0.0, [None] * args.grad_accum, None
+    start_step, prior_seconds, loader_states = 0, 0.0, [None] * args.grad_accum
     if resume:
         start_step, meta = resume
         model.load_state_dict(ckpt.load_model_weights(args.model_tag, start_step, device))

@@ -1,7 +1,14 @@
-"""Shared test setup."""
+"""Shared test setup: one torch thread, and a tiny corpus with a tiny tokenizer."""
 
+import os
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+
+WORDS = "the a model data refine step loss token draft answer of to in is was by with layer sweep".split()
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -11,3 +18,29 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def make_corpus(directory, num_shards=3, groups_per_shard=4, docs_per_group=20):
+    """Small shards with several row groups each, so every data rank of a 2x2 run has its own row groups."""
+    rng = random.Random(0)
+    os.makedirs(directory, exist_ok=True)
+    for s in range(num_shards):
+        writer = None
+        path = os.path.join(directory, f"shard_{s:05d}.parquet")
+        for _ in range(groups_per_shard):
+            docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) for _ in range(docs_per_group)]
+            table = pa.table({"text": docs})
+            writer = writer or pq.ParquetWriter(path, table.schema)
+            writer.write_table(table)
+        writer.close()
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A NANOCHAT_BASE_DIR with shards and a tiny tokenizer, shared by this module's runs."""
+    from nanochat.tokenizer import RustBPETokenizer
+    base = tmp_path_factory.mktemp("base")
+    make_corpus(os.path.join(base, "base_data"))
+    texts = pq.read_table(os.path.join(base, "base_data", "shard_00000.parquet")).column("text").to_pylist()
+    RustBPETokenizer.train_from_iterator(iter(texts), 300).save(os.path.join(base, "tokenizer"))
+    return str(base)

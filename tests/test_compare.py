@@ -4,43 +4,23 @@ import itertools
 import json
 import os
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 from nanochat.gpt import GPT, GPTConfig
 from scripts import base_train, compare
-from tests.test_base_train import make_corpus
 
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=128",
         "--sample_tokens=2", "--device_type=cpu"]
 GRID = ["--config", "plain=--n_loops=0 --n_sup_train=1", "--config", "trm=--n_loops=1 --n_sup_train=2"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a loaded 2-core box two threads are many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A NANOCHAT_BASE_DIR with shards (several row groups each) and a tiny tokenizer."""
-    from nanochat.tokenizer import RustBPETokenizer
-    base = tmp_path_factory.mktemp("base")
-    make_corpus(os.path.join(base, "base_data"))
-    texts = pq.read_table(os.path.join(base, "base_data", "shard_00000.parquet")).column("text").to_pylist()
-    RustBPETokenizer.train_from_iterator(iter(texts), 300).save(os.path.join(base, "tokenizer"))
-    return str(base)
-
 
 @pytest.fixture
-def base_dir(corpus, monkeypatch):
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", corpus)
-    return corpus
+def base_dir(base_dir, monkeypatch):
+    """The shared tiny corpus (tests/conftest.py) as NANOCHAT_BASE_DIR: compare runs base_train in this process."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    return base_dir
 
 
 def plan(*argv):

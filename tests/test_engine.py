@@ -14,14 +14,6 @@ from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 ATOL = 1e-4  # logits are soft-capped at 15; float32 reorderings move them by ~1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a loaded 2-core box two threads are many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def tiny_config(**overrides):
     base = dict(sequence_len=8, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,

@@ -36,14 +36,6 @@ def random_model(config, seed=0):
     return model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: a second intra-op thread only adds synchronisation, and on a loaded 2-core box it costs 10-50x
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def random_batch(config, B=2, seed=1):
     g = torch.Generator().manual_seed(seed)

@@ -16,14 +16,6 @@ from tests import dist_optim_worker as worker
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: a second intra-op thread only adds synchronisation, and on a loaded 2-core box it costs 10-50x
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # ---------------------------------------------------------------------------------------------------- Newton-Schulz
 

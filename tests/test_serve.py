@@ -8,21 +8,12 @@ import time
 
 import httpx
 import pytest
-import torch
 import uvicorn
 
 from nanochat.engine import Engine
 from scripts import serve
 from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a loaded 2-core box two threads are many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
