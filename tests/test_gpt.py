@@ -91,20 +91,30 @@ def test_every_parameter_of_every_layer_gets_a_gradient(T_recursion, n_loops):
         assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"
 
 
+def twin(model, config):
+    """A model under another config with the same weights."""
+    other = GPT(config)
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def assert_same_grads(model, other):
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("T_recursion", [1, 2])
 def test_activation_checkpointing_gives_the_same_gradients(T_recursion):
     config = tiny_config(n_loops=2, T_recursion=T_recursion, n_sup_train=2)
     model = random_model(config)
-    ckpt = GPT(config.replace(activation_checkpointing=True))
-    ckpt.load_state_dict(model.state_dict())
+    ckpt = twin(model, config.replace(activation_checkpointing=True))
     batch = random_batch(config)
     loss, _ = model(*batch)
     loss_ckpt, _ = ckpt(*batch)
     loss.backward()
     loss_ckpt.backward()
     torch.testing.assert_close(loss_ckpt, loss)
-    for (name, p), q in zip(model.named_parameters(), ckpt.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert_same_grads(model, ckpt)
 
 
 def test_plain_blocks_with_no_grad_sweeps_are_rejected():
@@ -118,23 +128,20 @@ def test_forward_backward_gives_the_gradients_of_the_total(detach, T_recursion):
     # with detach, forward_backward backpropagates step by step; the gradients must equal total.backward()'s
     config = tiny_config(n_loops=1, T_recursion=T_recursion, n_sup_train=3, detach_between_steps=detach)
     model = random_model(config)
-    stepwise = GPT(config)
-    stepwise.load_state_dict(model.state_dict())
+    stepwise = twin(model, config)
     batch = random_batch(config)
     total, aux = model(*batch)
     (total * 0.5).backward()
     total_s, aux_s = stepwise.forward_backward(*batch, loss_scale=0.5)
     torch.testing.assert_close(total_s, total.detach())
     torch.testing.assert_close(aux_s["step_losses"], aux["step_losses"])
-    for (name, p), q in zip(model.named_parameters(), stepwise.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert_same_grads(model, stepwise)
 
 
 def test_detach_between_steps_keeps_forward_and_still_trains_every_parameter():
     config = tiny_config(n_loops=1, T_recursion=1, n_sup_train=3)
     model = random_model(config)
-    detached = GPT(config.replace(detach_between_steps=True))
-    detached.load_state_dict(model.state_dict())
+    detached = twin(model, config.replace(detach_between_steps=True))
     batch = random_batch(config)
     total, aux = model(*batch)
     total_d, aux_d = detached(*batch)
