@@ -6,6 +6,7 @@ Every other str round-trips exactly.
 """
 
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -90,6 +91,14 @@ class RustBPETokenizer:
         os.rename(tmp, directory)
         shutil.rmtree(old, ignore_errors=True)
         fsync_dir(os.path.dirname(directory))
+
+    def fingerprint(self):
+        """A short hash of the split pattern, merges and special tokens: equal iff two tokenizers give equal ids."""
+        h = hashlib.sha256(self.pattern.encode())
+        for token in sorted(self.mergeable_ranks, key=self.mergeable_ranks.get):
+            h.update(len(token).to_bytes(2, "little") + token)
+        h.update("\n".join(SPECIAL_TOKENS).encode())
+        return h.hexdigest()[:16]
 
     def get_vocab_size(self):
         return self.enc.n_vocab

@@ -144,3 +144,15 @@ def test_tok_train_then_eval(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "gpt2 (gpt2) is not available offline" in out
     assert [line.split()[0] for line in out.splitlines()[-2:]] == ["train", "val"]
+
+
+def test_fingerprint_changes_with_the_merges_and_not_with_the_object(tmp_path):
+    from nanochat.tokenizer import RustBPETokenizer
+    texts = ["the cat sat on the mat", "a dog ran to the log"] * 20
+    a = RustBPETokenizer.train_from_iterator(iter(texts), 300)
+    a.save(str(tmp_path / "a"))
+    again = RustBPETokenizer.from_directory(str(tmp_path / "a"))
+    other = RustBPETokenizer.train_from_iterator(iter(texts + ["zebra zebra zebra quartz"] * 30), 300)
+    assert len(a.fingerprint()) == 16
+    assert again.fingerprint() == a.fingerprint()
+    assert other.fingerprint() != a.fingerprint()
