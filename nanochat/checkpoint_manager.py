@@ -171,7 +171,7 @@ def prune_checkpoints(model_tag, keep_last):
 
 
 def build_model(config_dict, device):
-    config = GPTConfig(**config_dict)
+    config = GPTConfig.from_dict(config_dict)
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)

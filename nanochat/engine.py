@@ -18,10 +18,18 @@ import torch
 import torch.nn.functional as F
 
 
+def compute_dtype(model):
+    """The dtype activations, and so the cached keys and values, take: autocast's when it is on, else the weights'."""
+    device_type = model.lm_head.weight.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return model.lm_head.weight.dtype
+
+
 def kv_cache_bytes_per_token(model, n_sup, dtype=None):
     """Cache memory per token of one row: keys and values for every attention application of the recursion."""
     c = model.config
-    element_size = (dtype or model.lm_head.weight.dtype).itemsize
+    element_size = (dtype or compute_dtype(model)).itemsize
     return 2 * model.num_attention_slots(n_sup) * c.n_kv_head * (c.n_embd // c.n_head) * element_size
 
 

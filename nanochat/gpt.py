@@ -32,6 +32,10 @@ REFINEMENT_PRESETS = {
 }
 
 
+# Config fields added after checkpoints existed, and the behaviour those checkpoints were trained with.
+FIELDS_BEFORE_THEY_EXISTED = {"state_update": "residual", "sample_n_sup": False}
+
+
 @dataclass
 class GPTConfig:
     sequence_len: int = 2048
@@ -46,6 +50,10 @@ class GPTConfig:
     n_sup_train: int = 4  # supervision steps during training
     # None = same as n_sup_train: evaluating at a step that training barely weighted (or never saw) is a trap.
     n_sup_inference: int | None = None
+    state_update: str = "residual"  # how a layer visit writes into y and z: see STATE_UPDATES (n_loops >= 1 only)
+    # True: each optimizer step trains a random number of supervision steps, uniform on 1 .. 2*n_sup_train-1 (mean
+    # n_sup_train, so the same compute): every step must be a good answer, and stay one when run longer (Huginn).
+    sample_n_sup: bool = False
     detach_between_steps: bool = False  # True: carry y, z detached between steps (TRM paper); see forward_backward
     activation_checkpointing: bool = False  # recompute each layer visit in backward instead of storing it
     # The guides tell users to edit these two lines between phases (aggressive -> extreme): keep them plain literals.
@@ -73,6 +81,9 @@ class GPTConfig:
         if self.n_loops == 0 and self.T_recursion > 1:
             raise ValueError(f"GPTConfig.T_recursion={self.T_recursion} needs n_loops >= 1: a plain block never re-reads "
                              f"the input, so the no-gradient sweeps would cut the embedding off from the loss")
+        if self.state_update not in STATE_UPDATES:
+            raise ValueError(f"GPTConfig.state_update={self.state_update!r} is unknown; choose one of "
+                             f"{tuple(STATE_UPDATES)}")
         if self.activation_fn not in ACTIVATIONS:
             raise ValueError(f"GPTConfig.activation_fn={self.activation_fn!r} is unknown; choose one of {ACTIVATIONS}")
         if not self.supervision_weight_base > 0:
@@ -90,6 +101,12 @@ class GPTConfig:
         base, scale = REFINEMENT_PRESETS[name]
         return cls(**{"supervision_weight_base": base, "improvement_reward_scale": scale, **overrides})
 
+    @classmethod
+    def from_dict(cls, saved):
+        """The config of a checkpoint's meta: a field the checkpoint predates takes the value its model was trained
+        with, so old checkpoints keep loading as the model they are."""
+        return cls(**{**FIELDS_BEFORE_THEY_EXISTED, **saved})
+
     def to_dict(self):
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -101,7 +118,38 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
+# ---------------------------------------------------------------------------------------------------- state updates
+# How a layer visit writes the block's update D = D_l(u), computed on the block's input u, into a recursive state
+# (the latent z, with u = x + y + z, or the answer y, with u = y + z). `retain` is the layer's learned per-channel
+# decay of that state, used by "decay" only.
+
+def residual_update(state, u, delta, retain):
+    """state + D: an unbounded sum (the original recursion; kept to reproduce old runs)."""
+    return state + delta
+
+
+def postnorm_update(state, u, delta, retain):
+    """norm(state + D): the state stays at RMS 1, so the input x never fades against it."""
+    return norm(state + delta)
+
+
+def trm_update(state, u, delta, retain):
+    """norm(u + D): TRM's post-norm net, z <- net(x + y + z), y <- net(y + z); the state is replaced, not summed."""
+    return norm(u + delta)
+
+
+def decay_update(state, u, delta, retain):
+    """a * state + D with a = sigmoid(retain) in (0, 1) per channel: a contraction (Parcae), bounded by |D| / (1 - a)."""
+    return torch.sigmoid(retain) * state + delta
+
+
+STATE_UPDATES = {"residual": residual_update, "postnorm": postnorm_update, "trm": trm_update, "decay": decay_update}
+DECAY_INIT_LOGIT = 2.0  # sigmoid(2) = 0.88: close to the residual sum at first, still a contraction
+
+
 def apply_rotary_emb(x, cos, sin):
+    # rotate in x's dtype: float32 tables would promote autocast's bf16 q and k to float32 (v stays bf16)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     d = x.shape[3] // 2
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], 3)
@@ -126,6 +174,31 @@ def deep_supervision_loss(step_losses, base, scale):
         prev = prev.detach()
         total = total - scale * (prev - cur) / prev
     return total
+
+
+def backward(tensors, grads=None):
+    """torch.autograd.backward outside any autocast region: forward_backward interleaves forward and backward, and
+    backward must run in the dtypes autocast chose in forward, not be autocast again."""
+    with torch.autocast(tensors[0].device.type, enabled=False):
+        torch.autograd.backward(tensors, grads)
+
+
+def loss_aux(step_losses):
+    return {"step_losses": step_losses, "refinement": (step_losses[0] - step_losses[-1]) / step_losses[0]}
+
+
+STATE_DIAGNOSTICS = ("rms_y", "rms_z", "rms_update", "cos_update_y")
+
+
+@torch.no_grad()
+def state_diagnostics(previous_y, y, z):
+    """(4,) float32 for one supervision step: RMS of y and of z, RMS of the step's update y - y_prev, and the cosine
+    between that update and y_prev. A recursion that settles has a shrinking update; an unbounded one a growing
+    RMS of y and an update ever more parallel to y."""
+    rms = lambda t: t.float().square().mean().sqrt()
+    update = (y - previous_y).float()
+    cos = F.cosine_similarity(update.flatten(0, -2), previous_y.float().flatten(0, -2), dim=-1).mean()
+    return torch.stack([rms(y), rms(z) if z is not None else torch.zeros((), device=y.device), rms(update), cos])
 
 
 class CausalSelfAttention(nn.Module):
@@ -182,6 +255,9 @@ class Block(nn.Module):
         super().__init__()
         self.attn = CausalSelfAttention(config)
         self.mlp = MLP(config)
+        if config.n_loops and config.state_update == "decay":  # per-channel decay logits of z and of y
+            self.retain_z = nn.Parameter(torch.empty(config.n_embd))
+            self.retain_y = nn.Parameter(torch.empty(config.n_embd))
 
     def forward(self, u, cos_sin, kv_cache=None, slot=None):
         u = u + self.attn(norm(u), cos_sin, kv_cache, slot)
@@ -191,6 +267,19 @@ class Block(nn.Module):
         """D(u) = B(u) - u, the block's residual branches, computed without the cancellation of B(u) - u."""
         a = self.attn(norm(u), cos_sin, kv_cache, slot)
         return a + self.mlp(norm(u + a))
+
+
+def visit_layer(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
+    """One layer visit: n_loops latent updates then one answer update, each through `update` (a plain block when
+    n_loops=0, exactly nanochat's)."""
+    if n_loops == 0:
+        return block(y, cos_sin, kv_cache, slot), z
+    for i in range(n_loops):
+        u = x + y + z
+        z = update(z, u, block.delta(u, cos_sin, kv_cache, slot + i), getattr(block, "retain_z", None))
+    u = y + z
+    y = update(y, u, block.delta(u, cos_sin, kv_cache, slot + n_loops), getattr(block, "retain_y", None))
+    return y, z
 
 
 class GPT(nn.Module):
@@ -222,6 +311,9 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
+            if hasattr(block, "retain_y"):
+                nn.init.constant_(block.retain_z, DECAY_INIT_LOGIT)
+                nn.init.constant_(block.retain_y, DECAY_INIT_LOGIT)
         cos, sin = self._precompute_rotary(self.rotary_seq_len, self.config.n_embd // self.config.n_head)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
@@ -238,15 +330,17 @@ class GPT(nn.Module):
         c = self.config
         return n_sup * c.T_recursion * c.n_layer * (c.n_loops + 1)
 
+    def compile_layer_visits(self):
+        """Regional torch.compile: one compiled layer visit serves every layer, loop, sweep and supervision step, so
+        compile time does not grow with the recursion. Only training calls (gradient on, no KV cache) use it:
+        evaluation, the no-gradient sweeps and cached sampling run eagerly and never recompile the training graph."""
+        self._compiled_visit = torch.compile(visit_layer, dynamic=False)
+
     def _visit_layer(self, layer, x, y, z, cos_sin, kv_cache, slot):
-        """One layer visit: n_loops latent updates then one answer update (or a plain block when n_loops=0)."""
-        block = self.transformer.h[layer]
-        if self.config.n_loops == 0:
-            return block(y, cos_sin, kv_cache, slot), z
-        for i in range(self.config.n_loops):
-            z = z + block.delta(x + y + z, cos_sin, kv_cache, slot + i)
-        y = y + block.delta(y + z, cos_sin, kv_cache, slot + self.config.n_loops)
-        return y, z
+        compiled = getattr(self, "_compiled_visit", None)
+        visit = compiled if compiled is not None and kv_cache is None and torch.is_grad_enabled() else visit_layer
+        return visit(self.transformer.h[layer], x, y, z, cos_sin, self.config.n_loops,
+                     STATE_UPDATES[self.config.state_update], kv_cache, slot)
 
     def _sweep(self, x, y, z, cos_sin, kv_cache, slot):
         for layer in range(self.config.n_layer):
@@ -258,7 +352,7 @@ class GPT(nn.Module):
         return y, z
 
     def refine(self, idx, n_sup, kv_cache=None, x=None):
-        """Yield the answer state y after each of n_sup supervision steps (x: the embedded input, if precomputed)."""
+        """Yield the states (y, z) after each of n_sup supervision steps (x: the embedded input, if precomputed)."""
         c = self.config
         B, T = idx.shape
         T0 = kv_cache.pos if kv_cache is not None else 0
@@ -275,7 +369,7 @@ class GPT(nn.Module):
                 with torch.set_grad_enabled(torch.is_grad_enabled() and sweep == c.T_recursion - 1):
                     y, z = self._sweep(x, y, z, cos_sin, kv_cache, slot)
                 slot += slots_per_sweep
-            yield y
+            yield y, z
             if c.detach_between_steps:
                 y, z = y.detach(), (z.detach() if z is not None else None)
 
@@ -283,6 +377,12 @@ class GPT(nn.Module):
         softcap = 15.0
         logits = self.lm_head(norm(y)).float()
         return softcap * torch.tanh(logits / softcap)
+
+    def step_loss(self, y, targets, reduction="mean"):
+        logits = self.head(y)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                               reduction=reduction)
+        return loss.view(targets.shape) if reduction == "none" else loss
 
     def forward(self, idx, targets=None, n_sup=None, kv_cache=None, loss_reduction="mean"):
         """
@@ -293,61 +393,77 @@ class GPT(nn.Module):
         """
         c = self.config
         if targets is None:
-            n_sup = n_sup or c.n_sup_inference
-            for y in self.refine(idx, n_sup, kv_cache):
+            for y, _ in self.refine(idx, n_sup or c.n_sup_inference, kv_cache):
                 pass
             if kv_cache is not None:
                 kv_cache.advance(idx.size(1))
             return self.head(y)
-        n_sup = n_sup or c.n_sup_train
-        step_losses = []
-        for y in self.refine(idx, n_sup):
-            logits = self.head(y)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                                   reduction=loss_reduction)
-            step_losses.append(loss.view(targets.shape) if loss_reduction == "none" else loss)
+        step_losses = [self.step_loss(y, targets, loss_reduction) for y, _ in self.refine(idx, n_sup or c.n_sup_train)]
         if loss_reduction == "none":
             return torch.stack(step_losses)
         total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
-        losses = torch.stack([l.detach() for l in step_losses])
-        aux = {"step_losses": losses, "refinement": (losses[0] - losses[-1]) / losses[0]}
-        return total, aux
+        return total, loss_aux(torch.stack([l.detach() for l in step_losses]))
 
-    def forward_backward(self, idx, targets, loss_scale=1.0):
-        """A training micro-step: the loss of model(idx, targets), backpropagated (scaled by loss_scale).
+    def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None):
+        """A training micro-step: the loss of model(idx, targets, n_sup=n_sup), backpropagated (scaled by loss_scale).
 
-        With detach_between_steps each supervision step is backpropagated as soon as its loss is known, so only one
-        step's activations and logits are alive at a time: memory stops growing with the number of steps. The
-        gradients equal those of total.backward(): d total / d loss_s = w_s + c / sg(loss_{s-1}) for s >= 1.
-        Returns (total, aux) like model(idx, targets), detached.
+        Each supervision step's head (its (B, T, vocab) float32 logits) is backpropagated as soon as its loss is
+        known, into the lm_head and into a gradient for that step's answer state y_s; the logits are then freed, so
+        one step's logits are alive at a time, not all of them. The trunk (the recursion) is backpropagated from all
+        the y_s at the end, or, with detach_between_steps, step by step, so that only one step's activations are
+        alive either. The gradients equal those of total.backward(): d total / d loss_s = w_s + c / sg(loss_{s-1}).
+        Returns (total, aux) like model(idx, targets), detached, plus aux["state"]: state_diagnostics per step.
         """
         c = self.config
-        if not c.detach_between_steps:
-            total, aux = self(idx, targets)
-            (total * loss_scale).backward()
-            return total.detach(), aux
+        n_sup = n_sup or c.n_sup_train
+        weights = supervision_weights(n_sup, c.supervision_weight_base)
         x = norm(self.transformer.wte(idx))
         x_leaf = x.detach().requires_grad_()  # every step reads x: collect its gradient, backprop into wte once
-        weights = supervision_weights(c.n_sup_train, c.supervision_weight_base)
-        step_losses = []
-        for s, y in enumerate(self.refine(idx, c.n_sup_train, x=x_leaf)):
-            logits = self.head(y)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        step_losses, diagnostics, pending = [], [], []  # pending: (y_s, d loss / d y_s) of the trunk, not yet run
+        previous = x_leaf.detach()
+        for s, (y, z) in enumerate(self.refine(idx, n_sup, x=x_leaf)):
+            y_leaf = y.detach().requires_grad_()
+            loss = self.step_loss(y_leaf, targets)
             weight = weights[s] + (c.improvement_reward_scale / step_losses[-1] if s else 0.0)
-            (loss * weight * loss_scale).backward()
+            backward([loss * weight * loss_scale])
+            pending.append((y, y_leaf.grad))
+            if c.detach_between_steps:  # the next step starts from detached states: this step's graph can go now
+                backward(*zip(*pending))
+                pending = []
             step_losses.append(loss.detach())
-        x.backward(x_leaf.grad)
+            diagnostics.append(state_diagnostics(previous, y, z))
+            previous = y.detach()
+        if pending:
+            backward(*zip(*pending))
+        backward([x], [x_leaf.grad])
         total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
-        losses = torch.stack(step_losses)
-        return total, {"step_losses": losses, "refinement": (losses[0] - losses[-1]) / losses[0]}
+        return total, {**loss_aux(torch.stack(step_losses)), "state": torch.stack(diagnostics)}
+
+    @torch.no_grad()
+    def diagnose(self, idx, n_sup=None):
+        """state_diagnostics of every supervision step on a batch, (n_sup, 4): to see whether the recursion settles."""
+        previous, rows = norm(self.transformer.wte(idx)), []
+        for y, z in self.refine(idx, n_sup or self.config.n_sup_inference, x=previous):
+            rows.append(state_diagnostics(previous, y, z))
+            previous = y
+        return torch.stack(rows)
 
     def step_logits(self, idx, n_sup=None):
         """Logits of every supervision step, (N, B, T, V): to watch a draft become the final answer."""
-        return torch.stack([self.head(y) for y in self.refine(idx, n_sup or self.config.n_sup_inference)])
+        return torch.stack([self.head(y) for y, _ in self.refine(idx, n_sup or self.config.n_sup_inference)])
+
+    def train_depth(self, step):
+        """Supervision steps to train at optimizer step `step`: n_sup_train, or a draw that depends only on the step
+        (every rank and micro-batch agrees, and a resumed run draws the same)."""
+        c = self.config
+        if not c.sample_n_sup:
+            return c.n_sup_train
+        return int(torch.randint(1, 2 * c.n_sup_train, (), generator=torch.Generator().manual_seed(step)))
 
     # ---------------------------------------------------------------- accounting
     def block_params(self):
-        return sum(p.numel() for p in self.transformer.h[0].parameters())
+        """Weights of one block's matrices (the per-channel decays of state_update="decay" cost no matmul)."""
+        return sum(p.numel() for p in self.transformer.h[0].parameters() if p.ndim == 2)
 
     def estimate_flops(self, n_sup=None, backward=True):
         """FLOPs per token of one training step (backward=True) or one inference forward (backward=False).
@@ -372,19 +488,22 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # ---------------------------------------------------------------- optimizers
-    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0):
-        """Muon for the transformer matrices, AdamW for embedding and lm_head (distributed variants under DDP)."""
+    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
+                         scalar_lr=0.02):
+        """Muon for the transformer matrices, AdamW for embedding, lm_head and the per-channel state decays
+        (distributed variants under DDP)."""
         import torch.distributed as dist
         from nanochat.adamw import AdamW, DistAdamW
         from nanochat.muon import DistMuon, Muon
 
         ddp = dist.is_available() and dist.is_initialized()
-        matrix_params = list(self.transformer.h.parameters())
+        matrix_params = [p for p in self.transformer.h.parameters() if p.ndim == 2]
+        scalar_params = [p for p in self.transformer.h.parameters() if p.ndim < 2]  # Muon orthogonalises matrices only
         dmodel_lr_scale = (self.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768
         adam_groups = [
             dict(params=list(self.lm_head.parameters()), lr=unembedding_lr * dmodel_lr_scale),
             dict(params=list(self.transformer.wte.parameters()), lr=embedding_lr * dmodel_lr_scale),
-        ]
+        ] + ([dict(params=scalar_params, lr=scalar_lr)] if scalar_params else [])
         adam_cls, muon_cls = (DistAdamW, DistMuon) if ddp else (AdamW, Muon)
         adamw = adam_cls(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
         muon = muon_cls(matrix_params, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)

@@ -2,20 +2,22 @@
 Memory of one training micro-batch on one GPU, estimated from the config alone, so a launch script can refuse (or
 fix) a batch that would run out of memory before anyone pays for GPU time.
 
-The peak comes at the start of backward, when every supervision step's graph is still alive:
+The peak comes at the backward of the last supervision step's head, when every step's trunk graph is still alive:
     parameters (fp32) + gradients (fp32) + optimizer state (Muon momentum, AdamW's two moments; ZeRO-1 sharded
     under DDP) + the low-precision weight copies autocast keeps for backward
     + activations saved for backward by every block application with gradient (each loop, layer and supervision
-      step; the no-grad sweeps of T_recursion > 1 save nothing)
-    + what the head of every supervision step saves: (B, T, vocab) float32 tensors, which dominate at vocab 65536
-    + the transient working set of backward (the last head's (B, T, vocab) gradients, or one recomputed layer
-      visit under activation checkpointing).
+      step; the no-grad sweeps of T_recursion > 1 save nothing), and the gradient of each step's answer state
+    + what ONE supervision step's head saves: GPT.forward_backward backpropagates each head as soon as its loss is
+      known, so one step's (B, T, vocab) float32 tensors are alive at a time, whatever the number of steps
+    + the transient working set of backward (the head's (B, T, vocab) gradients, or one recomputed layer visit
+      under activation checkpointing).
 
-With detach_between_steps, GPT.forward_backward backpropagates each supervision step as soon as its loss is known,
-so only one step's activations and logits are alive at a time.
+With detach_between_steps, the trunk is backpropagated step by step as well, so one step's activations are alive.
+With sample_n_sup, a batch may train up to 2 * n_sup_train - 1 steps: the estimate covers that deepest batch.
 
-The counts follow eager PyTorch tensor by tensor (listed in _block_bytes_per_token); torch.compile fuses pointwise
-ops and usually needs less, so for a compiled run this errs on the safe side.
+The counts follow eager PyTorch tensor by tensor (listed in _block_bytes_per_token). torch.compile fuses pointwise
+ops and saves fewer tensors (measured on CPU inductor: about half of eager's activations), so for a compiled run
+this errs on the safe side.
 """
 
 import functools
@@ -41,7 +43,7 @@ def _block_bytes_per_token(config, dtype):
     """Bytes that one block application D(u) = attn + mlp saves for backward, per token.
 
     The residual stream is float32; under autocast (bf16/fp16) every linear saves its own low-precision copy of its
-    input and the rotary embedding promotes q and k back to float32 (cos and sin are float32 buffers).
+    input, and q and k stay in that precision through the rotary embedding and QK-norm.
     """
     C = config.n_embd
     Ckv = config.n_kv_head * (config.n_embd // config.n_head)
@@ -50,7 +52,7 @@ def _block_bytes_per_token(config, dtype):
     residual_inputs = 2 * 4 * C  # u and u + attn(u), saved by the two RMSNorms
     # fp32: the norm outputs are shared by the linears that read them; autocast casts them once per linear
     linear_inputs = (4 if autocast else 2) * act * C
-    rotary = 4 * (C + Ckv)  # rotated q and k, saved by QK-norm
+    rotary = act * (C + Ckv)  # rotated q and k, saved by QK-norm
     attention = act * (C + 2 * Ckv) + act * C  # the q, k, v that attention saves, and its output (c_proj's input)
     hidden = _mlp_hidden(config)
     # relu^2 saves relu's output and its square; gated: fc's output (gate and up), the activation and the product
@@ -67,19 +69,24 @@ def _head_bytes_per_token(config, dtype):
 def _param_counts(config):
     c = config  # cached on the fields that shape the parameters: fit_micro_batch asks many times
     return _param_counts_cached(c.vocab_size, c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.activation_fn,
-                                c.sequence_len)
+                                c.sequence_len, c.n_loops, c.state_update)
 
 
 @functools.lru_cache(maxsize=64)
-def _param_counts_cached(vocab_size, n_layer, n_embd, n_head, n_kv_head, activation_fn, sequence_len):
+def _param_counts_cached(vocab_size, n_layer, n_embd, n_head, n_kv_head, activation_fn, sequence_len, n_loops,
+                         state_update):
     config = GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head,
-                       activation_fn=activation_fn, sequence_len=sequence_len)
+                       activation_fn=activation_fn, sequence_len=sequence_len, n_loops=n_loops,
+                       state_update=state_update)
     with torch.device("meta"):  # shapes only: no memory, no init
         model = GPT(config)
     matrix_shapes = {}  # Muon groups its matrices by shape
     for p in model.transformer.h.parameters():
-        matrix_shapes.setdefault(tuple(p.shape), []).append(p.numel())
+        if p.ndim == 2:
+            matrix_shapes.setdefault(tuple(p.shape), []).append(p.numel())
+    # AdamW: the embedding, lm_head, and the per-channel decays of state_update="decay"
     adamw = [p.numel() for p in (model.transformer.wte.weight, model.lm_head.weight)]
+    adamw += [p.numel() for p in model.transformer.h.parameters() if p.ndim < 2]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return model.num_params(), matrix_shapes, adamw, buffers
 
@@ -99,8 +106,10 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1):
     muon_state = sum(math.ceil(len(sizes) / world_size) * sizes[0] for sizes in matrix_shapes.values())
     # DistAdamW: exp_avg and exp_avg_sq for this rank's 1/world_size slice of each (zero-padded) parameter
     adamw_state = 2 * sum(math.ceil(n / world_size) for n in adamw)
-    block = _block_bytes_per_token(c, dtype)
-    steps_alive = 1 if c.detach_between_steps else c.n_sup_train  # graphs alive at once (see forward_backward)
+    # a bounded state update saves its float32 result's input for the norm (or the state, for the decay's gradient)
+    block = _block_bytes_per_token(c, dtype) + (4 * c.n_embd if c.n_loops and c.state_update != "residual" else 0)
+    deepest = 2 * c.n_sup_train - 1 if c.sample_n_sup else c.n_sup_train
+    steps_alive = 1 if c.detach_between_steps else deepest  # trunk graphs alive at once (see forward_backward)
     visits = steps_alive * c.n_layer  # layer visits with gradient (the last sweep of each supervision step)
     deltas_per_visit = c.n_loops + 1 if c.n_loops else 1
     if c.activation_checkpointing:
@@ -110,7 +119,8 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1):
     else:
         activations = visits * deltas_per_visit * block * tokens
         recompute = 0
-    logits = steps_alive * _head_bytes_per_token(c, dtype) * tokens
+    # one head at a time; every step's answer state and its gradient wait for the trunk's backward
+    logits = _head_bytes_per_token(c, dtype) * tokens + steps_alive * 2 * 4 * c.n_embd * tokens
     # backward of the last head holds about three (B, T, vocab) float32 gradients at once
     transient = max(3 * 4 * c.vocab_size * tokens, recompute)
     parts = {

@@ -29,13 +29,14 @@ import torch.distributed as dist
 from nanochat import checkpoint_manager as ckpt
 from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              device_available, get_base_dir, get_dist_info, gpu_peak_flops, print0)
-from nanochat.gpt import GPTConfig, REFINEMENT_PRESETS
+from nanochat.gpt import GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
 from nanochat.loss_eval import evaluate_bpb, format_steps, refinement
 from nanochat.optim import clip_and_step
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
-MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "detach_between_steps",
-               "activation_checkpointing", "supervision_weight_base", "improvement_reward_scale"]
+MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "state_update",
+               "sample_n_sup", "detach_between_steps", "activation_checkpointing", "supervision_weight_base",
+               "improvement_reward_scale"]
 SAMPLE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The opposite of hot is", "import os\n"]
 
 
@@ -79,6 +80,10 @@ def build_parser():
     model.add_argument("--n_sup_train", type=int, default=None, help="supervision steps in training")
     model.add_argument("--n_sup_inference", type=int, default=None, help="supervision steps at inference")
     model.add_argument("--activation_fn", choices=["relu_squared", "swiglu", "geglu"], default=None)
+    model.add_argument("--state_update", choices=list(STATE_UPDATES), default=None,
+                       help="how the recursion writes into its states y, z (residual = unbounded sum)")
+    model.add_argument("--sample_n_sup", type=str2bool, nargs="?", const=True, default=None,
+                       help="train a random number of supervision steps per batch, 1..2*n_sup_train-1")
     model.add_argument("--detach_between_steps", type=str2bool, nargs="?", const=True, default=None)
     model.add_argument("--activation_checkpointing", type=str2bool, nargs="?", const=True, default=None)
     model.add_argument("--preset", default=None, help=f"refinement preset: {', '.join(REFINEMENT_PRESETS)}")
@@ -420,7 +425,8 @@ def train(args):
         ckpt.set_rng_state(state["rng"])
         prior_seconds = meta["elapsed_seconds"]
         print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
-    train_model = torch.compile(model, dynamic=False) if args.compile else model
+    if args.compile:
+        model.compile_layer_visits()
     loaders = [DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
                           rank=rank * args.grad_accum + j, world_size=world_size * args.grad_accum,
                           resume_state=loader_states[j]) for j in range(args.grad_accum)]
@@ -479,19 +485,17 @@ def train(args):
         # ---- one optimizer step
         t0 = time.time()
         total = torch.zeros((), device=device)
-        step_losses = torch.zeros(model.config.n_sup_train, device=device)
+        n_sup = model.train_depth(step)
+        step_losses = torch.zeros(n_sup, device=device)
+        state = torch.zeros(n_sup, 4, device=device)
         try:
             for j, loader in enumerate(loaders):
                 x, y = next(loader)
-                if model.config.detach_between_steps:  # backward step by step: see GPT.forward_backward
-                    with autocast_for(args):
-                        loss, aux = model.forward_backward(x, y, loss_scale=1 / args.grad_accum)
-                else:
-                    with autocast_for(args):
-                        loss, aux = train_model(x, y)
-                    (loss / args.grad_accum).backward()
+                with autocast_for(args):
+                    loss, aux = model.forward_backward(x, y, loss_scale=1 / args.grad_accum, n_sup=n_sup)
                 total += loss.detach() / args.grad_accum
                 step_losses += aux["step_losses"].float() / args.grad_accum
+                state += aux["state"] / args.grad_accum
         except torch.OutOfMemoryError:
             raise ExitWithMessage(oom_message(args), code=4)
         if ddp:
@@ -529,7 +533,8 @@ def train(args):
         mem_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
         eta = (num_iterations - step) * dt
         record = {"kind": "train", "step": step, "loss": losses[-1], "total_loss": total.item(), "step_losses": losses,
-                  "refinement": refinement(losses), "grad_norm": grad_norm, "lr_multiplier": lrm, "dt": dt,
+                  "refinement": refinement(losses), "state": [[round(v, 5) for v in row] for row in state.tolist()],
+                  "grad_norm": grad_norm, "lr_multiplier": lrm, "dt": dt,
                   "tok_per_sec": tok_per_sec, "mfu": mfu, "peak_mem_gb": mem_gb, "elapsed_s": elapsed(),
                   "cost": elapsed() / 3600 * price_per_hour if price_per_hour else None}
         metrics.log(record)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanochat.engine import Engine, KVCache, kv_cache_bytes_per_token, left_pad, sample_next
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPT, STATE_UPDATES, GPTConfig
 from scripts import base_sample
 from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
@@ -179,6 +179,36 @@ def test_bad_arguments_are_rejected_with_a_message(kwargs, message):
     kwargs = {"prompts": [[1, 2]], **kwargs}
     with pytest.raises(ValueError, match=message):
         engine.generate(**kwargs)
+
+
+@pytest.mark.parametrize("state_update", list(STATE_UPDATES))
+@pytest.mark.parametrize("T_recursion", [1, 2])
+@torch.no_grad()
+def test_cached_decoding_matches_full_forward_for_every_state_update(state_update, T_recursion):
+    config = tiny_config(n_loops=1, T_recursion=T_recursion, n_sup_train=3, state_update=state_update)
+    model = random_model(config)
+    idx = torch.randint(0, config.vocab_size, (2, config.sequence_len + 2), generator=torch.Generator().manual_seed(2))
+    for n_sup in (1, 3):
+        full = model(idx, n_sup=n_sup)
+        assert full.std() > 0.3
+        for prompt_len in (1, 5):
+            cached = cached_logits(model, idx, prompt_len, n_sup)
+            for t in range(prompt_len - 1, idx.size(1)):
+                torch.testing.assert_close(cached[:, t], model(idx[:, :t + 1], n_sup=n_sup)[:, -1], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_under_bf16_autocast_the_cache_holds_keys_and_values_in_bf16_and_its_size_is_predicted():
+    # float32 rotary tables used to promote q and k to float32 while v stayed bf16
+    model = random_model(tiny_config(n_loops=1, n_sup_train=2))
+    cache = KVCache(model.num_attention_slots(2), 2, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(torch.zeros(2, 4, dtype=torch.long), kv_cache=cache, n_sup=2)
+        per_token = kv_cache_bytes_per_token(model, 2)
+    assert {t.dtype for t in cache.k + cache.v} == {torch.bfloat16}
+    assert cache.bytes_allocated() == per_token * 2 * 6
+    assert per_token == kv_cache_bytes_per_token(model, 2, dtype=torch.float32) // 2  # half of fp32's
+    assert torch.isfinite(logits).all()
 
 
 @torch.no_grad()

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat.gpt import GPT, GPTConfig, deep_supervision_loss, supervision_weights
+from nanochat.gpt import (GPT, STATE_DIAGNOSTICS, STATE_UPDATES, GPTConfig, deep_supervision_loss,
+                          supervision_weights)
 from nanochat.optim import clip_and_step
 
 GPT_SOURCE = Path(__file__).resolve().parents[1] / "nanochat" / "gpt.py"
@@ -53,6 +54,12 @@ CAUSALITY_CONFIGS = [
     for i, (n_loops, T, act) in enumerate(itertools.product([0, 1, 2], [1, 2], ["relu_squared", "swiglu", "geglu"]))
     if n_loops or T == 1  # T_recursion > 1 needs latent loops (see the validation test)
 ]
+
+
+# every state update, with latent loops 1 and 2, sweeps 1 and 2, detached or not
+CAUSALITY_CONFIGS += [dict(state_update=u, n_loops=1 + i % 2, T_recursion=1 + i // 2 % 2, n_sup_train=3,
+                           n_sup_inference=3, detach_between_steps=bool(i % 3 == 0))
+                      for i, u in enumerate(STATE_UPDATES)]
 
 
 @pytest.mark.parametrize("overrides", CAUSALITY_CONFIGS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
@@ -123,19 +130,30 @@ def test_plain_blocks_with_no_grad_sweeps_are_rejected():
         tiny_config(n_loops=0, T_recursion=2)
 
 
-@pytest.mark.parametrize("detach, T_recursion", [(False, 1), (True, 1), (True, 2)])
-def test_forward_backward_gives_the_gradients_of_the_total(detach, T_recursion):
-    # with detach, forward_backward backpropagates step by step; the gradients must equal total.backward()'s
-    config = tiny_config(n_loops=1, T_recursion=T_recursion, n_sup_train=3, detach_between_steps=detach)
+@pytest.mark.parametrize("detach, T_recursion, n_loops, state_update, preset", [
+    (False, 1, 1, "residual", "aggressive"), (True, 1, 1, "residual", "aggressive"), (True, 2, 1, "residual", "moderate"),
+    (False, 1, 0, "residual", "extreme"), (False, 2, 2, "trm", "extreme"), (True, 1, 1, "postnorm", "moderate"),
+    (False, 1, 2, "decay", "aggressive"), (True, 2, 1, "decay", "extreme"),
+])
+def test_forward_backward_gives_the_gradients_of_the_total(detach, T_recursion, n_loops, state_update, preset):
+    # each step's head is backpropagated on its own (and with detach, each step's trunk too): the gradients must
+    # equal total.backward()'s
+    config = GPTConfig.with_refinement_preset(preset, **tiny_config(
+        n_loops=n_loops, T_recursion=T_recursion, n_sup_train=3, detach_between_steps=detach,
+        state_update=state_update).to_dict())
     model = random_model(config)
     stepwise = twin(model, config)
     batch = random_batch(config)
-    total, aux = model(*batch)
-    (total * 0.5).backward()
-    total_s, aux_s = stepwise.forward_backward(*batch, loss_scale=0.5)
-    torch.testing.assert_close(total_s, total.detach())
-    torch.testing.assert_close(aux_s["step_losses"], aux["step_losses"])
-    assert_same_grads(model, stepwise)
+    for n_sup in (3, 5):  # the trained count, and a deeper one as sample_n_sup draws
+        model.zero_grad(set_to_none=True)
+        stepwise.zero_grad(set_to_none=True)
+        total, aux = model(*batch, n_sup=n_sup)
+        (total * 0.5).backward()
+        total_s, aux_s = stepwise.forward_backward(*batch, loss_scale=0.5, n_sup=n_sup)
+        torch.testing.assert_close(total_s, total.detach())
+        torch.testing.assert_close(aux_s["step_losses"], aux["step_losses"])
+        assert aux_s["state"].shape == (n_sup, len(STATE_DIAGNOSTICS))
+        assert_same_grads(model, stepwise)
 
 
 def test_detach_between_steps_keeps_forward_and_still_trains_every_parameter():
@@ -200,8 +218,10 @@ def reference_gpt(model, idx, targets):
     return logits, loss
 
 
-def test_baseline_config_is_a_plain_pre_norm_gpt():
-    config = tiny_config(n_loops=0, T_recursion=1, n_sup_train=1, n_head=4, n_kv_head=2)
+@pytest.mark.parametrize("state_update", list(STATE_UPDATES))
+def test_baseline_config_is_a_plain_pre_norm_gpt(state_update):
+    # n_loops=0 is nanochat's GPT whatever state_update says: the update variants act on the recursion's y and z
+    config = tiny_config(n_loops=0, T_recursion=1, n_sup_train=1, n_head=4, n_kv_head=2, state_update=state_update)
     model = random_model(config)
     idx, targets = random_batch(config)
     targets[0, :3] = -1  # ignored positions
@@ -444,3 +464,92 @@ def test_tiny_trm_overfits_one_batch_and_later_steps_are_better():
     assert first.tolist() == pytest.approx([math.log(config.vocab_size)] * 3, rel=1e-4)  # uniform at init
     assert losses[-1] < 0.1 * first[-1].item()
     assert losses == sorted(losses, reverse=True), losses
+
+
+# ---------------------------------------------------------------------------------------------------- state updates
+
+def rms_of_y_by_step(state_update, n_sup=32):
+    config = tiny_config(n_loops=1, n_sup_train=2, state_update=state_update)
+    model = random_model(config)
+    diagnostics = model.diagnose(random_batch(config)[0], n_sup=n_sup)
+    return diagnostics[:, STATE_DIAGNOSTICS.index("rms_y")]
+
+
+@pytest.mark.parametrize("state_update", [u for u in STATE_UPDATES if u != "residual"])
+def test_bounded_state_updates_keep_the_state_rms_bounded_over_32_steps(state_update):
+    rms = rms_of_y_by_step(state_update)
+    assert torch.isfinite(rms).all()
+    assert rms[16:].max() < 1.2 * rms[4:16].max(), rms  # no growth with the step count
+    assert rms.max() < 20
+
+
+def test_the_residual_state_grows_with_the_step_count():
+    # the defect the bounded updates fix, and proof that the test above can fail
+    rms = rms_of_y_by_step("residual")
+    assert rms[31] > 1.5 * rms[15] > 2 * rms[3]
+
+
+def test_state_diagnostics_measure_the_update():
+    from nanochat.gpt import state_diagnostics
+    previous = torch.ones(2, 3, 4)
+    y = 3 * torch.ones(2, 3, 4)  # update 2 * previous: parallel
+    z = torch.full((2, 3, 4), -2.0)
+    rms_y, rms_z, rms_update, cos = state_diagnostics(previous, y, z).tolist()
+    assert (rms_y, rms_z, rms_update) == pytest.approx((3.0, 2.0, 2.0))
+    assert cos == pytest.approx(1.0)
+    assert state_diagnostics(previous, previous - torch.ones(2, 3, 4) * 0, None)[1] == 0
+
+
+def test_decay_parameters_are_per_channel_start_near_one_and_go_to_adamw():
+    config = tiny_config(n_loops=1, state_update="decay")
+    model = GPT(config)
+    model.init_weights()
+    block = model.transformer.h[0]
+    assert block.retain_y.shape == block.retain_z.shape == (config.n_embd,)
+    assert 0.8 < torch.sigmoid(block.retain_y).min() < 1
+    adamw, muon = model.setup_optimizers()
+    adam_params = {id(p) for g in adamw.param_groups for p in g["params"]}
+    muon_params = {id(p) for g in muon.param_groups for p in g["params"]}
+    assert id(block.retain_y) in adam_params and id(block.retain_y) not in muon_params
+    assert all(p.ndim == 2 for g in muon.param_groups for p in g["params"])
+    assert not hasattr(GPT(tiny_config(n_loops=1, state_update="trm")).transformer.h[0], "retain_y")
+
+
+def test_a_config_saved_before_state_update_existed_loads_as_the_residual_recursion():
+    saved = tiny_config(n_loops=1).to_dict()
+    del saved["state_update"], saved["sample_n_sup"]
+    config = GPTConfig.from_dict(saved)
+    assert config.state_update == "residual" and config.sample_n_sup is False
+    assert GPTConfig.from_dict({**saved, "state_update": "trm"}).state_update == "trm"
+
+
+def test_an_old_checkpoint_gives_the_same_logits_as_before(tmp_path, monkeypatch):
+    from nanochat import checkpoint_manager as ckpt
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    config = tiny_config(n_loops=1, n_sup_train=2)
+    model = random_model(config).eval()
+    meta = {"model_config": {k: v for k, v in config.to_dict().items() if k not in ("state_update", "sample_n_sup")}}
+    ckpt.save_checkpoint("old", 1, model, [], meta, rank_state={})
+    loaded = ckpt.build_model(ckpt.read_meta("old", 1)["model_config"], "cpu")
+    loaded.load_state_dict(ckpt.load_model_weights("old", 1, "cpu"))
+    idx = random_batch(config)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(idx), model(idx), atol=0, rtol=0)
+    assert loaded.config.state_update == "residual"
+
+
+def test_sampled_supervision_depth_is_uniform_with_the_trained_mean_and_fixed_per_step():
+    model = GPT(tiny_config(n_loops=1, n_sup_train=4, sample_n_sup=True))
+    depths = [model.train_depth(step) for step in range(2000)]
+    assert set(depths) == set(range(1, 8))
+    assert abs(sum(depths) / len(depths) - 4) < 0.15
+    assert [model.train_depth(step) for step in range(50)] == depths[:50]  # a resumed run draws the same
+    assert {GPT(tiny_config(n_sup_train=3)).train_depth(s) for s in range(20)} == {3}
+
+
+@pytest.mark.parametrize("state_update", list(STATE_UPDATES))
+def test_flops_are_the_same_for_every_state_update_and_for_sampled_depth(state_update):
+    base = GPT(tiny_config(n_loops=2, T_recursion=2, n_sup_train=3))
+    for overrides in (dict(state_update=state_update), dict(state_update=state_update, sample_n_sup=True)):
+        model = GPT(tiny_config(n_loops=2, T_recursion=2, n_sup_train=3, **overrides))
+        assert model.estimate_flops() == base.estimate_flops() == expected_flops(base, 3)
