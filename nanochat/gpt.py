@@ -330,17 +330,18 @@ class GPT(nn.Module):
         c = self.config
         return n_sup * c.T_recursion * c.n_layer * (c.n_loops + 1)
 
-    def compile_layer_visits(self):
+    def compile_layer_visits(self, backend="inductor"):
         """Regional torch.compile: one compiled layer visit serves every layer, loop, sweep and supervision step, so
         compile time does not grow with the recursion. Only training calls (gradient on, no KV cache) use it:
         evaluation, the no-gradient sweeps and cached sampling run eagerly and never recompile the training graph."""
-        self._compiled_visit = torch.compile(visit_layer, dynamic=False)
+        self._compiled_visit = torch.compile(visit_layer, dynamic=False, backend=backend)
 
     def _visit_layer(self, layer, x, y, z, cos_sin, kv_cache, slot):
+        args = (self.transformer.h[layer], x, y, z, cos_sin, self.config.n_loops, STATE_UPDATES[self.config.state_update])
         compiled = getattr(self, "_compiled_visit", None)
-        visit = compiled if compiled is not None and kv_cache is None and torch.is_grad_enabled() else visit_layer
-        return visit(self.transformer.h[layer], x, y, z, cos_sin, self.config.n_loops,
-                     STATE_UPDATES[self.config.state_update], kv_cache, slot)
+        if compiled is not None and kv_cache is None and torch.is_grad_enabled():
+            return compiled(*args)  # no slot: an int argument would be a guard, one graph per layer
+        return visit_layer(*args, kv_cache, slot)
 
     def _sweep(self, x, y, z, cos_sin, kv_cache, slot):
         for layer in range(self.config.n_layer):

@@ -553,3 +553,57 @@ def test_flops_are_the_same_for_every_state_update_and_for_sampled_depth(state_u
     for overrides in (dict(state_update=state_update), dict(state_update=state_update, sample_n_sup=True)):
         model = GPT(tiny_config(n_loops=2, T_recursion=2, n_sup_train=3, **overrides))
         assert model.estimate_flops() == base.estimate_flops() == expected_flops(base, 3)
+
+
+# ---------------------------------------------------------------------------------------------------- compile
+
+def compiled_training_matches_eager(config, backend, steps=2):
+    """Train a compiled twin and an eager model side by side: equal losses and gradients, and no graph compiled
+    after the first step, even with evaluation and cached sampling in between. Returns the graphs compiled."""
+    from torch._dynamo.utils import counters
+    from nanochat.engine import Engine
+    torch._dynamo.reset()
+    counters.clear()
+    eager = random_model(config)
+    compiled = twin(eager, config)
+    compiled.compile_layer_visits(backend=backend)
+    batch = random_batch(config)
+    for step in range(steps):
+        for model in (eager, compiled):
+            model.zero_grad(set_to_none=True)
+        total, aux = eager.forward_backward(*batch)
+        total_c, aux_c = compiled.forward_backward(*batch)
+        torch.testing.assert_close(total_c, total, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(aux_c["step_losses"], aux["step_losses"], atol=1e-5, rtol=1e-5)
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+        if step == 0:
+            graphs = counters["stats"]["unique_graphs"]
+            with torch.no_grad():
+                compiled(*batch, loss_reduction="none")  # evaluation
+            Engine(compiled.eval()).generate_batch([[1, 2, 3]], max_tokens=3, temperature=0)  # sampling
+            compiled.train()
+            assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["unique_graphs"] == graphs, "a graph was compiled after the first step"
+    return graphs
+
+
+def test_regional_compile_graphs_do_not_grow_with_the_recursion_and_never_recompile():
+    # dynamo's capture and guards with the aot_eager backend (seconds); inductor's numerics in the slow test below
+    shallow = compiled_training_matches_eager(tiny_config(n_loops=1, n_sup_train=2, n_layer=1), "aot_eager")
+    deep = compiled_training_matches_eager(tiny_config(n_loops=2, T_recursion=2, n_sup_train=4, n_layer=3,
+                                                       state_update="trm"), "aot_eager", steps=1)
+    assert shallow == deep == 2  # the first layer visit (z does not require grad yet), and every other visit
+
+
+def test_compile_takes_effect_with_detached_steps():
+    graphs = compiled_training_matches_eager(tiny_config(n_loops=1, n_sup_train=3, detach_between_steps=True),
+                                             "aot_eager", steps=1)
+    assert graphs >= 1
+
+
+@pytest.mark.slow
+def test_inductor_compiled_training_matches_eager_and_does_not_recompile():
+    # CPU inductor compiles C++ for each graph: about a minute on 2 cores, hence slow
+    graphs = compiled_training_matches_eager(tiny_config(n_loops=1, n_sup_train=2), backend="inductor")
+    assert graphs <= 2
