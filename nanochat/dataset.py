@@ -32,6 +32,7 @@ from http.client import HTTPException
 
 import pyarrow.parquet as pq
 
+from nanochat.cli import ArgumentParser
 from nanochat.common import atomic_write_bytes, fsync_dir, get_base_dir
 
 REPO_ID = "karpathy/fineweb-edu-100b-shuffle"
@@ -425,7 +426,7 @@ def import_corpus(paths, skip_bad_lines=False, directory=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("-n", "--num_shards", type=int, help="download the first N FineWeb-Edu shards (+ the val shard)")
     mode.add_argument("--builtin", action="store_true", help="build the offline corpus from Python's standard library")

@@ -13,13 +13,14 @@ import os
 import torch
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat.cli import ArgumentParser
 from nanochat.common import atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init, print0
 from nanochat.loss_eval import evaluate_bpb, format_steps, refinement
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m scripts.base_loss", allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog="python -m scripts.base_loss", allow_abbrev=False,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model_tag", default=None, help="default: the most recently written model")
     p.add_argument("--step", default="latest", help="latest | best | a step number")
     p.add_argument("--device_batch_size", type=int, default=8)

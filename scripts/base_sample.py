@@ -14,6 +14,7 @@ import sys
 import torch
 
 from nanochat.checkpoint_manager import load_model
+from nanochat.cli import ArgumentParser
 from nanochat.common import autodetect_device_type, device_available
 from nanochat.engine import Engine, kv_cache_bytes_per_token
 
@@ -27,7 +28,7 @@ def step_arg(value):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Print completions from a base-model checkpoint")
+    parser = ArgumentParser(description="Print completions from a base-model checkpoint")
     parser.add_argument("--model_tag", default=None, help="checkpoint tag (default: the most recently written)")
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")

@@ -16,10 +16,10 @@ and 1 GPU x 2 accumulation see the same tokens in every step.
 import argparse
 import contextlib
 import difflib
+import importlib.util
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -27,17 +27,20 @@ import torch
 import torch.distributed as dist
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat.cli import ArgumentParser
 from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              device_available, get_base_dir, get_dist_info, gpu_peak_flops, print0)
 from nanochat.gpt import GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
 from nanochat.loss_eval import evaluate_bpb, format_steps, refinement
 from nanochat.optim import clip_and_step
+from nanochat.report import Health, MetricsError, MetricsLog, format_duration, write_summary
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
 MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "state_update",
                "sample_n_sup", "detach_between_steps", "activation_checkpointing", "supervision_weight_base",
                "improvement_reward_scale"]
 SAMPLE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The opposite of hot is", "import os\n"]
+DEFAULT_TOTAL_BATCH_SIZE = 524288  # tokens per optimizer step, as nanochat: 1 or 8 GPUs train the same model
 
 
 class ExitWithMessage(Exception):
@@ -59,7 +62,7 @@ def str2bool(value):
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-class Parser(argparse.ArgumentParser):
+class Parser(ArgumentParser):
     def error(self, message):
         self.print_usage(sys.stderr)
         raise SystemExit(f"base_train: error: {message}")
@@ -68,7 +71,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser():
     p = Parser(prog="python -m scripts.base_train", allow_abbrev=False,
                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-               description="Pretrain the TRM GPT. Flags take --name=value or --name value.")
+               description="Pretrain the TRM GPT. Flags take --name=value or --name value (--name-with-dashes too).")
     model = p.add_argument_group("model (unset = preset, then the defaults written in nanochat/gpt.py)")
     model.add_argument("--depth", type=int, default=12, help="layers; width = 64*depth, head dim 128")
     model.add_argument("--n_embd", type=int, default=None, help="override the width derived from --depth")
@@ -91,7 +94,9 @@ def build_parser():
     model.add_argument("--improvement_reward_scale", type=float, default=None)
     batch = p.add_argument_group("batch (effective batch = processes x device batch x accumulation)")
     batch.add_argument("--device_batch_size", type=int, default=32, help="sequences per micro-batch per process")
-    batch.add_argument("--total_batch_size", type=int, default=None, help="tokens per optimizer step")
+    batch.add_argument("--total_batch_size", type=int, default=None,
+                       help=f"tokens per optimizer step (default {DEFAULT_TOTAL_BATCH_SIZE:,} unless "
+                            f"--gradient_accumulation_steps is given); the accumulation follows from it")
     batch.add_argument("--gradient_accumulation_steps", type=int, default=None, help="micro-batches per step")
     horizon = p.add_argument_group("horizon (first given wins: iterations, FLOPs, ratio)")
     horizon.add_argument("--num_iterations", type=int, default=None)
@@ -121,7 +126,10 @@ def build_parser():
     output.add_argument("--save_every", type=int, default=0, help="steps between checkpoints (0 = end only)")
     output.add_argument("--save_every_minutes", type=float, default=0, help="wall-clock minutes between checkpoints")
     output.add_argument("--keep_last", type=int, default=3, help="checkpoints kept besides the best (0 = keep all)")
-    output.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
+    output.add_argument("--run", default=os.environ.get("WANDB_RUN", "dummy"),
+                        help="wandb run name ('dummy' = no wandb); the default comes from $WANDB_RUN")
+    output.add_argument("--tensorboard", nargs="?", const="", default=None, metavar="DIR",
+                        help="also log to TensorBoard, in DIR (default <run dir>/tensorboard)")
     output.add_argument("--model_tag", default=None, help="checkpoint directory name (default d<depth>)")
     budget = p.add_argument_group("budgets (stop cleanly with a checkpoint when spent)")
     budget.add_argument("--max_hours", type=float, default=None, help="wall-clock hours for the whole run")
@@ -196,19 +204,23 @@ def parse_args(argv=None, world_size=None, check_hardware=True):
     accum = args.gradient_accumulation_steps
     if accum is not None and accum < 1:
         parser.error(f"--gradient_accumulation_steps={accum} must be >= 1")
-    if args.total_batch_size is not None:
-        if args.total_batch_size % tokens_per_micro:
-            parser.error(f"--total_batch_size={args.total_batch_size} is not a multiple of processes x "
-                         f"device_batch_size x max_seq_len = {world_size} x {args.device_batch_size} x "
-                         f"{args.max_seq_len} = {tokens_per_micro}; use a multiple of {tokens_per_micro} or set "
-                         f"--gradient_accumulation_steps instead")
-        if accum is not None and accum != args.total_batch_size // tokens_per_micro:
-            parser.error(f"--total_batch_size={args.total_batch_size} implies gradient accumulation "
-                         f"{args.total_batch_size // tokens_per_micro}, but --gradient_accumulation_steps={accum}; "
-                         f"give only one of them")
-        accum = args.total_batch_size // tokens_per_micro
-    args.grad_accum = accum or 1
-    args.total_batch_size = tokens_per_micro * args.grad_accum
+    total = args.total_batch_size
+    if total is None and accum is None:
+        total = DEFAULT_TOTAL_BATCH_SIZE
+    if total is not None:
+        given = "--total_batch_size" if args.total_batch_size is not None else "the default --total_batch_size"
+        if total < tokens_per_micro or total % tokens_per_micro:
+            multiple = max(1, round(total / tokens_per_micro)) * tokens_per_micro
+            parser.error(f"{given}={total} is not a multiple of processes x device_batch_size x max_seq_len = "
+                         f"{world_size} x {args.device_batch_size} x {args.max_seq_len} = {tokens_per_micro}; pass "
+                         f"--total_batch_size={multiple} (or another multiple of {tokens_per_micro}), or "
+                         f"--gradient_accumulation_steps=N for N x {tokens_per_micro} tokens per step")
+        if accum is not None and accum != total // tokens_per_micro:
+            parser.error(f"--total_batch_size={total} implies gradient accumulation {total // tokens_per_micro}, "
+                         f"but --gradient_accumulation_steps={accum}; give only one of them")
+        accum = total // tokens_per_micro
+    args.grad_accum = accum
+    args.total_batch_size = tokens_per_micro * accum
     args.world_size = world_size
     if args.num_iterations is not None and args.num_iterations < 1:
         parser.error(f"--num_iterations={args.num_iterations} must be >= 1")
@@ -228,6 +240,8 @@ def parse_args(argv=None, world_size=None, check_hardware=True):
     if check_hardware and not device_available(args.device_type):
         parser.error(f"--device_type={args.device_type} is not available on this machine; "
                      f"use --device_type={autodetect_device_type()}")
+    if args.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        parser.error("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'")
     args.dtype = args.dtype or ("bfloat16" if args.device_type == "cuda" else "float32")
     args.model_tag = args.model_tag or f"d{args.depth}"
     args.argv = argv
@@ -259,66 +273,6 @@ def num_iterations_for(args, model):
         return max(1, round(args.target_flops / flops_per_step)), f"--target_flops={args.target_flops:g}"
     tokens = args.target_param_data_ratio * model.num_params()
     return max(1, round(tokens / args.total_batch_size)), f"--target_param_data_ratio={args.target_param_data_ratio:g}"
-
-
-# ---------------------------------------------------------------------------------------------------- monitoring
-class Health:
-    """The guides' success criteria, watched every step: one warning per problem per 100 steps, with what to try."""
-
-    def __init__(self, window=50):
-        self.window, self.ema, self.inverted_for, self.last_warned = window, None, 0, {}
-
-    def warn(self, kind, step, message):
-        if step - self.last_warned.get(kind, -10**9) >= 100:
-            self.last_warned[kind] = step
-            print0(f"WARNING step {step}: {message}")
-
-    def check(self, step, step_losses, grad_norm):
-        beta = 0.9  # smoothed, so one noisy batch does not count as an inversion
-        self.ema = step_losses if self.ema is None else [beta * e + (1 - beta) * l for e, l in zip(self.ema, step_losses)]
-        inverted = any(later > earlier for earlier, later in zip(self.ema, self.ema[1:]))
-        self.inverted_for = self.inverted_for + 1 if inverted else 0
-        if self.inverted_for >= self.window:
-            order = " ".join(f"{l:.3f}" for l in self.ema)
-            self.warn("order", step, f"supervision order inverted for {self.inverted_for} steps (smoothed per-step "
-                      f"losses {order}): later steps should be lower. Try a lower --matrix_lr (2x), a longer warmup "
-                      f"(--warmup_steps), and check --grad_clip=1.0 and the preset.")
-        if grad_norm > 20:
-            self.warn("grad", step, f"gradient norm {grad_norm:.1f} > 20: training may diverge. Lower --matrix_lr "
-                      f"or switch to a milder --preset (extreme -> aggressive).")
-
-
-class MetricsLog:
-    """metrics.jsonl beside the checkpoints (rank 0), mirrored to wandb when --run is not 'dummy'."""
-
-    def __init__(self, path, args, rank, resume_step):
-        self.path, self.enabled, self.wandb = path, rank == 0, None
-        if not self.enabled:
-            return
-        if resume_step is not None and os.path.exists(path):  # drop what the interrupted run logged past the checkpoint
-            with open(path) as f:
-                kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
-            atomic_write_bytes(path, "".join(kept).encode())
-        elif resume_step is None and os.path.exists(path):
-            os.remove(path)
-        if args.run != "dummy":
-            try:
-                import wandb
-                self.wandb = wandb.init(project="nanochat-trm", name=args.run, config=vars(args), resume="allow")
-            except ImportError:
-                print0("wandb is not installed (pip install -e '.[wandb]'); logging to metrics.jsonl only")
-
-    def log(self, record):
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.wandb:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
-
-
-def format_duration(seconds):
-    return f"{seconds / 3600:.1f}h" if seconds > 5400 else f"{seconds / 60:.1f}m"
 
 
 # ---------------------------------------------------------------------------------------------------- the run
@@ -369,6 +323,11 @@ def load_resume(args, model_config):
                               f"different configuration:\n  " + "\n  ".join(diffs) +
                               "\nPass the checkpoint's values, or start a new run with another --model_tag.")
     return step, meta
+
+
+def data_ranks(args, rank):
+    """The data ranks (of world_size x grad_accum) that process `rank` reads in its micro-steps, in order."""
+    return [rank * args.grad_accum + j for j in range(args.grad_accum)]
 
 
 def batch_geometry(args):
@@ -428,13 +387,13 @@ def train(args):
     if args.compile:
         model.compile_layer_visits()
     loaders = [DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
-                          rank=rank * args.grad_accum + j, world_size=world_size * args.grad_accum,
-                          resume_state=loader_states[j]) for j in range(args.grad_accum)]
+                          rank=data_rank, world_size=world_size * args.grad_accum, resume_state=loader_states[j])
+               for j, data_rank in enumerate(data_ranks(args, rank))]
     token_bytes = get_token_bytes(device=device)
     run_dir = ckpt.model_dir(args.model_tag)
     os.makedirs(run_dir, exist_ok=True)
-    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), args, rank, start_step if resume else None)
-    health, history, grad_norms = Health(), [], []
+    metrics = MetricsLog(run_dir, args, rank, start_step if resume else None)
+    health, history = Health(), []
     val_bpb, last_eval_step = None, None
     price_per_hour = (args.gpu_hourly_price or 0) * world_size
     t_start = time.time()
@@ -474,7 +433,7 @@ def train(args):
                 if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
                     update_checkpoint_bpb(args.model_tag, step, val_bpb)
         if rank == 0 and (last_step or over_budget or (args.sample_every and step % args.sample_every == 0)):
-            run_samples(model, tokenizer, args)
+            run_samples(model, tokenizer, args, metrics, step)
         if rank == 0 and save_due:
             removed = ckpt.prune_checkpoints(args.model_tag, args.keep_last)
             if removed:
@@ -526,27 +485,21 @@ def train(args):
 
         # ---- log
         history.append({"step": step, "step_losses": losses})
-        grad_norms.append(grad_norm)
         health.check(step, losses, grad_norm)
         tok_per_sec = tokens_per_step / dt
         mfu = flops_per_token * tok_per_sec / (peak_flops * world_size) if peak_flops else None
         mem_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-        eta = (num_iterations - step) * dt
         record = {"kind": "train", "step": step, "loss": losses[-1], "total_loss": total.item(), "step_losses": losses,
                   "refinement": refinement(losses), "state": [[round(v, 5) for v in row] for row in state.tolist()],
                   "grad_norm": grad_norm, "lr_multiplier": lrm, "dt": dt,
                   "tok_per_sec": tok_per_sec, "mfu": mfu, "peak_mem_gb": mem_gb, "elapsed_s": elapsed(),
                   "cost": elapsed() / 3600 * price_per_hour if price_per_hour else None}
         metrics.log(record)
-        steps_text = format_steps(losses, digits=3)
-        print0(f"step {step:05d}/{num_iterations} | loss {losses[-1]:.4f} | steps {steps_text} | refine "
-               f"{100 * refinement(losses):5.1f}% | gnorm {grad_norm:.3f} | lrm {lrm:.2f} | {dt * 1000:.0f}ms | "
-               f"{tok_per_sec:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem "
-               f"{'n/a' if mem_gb is None else f'{mem_gb:.1f}GB'} | eta {format_duration(eta)}"
-               + (f" | ${record['cost']:.2f}" if price_per_hour else ""))
+        print0(metrics.format_step(record, num_iterations))
 
     if rank == 0:
-        write_summary(args, run_dir, step, val_bpb, history, grad_norms, elapsed(), price_per_hour, model)
+        write_summary(run_dir, args, step, elapsed(), price_per_hour, model, tokenizer.fingerprint())
+    metrics.close()
     return step
 
 
@@ -576,13 +529,14 @@ def run_eval(model, tokenizer, args, device, rank, world_size, token_bytes, Data
         model.train()
 
 
-def run_samples(model, tokenizer, args):
+def run_samples(model, tokenizer, args, metrics, step):
     try:
         from nanochat.engine import Engine
         model.eval()
         completions = Engine(model, tokenizer).complete(SAMPLE_PROMPTS, max_tokens=args.sample_tokens, temperature=0)
         for prompt, completion in zip(SAMPLE_PROMPTS, completions):
             print0(f"sample: {prompt!r} -> {completion!r}")
+        metrics.log({"kind": "sample", "step": step, "samples": list(zip(SAMPLE_PROMPTS, completions))})
     except Exception as e:  # noqa: BLE001 - a sample is a courtesy, not a reason to stop
         print0(f"WARNING: sampling failed and was skipped: {type(e).__name__}: {e}")
     finally:
@@ -597,45 +551,14 @@ def update_checkpoint_bpb(model_tag, step, val_bpb):
     atomic_write_bytes(path, json.dumps(meta, indent=2).encode())
 
 
-def write_summary(args, run_dir, step, val_bpb, history, grad_norms, seconds, price_per_hour, model):
-    """summary.json for the launch scripts' success check, report.md for people."""
-    tail = grad_norms[-max(1, len(grad_norms) // 10):] or [float("nan")]
-    summary = {"model_tag": args.model_tag, "step": step, "val_bpb": val_bpb,
-               "val_refinement": refinement(val_bpb) if val_bpb else None,
-               "train_step_losses": history[-1]["step_losses"] if history else None,
-               "train_refinement": refinement(history[-1]["step_losses"]) if history else None,
-               "grad_norm_median_last": statistics.median(tail), "grad_norm_max": max(grad_norms, default=None),
-               "wall_time_s": seconds, "cost": seconds / 3600 * price_per_hour if price_per_hour else None,
-               "parameters": model.num_params(), "flops_per_token": model.estimate_flops()}
-    atomic_write_bytes(os.path.join(run_dir, "summary.json"), json.dumps(summary, indent=2).encode())
-    lines = [f"# Run report: {args.model_tag}", "",
-             f"- system: {args.world_size} x {args.device_type}"
-             + (f" ({torch.cuda.get_device_name()})" if args.device_type == "cuda" else ""),
-             f"- steps: {step}, wall time {format_duration(seconds)}"
-             + (f", cost ${summary['cost']:.2f}" if summary["cost"] is not None else ""),
-             f"- parameters: {summary['parameters']:,}, FLOPs per token {summary['flops_per_token']:.3e}",
-             f"- command line: {' '.join(args.argv)}", "", "## Config", "",
-             *[f"- {k} = {v} ({args.config_sources.get(k, 'tokenizer')})" for k, v in model.config.to_dict().items()],
-             "", "## Final per-step losses", "", "| step | train loss | val bpb |", "|---|---|---|"]
-    train_losses = summary["train_step_losses"] or []
-    for s in range(model.config.n_sup_train):
-        train = f"{train_losses[s]:.4f}" if s < len(train_losses) else "-"
-        val = f"{val_bpb[s]:.4f}" if val_bpb and s < len(val_bpb) else "-"
-        lines.append(f"| step_{s} | {train} | {val} |")
-    if val_bpb:
-        lines += ["", f"Validation refinement: {100 * summary['val_refinement']:.1f}%"]
-    atomic_write_bytes(os.path.join(run_dir, "report.md"), ("\n".join(lines) + "\n").encode())
-    print0(f"report: {os.path.join(run_dir, 'report.md')}")
-
-
 def main(argv=None):
     args = parse_args(argv)
     try:
         train(args)
-    except ExitWithMessage as e:
+    except (ExitWithMessage, MetricsError) as e:
         print(f"base_train: {e}", file=sys.stderr, flush=True)
         compute_cleanup()
-        sys.exit(e.code)
+        sys.exit(getattr(e, "code", 1))
     compute_cleanup()
 
 

@@ -32,11 +32,12 @@ import sys
 import torch
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat.cli import ArgumentParser, underscore_flags
 from nanochat.common import atomic_write_bytes, compute_cleanup, compute_init, get_dist_info, print0
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.loss_eval import format_steps
+from nanochat.report import read_metrics
 from scripts import base_train
-from scripts.plot_run import read_metrics
 
 DEFAULT_GRID = {
     "plain": "--n_loops=0 --n_sup_train=1",
@@ -46,13 +47,13 @@ DEFAULT_GRID = {
 }
 # Two layers, as in the TRM paper's tiny network; the default grid took 9 min on 2 shared CPU cores (OMP_NUM_THREADS=1).
 CPU_MODEL = ["--depth=2", "--n_embd=128", "--n_head=2", "--max_seq_len=128", "--device_batch_size=8",
-             "--eval_tokens=16384", "--sample_tokens=8"]
+             "--eval_tokens=16384", "--sample_tokens=8", "--gradient_accumulation_steps=1"]
 # Set by this script per config; a user value would silently break the comparison.
 MANAGED = ("--num_iterations", "--target_flops", "--target_param_data_ratio", "--model_tag", "--resume",
            "--resume_from_step", "--eval_every", "--max_hours", "--max_cost")
 
 
-class Parser(argparse.ArgumentParser):
+class Parser(ArgumentParser):
     def error(self, message):
         self.print_usage(sys.stderr)
         raise SystemExit(f"compare: error: {message}")
@@ -93,7 +94,7 @@ def parse_args(argv=None):
         p.error(f"config names must be unique, got {names}")
     args.device_type = args.device_type or base_train.autodetect_device_type()
     args.shared = shared or (CPU_MODEL if args.device_type == "cpu" else [])
-    for flag in args.shared + [f for _, flags in args.configs for f in flags]:
+    for flag in underscore_flags(args.shared + [f for _, flags in args.configs for f in flags]):
         if flag.split("=")[0] in MANAGED:
             p.error(f"{flag} is set by compare for each config; use compare's --mode/--num_iterations/--target_flops")
     return args
@@ -213,7 +214,8 @@ def inference_sweep(run, max_sup, device, rank, world_size):
 def result(run, inference):
     """The numbers of one finished run, from its metrics.jsonl and summary.json."""
     run_dir = ckpt.model_dir(run["tag"])
-    train_records, evals = read_metrics(run_dir)
+    records = read_metrics(run_dir)
+    train_records, evals = records["train"], records["eval"]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
     tail = train_records[-max(1, len(train_records) // 10):]  # last 10% of training batches, smoothed

@@ -26,6 +26,7 @@ import subprocess
 import sys
 
 from nanochat import memory
+from nanochat.cli import ArgumentParser
 from nanochat.common import GPU_PEAK_BF16_FLOPS, get_base_dir
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.loss_eval import format_steps
@@ -482,8 +483,8 @@ def report(runs, out_path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m scripts.launch", allow_abbrev=False,
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m scripts.launch", allow_abbrev=False,
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="plan, preflight, data, tokenizer, torchrun, success check")
     p.add_argument("hardware", choices=HARDWARE)

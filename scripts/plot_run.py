@@ -1,71 +1,192 @@
 """
-Plot a run: per-supervision-step training losses, per-step validation bpb and refinement % over training.
+Plot a run so you can see at a glance whether the later supervision steps help:
+
+    top row       training loss per supervision step over optimizer steps (smoothed, raw batches faint), and the
+                  smoothed gap of every supervision step to the draft step_0: below 0 = better than the draft
+    bottom row    the same on validation: bits per byte per supervision step (on the scale of the trained model,
+                  not the untrained one at optimizer step 0), and each step's gap to step_0
+    right         validation bpb against the number of supervision steps run at inference: the last evaluation
+                  in training, and each `python -m scripts.base_loss` result of the run (also past the trained count)
 
     python -m scripts.plot_run d4                 # a model tag under $NANOCHAT_BASE_DIR/base_checkpoints
     python -m scripts.plot_run path/to/run_dir    # any directory holding metrics.jsonl
 """
 
-import argparse
+import glob
 import json
 import os
 import sys
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat.cli import ArgumentParser
+from nanochat.loss_eval import format_steps
+from nanochat.report import MetricsError, read_metrics, smooth
 
 
-def read_metrics(run_dir):
-    """The last record per (kind, step): a resumed run may have logged a step twice."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise SystemExit(f"plot_run: no metrics.jsonl in {run_dir}; is this a run directory or model tag?")
-    records = {}
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            records[(r["kind"], r["step"])] = r
-    train = sorted((r for r in records.values() if r["kind"] == "train"), key=lambda r: r["step"])
-    evals = sorted((r for r in records.values() if r["kind"] == "eval"), key=lambda r: r["step"])
-    return train, evals
+def smoothing_beta(n):
+    """An EMA spanning ~4% of the run (at least 10 optimizer steps): batch noise out, trends kept."""
+    return 1 - 1 / max(10, n / 25)
 
 
-def plot(run_dir, out_path):
+def step_label(s, n):
+    return f"step_{s}" + (" (draft)" if s == 0 else " (final)" if s == n - 1 else "")
+
+
+def trained_range(values, skip):
+    """(low, high) of values after the first `skip` (untrained, far higher) points, with a margin."""
+    tail = values[skip:] or values
+    low, high = min(tail), max(tail)
+    margin = 0.08 * (high - low) or 0.05 * abs(high) or 0.01
+    return low - margin, high + margin
+
+
+def plot_train_loss(ax, train):
+    steps, n = [r["step"] for r in train], len(train[0]["step_losses"])
+    smoothed = smooth([r["step_losses"] for r in train], smoothing_beta(len(train)))
+    for s in range(n):
+        line, = ax.plot(steps, [v[s] for v in smoothed], lw=1.8, label=step_label(s, n))
+        ax.plot(steps, [r["step_losses"][s] for r in train], lw=0.5, alpha=0.2, color=line.get_color())
+    ax.set_ylim(*trained_range([v for row in smoothed for v in row], n * max(1, len(train) // 20)))
+    ax.set(title="training loss per supervision step (smoothed; faint: raw batches)", xlabel="optimizer step",
+           ylabel="loss (nats per token)")
+    ax.legend(title="supervision step", fontsize=8)
+
+
+def explain_gaps(ax, n):
+    text = "below the dashed line: better than the draft" if n > 1 else "one supervision step: no later step to compare"
+    ax.text(0.01, 0.02, text, transform=ax.transAxes, fontsize=8, color="dimgray")
+
+
+def plot_gaps(ax, train):
+    steps, n = [r["step"] for r in train], len(train[0]["step_losses"])
+    gaps = [[l - r["step_losses"][0] for l in r["step_losses"][1:]] for r in train]
+    smoothed = smooth(gaps, smoothing_beta(len(train)))
+    ax.axhline(0, color="black", lw=1, ls="--", label="step_0 (the draft)")
+    for s in range(1, n):
+        line, = ax.plot(steps, [g[s - 1] for g in smoothed], lw=1.8, label=f"{step_label(s, n)} - step_0",
+                        color=f"C{s}")
+        ax.plot(steps, [g[s - 1] for g in gaps], lw=0.5, alpha=0.15, color=line.get_color())
+    values = [v for row in smoothed for v in row] + [0.0]
+    ax.set_ylim(*trained_range(values, (n - 1) * max(1, len(train) // 20)))
+    ax.set(title="do later supervision steps help? (training batches, smoothed)", xlabel="optimizer step",
+           ylabel="loss of step s - loss of step_0 (nats)")
+    explain_gaps(ax, n)
+    ax.legend(title="supervision step", fontsize=8)
+
+
+def trained_evals(evals):
+    """The evaluations after optimizer step 0: the untrained model sits far above the rest and would squash them."""
+    return [e for e in evals if e["step"] > 0] or evals
+
+
+def plot_val(ax, evals):
+    shown, n = trained_evals(evals), len(evals[0]["val_bpb"])
+    for s in range(n):
+        ax.plot([e["step"] for e in shown], [e["val_bpb"][s] for e in shown], marker="o", ms=3,
+                label=step_label(s, n))
+    early = len(shown) // 4  # the first quarter of training falls fast: off scale, so the end is readable
+    ax.set_ylim(*trained_range([v for e in shown for v in e["val_bpb"]], n * early))
+    notes = [f"untrained (optimizer step 0): {format_steps(evals[0]['val_bpb'], digits=2)}"] \
+        if len(shown) < len(evals) else []
+    notes += [f"evaluations up to optimizer step {shown[early - 1]['step']} above the scale"] if early else []
+    ax.set(title="\n".join(["validation bits per byte per supervision step"] + notes), xlabel="optimizer step",
+           ylabel="validation bpb")
+    ax.legend(title="supervision step", fontsize=8)
+
+
+def plot_val_gaps(ax, evals):
+    shown, n = trained_evals(evals), len(evals[0]["val_bpb"])
+    ax.axhline(0, color="black", lw=1, ls="--", label="step_0 (the draft)")
+    for s in range(1, n):
+        ax.plot([e["step"] for e in shown], [e["val_bpb"][s] - e["val_bpb"][0] for e in shown], marker="o", ms=3,
+                label=f"{step_label(s, n)} - step_0", color=f"C{s}")
+    ax.set(title="do later supervision steps help? (validation)", xlabel="optimizer step",
+           ylabel="bpb of step s - bpb of step_0")
+    explain_gaps(ax, n)
+    ax.legend(title="supervision step", fontsize=8)
+
+
+def read_base_loss(run_dir):
+    """base_loss results of this run ({"step", "n_sup", "val_bpb": per supervision step}), by optimizer step."""
+    results = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "base_loss_step*.json"))):
+        with open(path) as f:
+            results.append(json.load(f))
+    return results
+
+
+def plot_inference(ax, evals, base_losses, n_sup_train, model_tag):
+    if evals:
+        final = evals[-1]
+        ax.plot(range(1, len(final["val_bpb"]) + 1), final["val_bpb"], marker="o", color="black",
+                label=f"last evaluation in training (optimizer step {final['step']}, --eval_tokens)")
+    for r in base_losses[-4:]:
+        ax.plot(range(1, len(r["val_bpb"]) + 1), r["val_bpb"], marker="s", ls="--",
+                label=f"base_loss of the checkpoint at optimizer step {r['step']} (--split_tokens)")
+    ax.axvline(n_sup_train, color="gray", ls=":", label=f"trained with {n_sup_train} supervision steps")
+    most = max([n_sup_train] + [len(r["val_bpb"]) for r in base_losses])
+    ax.set_xticks(range(1, most + 1))
+    ax.set(title="validation bpb vs supervision steps run at inference", ylabel="validation bpb",
+           xlabel="supervision steps run (1 = the draft step_0 alone)")
+    if not base_losses:
+        ax.text(0.5, 0.02, f"more steps: python -m scripts.base_loss --model_tag={model_tag} --n_sup={2 * n_sup_train}",
+                transform=ax.transAxes, ha="center", fontsize=8, color="dimgray")
+    ax.legend(fontsize=8)
+
+
+def figure(run_dir):
+    """The run's figure (matplotlib), five panels: see the top of this file."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("plot_run: matplotlib is not installed; pip install -e '.[plot]' (or pip install matplotlib)")
-    train, evals = read_metrics(run_dir)
-    fig, (ax_loss, ax_bpb, ax_ref) = plt.subplots(1, 3, figsize=(16, 4.5))
-    steps = [r["step"] for r in train]
-    for s in range(len(train[0]["step_losses"]) if train else 0):
-        ax_loss.plot(steps, [r["step_losses"][s] for r in train], label=f"step_{s}", lw=1)
-    ax_loss.set(title="training loss per supervision step", xlabel="optimizer step", ylabel="loss (nats)")
-    eval_steps = [r["step"] for r in evals]
-    for s in range(len(evals[0]["val_bpb"]) if evals else 0):
-        ax_bpb.plot(eval_steps, [r["val_bpb"][s] for r in evals], marker="o", label=f"step_{s}")
-    ax_bpb.set(title="validation bits per byte per supervision step", xlabel="optimizer step", ylabel="bpb")
-    ax_ref.plot(steps, [100 * r["refinement"] for r in train], label="train (batch)", lw=1)
-    ax_ref.plot(eval_steps, [100 * r["val_refinement"] for r in evals], marker="o", label="validation")
-    ax_ref.set(title="refinement % (step_0 -> last step)", xlabel="optimizer step", ylabel="%")
-    for ax in (ax_loss, ax_bpb, ax_ref):
+    records = read_metrics(run_dir)
+    train, evals = records["train"], records["eval"]
+    if not train:
+        raise MetricsError(f"{run_dir}/metrics.jsonl has no training steps yet: nothing to plot")
+    model_tag = os.path.basename(os.path.normpath(run_dir))
+    fig = plt.figure(figsize=(21, 10))
+    grid = fig.add_gridspec(2, 3)
+    axes = [fig.add_subplot(grid[row, col]) for row, col in ((0, 0), (0, 1), (1, 0), (1, 1))]
+    axes.append(fig.add_subplot(grid[:, 2]))
+    plot_train_loss(axes[0], train)
+    plot_gaps(axes[1], train)
+    if evals:
+        plot_val(axes[2], evals)
+        plot_val_gaps(axes[3], evals)
+    plot_inference(axes[4], evals, read_base_loss(run_dir), len(train[0]["step_losses"]), model_tag)
+    headline = f"{model_tag}: {train[-1]['step']} optimizer steps"
+    if evals:
+        headline += f"; validation bpb per supervision step at the end: {format_steps(evals[-1]['val_bpb'])}"
+    fig.suptitle(headline)
+    for ax in axes:
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot(run_dir, out_path):
+    fig = figure(run_dir)
+    import matplotlib.pyplot as plt  # figure() has checked that matplotlib is there
     tmp = out_path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
     os.replace(tmp, out_path)
     return out_path
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m scripts.plot_run")
+    p = ArgumentParser(prog="python -m scripts.plot_run")
     p.add_argument("run", help="a model tag or a directory holding metrics.jsonl")
     p.add_argument("--out", default=None, help="PNG path (default: <run dir>/training.png)")
     args = p.parse_args(argv)
     run_dir = args.run if os.path.isdir(args.run) else ckpt.model_dir(args.run)
-    print(f"plot: {plot(run_dir, args.out or os.path.join(run_dir, 'training.png'))}")
+    try:
+        print(f"plot: {plot(run_dir, args.out or os.path.join(run_dir, 'training.png'))}")
+    except MetricsError as e:
+        raise SystemExit(f"plot_run: {e}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Bad requests get a 4xx with {"detail": message}: 400 malformed body (not UTF-8, 
 503 when every generation slot stays busy for --queue_timeout seconds.
 """
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from nanochat.checkpoint_manager import latest_model_tag, load_model
+from nanochat.cli import ArgumentParser
 from nanochat.common import autodetect_device_type, device_available
 from nanochat.engine import Engine, decode_stream
 from scripts.base_sample import step_arg
@@ -178,7 +178,7 @@ def create_app(server):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Serve a checkpoint over HTTP")
+    parser = ArgumentParser(description="Serve a checkpoint over HTTP")
     parser.add_argument("--model_tag", default=None, help="checkpoint tag (default: the most recently written)")
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: localhost only)")

@@ -4,12 +4,12 @@ side by side with GPT-2 and GPT-4 when tiktoken has them cached.
     python -m scripts.tok_eval
 """
 
-import argparse
 import socket
 import sys
 
 import tiktoken
 
+from nanochat.cli import ArgumentParser
 from nanochat.dataset import DatasetError, iter_documents
 from nanochat.tokenizer import get_tokenizer
 
@@ -43,7 +43,7 @@ def reference_encodings():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Tokenizer compression on train and val text")
+    parser = ArgumentParser(description="Tokenizer compression on train and val text")
     parser.add_argument("--max_chars", type=int, default=5_000_000, help="chars of each split to encode")
     args = parser.parse_args(argv)
     try:

@@ -3,10 +3,10 @@
     python -m scripts.tok_train --vocab_size 8192 --max_chars 20_000_000
 """
 
-import argparse
 import sys
 import time
 
+from nanochat.cli import ArgumentParser
 from nanochat.dataset import DatasetError, iter_documents, parquets_for_split
 from nanochat.tokenizer import RustBPETokenizer, tokenizer_dir
 
@@ -23,7 +23,7 @@ def capped_documents(max_chars, doc_cap, stats):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer")
+    parser = ArgumentParser(description="Train a byte-level BPE tokenizer")
     parser.add_argument("--vocab_size", type=int, default=65536, help="including the special tokens")
     parser.add_argument("--max_chars", type=int, default=10_000_000_000, help="train on at most this many chars")
     parser.add_argument("--doc_cap", type=int, default=10_000, help="use at most this many chars of each document")

@@ -12,7 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--n_loops=1",
         "--n_sup_train=2", "--eval_tokens=256", "--eval_every=4", "--sample_every=0", "--sample_tokens=4",
-        "--matrix_lr=0.02", "--device_type=cpu", "--warmup_steps=1"]
+        "--matrix_lr=0.02", "--device_type=cpu", "--warmup_steps=1", "--gradient_accumulation_steps=1"]
 
 
 def run(base_dir, *flags, torchrun=False, check=True):

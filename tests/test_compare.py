@@ -11,7 +11,8 @@ from nanochat.gpt import GPT, GPTConfig
 from scripts import base_train, compare
 
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=128",
-        "--sample_tokens=2", "--device_type=cpu"]
+        "--sample_tokens=2", "--device_type=cpu",
+        "--gradient_accumulation_steps=1"]
 GRID = ["--config", "plain=--n_loops=0 --n_sup_train=1", "--config", "trm=--n_loops=1 --n_sup_train=2"]
 
 
@@ -32,7 +33,7 @@ def test_equal_flops_iterations_spend_the_same_flops_within_one_step(budget):
     runs = plan("--mode=flops", *budget, "--config", "plain=--n_loops=0 --n_sup_train=1",
                 "--config", "trm=--n_loops=1 --n_sup_train=2", "--config", "deep=--n_loops=2 --n_sup_train=4",
                 "--config", "sweeps=--n_loops=1 --n_sup_train=3 --T_recursion=2", "--", "--depth=2", "--n_embd=64",
-                "--max_seq_len=128", "--device_batch_size=4")
+                "--max_seq_len=128", "--device_batch_size=4", "--gradient_accumulation_steps=1")
     recursion = {"plain": (0, 1, 1), "trm": (1, 2, 1), "deep": (2, 4, 1), "sweeps": (1, 3, 2)}
     for r in runs:  # each config's own recursion-aware estimate, not a plain model's
         n_loops, n_sup, sweeps = recursion[r["name"]]
@@ -53,7 +54,7 @@ def test_equal_flops_iterations_spend_the_same_flops_within_one_step(budget):
 def test_params_mode_matches_plain_flops_within_ten_percent(by):
     runs = plan("--mode=params", f"--match_by={by}", "--num_iterations=7",
                 "--config", "plain=--n_loops=0 --n_sup_train=1", "--config", "trm=--n_loops=2 --n_sup_train=4",
-                "--", "--depth=2", "--n_embd=128", "--n_head=2")
+                "--", "--depth=2", "--n_embd=128", "--n_head=2", "--gradient_accumulation_steps=1")
     by_name = {r["name"]: r for r in runs}
     matched = [r for r in runs if r.get("matches")]
     assert len(matched) == 1 and matched[0]["matches"] == "trm"

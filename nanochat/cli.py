@@ -1,0 +1,23 @@
+"""Command-line habits shared by every entry point: nanochat's dashed flags work as well as our underscored ones."""
+
+import argparse
+import sys
+
+
+def underscore_flags(argv):
+    """--device-batch-size=8 -> --device_batch_size=8; values and everything after a bare '--' are left alone."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--":
+            break
+        if arg.startswith("--"):
+            name, sep, value = arg.partition("=")
+            out[i] = "--" + name[2:].replace("-", "_") + sep + value
+    return out
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that accepts --flag-name for every --flag_name (argparse itself has no option for it)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(underscore_flags(sys.argv[1:] if args is None else args), namespace)
