@@ -374,9 +374,11 @@ class GPT(nn.Module):
     # ---------------------------------------------------------------- optimizers
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0):
         """Muon for the transformer matrices, AdamW for embedding and lm_head (distributed variants under DDP)."""
+        import importlib
         import torch.distributed as dist
-        from nanochat.adamw import AdamW, DistAdamW
-        from nanochat.muon import DistMuon, Muon
+        # by name: transformers' remote-code loader would make users of an exported gpt.py install `nanochat`
+        adamw, muon = importlib.import_module("nanochat.adamw"), importlib.import_module("nanochat.muon")
+        AdamW, DistAdamW, Muon, DistMuon = adamw.AdamW, adamw.DistAdamW, muon.Muon, muon.DistMuon
 
         ddp = dist.is_available() and dist.is_initialized()
         matrix_params = list(self.transformer.h.parameters())
