@@ -32,8 +32,9 @@ try:
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     from nanochat.hf_model import NanochatTRMConfig, NanochatTRMForCausalLM
-except ImportError as e:  # transformers missing, or too old
-    sys.exit(f"error: {e}; install what the export needs with: pip install -e '.[hf]'")
+except ImportError as e:  # transformers missing, or older than 5
+    reason = f"the export needs {e.name}" if isinstance(e, ModuleNotFoundError) else str(e)
+    sys.exit(f"error: {reason}; install it with: pip install -e '.[hf]'")
 from nanochat.tokenizer import SPECIAL_TOKENS
 from scripts.base_sample import step_arg
 
