@@ -14,6 +14,7 @@ With T_recursion > 1 the gradient into the previous supervision step is therefor
 consume the carried y and z), which is the paper's behaviour. n_loops = 0 is a plain block y <- B_l(y), no z.
 """
 
+import importlib
 import math
 from dataclasses import dataclass, fields, replace
 
@@ -374,7 +375,6 @@ class GPT(nn.Module):
     # ---------------------------------------------------------------- optimizers
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0):
         """Muon for the transformer matrices, AdamW for embedding and lm_head (distributed variants under DDP)."""
-        import importlib
         import torch.distributed as dist
         # by name: transformers' remote-code loader would make users of an exported gpt.py install `nanochat`
         adamw, muon = importlib.import_module("nanochat.adamw"), importlib.import_module("nanochat.muon")

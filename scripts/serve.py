@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import socket
 import sys
 import threading
@@ -407,7 +408,7 @@ def main(argv=None):
     try:
         sock = listen(args.host, args.port)  # before the model loads: a taken port fails in a second, not a minute
     except OSError as e:
-        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}; pick another --port "
+        print(f"error: cannot listen on {args.host}:{args.port}: {os.strerror(e.errno) if e.errno else e}; pick another --port "
               f"(0 = any free port)", file=sys.stderr)
         return 2
     with sock:
