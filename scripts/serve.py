@@ -23,7 +23,6 @@ that goes away stops its generation at the next token, and its slot is free agai
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
 import os
