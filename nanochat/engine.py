@@ -93,15 +93,27 @@ def left_pad(prompts, pad_id=0):
     return idx, (pads if pads.any() else None)
 
 
-def sample_next(logits, temperature=1.0, top_k=None, rng=None):
-    """(B, V) logits -> (B,) token ids: greedy at temperature 0, else softmax(logits/T) restricted to the top k."""
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, rng=None):
+    """(B, V) logits -> (B,) token ids: greedy at temperature 0, else softmax(logits/T) restricted to the top k
+    tokens and to the nucleus: the likeliest tokens holding top_p of the probability (at least one token)."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
+    # max subtracted and T floored at the dtype's smallest normal: a tiny T gives the argmax's mass, not inf/inf = NaN
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(logits.dtype).tiny)
+    nucleus = top_p is not None and top_p < 1.0
     if top_k is not None and top_k < logits.size(-1):
-        values, indices = torch.topk(logits, top_k, dim=-1)
-        choice = torch.multinomial(F.softmax(values / temperature, dim=-1), 1, generator=rng)
-        return indices.gather(-1, choice).squeeze(-1)
-    return torch.multinomial(F.softmax(logits / temperature, dim=-1), 1, generator=rng).squeeze(-1)
+        scaled, indices = torch.topk(scaled, top_k, dim=-1)  # sorted, likeliest first
+    elif nucleus:
+        scaled, indices = scaled.sort(dim=-1, descending=True)
+    else:
+        indices = None
+    probs = F.softmax(scaled, dim=-1)
+    if nucleus:
+        outside = probs.cumsum(dim=-1) - probs >= top_p  # the likelier tokens already hold top_p
+        outside[:, 0] = False
+        probs = probs.masked_fill(outside, 0.0)
+    choice = torch.multinomial(probs, 1, generator=rng)
+    return (choice if indices is None else indices.gather(-1, choice)).squeeze(-1)
 
 
 class Engine:
@@ -137,7 +149,8 @@ class Engine:
     def new_cache(self, batch_size, max_len, n_sup, pads=None):
         return KVCache(self.model.num_attention_slots(n_sup), batch_size, max_len, pads)
 
-    def generate(self, prompts, max_tokens=64, temperature=1.0, top_k=None, n_sup=None, seed=None, stop_tokens=None):
+    def generate(self, prompts, max_tokens=64, temperature=1.0, top_k=None, n_sup=None, seed=None, stop_tokens=None,
+                 top_p=None):
         """Stream tokens: an iterator of one list per step holding each row's new token, or None once it stopped.
 
         prompts: token-id lists of any lengths. Rows stop at a stop token (not yielded) or after max_tokens.
@@ -151,6 +164,8 @@ class Engine:
             raise ValueError(f"temperature={temperature}: must be >= 0 (0 is greedy)")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k}: must be >= 1, or None for no restriction")
+        if top_p is not None and not 0 <= top_p <= 1:
+            raise ValueError(f"top_p={top_p}: must be from 0 to 1, or None for no restriction")
         idx, pads = left_pad(prompts)
         vocab_size = self.model.config.vocab_size
         if idx.min() < 0 or idx.max() >= vocab_size:
@@ -160,10 +175,11 @@ class Engine:
                              f"longest position ({self.model.rotary_seq_len})")
         stops = self.stop_tokens() if stop_tokens is None else set(stop_tokens)
         rng = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-        return self._decode(idx, pads, [len(p) for p in prompts], max_tokens, temperature, top_k, n_sup, rng, stops)
+        return self._decode(idx, pads, [len(p) for p in prompts], max_tokens, temperature, top_k, top_p, n_sup, rng,
+                            stops)
 
     @torch.inference_mode()
-    def _decode(self, idx, pads, lengths, max_tokens, temperature, top_k, n_sup, rng, stops):
+    def _decode(self, idx, pads, lengths, max_tokens, temperature, top_k, top_p, n_sup, rng, stops):
         """Prefill all rows in one forward, then feed each sampled token back one at a time."""
         if max_tokens == 0:
             return
@@ -173,7 +189,7 @@ class Engine:
         logits = self.model(idx.to(self.device), kv_cache=cache, n_sup=n_sup)[:, -1]
         done = [False] * B
         for step in range(max_tokens):
-            tokens = sample_next(logits, temperature, top_k, rng)
+            tokens = sample_next(logits, temperature, top_k, top_p, rng)
             column = tokens.tolist()  # syncs the device, so the timings are real
             if step == 0:
                 self.stats = {"prefill_tokens": sum(lengths), "prefill_s": time.perf_counter() - t0,

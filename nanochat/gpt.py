@@ -14,6 +14,7 @@ With T_recursion > 1 the gradient into the previous supervision step is therefor
 consume the carried y and z), which is the paper's behaviour. n_loops = 0 is a plain block y <- B_l(y), no z.
 """
 
+import importlib
 import math
 from dataclasses import dataclass, fields, replace
 
@@ -494,8 +495,9 @@ class GPT(nn.Module):
         """Muon for the transformer matrices, AdamW for embedding, lm_head and the per-channel state decays
         (distributed variants under DDP)."""
         import torch.distributed as dist
-        from nanochat.adamw import AdamW, DistAdamW
-        from nanochat.muon import DistMuon, Muon
+        # by name: transformers' remote-code loader would make users of an exported gpt.py install `nanochat`
+        adamw, muon = importlib.import_module("nanochat.adamw"), importlib.import_module("nanochat.muon")
+        AdamW, DistAdamW, Muon, DistMuon = adamw.AdamW, adamw.DistAdamW, muon.Muon, muon.DistMuon
 
         ddp = dist.is_available() and dist.is_initialized()
         matrix_params = [p for p in self.transformer.h.parameters() if p.ndim == 2]

@@ -1,51 +1,105 @@
 """
-Serve a checkpoint over HTTP (FastAPI + uvicorn), on localhost by default.
+Serve a checkpoint over OpenAI's completions API (FastAPI + uvicorn), on localhost by default.
 
+pip install -e '.[serve]'
 python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrency 2
 
-GET  /health           -> {"status": "ok", "model_tag", "step", "sequence_len", "n_sup_max", "running", ...}
-POST /v1/completions   {"prompt": str, "max_tokens": null (64 or the limit), "temperature": 1.0, "top_k": null,
-                        "n_sup": null, "seed": null, "stream": false}
-    -> {"completion", "prompt_tokens", "completion_tokens", "finish_reason": "stop"|"length", "n_sup"}
-    with "stream": true, server-sent events: data: {"text": ...} per piece, then data: {"finish_reason", ...}
-    and data: [DONE].
+POST /v1/completions  OpenAI's completions request: model (default: the served one), prompt (a string or a list),
+                      max_tokens (16), temperature (1), top_p, n, stop (a string or up to 4), seed, stream,
+                      stream_options.include_usage, user; extras: top_k, n_sup (supervision steps, 1..n_sup_inference,
+                      default all). echo, best_of, logprobs, suffix, logit_bias, frequency_penalty and
+                      presence_penalty are accepted at their defaults only: another value would change the answer in a
+                      way this server does not implement. Any other field is a 400, as at OpenAI.
+                      -> {id, object: "text_completion", created, model, choices: [{text, index, logprobs: null,
+                      finish_reason: "stop"|"length"}], usage: {prompt_tokens, completion_tokens, total_tokens}};
+                      with stream, server-sent events of the same shape, one per piece of text, then data: [DONE].
+GET  /v1/models       the served model, named by its model tag
+GET  /health          status, step, limits and generations running
 
-Bad requests get a 4xx with {"detail": message}: 400 malformed body (not UTF-8, not JSON), 413 body too large,
-422 invalid fields (prompt longer than the context, max_tokens over the limit, negative temperature, ...),
-503 when every generation slot stays busy for --queue_timeout seconds.
+Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request, 404
+an unknown model or path, 413 a body over 1 MiB, 503 every generation slot busy for --queue_timeout seconds. A client
+that goes away stops its generation at the next token, and its slot is free again.
 """
 
 import asyncio
-import itertools
 import json
+import math
+import os
+import socket
 import sys
+import threading
+import time
+import uuid
 
 import torch
-import uvicorn
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+
+try:
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+except ModuleNotFoundError as e:
+    sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
 
 from nanochat.checkpoint_manager import latest_model_tag, load_model
 from nanochat.cli import ArgumentParser
 from nanochat.common import autodetect_device_type, device_available
-from nanochat.engine import Engine, decode_stream
+from nanochat.engine import Engine
 from scripts.base_sample import step_arg
 
 MAX_BODY_BYTES = 1 << 20
+MAX_STOPS = 4  # as at OpenAI
+# OpenAI's fields this server does not implement, and the values at which they change nothing
+NEUTRAL = {"echo": False, "best_of": 1, "logprobs": None, "suffix": "", "logit_bias": {}, "frequency_penalty": 0.0,
+           "presence_penalty": 0.0}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
 
 
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # a typo'd field or "5" for 5 is an error, not a guess
+    model_config = ConfigDict(extra="forbid", strict=True)  # a typo'd field or "5" for 5 is an error, as at OpenAI
 
-    prompt: str
-    max_tokens: int | None = Field(None, ge=1)  # None: 64, or the server's limit if lower
-    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: int | None = Field(None, ge=1)  # None: 16, or the server's limit if lower
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=1)
-    n_sup: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] = []
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    n_sup: int | None = Field(None, ge=1)
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring: nothing to do with it here
+    echo: bool = False
+    best_of: int = 1
+    logprobs: int | None = None
+    suffix: str = ""
+    logit_bias: dict[str, float] = {}
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_means_default(cls, data):  # as at OpenAI, where every optional field is nullable
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class APIError(Exception):
+    def __init__(self, status, message, param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status, message, param=None, code=None):
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
 async def read_body(request):
@@ -54,15 +108,15 @@ async def read_body(request):
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_BODY_BYTES:
-            raise HTTPException(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise HTTPException(400, f"request body is not valid UTF-8 (byte {e.start})") from None
+        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise HTTPException(400, f"request body is not valid JSON: {e}") from None
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
 
 
 def parse_request(obj):
@@ -70,16 +124,90 @@ def parse_request(obj):
         return CompletionRequest.model_validate(obj)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
-        raise HTTPException(422, problems) from None
+        param = ".".join(map(str, e.errors()[0]["loc"][:1])) or None
+        raise APIError(400, problems, param) from None
+
+
+def partial_stop(text, stops):
+    """Length of the longest end of text that begins a stop string: held back until it is known not to be one."""
+    return max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+
+
+class Choice:
+    """One completion's text as its tokens come, cut before the first stop string."""
+
+    def __init__(self, tokenizer, stops):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens, self.text, self.finish_reason = [], "", None  # text: what has been handed out
+
+    def add(self, token, last):
+        """The next token (None: the model ended the text); returns the text that became final."""
+        if token is not None:
+            self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        cut = min((i for i in (text.find(stop) for stop in self.stops) if i >= 0), default=None)
+        if cut is not None or token is None:
+            return self.finish("stop", text[:cut])
+        if last:
+            return self.finish("length", text)
+        if text.endswith("\ufffd"):  # a character whose bytes span tokens: wait for the rest
+            return ""
+        return self.finish(None, text[:len(text) - partial_stop(text, self.stops)])
+
+    def finish(self, reason, text):
+        piece, self.text, self.finish_reason = text[len(self.text):], text, reason
+        return piece
+
+
+class Job:
+    """One request's rows (each prompt n times), generated by a worker thread that stops when cancelled is set."""
+
+    def __init__(self, prompts, rows, choices, columns, max_tokens, include_usage):
+        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.prompts, self.rows, self.choices, self.columns = prompts, rows, choices, columns
+        self.max_tokens, self.include_usage = max_tokens, include_usage
+        self.cancelled = threading.Event()
+        self.queue = asyncio.Queue()  # (index, piece, finish_reason) for streaming; None when the worker ends
+        self.worker = None
+
+    def run(self, emit):
+        """Worker thread: every row token by token, until each choice is finished or the job is cancelled."""
+        try:
+            for step, column in enumerate(self.columns):
+                if self.cancelled.is_set():
+                    return
+                for index, (choice, token) in enumerate(zip(self.choices, column)):
+                    if choice.finish_reason is None:
+                        piece = choice.add(token, last=step == self.max_tokens - 1)
+                        if piece or choice.finish_reason:
+                            emit((index, piece, choice.finish_reason))
+                if all(choice.finish_reason for choice in self.choices):
+                    return
+        finally:
+            self.columns.close()
+
+    def usage(self):
+        prompt_tokens = sum(len(ids) for ids in self.prompts)
+        completion_tokens = sum(len(choice.tokens) for choice in self.choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def cancel_when_gone(request, job):
+    """uvicorn answers receive() with http.disconnect once the client has closed the connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
 
 
 class Server:
     """The engine behind the endpoints: validates requests against the model and bounds concurrent generations."""
 
-    def __init__(self, engine, info, max_concurrency=1, max_tokens_limit=None, queue_timeout=30.0):
+    def __init__(self, engine, info, max_concurrency=1, max_tokens_limit=None, queue_timeout=30.0, max_batch=8):
         self.engine, self.info = engine, info
+        self.model_id, self.created = info["model_tag"], int(time.time())
         self.config = engine.model.config
-        self.max_concurrency = max_concurrency
+        self.max_concurrency, self.max_batch = max_concurrency, max_batch
         self.max_tokens_limit = max_tokens_limit or self.config.sequence_len
         if self.config.sequence_len + self.max_tokens_limit > engine.model.rotary_seq_len:
             raise ValueError(f"max_tokens_limit={self.max_tokens_limit}: a full-context prompt plus that many tokens "
@@ -91,107 +219,167 @@ class Server:
     def health(self):
         return {"status": "ok", **self.info, "sequence_len": self.config.sequence_len,
                 "n_sup_max": self.config.n_sup_inference, "max_tokens_limit": self.max_tokens_limit,
-                "running": self.running, "max_concurrency": self.max_concurrency}
+                "max_batch": self.max_batch, "running": self.running, "max_concurrency": self.max_concurrency}
+
+    def model_card(self):
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "nanochat-trm"}
 
     def check(self, req):
-        """Prompt token ids for a request (its max_tokens defaulted), or a 422 naming the limit it breaks."""
-        ids = self.engine.encode_prompt(req.prompt)
-        if len(ids) > self.config.sequence_len:
-            raise HTTPException(422, f"prompt is {len(ids)} tokens (with <|bos|>); the model's context is "
-                                     f"{self.config.sequence_len} tokens")
-        if req.max_tokens is None:
-            req.max_tokens = min(64, self.max_tokens_limit)
+        """Prompt token ids of a valid request (defaults filled in), or an APIError naming what is wrong."""
+        if req.model is not None and req.model != self.model_id:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_id!r}", "model",
+                           "model_not_found")
+        for name, neutral in NEUTRAL.items():
+            if getattr(req, name) != neutral:
+                raise APIError(400, f"{name}={getattr(req, name)!r} is not supported by this server; leave it out or "
+                                    f"send {json.dumps(neutral)}", name)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options needs stream: true", "stream_options")
+        req.stop = [req.stop] if isinstance(req.stop, str) else req.stop
+        if len(req.stop) > MAX_STOPS or "" in req.stop:
+            raise APIError(400, f"stop: up to {MAX_STOPS} non-empty strings", "stop")
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if not prompts:
+            raise APIError(400, "prompt: give a string or a non-empty list of strings", "prompt")
+        ids = [self.engine.encode_prompt(prompt) for prompt in prompts]
+        longest = max(len(p) for p in ids)
+        if longest > self.config.sequence_len:
+            raise APIError(400, f"prompt is {longest} tokens (with <|bos|>); the model's context is "
+                                f"{self.config.sequence_len} tokens", "prompt")
+        if len(ids) * req.n > self.max_batch:
+            raise APIError(400, f"{len(ids)} prompt(s) x n={req.n} completions exceeds this server's limit of "
+                                f"{self.max_batch} (--max_batch)", "n")
+        req.max_tokens = req.max_tokens or min(16, self.max_tokens_limit)
         if req.max_tokens > self.max_tokens_limit:
-            raise HTTPException(422, f"max_tokens={req.max_tokens} exceeds this server's limit of "
-                                     f"{self.max_tokens_limit}")
+            raise APIError(400, f"max_tokens={req.max_tokens} exceeds this server's limit of "
+                                f"{self.max_tokens_limit}", "max_tokens")
         if req.n_sup is not None and req.n_sup > self.config.n_sup_inference:
-            raise HTTPException(422, f"n_sup={req.n_sup}: must be from 1 to {self.config.n_sup_inference}")
+            raise APIError(400, f"n_sup={req.n_sup}: must be from 1 to {self.config.n_sup_inference}", "n_sup")
         return ids
 
     async def acquire(self):
+        """Take a generation slot: a free one at once, else wait up to queue_timeout seconds (0: no waiting)."""
+        wait = self.queue_timeout if self.slots.locked() else None
         try:
-            await asyncio.wait_for(self.slots.acquire(), timeout=self.queue_timeout)
+            await asyncio.wait_for(self.slots.acquire(), timeout=wait)
         except asyncio.TimeoutError:
-            raise HTTPException(503, f"server busy: {self.max_concurrency} generations running; retry later") from None
+            raise APIError(503, f"server busy: {self.max_concurrency} generations running; retry later",
+                           code="server_busy") from None
         self.running += 1
 
-    def release(self):
+    def release(self, _=None):
         self.running -= 1
         self.slots.release()
 
-    def tokens(self, ids, req):
-        """The completion's token ids, lazily; generate() checks its arguments now, not in a worker thread."""
-        columns = self.engine.generate([ids], max_tokens=req.max_tokens, temperature=req.temperature,
-                                       top_k=req.top_k, n_sup=req.n_sup, seed=req.seed)
-        return itertools.takewhile(lambda token: token is not None, (column[0] for column in columns))
+    def start(self, req, prompts):
+        """Take a slot and start the request's generation in a worker thread; the slot is freed when it ends."""
+        rows = [ids for ids in prompts for _ in range(req.n)]  # choice index = prompt index * n + j, as at OpenAI
+        columns = self.engine.generate(rows, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
+                                       top_p=req.top_p, n_sup=req.n_sup, seed=req.seed)  # checks its arguments now
+        choices = [Choice(self.engine.tokenizer, req.stop) for _ in rows]
+        job = Job(prompts, rows, choices, columns, req.max_tokens,
+                  req.stream_options is not None and req.stream_options.include_usage)
+        loop = asyncio.get_running_loop()
+        emit = (lambda item: loop.call_soon_threadsafe(job.queue.put_nowait, item)) if req.stream else (lambda _: None)
+        job.worker = asyncio.ensure_future(run_in_threadpool(job.run, emit))
+        job.worker.add_done_callback(self.release)
+        job.worker.add_done_callback(lambda _: job.queue.put_nowait(None))
+        return job
 
-    def summary(self, ids, req, n_tokens):
-        n_sup = req.n_sup or self.config.n_sup_inference
-        return {"prompt_tokens": len(ids), "completion_tokens": n_tokens, "n_sup": n_sup,
-                "finish_reason": "length" if n_tokens == req.max_tokens else "stop"}
+    def chunk(self, job, choices, usage=None):
+        return {"id": job.id, "object": "text_completion", "created": job.created, "model": self.model_id,
+                "choices": choices, "usage": usage}
 
-    def complete(self, ids, req):
-        tokens = list(self.tokens(ids, req))
-        return {"completion": self.engine.tokenizer.decode(tokens), **self.summary(ids, req, len(tokens))}
+    def completion(self, job):
+        choices = [{"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
+                   for i, c in enumerate(job.choices)]
+        return self.chunk(job, choices, job.usage())
 
-    async def events(self, ids, req):
-        """Server-sent events as the tokens come; the slot is released however the stream ends (client gone too)."""
+    async def events(self, job):
+        """Server-sent events as the text comes; a generation that fails mid-stream ends with an error event."""
         try:
-            counted = []
-            tokens = (counted.append(t) or t for t in self.tokens(ids, req))
-            async for piece in iterate_in_threadpool(decode_stream(self.engine.tokenizer, tokens)):
-                yield f"data: {json.dumps({'text': piece})}\n\n"
-            yield f"data: {json.dumps(self.summary(ids, req, len(counted)))}\n\n"
+            while (item := await job.queue.get()) is not None:
+                index, piece, finish_reason = item
+                choice = {"text": piece, "index": index, "logprobs": None, "finish_reason": finish_reason}
+                yield f"data: {json.dumps(self.chunk(job, [choice]))}\n\n"
+            if job.worker.exception() is not None:
+                error = {"message": f"generation failed: {job.worker.exception()}", "type": "server_error"}
+                yield f"data: {json.dumps({'error': error})}\n\n"
+                return
+            if job.include_usage:
+                yield f"data: {json.dumps(self.chunk(job, [], job.usage()))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            self.release()
-
-
-async def prepend(first, rest):
-    yield first
-    async for item in rest:
-        yield item
+            job.cancelled.set()  # the client left mid-stream: stop generating
 
 
 def create_app(server):
     app = FastAPI(title="nanochat-TRM")
 
+    @app.exception_handler(APIError)
+    async def api_error(request, e):
+        return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e):  # unknown paths and methods, in OpenAI's error shape too
+        return error_response(e.status_code, str(e.detail))
+
     @app.get("/health")
     async def health():
         return server.health()
 
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str):
+        if model != server.model_id:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {server.model_id!r}", "model",
+                           "model_not_found")
+        return server.model_card()
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_request(await read_body(request))
-        ids = server.check(req)
+        prompts = server.check(req)
         await server.acquire()
-        if req.stream:
-            events = server.events(ids, req)
-            first = await anext(events)  # started, its finally releases the slot however the response ends
-            return StreamingResponse(prepend(first, events), media_type="text/event-stream")
         try:
-            return await run_in_threadpool(server.complete, ids, req)  # the event loop keeps answering /health
-        finally:
+            job = server.start(req, prompts)
+        except BaseException:
             server.release()
+            raise
+        watcher = asyncio.ensure_future(cancel_when_gone(request, job))
+        job.worker.add_done_callback(lambda _: watcher.cancel())
+        if req.stream:
+            return StreamingResponse(server.events(job), media_type="text/event-stream")
+        await asyncio.shield(job.worker)  # if this handler is cancelled, the slot stays taken until the thread ends
+        return server.completion(job)
 
     return app
 
 
 def parse_args(argv=None):
-    parser = ArgumentParser(description="Serve a checkpoint over HTTP")
+    parser = ArgumentParser(description="Serve a checkpoint over OpenAI's completions API")
     parser.add_argument("--model_tag", default=None, help="checkpoint tag (default: the most recently written)")
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: localhost only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 = any free port")
     parser.add_argument("--max_concurrency", type=int, default=1, help="generations running at once")
-    parser.add_argument("--queue_timeout", type=float, default=30.0, help="seconds a request waits for a slot")
+    parser.add_argument("--queue_timeout", type=float, default=30.0,
+                        help="seconds a request waits for a busy slot (0: answer 503 at once when all are busy)")
     parser.add_argument("--max_tokens_limit", type=int, default=None, help="largest max_tokens (default: context)")
+    parser.add_argument("--max_batch", type=int, default=8, help="most completions per request (prompts x n)")
     parser.add_argument("--device_type", default=None, help="cuda|cpu|mps (default: autodetect)")
     args = parser.parse_args(argv)
-    if args.max_concurrency < 1:
-        parser.error(f"--max_concurrency={args.max_concurrency}: must be >= 1")
-    if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
-        parser.error(f"--max_tokens_limit={args.max_tokens_limit}: must be >= 1")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port={args.port}: must be from 1 to 65535 (or 0 for any free port)")
+    if not (args.queue_timeout >= 0 and math.isfinite(args.queue_timeout)):
+        parser.error(f"--queue_timeout={args.queue_timeout}: must be a number of seconds >= 0")
+    for name in ("max_concurrency", "max_batch", "max_tokens_limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name}={value}: must be >= 1")
     args.device_type = args.device_type or autodetect_device_type()
     if not device_available(args.device_type):
         parser.error(f"--device_type={args.device_type} is not available on this machine")
@@ -199,25 +387,42 @@ def parse_args(argv=None):
 
 
 def build_server(args):
-    """(uvicorn.Server, Server) for parsed args; the caller runs it (tests run it on a socket they bound)."""
+    """(uvicorn.Server, Server) for parsed args; the caller runs it on a socket it bound."""
     model_tag = args.model_tag or latest_model_tag()
     model, tokenizer, meta = load_model(model_tag, args.step, torch.device(args.device_type))
     info = {"model_tag": model_tag, "step": meta["step"]}
-    server = Server(Engine(model, tokenizer), info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout)
-    config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="warning")
+    server = Server(Engine(model, tokenizer), info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout,
+                    args.max_batch)
+    config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="warning", lifespan="off")
     return uvicorn.Server(config), server
+
+
+def listen(host, port):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
 
 
 def main(argv=None):
     args = parse_args(argv)
     try:
-        http, server = build_server(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        sock = listen(args.host, args.port)  # before the model loads: a taken port fails in a second, not a minute
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {os.strerror(e.errno) if e.errno else e}; pick another --port "
+              f"(0 = any free port)", file=sys.stderr)
         return 2
-    print(f"serving step {server.info['step']} on http://{args.host}:{args.port} "
-          f"(max_concurrency={args.max_concurrency})", flush=True)
-    http.run()
+    with sock:
+        try:
+            http, server = build_server(args)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        host, port = sock.getsockname()[:2]
+        print(f"serving {server.model_id} step {server.info['step']} at http://{host}:{port}/v1 "
+              f"(OpenAI completions API; max_concurrency={args.max_concurrency})", flush=True)
+        try:
+            http.run(sockets=[sock])
+        except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down cleanly, then may re-raise the signal
+            pass
     return 0
 
 

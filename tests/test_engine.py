@@ -155,6 +155,34 @@ def test_top_k_and_temperature():
     assert sample_next(logits, 0.01, rng=rng).unique().tolist() == [1]  # low temperature approaches greedy
 
 
+def test_top_p_samples_the_nucleus_only():
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])  # sorted: 1 (0.5), 3 (0.3), 0 (0.15), 2 (0.05)
+    logits = probs.log().repeat(2000, 1)
+    rng = torch.Generator().manual_seed(0)
+    assert sample_next(logits, 1.0, top_p=0.45, rng=rng).unique().tolist() == [1]
+    tokens = sample_next(logits, 1.0, top_p=0.7, rng=rng)
+    assert tokens.unique().tolist() == [1, 3] and abs((tokens == 1).float().mean() - 0.5 / 0.8) < 0.05
+    assert sample_next(logits, 1.0, top_p=0.9, rng=rng).unique().tolist() == [0, 1, 3]
+    assert sample_next(logits, 1.0, top_p=1.0, rng=rng).unique().tolist() == [0, 1, 2, 3]
+    assert sample_next(logits, 1.0, top_p=0.0, rng=rng).unique().tolist() == [1]  # the likeliest token always stays
+    # top_k first, then top_p of what it kept: in the top 3, tokens 1 and 3 hold 0.8/0.95 = 0.84 > 0.82
+    assert sample_next(logits, 1.0, top_p=0.82, rng=rng).unique().tolist() == [0, 1, 3]
+    assert sample_next(logits, 1.0, top_k=3, top_p=0.82, rng=rng).unique().tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-45, 1e-308, 5e-324])
+def test_tiny_temperatures_sample_the_argmax_without_nan(temperature):
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0], [2.0, 2.0, 1.0, -1.0, 0.0]]).repeat(200, 1)
+    rng = torch.Generator().manual_seed(0)
+    for top_k, top_p in [(None, None), (2, None), (None, 0.9)]:
+        tokens = sample_next(logits, temperature, top_k=top_k, top_p=top_p, rng=rng)
+        assert tokens[0::2].unique().tolist() == [1]
+        assert tokens[1::2].unique().tolist() == [0, 1]  # a tie stays a fair choice between the tied tokens
+    engine = Engine(random_model(tiny_config()))
+    greedy = engine.generate_batch([[1, 2, 3]], max_tokens=5, temperature=0.0)
+    assert engine.generate_batch([[1, 2, 3]], max_tokens=5, temperature=temperature, seed=0) == greedy
+
+
 def test_generation_streams_and_stops():
     engine = Engine(random_model(tiny_config()))
     prompts = [[1, 2, 3], [9, 8]]

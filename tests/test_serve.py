@@ -1,12 +1,17 @@
-"""Tests for the HTTP server, over a real socket on 127.0.0.1, serving a tiny trained checkpoint."""
+"""Tests for the OpenAI-compatible server: the official openai client against the real server on 127.0.0.1."""
 
 import contextlib
-import json
+import os
+import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
@@ -14,7 +19,199 @@ from nanochat.engine import Engine
 from scripts import serve
 from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def start_cli(base_dir, *flags, deadline_s=120):
+    """`python -m scripts.serve --port 0 ...` in a subprocess; (process, base URL read from its first line)."""
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.serve", "--model_tag", MODEL_TAG, "--port", "0",
+                             "--device_type", "cpu", *flags], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + deadline_s
+    while not select.select([proc.stdout], [], [], 0.5)[0]:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start: {proc.communicate()[1]}")
+    line = proc.stdout.readline()
+    assert line.startswith(f"serving {MODEL_TAG} step 40 at http://127.0.0.1:"), line
+    return proc, line.split(" at ")[1].split()[0].removesuffix("/v1")
+
+
+@pytest.fixture(scope="module")
+def url(trained):
+    proc, base_url = start_cli(trained[0], "--max_concurrency", "2")
+    try:
+        yield base_url
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop, exit code 0, no traceback
+        try:
+            code = proc.wait(timeout=20)
+        finally:
+            proc.kill()
+        out, err = proc.communicate()
+        assert code == 0 and err == "", err
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(trained, prompt, max_tokens, **kwargs):
+    _, model, tokenizer = trained
+    return Engine(model, tokenizer).complete([prompt], max_tokens=max_tokens, temperature=0.0, **kwargs)[0]
+
+
+def test_completion_matches_the_engine(client, trained):
+    r = client.completions.create(model=MODEL_TAG, prompt="the cat sat", max_tokens=10, temperature=0,
+                                  extra_body={"n_sup": 2})
+    expected = greedy(trained, "the cat sat", 10, n_sup=2)
+    assert expected.startswith(" on the") and r.choices[0].text == expected
+    assert r.object == "text_completion" and r.model == MODEL_TAG and r.id.startswith("cmpl-")
+    assert abs(r.created - time.time()) < 300
+    assert (r.choices[0].index, r.choices[0].logprobs, r.choices[0].finish_reason) == (0, None, "length")
+    prompt_tokens = len(trained[2].encode("the cat sat")) + 1  # with <|bos|>
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (prompt_tokens, 10,
+                                                                                        prompt_tokens + 10)
+
+
+def test_max_tokens_defaults_to_openais_16(client, trained):
+    r = client.completions.create(model=MODEL_TAG, prompt="the dog", temperature=0)
+    assert r.usage.completion_tokens == 16 and r.choices[0].text == greedy(trained, "the dog", 16)
+
+
+def test_streaming_gives_the_same_text_in_pieces(client, url):
+    request = dict(model=MODEL_TAG, prompt="the dog sat", max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    assert len(pieces) > 2 and all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+    assert "".join(p.text for p in pieces) == client.completions.create(**request).choices[0].text
+    assert [p.finish_reason for p in pieces] == [None] * (len(pieces) - 1) + ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    with httpx.stream("POST", f"{url}/v1/completions", json={**request, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: {") for e in events[:-1])
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL_TAG]
+    assert client.models.retrieve(MODEL_TAG).owned_by == "nanochat-trm"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+@pytest.mark.parametrize("stop", ["mat.", ["cat", " on"], [" the mat", "xyz"]])
+def test_stop_sequences_cut_the_text_streaming_or_not(client, trained, stop):
+    full = greedy(trained, "the cat", 20)
+    stops = [stop] if isinstance(stop, str) else stop
+    cut = min(full.find(s) for s in stops if s in full)
+    request = dict(model=MODEL_TAG, prompt="the cat", max_tokens=20, temperature=0, stop=stop)
+    choice = client.completions.create(**request).choices[0]
+    assert (choice.text, choice.finish_reason) == (full[:cut], "stop")
+    pieces = [c.choices[0] for c in client.completions.create(**request, stream=True)]
+    assert "".join(p.text for p in pieces) == full[:cut] and pieces[-1].finish_reason == "stop"
+
+
+def test_n_completions_of_each_prompt_in_a_list(client, trained):
+    r = client.completions.create(model=MODEL_TAG, prompt=["the cat", "the dog sat"], n=2, max_tokens=6,
+                                  temperature=0)
+    expected = [greedy(trained, p, 6) for p in ["the cat", "the dog sat"]]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [expected[0], expected[0], expected[1], expected[1]]
+    assert r.usage.prompt_tokens == len(trained[2].encode("the cat")) + len(trained[2].encode("the dog sat")) + 2
+    assert r.usage.completion_tokens == 24
+
+
+def test_seeded_sampling_is_reproducible(client):
+    request = dict(model=MODEL_TAG, prompt="the", max_tokens=12, temperature=1.5, top_p=0.95, n=3)
+    texts = lambda **kw: [c.text for c in client.completions.create(**request, **kw).choices]
+    first = texts(seed=3)
+    assert texts(seed=3) == first and texts(seed=4) != first
+    assert len(set(first)) > 1  # the n completions are samples of their own
+    assert texts(seed=3, extra_body={"top_k": 5}) == texts(seed=3, extra_body={"top_k": 5})
+
+
+def test_a_tiny_temperature_samples_the_greedy_text(client, trained):
+    r = client.completions.create(model=MODEL_TAG, prompt="the cat", max_tokens=8, temperature=1e-308, seed=0)
+    assert r.choices[0].text == greedy(trained, "the cat", 8)
+
+
+def test_fields_openai_accepts_are_accepted_at_their_defaults(client, trained):
+    r = client.completions.create(model=MODEL_TAG, prompt="the cat", max_tokens=4, temperature=0, user="me",
+                                  echo=False, best_of=1, logprobs=None, suffix=None, logit_bias={},
+                                  presence_penalty=0, frequency_penalty=0.0, top_p=1, stop=None, seed=None)
+    assert r.choices[0].text == greedy(trained, "the cat", 4)
+
+
+BAD_REQUESTS = [
+    (dict(temperature=3), "temperature: Input should be less than or equal to 2"),
+    (dict(top_p=1.5), "top_p: Input should be less than or equal to 1"),
+    (dict(max_tokens=0), "max_tokens: Input should be greater than or equal to 1"),
+    (dict(max_tokens=10 ** 6), "exceeds this server's limit of 32"),
+    (dict(n=0), "n: Input should be greater than or equal to 1"),
+    (dict(n=9), "exceeds this server's limit of 8 (--max_batch)"),
+    (dict(prompt="the cat " * 40), "the model's context is 32 tokens"),
+    (dict(prompt=[]), "non-empty list of strings"),
+    (dict(prompt=[1, 2, 3]), "prompt.str: Input should be a valid string"),
+    (dict(stop=["a", "b", "c", "d", "e"]), "stop: up to 4 non-empty strings"),
+    (dict(echo=True), "echo=True is not supported by this server"),
+    (dict(logprobs=2), "logprobs=2 is not supported by this server"),
+    (dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported by this server"),
+    (dict(stream_options={"include_usage": True}), "stream_options needs stream: true"),
+    (dict(extra_body={"temprature": 0.5}), "temprature: Extra inputs are not permitted"),
+    (dict(extra_body={"n_sup": 99}), "n_sup=99: must be from 1 to 3"),
+    (dict(extra_body={"top_k": 0}), "top_k: Input should be greater than or equal to 1"),
+    (dict(extra_body={"max_tokens": "5"}), "max_tokens: Input should be a valid integer"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD_REQUESTS, ids=[m for _, m in BAD_REQUESTS])
+def test_a_bad_request_is_a_400_and_the_server_keeps_serving(client, url, change, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{"model": MODEL_TAG, "prompt": "the", **change})
+    assert message in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
+    assert e.value.body["param"] in {*change, *change.get("extra_body", {})}
+    assert client.completions.create(model=MODEL_TAG, prompt="the", max_tokens=2).choices[0].text
+    assert httpx.get(f"{url}/health").json()["running"] == 0  # a rejected request holds no slot
+
+
+def test_an_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-3.5-turbo-instruct", prompt="the")
+    assert e.value.body["code"] == "model_not_found" and f"this server serves {MODEL_TAG!r}" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("body,status,message", [
+    (b'\xff\xfe{"prompt": "the"}', 400, "not valid UTF-8"),
+    (b'{"prompt": "the"', 400, "not valid JSON"),
+    (b"x" * (serve.MAX_BODY_BYTES + 1), 413, "exceeds"),
+    (b"[1, 2]", 400, "valid dictionary"),
+])
+def test_a_malformed_body_gets_an_openai_error(url, body, status, message):
+    r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status and message in r.json()["error"]["message"]
+
+
+def test_an_unknown_path_is_a_404_in_openais_error_shape(url):
+    r = httpx.get(f"{url}/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"] == {"message": "Not Found", "type": "invalid_request_error",
+                                                         "param": None, "code": None}
+
+
+def test_health(url, trained):
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and health["model_tag"] == MODEL_TAG and health["step"] == 40
+    assert health["n_sup_max"] == trained[1].config.n_sup_inference and health["max_concurrency"] == 2
+
+
+# ---------------------------------------------------------------- slots, in-process servers with controlled engines
 
 @contextlib.contextmanager
 def running(http):
@@ -35,154 +232,122 @@ def running(http):
         sock.close()
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def url(trained):
-    base_dir, _, _ = trained
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", str(base_dir))
-        args = serve.parse_args(["--model_tag", MODEL_TAG, "--step", "latest", "--max_concurrency", "2",
-                                 "--device_type", "cpu", "--port", "0"])
-        http, _ = serve.build_server(args)
-    with running(http) as base_url:
-        yield base_url
-
-
-def post(url, body, **kwargs):
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"},
-                      timeout=30, **kwargs)
-
-
-def test_health(url, trained):
-    r = httpx.get(f"{url}/health")
-    assert r.status_code == 200
-    health = r.json()
-    assert health["status"] == "ok" and health["model_tag"] == MODEL_TAG and health["step"] == 40
-    assert health["n_sup_max"] == trained[1].config.n_sup_inference and health["max_concurrency"] == 2
-
-
-def test_completion_matches_the_engine(url, trained):
-    _, model, tokenizer = trained
-    r = post(url, {"prompt": "the cat sat", "max_tokens": 10, "temperature": 0.0, "n_sup": 2})
-    assert r.status_code == 200, r.text
-    body = r.json()
-    expected = Engine(model, tokenizer).complete(["the cat sat"], max_tokens=10, temperature=0.0, n_sup=2)[0]
-    assert body["completion"] == expected and expected.startswith(" on the")
-    assert body["n_sup"] == 2 and body["completion_tokens"] == 10 and body["finish_reason"] == "length"
-    assert body["prompt_tokens"] == len(tokenizer.encode("the cat sat")) + 1  # with <|bos|>
-
-
-def test_seeded_sampling_over_http_is_reproducible(url):
-    request = {"prompt": "the", "max_tokens": 12, "temperature": 1.5, "top_k": 50, "seed": 3}
-    first = post(url, request).json()["completion"]
-    assert post(url, request).json()["completion"] == first
-    assert post(url, {**request, "seed": 4}).json()["completion"] != first
-
-
-def read_events(response):
-    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
-
-
-def test_streaming(url):
-    request = {"prompt": "the dog sat", "max_tokens": 10, "temperature": 0.0}
-    with httpx.stream("POST", f"{url}/v1/completions", json={**request, "stream": True}, timeout=30) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        events = read_events(r)
-    assert events[-1] == "[DONE]"
-    pieces = [json.loads(e)["text"] for e in events[:-2]]
-    summary = json.loads(events[-2])
-    assert len(pieces) > 1 and "".join(pieces) == post(url, request).json()["completion"]
-    assert summary["completion_tokens"] == 10 and summary["finish_reason"] == "length"
-
-
-BAD_REQUESTS = [
-    (b'\xff\xfe{"prompt": "the"}', 400, "not valid UTF-8"),
-    (b'{"prompt": "the"', 400, "not valid JSON"),
-    (b"x" * (serve.MAX_BODY_BYTES + 1), 413, "exceeds"),
-    ({"prompt": "the cat " * 40}, 422, "the model's context is 32 tokens"),
-    ({"prompt": "the", "max_tokens": 10 ** 12}, 422, "exceeds this server's limit"),
-    ({"prompt": "the", "max_tokens": 0}, 422, "max_tokens"),
-    ({"prompt": "the", "temperature": -1}, 422, "temperature: Input should be greater than or equal to 0"),
-    (b'{"prompt": "the", "temperature": NaN}', 422, "temperature: Input should be a finite number"),
-    ({"prompt": "the", "n_sup": 99}, 422, "n_sup=99"),
-    ({"prompt": "the", "top_k": 0}, 422, "top_k"),
-    ({"prompt": "the", "max_tokens": "5"}, 422, "max_tokens: Input should be a valid integer"),
-    ({"prompt": 5}, 422, "prompt: Input should be a valid string"),
-    ({"prompt": "the", "temprature": 0.5}, 422, "temprature: Extra inputs are not permitted"),
-    ([1, 2], 422, "valid dictionary"),
-]
-
-
-@pytest.mark.parametrize("body,status,message", BAD_REQUESTS, ids=[m for _, _, m in BAD_REQUESTS])
-def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(url, body, status, message):
-    r = post(url, body)
-    assert r.status_code == status, r.text
-    assert message in r.json()["detail"]
-    assert post(url, {"prompt": "the", "max_tokens": 2}).status_code == 200
-    assert httpx.get(f"{url}/health").json()["running"] == 0  # a rejected request holds no slot
+def post(url, body, timeout=30):
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
 
 
 class HeldEngine(Engine):
-    """Waits for the test's go-ahead after `free` tokens, so a generation holds its slot as long as the test wants."""
+    """After `free` tokens, each token waits for the test's go-ahead, then `pace` seconds; it never stops early."""
 
-    def __init__(self, model, tokenizer, free=0):
+    def __init__(self, model, tokenizer, free=0, pace=0.0):
         super().__init__(model, tokenizer)
-        self.go, self.free = threading.Event(), free
+        self.go, self.free, self.pace, self.tokens_made = threading.Event(), free, pace, 0
+
+    def stop_tokens(self):
+        return set()
 
     def generate(self, *args, **kwargs):
-        columns = super().generate(*args, **kwargs)
-        for i, column in enumerate(columns):
+        for i, column in enumerate(super().generate(*args, **kwargs)):
             assert i < self.free or self.go.wait(timeout=10)
+            time.sleep(self.pace)
+            self.tokens_made += 1
             yield column
 
 
-def held_server(trained, free=0):
+def held_server(trained, queue_timeout=0.2, **engine_kwargs):
     _, model, tokenizer = trained
-    engine = HeldEngine(model, tokenizer, free)
-    server = serve.Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=1, queue_timeout=0.2)
-    return engine, uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning"))
+    engine = HeldEngine(model, tokenizer, **engine_kwargs)
+    server = serve.Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=1, queue_timeout=queue_timeout)
+    return engine, uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off"))
 
 
-def wait_until_running(base_url, n):
-    deadline = time.monotonic() + 10
+def wait_until_running(base_url, n, timeout=10):
+    deadline = time.monotonic() + timeout
     while httpx.get(f"{base_url}/health").json()["running"] != n:  # health answers while a generation runs
         assert time.monotonic() < deadline, f"running never became {n}"
         time.sleep(0.01)
 
 
-def test_concurrency_is_bounded_and_health_stays_responsive(trained):
-    engine, http = held_server(trained)
-    request = {"prompt": "the", "max_tokens": 3, "temperature": 0.0}
+REQUEST = {"prompt": "the", "max_tokens": 3, "temperature": 0.0}
+
+
+@pytest.mark.parametrize("queue_timeout", [0.2, 0])
+def test_concurrency_is_bounded_and_health_stays_responsive(trained, queue_timeout):
+    engine, http = held_server(trained, queue_timeout=queue_timeout)
     with running(http) as base_url:
+        engine.go.set()
+        assert post(base_url, REQUEST).status_code == 200  # a free slot is taken at once, even with 0
+        engine.go.clear()
         held = {}
-        worker = threading.Thread(target=lambda: held.update(r=post(base_url, request)))
+        worker = threading.Thread(target=lambda: held.update(r=post(base_url, REQUEST)))
         worker.start()
         wait_until_running(base_url, 1)
-        busy = post(base_url, request)
-        assert busy.status_code == 503 and "server busy" in busy.json()["detail"]
+        start = time.monotonic()
+        busy = post(base_url, REQUEST)
+        assert busy.status_code == 503 and "server busy" in busy.json()["error"]["message"]
+        assert time.monotonic() - start < queue_timeout + 2
         engine.go.set()
         worker.join(timeout=10)
         assert held["r"].status_code == 200
-        assert post(base_url, request).status_code == 200  # the slot came back
+        assert post(base_url, REQUEST).status_code == 200  # the slot came back
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(trained):
     engine, http = held_server(trained, free=1)
-    request = {"prompt": "the", "max_tokens": 6, "temperature": 0.0, "stream": True}
     with running(http) as base_url:
-        with httpx.stream("POST", f"{base_url}/v1/completions", json=request, timeout=30) as r:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json={**REQUEST, "stream": True}, timeout=30) as r:
             assert next(r.iter_lines()).startswith("data: ")  # the first token came; the rest wait on the test
         engine.go.set()
         wait_until_running(base_url, 0)
-        assert post(base_url, {**request, "stream": False}).status_code == 200
+        assert post(base_url, REQUEST).status_code == 200
+
+
+def test_a_client_that_leaves_before_the_answer_frees_its_slot_at_once(trained):
+    """A non-streaming request whose generation would take 30 x 0.2 s = 6 s; its client gives up after 0.5 s."""
+    engine, http = held_server(trained, pace=0.2)
+    engine.go.set()
+    with running(http) as base_url:
+        start = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            post(base_url, {"prompt": "the", "max_tokens": 30, "temperature": 0.0}, timeout=0.5)
+        wait_until_running(base_url, 0)
+        assert time.monotonic() - start < 3 and engine.tokens_made < 15
+        assert post(base_url, REQUEST).status_code == 200
+
+
+# ---------------------------------------------------------------- start-up
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--port", "99999", "--port=99999: must be from 1 to 65535"),
+    ("--port", "-1", "--port=-1: must be from 1 to 65535"),
+    ("--queue_timeout", "-1", "--queue_timeout=-1.0: must be a number of seconds >= 0"),
+    ("--queue_timeout", "nan", "--queue_timeout=nan: must be a number of seconds >= 0"),
+    ("--max_concurrency", "0", "--max_concurrency=0: must be >= 1"),
+    ("--max_batch", "0", "--max_batch=0: must be >= 1"),
+])
+def test_bad_flags_are_refused_at_start_up(capsys, flag, value, message):
+    with pytest.raises(SystemExit) as e:
+        serve.parse_args([flag, value, "--device_type", "cpu"])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_one_line(trained, monkeypatch, capsys):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(trained[0]))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert serve.main(["--model_tag", MODEL_TAG, "--port", str(port), "--device_type", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in err
 
 
 def test_serve_main_reports_a_missing_checkpoint(trained, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(trained[0]))
-    assert serve.main(["--model_tag", "missing", "--device_type", "cpu"]) == 2
+    assert serve.main(["--model_tag", "missing", "--device_type", "cpu", "--port", "0"]) == 2
     assert "no checkpoint found for model tag 'missing'" in capsys.readouterr().err
+
+
+def test_without_uvicorn_the_server_says_what_to_install():
+    hide = "import runpy, sys; sys.modules['uvicorn'] = None; runpy.run_module('scripts.serve', run_name='__main__')"
+    result = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
+    assert "needs uvicorn" in result.stderr and "pip install -e '.[serve]'" in result.stderr

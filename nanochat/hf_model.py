@@ -1,0 +1,66 @@
+"""
+The TRM GPT as a Hugging Face transformers model: what `scripts/export_hf.py` writes and `trust_remote_code` runs.
+
+The export copies this file and nanochat/gpt.py side by side (transformers copies every file a remote-code module
+imports relatively), so the recursion exists once, in gpt.py. Every GPTConfig field is a key of config.json and the
+weights are GPT's own state dict under "model.", so new fields and parameters of gpt.py need no change here.
+
+    model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+    model(input_ids, n_sup=2).logits      # the last of 2 supervision steps (default: n_sup_inference)
+"""
+
+from dataclasses import fields
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+from .gpt import GPT, GPTConfig
+
+if int(transformers.__version__.split(".")[0]) < 5:  # 4.x leaves the rotary tables on the meta device
+    raise ImportError(f"this model needs transformers>=5 (found {transformers.__version__})")
+
+
+class NanochatTRMConfig(PretrainedConfig):
+    """GPTConfig's fields as keyword arguments (config.json keys); the standard names map onto them."""
+
+    model_type = "nanochat_trm"
+    attribute_map = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+                     "num_key_value_heads": "n_kv_head", "max_position_embeddings": "sequence_len"}
+
+    def gpt_config(self):
+        return GPTConfig(**{f.name: getattr(self, f.name) for f in fields(GPTConfig) if hasattr(self, f.name)})
+
+
+class NanochatTRMForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = NanochatTRMConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = GPT(config.gpt_config())
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if module is self.model:
+            module.init_weights()  # also computes the rotary tables, which are not saved
+
+    def forward(self, input_ids, labels=None, n_sup=None, attention_mask=None, **kwargs):
+        """Logits of the last of n_sup supervision steps; with labels, their next-token cross-entropy."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("padding is not supported: pass prompts of equal length (e.g. one at a time), "
+                             "without masked positions")
+        logits = self.model(input_ids, n_sup=n_sup)
+        loss = None
+        if labels is not None:  # labels are input_ids, shifted here (the transformers convention)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids, n_sup=None, **kwargs):
+        # no KV cache: every generated token re-runs the whole sequence through the recursion
+        return {"input_ids": input_ids, "n_sup": n_sup}

@@ -1,0 +1,173 @@
+"""
+Export a checkpoint as a Hugging Face transformers model directory.
+
+python -m scripts.export_hf --model_tag d12 --step best --out d12-hf
+
+DIR then holds model.safetensors, config.json (every GPTConfig field, and auto_map), generation_config.json,
+hf_model.py + gpt.py (the model code, run with trust_remote_code=True), tokenizer.json + tokenizer_config.json and
+a README.md model card. It loads with
+
+    model = AutoModelForCausalLM.from_pretrained("d12-hf", trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained("d12-hf", trust_remote_code=True)  # it reads config.json too
+
+The tokenizer puts <|bos|> in front of every text, as the model saw every document in training; generation stops at
+the next <|bos|> (a base model starts a new document when it is done) or <|assistant_end|>. DIR is written into a
+temporary directory and renamed into place; an existing non-empty DIR is only replaced with --force, and only if
+it holds an earlier export.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+from nanochat.checkpoint_manager import latest_model_tag, load_model
+from nanochat.cli import ArgumentParser
+
+try:
+    from tokenizers import processors
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from nanochat.hf_model import NanochatTRMConfig, NanochatTRMForCausalLM
+except ImportError as e:  # transformers missing, or older than 5
+    reason = f"the export needs {e.name}" if isinstance(e, ModuleNotFoundError) else str(e)
+    sys.exit(f"error: {reason}; install it with: pip install -e '.[hf]'")
+from nanochat.tokenizer import SPECIAL_TOKENS
+from scripts.base_sample import step_arg
+
+NanochatTRMConfig.register_for_auto_class()  # writes auto_map into config.json and copies the code into DIR
+NanochatTRMForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+STOP_TOKENS = ("<|bos|>", "<|assistant_end|>")  # the Engine's stop tokens
+
+
+class RanksConverter(TikTokenConverter):
+    """transformers' tiktoken converter, given our ranks in memory instead of the path of a .tiktoken file."""
+
+    @staticmethod
+    def load_tiktoken_bpe(mergeable_ranks):
+        return mergeable_ranks
+
+
+def hf_tokenizer(tokenizer, model_max_length):
+    """Our BPE (ranks, split pattern, special tokens) as a fast tokenizer that prepends <|bos|> like the Engine."""
+    converted = RanksConverter(vocab_file=tokenizer.mergeable_ranks, pattern=tokenizer.pattern,
+                               extra_special_tokens=SPECIAL_TOKENS).converted()
+    bos = tokenizer.get_bos_token_id()
+    converted.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)])
+    return PreTrainedTokenizerFast(tokenizer_object=converted, bos_token="<|bos|>", eos_token="<|bos|>",
+                                   model_max_length=model_max_length)
+
+
+def hf_model(model, tokenizer):
+    """Our loaded GPT inside the transformers wrapper (built on the meta device: no second copy of the weights)."""
+    config = NanochatTRMConfig(**model.config.to_dict(), tie_word_embeddings=False,
+                               bos_token_id=tokenizer.get_bos_token_id())
+    with torch.device("meta"):
+        wrapper = NanochatTRMForCausalLM(config)
+    wrapper.model = model
+    stops = [tokenizer.encode_special(name) for name in STOP_TOKENS]
+    wrapper.generation_config = GenerationConfig(bos_token_id=stops[0], eos_token_id=stops, pad_token_id=stops[0],
+                                                 use_cache=False)
+    return wrapper
+
+
+def model_card(model_tag, meta, directory):
+    config = json.dumps(meta["model_config"], indent=2)
+    return f"""---
+library_name: transformers
+tags: [nanochat-trm]
+---
+# {model_tag}, step {meta['step']}
+
+A nanochat-TRM base model: a GPT with TRM recursive refinement and deep supervision, answering in
+{meta['model_config']['n_sup_inference']} supervision steps. Validation bits per byte per step: {meta.get('val_bpb')}.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{directory}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{directory}", trust_remote_code=True)
+ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+print(tokenizer.decode(model.generate(ids, max_new_tokens=20)[0], skip_special_tokens=True))
+```
+
+`model(ids, n_sup=s)` computes the first s supervision steps only. Model config:
+
+```json
+{config}
+```
+"""
+
+
+def is_export(directory):
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            return json.load(f).get("model_type") == NanochatTRMConfig.model_type
+    except (OSError, ValueError):
+        return False
+
+
+def check_out(out, force):
+    """None if DIR may be written, else what is wrong with it."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"--out {out} is a file; give a directory"
+    if not os.path.isdir(out) or not os.listdir(out):
+        return None
+    if not force:
+        return f"--out {out} exists and is not empty; pass --force to replace an earlier export, or pick a new --out"
+    if not is_export(out):
+        return f"--out {out} holds files that are not an export of this project; --force replaces only an export"
+    return None
+
+
+def write_export(model, tokenizer, meta, model_tag, out):
+    """Everything into out.tmpPID, then renamed into place: DIR is the old export or the new one, never half."""
+    tmp, old = f"{out}.tmp{os.getpid()}", f"{out}.old{os.getpid()}"
+    try:
+        hf_model(model, tokenizer).save_pretrained(tmp)
+        hf_tokenizer(tokenizer, model.config.sequence_len).save_pretrained(tmp)
+        with open(os.path.join(tmp, "README.md"), "w") as f:
+            f.write(model_card(model_tag, meta, os.path.basename(out)))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(out):
+        os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(description="Export a checkpoint as a Hugging Face transformers model directory")
+    parser.add_argument("--model_tag", default=None, help="checkpoint tag (default: the most recently written)")
+    parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
+    parser.add_argument("--out", required=True, help="directory to write (created; see --force)")
+    parser.add_argument("--force", action="store_true", help="replace an earlier export in --out")
+    args = parser.parse_args(argv)
+    args.out = os.path.abspath(args.out)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    problem = check_out(args.out, args.force)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        model_tag = args.model_tag or latest_model_tag()
+        model, tokenizer, meta = load_model(model_tag, args.step, torch.device("cpu"))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write_export(model, tokenizer, meta, model_tag, args.out)
+    print(f"exported {model_tag} step {meta['step']} ({model.num_params():,} parameters) to {args.out}\n"
+          f"load it with AutoModelForCausalLM.from_pretrained({args.out!r}, trust_remote_code=True)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
