@@ -140,21 +140,32 @@ def usable_bytes(total_bytes):
     return int(USABLE_FRACTION * total_bytes)
 
 
+# Below this many tokens per micro-batch a GPU's matmuls get too small to keep it busy; above it, a smaller device
+# batch with more accumulation costs nothing, while activation checkpointing recomputes about a third of the work.
+MIN_TOKENS_PER_MICRO_BATCH = 8192
+
+
 def fit_micro_batch(config, sequences_per_rank, max_batch, memory_bytes, dtype="bfloat16", world_size=1,
                     allow_checkpointing=True):
     """Pick (device_batch_size, activation_checkpointing) so that one micro-batch fits in memory_bytes.
 
-    Keeps max_batch if it fits; otherwise turns on activation checkpointing (when allowed and not already on);
-    otherwise the largest device batch below max_batch that divides sequences_per_rank (so gradient accumulation
-    keeps the effective batch exactly). Returns None when not even one sequence fits.
+    Only device batches that divide sequences_per_rank are considered, so gradient accumulation keeps the effective
+    batch exactly. In order: max_batch as it is; the largest smaller batch of at least MIN_TOKENS_PER_MICRO_BATCH
+    tokens without recompute; with activation checkpointing (when allowed), the largest batch that fits; without
+    it, any batch that fits. Returns None when not even one sequence fits.
     """
     budget = usable_bytes(memory_bytes)
     fits = lambda cfg, b: estimate_memory(cfg, b, dtype, world_size)["total"] <= budget
+    batches = [b for b in range(min(max_batch, sequences_per_rank), 0, -1) if sequences_per_rank % b == 0]
     if fits(config, max_batch):
         return max_batch, config.activation_checkpointing
+    big_enough = [b for b in batches if b * config.sequence_len >= MIN_TOKENS_PER_MICRO_BATCH]
+    for b in big_enough:
+        if fits(config, b):
+            return b, config.activation_checkpointing
     if allow_checkpointing and not config.activation_checkpointing:
         config = config.replace(activation_checkpointing=True)
-    for b in range(min(max_batch, sequences_per_rank), 0, -1):
-        if sequences_per_rank % b == 0 and fits(config, b):
+    for b in batches:
+        if fits(config, b):
             return b, config.activation_checkpointing
     return None

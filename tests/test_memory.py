@@ -76,7 +76,7 @@ def test_the_parts_move_the_way_the_model_does():
     # each step's head is backpropagated at once: one step's (B, T, vocab) tensors, however many steps
     one_step = estimate_memory(d12.replace(n_sup_train=1), 1)
     assert plain["logits"] < 1.05 * one_step["logits"]
-    assert plain["logits"] / tokens < 2 * 4 * d12.vocab_size * 1.01  # tanh's and log_softmax's (vocab,) float32
+    assert plain["logits"] / tokens < 2 * 4 * d12.vocab_size * 1.06  # tanh's and log_softmax's (vocab,) float32
     # detach_between_steps backpropagates the trunk step by step too: one step's activations alive at a time
     detached = estimate_memory(d12.replace(detach_between_steps=True), 1)
     assert detached["activations"] == plain["activations"] / 4
@@ -91,19 +91,25 @@ def test_the_parts_move_the_way_the_model_does():
     assert sharded["optimizer"] < plain["optimizer"] / 6 and sharded["grads"] == plain["grads"]
 
 
-def test_fit_keeps_effective_batch_and_picks_the_largest_fitting_divisor():
+def test_fit_keeps_effective_batch_and_prefers_a_smaller_batch_to_recompute():
+    from nanochat.memory import MIN_TOKENS_PER_MICRO_BATCH
     d12 = GPTConfig()
     memory = 80e9
-    b, checkpointing = fit_micro_batch(d12, 64, 32, memory)
-    assert checkpointing and 64 % b == 0 and b < 32
     fits = lambda c, n: estimate_memory(c, n)["total"] <= usable_bytes(memory)
-    on = d12.replace(activation_checkpointing=True)
-    assert fits(on, b) and not any(fits(on, n) for n in range(b + 1, 33) if 64 % n == 0)
     assert not fits(d12, 32)
+    # the guides' d12 batch of 32 x 2048 does not fit: a smaller device batch of >= 8k tokens does, without recompute
+    b, checkpointing = fit_micro_batch(d12, 64, 32, memory)
+    assert not checkpointing and 64 % b == 0 and b * d12.sequence_len >= MIN_TOKENS_PER_MICRO_BATCH
+    assert fits(d12, b) and not any(fits(d12, n) for n in range(b + 1, 33) if 64 % n == 0)
     # a batch that fits as it is stays; checkpointing is only turned on when needed
     assert fit_micro_batch(d12.replace(sequence_len=64), 64, 32, memory) == (32, False)
+    # when no batch of 8k tokens fits, checkpointing comes on, with the largest batch that then fits
+    deep = d12.replace(n_layer=24, n_embd=1536, n_head=12, n_kv_head=12)
+    b, checkpointing = fit_micro_batch(deep, 64, 32, memory)
+    assert checkpointing and fits(deep.replace(activation_checkpointing=True), b)
+    assert not any(fits(deep, n) for n in range(1, 33) if n * 2048 >= MIN_TOKENS_PER_MICRO_BATCH)
     # without permission to checkpoint, the batch shrinks further
-    assert fit_micro_batch(d12, 64, 32, memory, allow_checkpointing=False)[0] < b
+    assert fit_micro_batch(deep, 64, 32, memory, allow_checkpointing=False)[0] < b
     # nothing fits in 1 GB
     assert fit_micro_batch(d12, 64, 32, 1e9) is None
 
