@@ -2,6 +2,7 @@
 
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,17 @@ def print0(*args, **kwargs):
     """print on rank 0 only (flushes, so progress shows through pipes and tee)."""
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)
+
+
+def progress_enabled():
+    """Progress bars on rank 0 of a terminal only: log files and the other ranks stay free of carriage returns."""
+    return get_dist_info()[1] == 0 and sys.stderr.isatty()
+
+
+def progress_bar(iterable=None, **kwargs):
+    """A tqdm bar that shows only where progress_enabled()."""
+    from tqdm import tqdm
+    return tqdm(iterable, disable=not progress_enabled(), **kwargs)
 
 
 def get_base_dir():

@@ -5,10 +5,16 @@ Three ways to fill it, all giving the same shard format (the last shard is the v
     python -m nanochat.dataset -n 8 [-w 4]    # first 8 FineWeb-Edu shards + the validation shard, from the HF hub
     python -m nanochat.dataset --builtin      # no network: this Python's standard library (code + docstrings)
     python -m nanochat.dataset --from a.txt dir/ b.jsonl c.parquet [--skip_bad_lines]
+    python -m nanochat.dataset --from hf:NAME[:config][:split] [--text_column text]   # a Hugging Face dataset
 
 Imported files: a .txt file is one document (source files and essays keep their blank lines); a .jsonl file
 has one JSON object with a string "text" field per line; a parquet file needs a string "text" column.
-Undecodable bytes are replaced with U+FFFD and counted.
+Undecodable bytes are replaced with U+FFFD and counted. hf:NAME is a dataset on the hub (streamed through the
+`datasets` library, split "train" unless named) or a directory written by `datasets`' save_to_disk.
+--text_column names the field or column holding the text, for jsonl, parquet and hf alike.
+
+A download keeps every complete shard and resumes a cut one where it stopped (HTTP Range); each shard has an overall
+deadline (--shard_timeout). Ctrl-C stops at once and leaves no partial file; the same command then goes on.
 
 Environment:
     NANOCHAT_DATA_DIR      shard directory (default $NANOCHAT_BASE_DIR/base_data)
@@ -16,24 +22,32 @@ Environment:
 """
 
 import argparse
+import contextlib
+import fcntl
+import functools
+import glob
+import itertools
 import json
 import math
 import os
 import platform
+import queue
 import random
 import shutil
 import sys
 import sysconfig
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPException
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.cli import ArgumentParser
-from nanochat.common import atomic_write_bytes, fsync_dir, get_base_dir
+from nanochat.common import atomic_write_bytes, fsync_dir, get_base_dir, progress_bar, progress_enabled
 
 REPO_ID = "karpathy/fineweb-edu-100b-shuffle"
 MAX_SHARD = 1822  # shard_01822.parquet is the last shard of the repo, used for validation
@@ -43,6 +57,7 @@ MIN_ROW_GROUPS = 8  # per shard, so 8 ranks can share even a small validation sh
 VAL_FRACTION = 0.02
 SHUFFLE_SEED = 42
 TIMEOUT_S = 30  # per connect and per read: a stalled connection fails instead of hanging every rank
+SHARD_TIMEOUT_S = 600  # per shard, retries included: a server trickling bytes cannot hang a download forever
 TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
 MANIFEST = "corpus.json"  # records where the shards came from, so two corpora never get mixed in one directory
 SOURCE_FINEWEB = f"download: {REPO_ID}"
@@ -85,12 +100,34 @@ def parquets_for_split(split, data_dir=None):
     return paths[:-1] if split == "train" else paths[-1:]
 
 
+def unreadable_shard(path, error):
+    return DatasetError(f"{path}: unreadable shard ({type(error).__name__}: {error}); delete it and download it again "
+                        "(python -m nanochat.dataset -n N fetches missing shards), or rebuild an imported corpus "
+                        "into an empty directory")
+
+
+def row_group_sizes(path):
+    """Documents per row group of a shard, from its footer."""
+    try:
+        metadata = pq.ParquetFile(path).metadata
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise unreadable_shard(path, e) from e
+    return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+
+
+def read_texts(path, group):
+    """The documents of one row group of a shard."""
+    try:
+        return pq.ParquetFile(path).read_row_group(group, columns=["text"]).column("text").to_pylist()
+    except (OSError, ValueError, KeyError, pa.ArrowException) as e:
+        raise unreadable_shard(path, e) from e
+
+
 def iter_documents(split, data_dir=None):
     """Yield every document of a split, in shard and row-group order."""
     for path in parquets_for_split(split, data_dir):
-        pf = pq.ParquetFile(path)
-        for group in range(pf.num_row_groups):
-            yield from pf.read_row_group(group, columns=["text"]).column("text").to_pylist()
+        for group in range(len(row_group_sizes(path))):
+            yield from read_texts(path, group)
 
 
 def is_readable_shard(path):
@@ -119,8 +156,8 @@ def write_source(directory, source):
 def refuse_to_mix(directory):
     """Shards of two corpora in one directory would silently be trained on together."""
     raise DatasetError(f"{directory} already holds {len(list_parquet_files(directory))} shard(s) of "
-                       f"{read_source(directory) or 'an unrecorded corpus'}; remove them, or set NANOCHAT_DATA_DIR "
-                       "to another directory")
+                       f"{read_source(directory) or 'an unrecorded corpus'}; remove its .parquet files, or set "
+                       "NANOCHAT_DATA_DIR to another directory")
 
 
 # -----------------------------------------------------------------------------
@@ -131,8 +168,15 @@ def shard_name(index):
 
 
 def hub_endpoint():
-    endpoint = os.environ.get("NANOCHAT_HF_ENDPOINT") or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    return endpoint.rstrip("/")
+    for var in ("NANOCHAT_HF_ENDPOINT", "HF_ENDPOINT"):
+        endpoint = os.environ.get(var)
+        if endpoint:
+            url = urllib.parse.urlsplit(endpoint)
+            if url.scheme not in ("http", "https") or not url.netloc:
+                raise DatasetError(f"{var}={endpoint!r} is not an http(s) URL; set it to a hub or mirror such as "
+                                   "https://huggingface.co, or unset it")
+            return endpoint.rstrip("/")
+    return "https://huggingface.co"
 
 
 def shard_url(name):
@@ -146,28 +190,53 @@ class TransientError(Exception):
         self.retry_after = retry_after
 
 
-def fetch_to(url, tmp_path, on_bytes):
-    """GET url into tmp_path. Raises TransientError for what a retry may fix, DatasetError for what it won't."""
-    request = urllib.request.Request(url, headers={"User-Agent": "nanochat"})
+class Stopped(Exception):
+    """Ctrl-C: the main thread asked every download to stop."""
+
+
+def continues_at(response, offset):
+    """Whether a response to `Range: bytes=offset-` holds exactly the rest of the file."""
+    return response.status == 206 and response.headers.get("Content-Range", "").startswith(f"bytes {offset}-")
+
+
+def fetch_into(f, url, deadline, stop, on_bytes):
+    """One attempt: complete the open file f with url's body, asking only for the bytes f lacks (HTTP Range).
+
+    Raises TransientError for what a retry may fix, DatasetError for what it won't, Stopped on Ctrl-C."""
+    offset = f.seek(0, os.SEEK_END)
+    headers = {"User-Agent": "nanochat", **({"Range": f"bytes={offset}-"} if offset else {})}
+    timeout = max(0.1, min(TIMEOUT_S, deadline - time.monotonic()))
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response, open(tmp_path, "wb") as f:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as response:
+            if offset and not continues_at(response, offset):  # the server sent the whole file: start over
+                f.seek(0)
+                f.truncate()
             expected = response.headers.get("Content-Length")
             received = 0
-            while chunk := response.read(1 << 20):
+            # read1 returns what has arrived, so Ctrl-C and the deadline are checked even on a trickling server
+            while chunk := response.read1(1 << 20):
                 f.write(chunk)
                 received += len(chunk)
                 on_bytes(len(chunk))
-            f.flush()
-            os.fsync(f.fileno())
+                if stop.is_set():
+                    raise Stopped()
+                if time.monotonic() > deadline:
+                    raise TransientError(f"deadline passed with {f.tell():,} bytes received")
     except urllib.error.HTTPError as e:
+        if e.code == 416:  # our partial file no longer matches the server's: start over
+            f.truncate(0)
+            raise TransientError("HTTP 416: the partial file does not match the server's") from e
         if e.code in TRANSIENT_HTTP:
             raise TransientError(f"HTTP {e.code}", retry_after=e.headers.get("Retry-After")) from e
         raise DatasetError(f"HTTP {e.code} {e.reason}") from e
     except (OSError, HTTPException) as e:  # resets, drops, timeouts, DNS: all OSError subclasses
         raise TransientError(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from e
     if expected is not None and received != int(expected):
-        raise TransientError(f"body cut short ({received} of {expected} bytes)")
-    if not is_readable_shard(tmp_path):
+        raise TransientError(f"body cut short ({received} of {expected} bytes)")  # the next attempt resumes
+    f.flush()
+    os.fsync(f.fileno())
+    if not is_readable_shard(f.name):
+        f.truncate(0)
         raise TransientError("not a readable parquet file with a text column")
 
 
@@ -178,58 +247,126 @@ def backoff_delay(attempt, base_delay, retry_after):
     return random.uniform(0, base_delay * 2 ** attempt)
 
 
-def download_one(name, directory, base_delay, max_attempts, on_bytes):
-    """Fetch one shard with retries; it appears under its final name only once verified."""
+def partial_path(final):
+    return f"{final}.tmp{os.getpid()}"
+
+
+def download_one(name, directory, stop, shard_timeout, base_delay, max_attempts, on_bytes):
+    """Fetch one shard with retries before its deadline; it appears under its final name only once verified."""
     url = shard_url(name)
     final = os.path.join(directory, name)
-    tmp = f"{final}.tmp{os.getpid()}"
+    tmp = partial_path(final)
+    deadline = time.monotonic() + shard_timeout
     try:
-        for attempt in range(max_attempts):
-            try:
-                fetch_to(url, tmp, on_bytes)
-                os.replace(tmp, final)
-                return final
-            except TransientError as e:
-                if attempt == max_attempts - 1:
-                    raise DatasetError(f"{name}: gave up after {max_attempts} attempts ({e}) fetching {url}") from e
-                time.sleep(backoff_delay(attempt, base_delay, e.retry_after))
-            except DatasetError as e:
-                raise DatasetError(f"{name}: {e} fetching {url}") from e
+        with open(tmp, "wb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # held while this process lives: remove_stale_partials leaves it alone
+            for attempt in range(max_attempts):
+                try:
+                    fetch_into(f, url, deadline, stop, on_bytes)
+                    os.replace(tmp, final)
+                    return final
+                except TransientError as e:
+                    if time.monotonic() >= deadline:
+                        raise DatasetError(f"{name}: not complete after {shard_timeout:g} s ({e}) fetching {url}; "
+                                           "the server is stalled or too slow: run again, or raise "
+                                           "--shard_timeout") from e
+                    if attempt == max_attempts - 1:
+                        raise DatasetError(f"{name}: gave up after {max_attempts} attempts ({e}) fetching "
+                                           f"{url}") from e
+                    delay = backoff_delay(attempt, base_delay, e.retry_after)
+                    if stop.wait(min(delay, max(0.0, deadline - time.monotonic()))):
+                        raise Stopped() from e
+                except DatasetError as e:
+                    raise DatasetError(f"{name}: {e} fetching {url}") from e
     finally:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
 
 
-def download_shards(n, workers=4, base_delay=1.0, max_attempts=6, data_dir=None):
+def remove_stale_partials(directory):
+    """Delete the partial shards of downloads that died (SIGKILL, power loss): the kernel dropped their lock."""
+    removed = 0
+    for path in glob.glob(os.path.join(directory, "shard_*.parquet.tmp*")):
+        with contextlib.suppress(FileNotFoundError), open(path, "ab") as f:  # ab: NFS grants locks to writers only
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a download running now, in another process, owns it
+            os.remove(path)
+            removed += 1
+    if removed:
+        print(f"removed {removed} partial shard(s) left by an interrupted download", flush=True)
+
+
+def run_in_threads(work, items, workers, stop):
+    """work(item) for every item, on daemon threads: ThreadPoolExecutor joins its threads at exit, so Ctrl-C used to
+    wait for every read in flight. On Ctrl-C, set stop and re-raise: no thread is waited for."""
+    pending = queue.SimpleQueue()
+    for item in items:
+        pending.put(item)
+
+    def loop():
+        while not stop.is_set():
+            try:
+                item = pending.get_nowait()
+            except queue.Empty:
+                return
+            work(item)
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(max(1, min(workers, len(items))))]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            thread.join()
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+
+
+def download_shards(n, workers=4, base_delay=1.0, max_attempts=6, shard_timeout=SHARD_TIMEOUT_S, data_dir=None):
     """Download the first n FineWeb-Edu shards plus the validation shard; complete shards are kept, so it resumes."""
-    from tqdm import tqdm
     if n < 1:
         raise DatasetError(f"-n must be at least 1, got {n}")
+    if not shard_timeout > 0:
+        raise DatasetError(f"--shard_timeout must be a positive number of seconds, got {shard_timeout}")
+    hub_endpoint()  # a malformed endpoint fails here, before anything is created
     directory = resolve_dir(data_dir)
-    os.makedirs(directory, exist_ok=True)
-    if read_source(directory) not in (None, SOURCE_FINEWEB):  # no record: shards from an older nanochat download
+    # no record: shards from an older nanochat download; a record without shards is stale
+    if list_parquet_files(directory) and read_source(directory) not in (None, SOURCE_FINEWEB):
         refuse_to_mix(directory)
+    os.makedirs(directory, exist_ok=True)
+    remove_stale_partials(directory)
     names = [shard_name(i) for i in sorted(set(range(min(n, MAX_SHARD))) | {MAX_SHARD})]
     todo = [name for name in names if not is_readable_shard(os.path.join(directory, name))]
     print(f"{len(names) - len(todo)} of {len(names)} shards already complete in {directory}", flush=True)
-    files_bar = tqdm(total=len(todo), desc="files", unit="file", position=0)
-    bytes_bar = tqdm(desc="bytes", unit="B", unit_scale=True, position=1)
-    failures = []
+    files_bar = progress_bar(total=len(todo), desc="files", unit="file", position=0)
+    bytes_bar = progress_bar(desc="bytes", unit="B", unit_scale=True, position=1)
+    stop, failures = threading.Event(), []
 
     def work(name):
         try:
-            download_one(name, directory, base_delay, max_attempts, bytes_bar.update)
+            download_one(name, directory, stop, shard_timeout, base_delay, max_attempts, bytes_bar.update)
             files_bar.update(1)
         except DatasetError as e:
             failures.append(str(e))
+        except (Stopped, OSError):  # OSError: Ctrl-C's cleanup removed the partial file under a finishing download
+            if not stop.is_set():
+                raise
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        list(pool.map(work, todo))
-    files_bar.close()
-    bytes_bar.close()
-    if list_parquet_files(directory):
-        write_source(directory, SOURCE_FINEWEB)
-    fsync_dir(directory)
+    try:
+        run_in_threads(work, todo, workers, stop)
+    except KeyboardInterrupt:
+        for name in todo:  # a thread still blocked in a read cannot clean up after itself before we exit
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(partial_path(os.path.join(directory, name)))
+        raise
+    finally:
+        files_bar.close()
+        bytes_bar.close()
+        if list_parquet_files(directory):
+            write_source(directory, SOURCE_FINEWEB)
+        fsync_dir(directory)
     if failures:
         raise DatasetError(f"{len(failures)} of {len(todo)} downloads failed:\n  " + "\n  ".join(sorted(failures)) +
                            f"\n{OFFLINE_HINT}")
@@ -251,57 +388,106 @@ def read_txt(path, stats):
         yield decode_counting(f.read(), stats)
 
 
-def jsonl_text(line):
+def jsonl_text(line, column):
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"line is not valid JSON ({e.msg})") from e
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise ValueError('line has no string "text" field')
-    return record["text"]
+    if not isinstance(record, dict) or not isinstance(record.get(column), str):
+        raise ValueError(f'line has no string "{column}" field')
+    return record[column]
 
 
-def read_jsonl(path, stats, skip_bad_lines):
+def read_jsonl(path, column, stats, skip_bad_lines):
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             line = decode_counting(raw, stats)
             if not line.strip():
                 continue
             try:
-                text = jsonl_text(line)
+                text = jsonl_text(line, column)
             except ValueError as e:
                 if not skip_bad_lines:
-                    raise DatasetError(f"{path}:{lineno}: {e}; fix it, or pass --skip_bad_lines to skip "
-                                       "such lines") from e
+                    raise DatasetError(f"{path}:{lineno}: {e}; fix it, or pass --skip_bad_lines to skip such lines "
+                                       "(--text_column names another field)") from e
                 stats["skipped"] += 1
                 continue
             yield text
 
 
-def read_parquet(path):
+def read_parquet(path, column):
     pf = pq.ParquetFile(path)
-    for batch in pf.iter_batches(columns=["text"]):
-        yield from (text for text in batch.column("text").to_pylist() if text is not None)
+    for batch in pf.iter_batches(columns=[column]):
+        yield from (text for text in batch.column(column).to_pylist() if text is not None)
 
 
-def check_parquet(path):
+def check_parquet(path, column):
     try:
         schema = pq.read_schema(path)
     except (OSError, ValueError) as e:
         raise DatasetError(f"{path}: not a readable parquet file ({e})") from e
-    if "text" not in schema.names or str(schema.field("text").type) not in ("string", "large_string"):
-        raise DatasetError(f"{path}: needs a string column named 'text'; its columns are: "
+    if column not in schema.names or str(schema.field(column).type) not in ("string", "large_string"):
+        raise DatasetError(f"{path}: needs a string column named '{column}' (--text_column); its columns are: "
                            f"{', '.join(f'{f.name} ({f.type})' for f in schema)}")
+
+
+def saved_by_datasets(path):
+    """A directory written by datasets' save_to_disk (a Dataset or a DatasetDict)."""
+    return any(os.path.exists(os.path.join(path, name)) for name in ("state.json", "dataset_dict.json"))
+
+
+def load_hf(spec, column):
+    """hf:NAME[:config][:split] -> a datasets Dataset, after checking that its text column exists and holds text."""
+    fields = spec[len("hf:"):].split(":")
+    if len(fields) > 3 or not fields[0]:
+        raise DatasetError(f"{spec}: expected hf:NAME, hf:NAME:CONFIG or hf:NAME:CONFIG:SPLIT")
+    name, config, split = (fields + ["", ""])[:3]
+    import datasets
+    try:
+        if os.path.isdir(name) and saved_by_datasets(name):
+            if config:
+                raise DatasetError(f"{spec}: a directory written by save_to_disk has no configs; drop :{config}")
+            data = datasets.load_from_disk(name)
+            if isinstance(data, datasets.DatasetDict):
+                if (split or "train") not in data:
+                    raise DatasetError(f"{spec}: no split {split or 'train'!r}; it has {', '.join(data)}")
+                data = data[split or "train"]
+            elif split:
+                raise DatasetError(f"{spec}: {name} holds a single split; drop :{split}")
+        else:
+            # streamed: rows go straight into our shards, instead of a second full copy in the HF cache
+            data = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+    except (OSError, ValueError) as e:  # not found, offline, bad config or split: datasets says which
+        raise DatasetError(f"{spec}: {type(e).__name__}: {e}") from e
+    features = data.features or {}  # a streamed dataset may not know its columns before the first row
+    if features and column not in features:
+        raise DatasetError(f"{spec}: no column {column!r}; its columns are: {', '.join(features)} "
+                           "(pick one with --text_column)")
+    if column in features and getattr(features[column], "dtype", None) not in ("string", "large_string"):
+        raise DatasetError(f"{spec}: column {column!r} holds {features[column]}, not text (pick another with "
+                           "--text_column)")
+    return data
+
+
+def read_hf(spec, data, column):
+    for batch in data.select_columns([column]).iter(batch_size=1000):
+        for text in batch[column]:
+            if text is not None and not isinstance(text, str):
+                raise DatasetError(f"{spec}: column {column!r} holds {type(text).__name__}, not text")
+            if text is not None:
+                yield text
 
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 def expand_inputs(paths):
-    """Files to import, in a stable order; directories contribute every importable file below them."""
+    """Files and hf: datasets to import, in a stable order; directories contribute every importable file below."""
     files = []
     for path in paths:
-        if os.path.isdir(path):
+        if path.startswith("hf:"):
+            files.append(path)
+        elif os.path.isdir(path):
             found = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(SUFFIXES))
             if not found:
                 raise DatasetError(f"{path}: directory holds no {', '.join(SUFFIXES)} files")
@@ -309,23 +495,26 @@ def expand_inputs(paths):
         elif not os.path.exists(path):
             raise DatasetError(f"{path}: no such file or directory")
         elif not path.endswith(SUFFIXES):
-            raise DatasetError(f"{path}: unsupported file type; expected one of {', '.join(SUFFIXES)}")
+            raise DatasetError(f"{path}: unsupported file type; expected one of {', '.join(SUFFIXES)}, or hf:NAME")
         else:
             files.append(path)
-    for path in files:
-        if path.endswith(".parquet"):
-            check_parquet(path)  # metadata only: fail before any reading starts
     return files
 
 
-def import_documents(files, stats, skip_bad_lines):
+def document_readers(files, column, stats, skip_bad_lines):
+    """One document generator per input; parquet schemas and hf datasets are checked here, before any reading."""
+    readers = []
     for path in files:
-        if path.endswith(".txt"):
-            yield from read_txt(path, stats)
+        if path.startswith("hf:"):
+            readers.append(functools.partial(read_hf, path, load_hf(path, column), column))
+        elif path.endswith(".txt"):
+            readers.append(functools.partial(read_txt, path, stats))
         elif path.endswith(".jsonl"):
-            yield from read_jsonl(path, stats, skip_bad_lines)
+            readers.append(functools.partial(read_jsonl, path, column, stats, skip_bad_lines))
         else:
-            yield from read_parquet(path)
+            check_parquet(path, column)
+            readers.append(functools.partial(read_parquet, path, column))
+    return readers
 
 
 def stdlib_files():
@@ -360,7 +549,7 @@ def write_shards(documents, stats, directory):
     """Shuffle, hold out a validation share, and write the shards into `directory` (val is the last file)."""
     import datasets
     from datasets.exceptions import DatasetGenerationError
-    datasets.disable_progress_bars()
+    datasets.enable_progress_bars() if progress_enabled() else datasets.disable_progress_bars()
     try:
         # datasets keeps the corpus in a memory-mapped arrow cache, so imports larger than RAM still shuffle
         # a fixed fingerprint: the cache directory is fresh, and a generator object cannot be hashed anyway
@@ -372,7 +561,8 @@ def write_shards(documents, stats, directory):
     n_val = max(1, round(VAL_FRACTION * stats["docs"]))
     split = ds.train_test_split(test_size=n_val, seed=SHUFFLE_SEED)
     rows_per_group = max(1, ROW_GROUP_CHARS * stats["docs"] // max(1, stats["chars"]))
-    num_train = max(1, math.ceil(stats["chars"] * (1 - VAL_FRACTION) / CHARS_PER_SHARD))
+    # a few huge documents: never more shards than documents (datasets' shard() fails on an empty one)
+    num_train = min(len(split["train"]), max(1, math.ceil(stats["chars"] * (1 - VAL_FRACTION) / CHARS_PER_SHARD)))
     parts = [split["train"].shard(num_train, i, contiguous=True) for i in range(num_train)] + [split["test"]]
     for i, part in enumerate(parts):
         batch_size = max(1, min(rows_per_group, len(part) // MIN_ROW_GROUPS))
@@ -418,11 +608,11 @@ def build_builtin(directory=None):
     build_corpus(builtin_documents(stats), stats, source, directory)
 
 
-def import_corpus(paths, skip_bad_lines=False, directory=None):
-    files = expand_inputs(paths)
+def import_corpus(paths, skip_bad_lines=False, directory=None, text_column="text"):
     stats = new_stats()
-    source = "import: " + ", ".join(os.path.abspath(p) for p in paths)
-    build_corpus(import_documents(files, stats, skip_bad_lines), stats, source, directory)
+    readers = document_readers(expand_inputs(paths), text_column, stats, skip_bad_lines)
+    source = "import: " + ", ".join(p if p.startswith("hf:") else os.path.abspath(p) for p in paths)
+    build_corpus(itertools.chain.from_iterable(read() for read in readers), stats, source, directory)
 
 
 def main(argv=None):
@@ -430,20 +620,28 @@ def main(argv=None):
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("-n", "--num_shards", type=int, help="download the first N FineWeb-Edu shards (+ the val shard)")
     mode.add_argument("--builtin", action="store_true", help="build the offline corpus from Python's standard library")
-    mode.add_argument("--from", dest="paths", nargs="+", metavar="PATH", help=".txt/.jsonl/.parquet files or dirs")
+    mode.add_argument("--from", dest="paths", nargs="+", metavar="PATH",
+                      help=".txt/.jsonl/.parquet files or dirs, or hf:NAME[:config][:split]")
     parser.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads")
+    parser.add_argument("--shard_timeout", type=float, default=SHARD_TIMEOUT_S,
+                        help="seconds one shard may take, retries included")
     parser.add_argument("--skip_bad_lines", action="store_true", help="skip (and count) bad jsonl lines")
+    parser.add_argument("--text_column", default="text", help="jsonl field, parquet or hf column holding the text")
     args = parser.parse_args(argv)
     try:
         if args.builtin:
             build_builtin()
         elif args.paths:
-            import_corpus(args.paths, args.skip_bad_lines)
+            import_corpus(args.paths, args.skip_bad_lines, text_column=args.text_column)
         else:
-            download_shards(args.num_shards, workers=args.workers)
+            download_shards(args.num_shards, workers=args.workers, shard_timeout=args.shard_timeout)
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: no partial file is left (complete shards are kept); run the same command again to go on",
+              file=sys.stderr)
+        return 130
     return 0
 
 

@@ -29,17 +29,30 @@ SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
 FILENAME = "tokenizer.json"
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, then the special tokens
+MAX_VOCAB_SIZE = 2 ** 20  # 4x the largest vocabularies in use (262k); beyond it a typo, not a tokenizer
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or trained; the message names the file or value and what to do."""
+
+
+class TokenizerNotFound(TokenizerError, FileNotFoundError):
+    """No tokenizer has been trained in this directory yet."""
+
+
+def check_vocab_size(vocab_size):
+    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise TokenizerError(f"vocab_size must be between {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} "
+                             f"special tokens) and {MAX_VOCAB_SIZE:,}, got {vocab_size}")
 
 
 def train_bpe(text_iterator, vocab_size):
     """Learn merges with rustbpe, leaving room for the special tokens in vocab_size."""
     import rustbpe
-    num_merged = vocab_size - len(SPECIAL_TOKENS)
-    if num_merged < 256:
-        raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes + "
-                         f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+    check_vocab_size(vocab_size)
     bpe = rustbpe.Tokenizer()
-    bpe.train_from_iterator(text_iterator, num_merged, pattern=SPLIT_PATTERN)
+    bpe.train_from_iterator(text_iterator, vocab_size - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
     return bpe
 
 
@@ -67,11 +80,18 @@ class RustBPETokenizer:
     def from_directory(cls, directory):
         path = os.path.join(directory, FILENAME)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"no tokenizer at {path}; train one with `python -m scripts.tok_train`")
-        with open(path) as f:
-            saved = json.load(f)
-        ranks = {base64.b64decode(token): rank for rank, token in enumerate(saved["tokens"])}
-        return cls(saved["pattern"], ranks)
+            raise TokenizerNotFound(f"no tokenizer at {path}; train one with `python -m scripts.tok_train`")
+        try:
+            with open(path, "rb") as f:
+                saved = json.load(f)
+            ranks = {base64.b64decode(token, validate=True): rank for rank, token in enumerate(saved["tokens"])}
+            if len(ranks) != len(saved["tokens"]) or not all(bytes([b]) in ranks for b in range(256)):
+                raise ValueError("its tokens repeat, or miss one of the 256 bytes")
+            return cls(saved["pattern"], ranks)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # truncated, not JSON, wrong shape, bad base64
+            raise TokenizerError(f"{path} is not a readable tokenizer ({type(e).__name__}: {e}); restore it, or "
+                                 "train it again with `python -m scripts.tok_train` (checkpoints trained with the "
+                                 "old one need the same tokens)") from e
 
     def save(self, directory):
         """Write into a fresh directory and swap it in: readers see the old tokenizer or the new one, never half."""

@@ -11,7 +11,7 @@ import tiktoken
 
 from nanochat.cli import ArgumentParser
 from nanochat.dataset import DatasetError, iter_documents
-from nanochat.tokenizer import get_tokenizer
+from nanochat.tokenizer import TokenizerError, get_tokenizer
 
 REFERENCES = {"gpt2": "gpt2", "gpt4": "cl100k_base"}
 
@@ -49,7 +49,7 @@ def main(argv=None):
     try:
         tokenizer = get_tokenizer()
         samples = {split: sample_text(split, args.max_chars) for split in ("train", "val")}
-    except (DatasetError, FileNotFoundError) as e:
+    except (DatasetError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     encoders = {f"ours ({tokenizer.get_vocab_size()})": tokenizer.encode}

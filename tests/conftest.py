@@ -1,7 +1,9 @@
 """Shared test setup: one torch thread, and a tiny corpus with a tiny tokenizer."""
 
+import io
 import os
 import random
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,6 +20,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def stderr_capture(monkeypatch, terminal):
+    """Replace sys.stderr with a buffer that claims to be a terminal (or not): progress bars decide by it."""
+    class Stderr(io.StringIO):
+        def isatty(self):
+            return terminal
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    return sys.stderr
 
 
 def make_corpus(directory, num_shards=3, groups_per_shard=4, docs_per_group=20):

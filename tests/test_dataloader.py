@@ -1,13 +1,16 @@
-"""Tokenizing loader: window shapes, exact resume, disjoint DDP ranks, restartable validation."""
+"""Tokenizing loader: window shapes, exact resume, disjoint DDP ranks (also more ranks than row groups),
+restartable validation, unreadable shards."""
 
 import json
 import re
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from nanochat.dataloader import DataLoader
-from nanochat.dataset import import_corpus
+from nanochat.dataset import DatasetError, import_corpus
 from nanochat.tokenizer import RustBPETokenizer
 
 B, T = 2, 16
@@ -105,3 +108,91 @@ def test_foreign_resume_state_is_refused(corpus):
         make_loader(corpus, rank=0, world_size=1, resume_state={"epoch": 0})
     with pytest.raises(ValueError, match="does not read"):
         make_loader(corpus, rank=1, world_size=2, resume_state=state)
+
+
+# -----------------------------------------------------------------------------
+# more data ranks than row groups
+
+def write_shards(directory, groups_per_shard):
+    """Shards of documents marked doc-N-, one list of row-group sizes per shard; returns the markers per shard."""
+    directory.mkdir(parents=True)
+    markers, n = [], 0
+    for s, sizes in enumerate(groups_per_shard):
+        path = directory / f"shard_{s:05d}.parquet"
+        with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+            for size in sizes:
+                writer.write_table(pa.table({"text": [f"doc-{n + i}- " + "lorem ipsum " * (1 + (n + i) % 5)
+                                                      for i in range(size)]}))
+                n += size
+        markers.append({str(i) for i in range(n - sum(sizes), n)})
+    return str(directory), markers
+
+
+def loaders(corpus, world_size, split="train", **kwargs):
+    return [make_loader(corpus, split, rank=r, world_size=world_size, **kwargs) for r in range(world_size)]
+
+
+def test_64_ranks_on_4_row_groups_are_disjoint_and_cover_the_split(tmp_path, corpus):
+    directory, markers = write_shards(tmp_path / "data", [[20, 20, 20, 20], [5]])
+    four_groups = (directory, corpus[1])
+    shares = [documents_seen_in_first_epoch(loader, corpus[1]) for loader in loaders(four_groups, 64)]
+    assert all(shares)  # every rank gets data
+    assert sum(map(len, shares)) == len(set().union(*shares))  # no document is read by two ranks
+    assert set().union(*shares) == markers[0]  # and together they read every train document
+
+
+@pytest.mark.parametrize("rank", [0, 37, 63])
+def test_64_ranks_resume_exactly(tmp_path, corpus, rank):
+    directory, _ = write_shards(tmp_path / "data", [[20, 20, 20, 20], [5]])
+    assert_resumes_exactly((directory, corpus[1]), rank=rank, world_size=64)
+
+
+def assert_resumes_exactly(corpus, **kwargs):
+    loader = make_loader(corpus, **kwargs)
+    states, batches = [], []
+    while not states or states[-1]["epoch"] < 3:  # past several epoch boundaries
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        batches.append(next(loader))
+    for i in range(0, len(batches) - 3, 4):
+        resumed = make_loader(corpus, resume_state=states[i], **kwargs)
+        for inputs, targets in batches[i:i + 3]:
+            got_inputs, got_targets = next(resumed)
+            assert torch.equal(got_inputs, inputs) and torch.equal(got_targets, targets)
+
+
+def test_a_one_row_group_validation_shard_is_shared_by_two_ranks(tmp_path, corpus):
+    directory, markers = write_shards(tmp_path / "data", [[20, 20], [6]])
+    one_group = (directory, corpus[1])
+    shares = [documents_seen_in_first_epoch(loader, corpus[1]) for loader in loaders(one_group, 2, "val")]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert shares[0] | shares[1] == markers[1]
+
+
+def test_a_split_too_small_to_share_deals_out_batches_in_turn(tmp_path, corpus):
+    # one validation document for three ranks: each reads it all and keeps every third batch of one rank's stream
+    directory, _ = write_shards(tmp_path / "data", [[20], [1]])
+    tiny = (directory, corpus[1])
+    whole = make_loader(tiny, "val", rank=0, world_size=1)
+    single = [next(whole)[0] for _ in range(12)]
+    for rank, loader in enumerate(loaders(tiny, 3, "val")):
+        assert all(torch.equal(next(loader)[0], single[k * 3 + rank]) for k in range(4))
+    assert_resumes_exactly(tiny, split="val", rank=2, world_size=3)
+    fresh = make_loader(tiny, "val", rank=2, world_size=3)  # the state before any batch already points at rank 2's
+    assert torch.equal(next(make_loader(tiny, "val", rank=2, world_size=3, resume_state=fresh.state_dict()))[0],
+                       single[2])
+
+
+def test_unreadable_shards_are_named(tmp_path, corpus):
+    directory, _ = write_shards(tmp_path / "data", [[20, 20], [20, 20], [5]])
+    shard = tmp_path / "data" / "shard_00001.parquet"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:len(good) // 2])  # truncated: no footer
+    with pytest.raises(DatasetError, match=r"shard_00001.parquet: unreadable shard.*download it again"):
+        make_loader((directory, corpus[1]), rank=0, world_size=1)
+    damaged = bytearray(good)  # footer intact, a data page overwritten
+    damaged[4:200] = b"\xff" * 196
+    shard.write_bytes(bytes(damaged))
+    loader = make_loader((directory, corpus[1]), rank=0, world_size=1)
+    with pytest.raises(DatasetError, match="shard_00001.parquet: unreadable shard"):
+        for _ in range(100):
+            next(loader)

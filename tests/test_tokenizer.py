@@ -1,13 +1,19 @@
 """BPE tokenizer: round trips, special tokens, save/load, token byte lengths, and the training scripts."""
 
+import json
+import os
+import re
+
 import pytest
 import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanochat import dataset
-from nanochat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer, get_token_bytes, train_bpe
+from nanochat.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer, TokenizerError, TokenizerNotFound,
+                                get_token_bytes, get_tokenizer, tokenizer_dir, train_bpe)
 from scripts import tok_eval, tok_train
+from tests.conftest import stderr_capture
 
 TRAIN_TEXT = [
     "The quick brown fox jumps over the lazy dog. " * 20,
@@ -98,8 +104,39 @@ def test_save_and_load_give_identical_encodings(tok, tmp_path):
 
 
 def test_missing_tokenizer_says_how_to_train(tmp_path):
-    with pytest.raises(FileNotFoundError, match="scripts.tok_train"):
-        RustBPETokenizer.from_directory(tmp_path / "none")
+    (tmp_path / "empty").mkdir()
+    for directory in (tmp_path / "none", tmp_path / "empty"):
+        with pytest.raises(TokenizerNotFound, match=r"no tokenizer at .*tokenizer.json; train one .*scripts.tok_train"):
+            RustBPETokenizer.from_directory(directory)
+    assert issubclass(TokenizerNotFound, FileNotFoundError) and issubclass(TokenizerNotFound, TokenizerError)
+
+
+CORRUPT = {
+    "empty file": b"",
+    "truncated": b'{"pattern": "x", "tok',
+    "not an object": b"[1, 2]",
+    "binary": bytes(range(256)),
+    "no tokens": b'{"pattern": "x"}',
+    "bad base64": b'{"pattern": "x", "tokens": ["!!"]}',
+    "missing bytes": b'{"pattern": "x", "tokens": ["YQ=="]}',
+    "bad pattern": b'{"pattern": "(", "tokens": []}',
+}
+
+
+@pytest.mark.parametrize("case", CORRUPT)
+def test_corrupt_tokenizer_names_its_file(case, tok, tmp_path, monkeypatch, capsys):
+    tok.save(tmp_path / "base" / "tokenizer")
+    path = tmp_path / "base" / "tokenizer" / "tokenizer.json"
+    content = CORRUPT[case]
+    if case == "bad pattern":  # every byte present, only the pattern broken
+        content = path.read_bytes().replace(json.dumps(tok.pattern).encode(), b'"("')
+    path.write_bytes(content)
+    with pytest.raises(TokenizerError, match=rf"{re.escape(str(path))} is not a readable tokenizer .*tok_train"):
+        get_tokenizer()
+    assert issubclass(TokenizerError, ValueError)  # base_loss, base_sample and serve print ValueErrors as one line
+    assert tok_eval.main([]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {path} is not a readable tokenizer") and len(err.splitlines()) == 1
 
 
 @settings(max_examples=100, deadline=None)
@@ -116,9 +153,10 @@ def test_token_bytes_shape_and_specials(tok):
     assert (token_bytes[:256] == 1).all() and (token_bytes[-len(SPECIAL_TOKENS):] == 0).all()
 
 
-def test_vocab_too_small_is_refused():
-    with pytest.raises(ValueError, match="at least 265"):
-        train_bpe(iter(TRAIN_TEXT), 100)
+def test_vocab_out_of_range_is_refused():
+    for vocab_size in (100, 2 ** 20 + 1):
+        with pytest.raises(TokenizerError, match="vocab_size must be between 265 .* and 1,048,576"):
+            train_bpe(iter(TRAIN_TEXT), vocab_size)
 
 
 # -----------------------------------------------------------------------------
@@ -129,10 +167,14 @@ def test_tok_train_without_shards_names_the_command(capsys):
     assert "python -m nanochat.dataset --builtin" in capsys.readouterr().err
 
 
-def test_tok_train_then_eval(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def shards(tmp_path):
     for i, text in enumerate(TRAIN_TEXT * 3):
         (tmp_path / f"doc{i}.txt").write_text(f"{i} {text}")
     dataset.import_corpus([str(tmp_path)])
+
+
+def test_tok_train_then_eval(shards, monkeypatch, capsys):
     assert tok_train.main(["--vocab_size", "300", "--doc_cap", "200", "--max_chars", "1000"]) == 0
     out = capsys.readouterr().out
     assert "MB/s" in out and "vocab size 300" in out
@@ -156,3 +198,82 @@ def test_fingerprint_changes_with_the_merges_and_not_with_the_object(tmp_path):
     assert len(a.fingerprint()) == 16
     assert again.fingerprint() == a.fingerprint()
     assert other.fingerprint() != a.fingerprint()
+
+
+def snapshot_base():
+    """Every file under the base directory with its content, to prove nothing changed."""
+    base = os.environ["NANOCHAT_BASE_DIR"]
+    return {os.path.join(d, f): open(os.path.join(d, f), "rb").read() for d, _, fs in os.walk(base) for f in fs}
+
+
+TOK_TRAIN_BAD = {
+    "vocab 100": (["--vocab_size", "100"], "vocab_size must be between 265"),
+    "vocab 0": (["--vocab_size", "0"], "vocab_size must be between 265"),
+    "vocab -5": (["--vocab_size", "-5"], "vocab_size must be between 265"),
+    "vocab 99999999999": (["--vocab_size", "99999999999"], "and 1,048,576, got 99999999999"),
+    "doc_cap 0": (["--vocab_size", "512", "--doc_cap", "0"], "--doc_cap must be at least 1, got 0"),
+    "max_chars 0": (["--vocab_size", "300", "--max_chars", "0"], "--max_chars must be at least 1, got 0"),
+    "text too small": (["--vocab_size", "5000"], r"yields only \d+ tokens, not the 5,000 asked for.*Nothing was saved"),
+}
+
+
+@pytest.mark.parametrize("case", TOK_TRAIN_BAD)
+@pytest.mark.parametrize("existing", [False, True])
+def test_tok_train_bad_values_give_one_line_and_write_nothing(case, existing, shards, tok, capsys):
+    if existing:
+        tok.save(tokenizer_dir())
+    before = snapshot_base()
+    args, message = TOK_TRAIN_BAD[case]
+    assert tok_train.main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and re.search(message, err), err
+    assert snapshot_base() == before
+
+
+def fake_checkpoint(tag, step, fingerprint):
+    directory = os.path.join(os.environ["NANOCHAT_BASE_DIR"], "base_checkpoints", tag, f"step_{step:06d}")
+    os.makedirs(directory)
+    with open(os.path.join(directory, "meta.json"), "w") as f:
+        json.dump({"step": step, "tokenizer_fingerprint": fingerprint}, f)
+
+
+def test_tok_train_refuses_to_replace_a_tokenizer_checkpoints_depend_on(shards, tok, capsys):
+    tok.save(tokenizer_dir())
+    fake_checkpoint("d4", 10, tok.fingerprint())
+    fake_checkpoint("d4", 20, tok.fingerprint())
+    fake_checkpoint("8xH100_fast", 5, tok.fingerprint())
+    fake_checkpoint("other", 5, "0123456789abcdef")  # trained with another tokenizer: not this one's dependent
+    before = snapshot_base()
+    assert tok_train.main(["--vocab_size", "300"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {tokenizer_dir()} is the tokenizer of the checkpoints of 8xH100_fast, d4: ")
+    assert "--force" in err and len(err.splitlines()) == 1
+    assert snapshot_base() == before
+    assert tok_train.main(["--vocab_size", "300", "--force"]) == 0
+    assert "warning: --force: replacing the tokenizer" in capsys.readouterr().out
+    assert get_tokenizer().fingerprint() != tok.fingerprint()
+
+
+def test_tok_train_replaces_a_tokenizer_no_checkpoint_uses(shards, tok):
+    tok.save(tokenizer_dir())
+    fake_checkpoint("other", 5, "0123456789abcdef")
+    assert tok_train.main(["--vocab_size", "300"]) == 0
+    assert get_tokenizer().get_vocab_size() == 300
+
+
+def test_tok_train_names_an_unreadable_shard(shards, capsys):
+    path = dataset.parquets_for_split("train")[0]
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    before = snapshot_base()
+    assert tok_train.main(["--vocab_size", "300"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {path}: unreadable shard") and len(err.splitlines()) == 1
+    assert snapshot_base() == before
+
+
+@pytest.mark.parametrize("terminal, shown", [(True, True), (False, False)])
+def test_tok_train_shows_progress_on_a_terminal_only(terminal, shown, shards, monkeypatch):
+    stderr = stderr_capture(monkeypatch, terminal)
+    assert tok_train.main(["--vocab_size", "300"]) == 0
+    assert ("documents fed: 100%" in stderr.getvalue()) == shown
