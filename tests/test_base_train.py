@@ -32,7 +32,8 @@ def ckpt_dir(base_dir, tag, step=None):
 
 
 def weights(base_dir, tag, step):
-    return torch.load(os.path.join(ckpt_dir(base_dir, tag, step), "model.pt"), weights_only=True)
+    from safetensors.torch import load_file
+    return load_file(os.path.join(ckpt_dir(base_dir, tag, step), "model.safetensors"))
 
 
 def meta(base_dir, tag, step):
