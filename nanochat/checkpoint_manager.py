@@ -1,28 +1,43 @@
 """
 Checkpoints under $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/step_NNNNNN/:
-    model.pt        model weights (rank 0)
-    rank_R.pt       rank R's optimizer state, dataloader position and RNG states
-    meta.json       step, effective model config, user flags, val bpb per step, elapsed time and cost
+    model.safetensors   model weights (rank 0); checkpoints from before safetensors hold model.pt, still loaded
+    rank_R.pt           rank R's optimizer state, dataloader position and RNG states
+    meta.json           step, effective model config, user flags, tokenizer fingerprint, val bpb per step, time, cost
 
 A checkpoint is written into step_NNNNNN.tmp/ and the directory is renamed into place only when every file is
-complete and fsynced, so a process killed mid-save leaves the previous checkpoint intact and loadable.
+complete and fsynced, so a process killed mid-save leaves the previous checkpoint intact and loadable. Every rank
+takes part in a save and a failure on any rank (a full disk) is agreed by all: the partial .tmp is removed and every
+rank raises CheckpointError. A .tmp left by a kill is removed by the next run of the tag.
+
+The policy: a fresh run never writes into a tag that holds another run (--resume continues it, --overwrite moves it
+aside); --resume skips a corrupt newest checkpoint for the newest loadable one and says why; retention keeps the
+newest K and the best; a backup URL (any fsspec filesystem) gets a copy of each checkpoint from a background thread.
 """
 
+import errno
 import glob
 import json
 import os
+import posixpath
 import random
 import shutil
+import threading
+import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from nanochat.common import fsync_dir, get_base_dir
+from nanochat.common import (RankFailure, describe_error, fsync_dir, get_base_dir, print0, raise_if_any_rank_failed)
 from nanochat.gpt import GPT, GPTConfig
 
+WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
 # Fields that may differ between a checkpoint and the run resuming it: they change no weight and no training math.
 RESUMABLE_CONFIG_CHANGES = {"n_sup_inference", "activation_checkpointing"}
+BACKUP_EXIT_WAIT_S = 600  # how long a finished run waits for an upload still in flight
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or used; the message names the file and what to do."""
 
 
 def checkpoints_root():
@@ -48,8 +63,12 @@ def list_steps(model_tag):
 
 
 def read_meta(model_tag, step):
-    with open(os.path.join(step_dir(model_tag, step), "meta.json")) as f:
-        return json.load(f)
+    path = os.path.join(step_dir(model_tag, step), "meta.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable ({describe_error(e)})") from e
 
 
 def final_val_bpb(meta):
@@ -57,37 +76,63 @@ def final_val_bpb(meta):
     return bpb[-1] if bpb else None
 
 
-def best_step(model_tag):
-    """The step whose final-step validation bpb is lowest (the best checkpoint is often not the last)."""
-    scored = [(final_val_bpb(read_meta(model_tag, s)), s) for s in list_steps(model_tag)]
-    scored = [(bpb, s) for bpb, s in scored if bpb is not None]
+def best_of(bpb_by_step):
+    """The step whose final-step validation bpb is lowest, or None when none has one."""
+    scored = [(bpb, step) for step, bpb in bpb_by_step.items() if bpb is not None]
     return min(scored)[1] if scored else None
 
 
+def readable_bpb(model_tag):
+    """{step: final-step val bpb or None} over the checkpoints whose meta.json reads (a corrupt one is never best)."""
+    bpb = {}
+    for step in list_steps(model_tag):
+        try:
+            bpb[step] = final_val_bpb(read_meta(model_tag, step))
+        except CheckpointError:
+            pass
+    return bpb
+
+
+def best_step(model_tag):
+    """The step whose final-step validation bpb is lowest (the best checkpoint is often not the last)."""
+    return best_of(readable_bpb(model_tag))
+
+
+def steps_to_prune(bpb_by_step, keep_last):
+    """Retention: every step but the newest keep_last and the best by final-step validation bpb (0 keeps all)."""
+    if keep_last <= 0:
+        return []
+    steps = sorted(bpb_by_step)
+    keep = set(steps[-keep_last:]) | {best_of(bpb_by_step)}
+    return [s for s in steps if s not in keep]
+
+
 def resolve_step(model_tag, which):
-    """'latest', 'best' or a step number -> an existing step, or a ValueError that says what exists."""
+    """'latest', 'best' or a step number -> an existing step, or a CheckpointError that says what exists."""
     steps = list_steps(model_tag)
     if not steps:
-        raise ValueError(f"no checkpoint found for model tag {model_tag!r} under {model_dir(model_tag)}; "
-                         f"train one first (python -m scripts.base_train --model_tag={model_tag}) or check "
-                         f"NANOCHAT_BASE_DIR")
+        raise CheckpointError(f"no checkpoint found for model tag {model_tag!r} under {model_dir(model_tag)}; "
+                              f"train one first (python -m scripts.base_train --model_tag={model_tag}) or check "
+                              f"NANOCHAT_BASE_DIR")
     if which in (None, "latest"):
         return steps[-1]
     if which == "best":
         step = best_step(model_tag)
         if step is None:
-            raise ValueError(f"no checkpoint of {model_tag!r} has a validation bpb yet; use 'latest'")
+            raise CheckpointError(f"no checkpoint of {model_tag!r} has a validation bpb yet; use 'latest'")
         return step
-    step = int(which)
-    if step not in steps:
-        raise ValueError(f"no checkpoint at step {step} for {model_tag!r}; available steps: {steps}")
-    return step
+    if not str(which).isdigit():
+        raise CheckpointError(f"step {which!r}: use 'latest', 'best' or a step number")
+    if int(which) not in steps:
+        raise CheckpointError(f"no checkpoint at step {int(which)} for {model_tag!r}; available steps: {steps}")
+    return int(which)
 
 
 def latest_model_tag():
     tags = [t for t in os.listdir(checkpoints_root()) if list_steps(t)] if os.path.isdir(checkpoints_root()) else []
     if not tags:
-        raise ValueError(f"no checkpoints under {checkpoints_root()}; train a model first (python -m scripts.base_train)")
+        raise CheckpointError(f"no checkpoints under {checkpoints_root()}; train a model first "
+                              f"(python -m scripts.base_train)")
     return max(tags, key=lambda t: os.path.getmtime(step_dir(t, list_steps(t)[-1])))
 
 
@@ -98,6 +143,27 @@ def config_differences(saved, current):
             if k not in RESUMABLE_CONFIG_CHANGES and saved.get(k) != current.get(k)]
 
 
+def resume_differences(meta, model_config, batch_geometry):
+    """Why a run with this model config and batch geometry cannot continue the checkpoint `meta` ([] when it can)."""
+    saved = meta.get("batch_geometry", {})
+    return config_differences(meta["model_config"], model_config) + [
+        f"{k}: checkpoint {saved.get(k)!r} vs this run {v!r}" for k, v in batch_geometry.items() if saved.get(k) != v]
+
+
+def check_tokenizer(meta, tokenizer, what):
+    """Refuse a checkpoint trained with another tokenizer: the same ids would mean different text."""
+    from nanochat.tokenizer import tokenizer_dir
+    saved, current = meta.get("tokenizer_fingerprint"), tokenizer.fingerprint()
+    if saved is None:
+        print0(f"WARNING: {what} records no tokenizer fingerprint (it predates them), so nothing checks that "
+               f"{tokenizer_dir()} is the tokenizer it was trained with")
+    elif saved != current:
+        raise CheckpointError(f"{what} was trained with tokenizer {saved}, but {tokenizer_dir()} holds tokenizer "
+                              f"{current} (retrained since?), so token ids would mean other text: restore the tokenizer "
+                              f"it was trained with, or train a new model (a new --model_tag) with this one")
+
+
+# ---------------------------------------------------------------------------------------------------- saving
 def rng_state():
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -106,68 +172,230 @@ def rng_state():
 def set_rng_state(state):
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # torch only takes CPU byte tensors, whatever the run's device
     if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def _save_torch(obj, path):
+def checkpoint_bytes(model):
+    """Estimated bytes of one checkpoint: the weights, plus optimizer state of at most two tensors per weight
+    (AdamW's moments; Muon keeps one). Works on a meta-device model."""
+    return 3 * sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def free_bytes(path):
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def gigabytes(n):
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def disk_room_problem(model_tag, per_checkpoint, keep_last):
+    """None, or why the disk cannot hold the checkpoints --keep_last keeps (the newest K, the best, one being
+    written); --keep_last=0 keeps all, and only room for two is checked."""
+    copies = keep_last + 2 if keep_last > 0 else 2
+    need = max(0, copies - len(list_steps(model_tag))) * per_checkpoint
+    free = free_bytes(model_dir(model_tag))
+    if need <= free:
+        return None
+    return (f"not enough disk for checkpoints: each is ~{gigabytes(per_checkpoint)} and --keep_last={keep_last} keeps "
+            f"up to {copies} (the newest, the best and one being written), ~{gigabytes(need)} more, but "
+            f"{gigabytes(free)} are free under {checkpoints_root()}: free space, lower "
+            f"--keep_last, or set NANOCHAT_BASE_DIR to a bigger disk")
+
+
+def _write(path, data):
+    """Write bytes or a torch object, flushed to the disk before the directory is renamed into place."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        if isinstance(data, bytes):
+            f.write(data)
+        else:
+            torch.save(data, f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _barrier():
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _out_of_space(error, directory, need):
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in str(error) \
+        or free_bytes(directory) < need
 
 
 def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0):
-    """Every rank calls this. rank_state: this rank's dataloader state (and anything else per-rank)."""
+    """Every rank calls this. rank_state: this rank's dataloader state (and anything else per-rank).
+
+    A failure on any rank removes the partial save and raises CheckpointError on every rank; a full disk says so,
+    with the bytes a checkpoint needs."""
+    from safetensors.torch import save as safetensors_bytes
     final, tmp = step_dir(model_tag, step), step_dir(model_tag, step) + ".tmp"
-    if rank == 0:
-        os.makedirs(model_dir(model_tag), exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed mid-save
-        os.makedirs(tmp)
-    _barrier()
-    _save_torch({"optimizers": [opt.state_dict() for opt in optimizers], "rng": rng_state(), **rank_state},
-                os.path.join(tmp, f"rank_{rank}.pt"))
-    _barrier()
-    if rank == 0:
-        _save_torch(model.state_dict(), os.path.join(tmp, "model.pt"))
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({**meta, "step": step}, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+    need = checkpoint_bytes(model)
+
+    def together(what, work):
+        error = None
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
+            error = OSError(errno.ENOSPC, "no space left on device") if _out_of_space(e, model_dir(model_tag), need) \
+                else e
+        try:
+            raise_if_any_rank_failed(error, f"saving step {step} ({what})")
+        except RankFailure as failure:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            advice = (f"; a checkpoint needs ~{gigabytes(need)} ({need:,} bytes), "
+                      f"{gigabytes(free_bytes(model_dir(model_tag)))} are free: free space, lower --keep_last or set "
+                      f"NANOCHAT_BASE_DIR to a bigger disk, then --resume"
+                      if "no space left" in str(failure) else "; fix the cause, then --resume")
+            raise CheckpointError(f"{failure}. The partial save was removed and earlier checkpoints are intact"
+                                  f"{advice}") from failure
+
+    def prepare():
+        if rank == 0:
+            os.makedirs(model_dir(model_tag), exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed mid-save
+            os.makedirs(tmp)
+
+    def publish():
+        if rank != 0:
+            return
+        weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        _write(os.path.join(tmp, WEIGHTS), safetensors_bytes(weights))
+        _write(os.path.join(tmp, "meta.json"), json.dumps({**meta, "step": step}, indent=2).encode())
         fsync_dir(tmp)
-        if os.path.exists(final):  # re-saving a step (e.g. after resume): swap, never leave neither
+        if os.path.exists(final):  # re-saving a step (e.g. after resume)
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_dir(model_dir(model_tag))
-    _barrier()
+
+    rank_file = os.path.join(tmp, f"rank_{rank}.pt")
+    together("preparing the directory", prepare)
+    together(f"writing {os.path.basename(rank_file)}",
+             lambda: _write(rank_file, {"optimizers": [opt.state_dict() for opt in optimizers], "rng": rng_state(),
+                                        **rank_state}))
+    together("writing the model and meta.json", publish)
     return final
 
 
-def load_rank_state(model_tag, step, rank, device):
-    return torch.load(os.path.join(step_dir(model_tag, step), f"rank_{rank}.pt"), map_location=device,
-                      weights_only=False)
-
-
-def load_model_weights(model_tag, step, device):
-    return torch.load(os.path.join(step_dir(model_tag, step), "model.pt"), map_location=device, weights_only=True)
+def remove_partial_saves(model_tag):
+    """Remove step_N.tmp directories left by a process killed mid-save: they block nothing but hold disk."""
+    removed = []
+    for path in sorted(glob.glob(os.path.join(model_dir(model_tag), "step_*.tmp"))):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(os.path.basename(path))
+    if removed:
+        print0(f"removed {', '.join(removed)}: incomplete save(s) of an interrupted run")
 
 
 def prune_checkpoints(model_tag, keep_last):
     """Keep the newest keep_last checkpoints and the best one by final-step validation bpb."""
-    if keep_last <= 0:
-        return []
-    steps = list_steps(model_tag)
-    keep = set(steps[-keep_last:]) | {best_step(model_tag)}
-    removed = [s for s in steps if s not in keep]
+    removed = steps_to_prune(readable_bpb(model_tag), keep_last)
     for s in removed:
         shutil.rmtree(step_dir(model_tag, s))
     return removed
+
+
+# ---------------------------------------------------------------------------------------------------- a new run
+def previous_run(model_tag):
+    """What a previous run left in the tag's directory, in words, or None when there is nothing."""
+    directory = model_dir(model_tag)
+    entries = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    if not entries:
+        return None
+    steps = list_steps(model_tag)
+    if steps:
+        return f"checkpoints at steps {', '.join(map(str, steps))}"
+    return f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''} but no checkpoint"
+
+
+def check_fresh_start(model_tag, overwrite, backup_url=None):
+    """A fresh run must not mix with another run in one directory. Raises CheckpointError saying what to do, or
+    (with overwrite) returns what will be moved aside."""
+    found = previous_run(model_tag)
+    if backup_url and Backup.location(backup_url, model_tag).steps():
+        raise CheckpointError(f"the backup {backup_url} already holds checkpoints of {model_tag!r}: continue that run "
+                              f"with --resume, or start this one under a new --model_tag")
+    if found is None:
+        return None
+    if not overwrite:
+        raise CheckpointError(f"model tag {model_tag!r} already holds a run in {model_dir(model_tag)} ({found}): add "
+                              f"--resume to continue it, choose a new --model_tag, or pass --overwrite to start over "
+                              f"(the old run is moved to {model_tag}.replaced-<date>/, nothing is deleted)")
+    return found
+
+
+def move_aside(model_tag):
+    """Rename the tag's directory to <tag>.replaced-<date>; returns the new path. Nothing is deleted."""
+    aside = f"{model_dir(model_tag)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.rename(model_dir(model_tag), aside)
+    return aside
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+def load_model_weights(model_tag, step, device):
+    """The state dict of a checkpoint: model.safetensors, or model.pt in checkpoints that predate it."""
+    directory = step_dir(model_tag, step)
+    path = os.path.join(directory, WEIGHTS)
+    try:
+        if os.path.exists(path):
+            from safetensors.torch import load_file
+            return load_file(path, device=str(device))
+        path = os.path.join(directory, LEGACY_WEIGHTS)
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated file raises whatever its reader raises
+        raise CheckpointError(f"{path} is unreadable ({describe_error(e)})") from e
+
+
+def load_rank_state(model_tag, step, rank):
+    """A rank's optimizer states, loader positions and RNG states, on the CPU: RNG states must stay there, and
+    Optimizer.load_state_dict moves each state tensor to its parameter's device."""
+    path = os.path.join(step_dir(model_tag, step), f"rank_{rank}.pt")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path} is unreadable ({describe_error(e)})") from e
+
+
+def load_resume_point(model_tag, which, rank, backup_url=None):
+    """(step, meta, weights, rank state) to resume from, agreed by every rank.
+
+    which: 'latest' or a step. An empty local directory is first filled from the backup. With 'latest', a checkpoint
+    that fails to load on any rank is skipped, with the reason, for the next newest."""
+    if backup_url and not list_steps(model_tag):
+        error = None
+        if rank == 0:
+            try:
+                Backup.location(backup_url, model_tag).restore(which)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        raise_if_any_rank_failed(error, f"restoring {model_tag} from the backup {backup_url}")
+    newest = resolve_step(model_tag, which)
+    candidates = [s for s in reversed(list_steps(model_tag)) if s <= newest] if which in (None, "latest") else [newest]
+    for step in candidates:
+        error, point = None, None
+        try:
+            point = (step, read_meta(model_tag, step), load_model_weights(model_tag, step, "cpu"),
+                     load_rank_state(model_tag, step, rank))
+        except CheckpointError as e:
+            error = e
+        try:
+            raise_if_any_rank_failed(error, f"loading checkpoint step {step}")
+            return point
+        except RankFailure as failure:
+            print0(f"WARNING: skipping checkpoint step {step} of {model_tag}: {failure}")
+    raise CheckpointError(f"no loadable checkpoint of {model_tag!r} (tried steps {candidates}, see the warnings "
+                          f"above); start a new run with another --model_tag, or --overwrite")
+
+
+def restore(point, model, optimizers):
+    """Put a resume point's weights, optimizer states and RNG states into this process; returns its loader states."""
+    _, _, weights, state = point
+    model.load_state_dict(weights)
+    for opt, opt_state in zip(optimizers, state["optimizers"]):
+        opt.load_state_dict(opt_state)
+    set_rng_state(state["rng"])
+    return state["loaders"]
 
 
 def build_model(config_dict, device):
@@ -180,13 +408,135 @@ def build_model(config_dict, device):
 
 
 def load_model(model_tag=None, step="latest", device="cpu", **config_overrides):
-    """(model in eval mode, tokenizer, meta) from a checkpoint; config_overrides e.g. n_sup_inference=2."""
+    """(model in eval mode, tokenizer, meta) from a checkpoint; config_overrides e.g. n_sup_inference=2.
+
+    A checkpoint trained with another tokenizer is refused; an unreadable file is named, with the other steps."""
     from nanochat.tokenizer import get_tokenizer
 
     model_tag = model_tag or latest_model_tag()
     step = resolve_step(model_tag, step)
-    meta = read_meta(model_tag, step)
+    try:
+        meta = read_meta(model_tag, step)
+        weights = load_model_weights(model_tag, step, device)
+    except CheckpointError as e:
+        others = [s for s in list_steps(model_tag) if s != step]
+        raise CheckpointError(f"checkpoint {model_tag} step {step} is damaged: {e}; load another with --step="
+                              + (f"{others[-1]} (available: {', '.join(map(str, others))})" if others else
+                                 "N (it is the only one: retrain, or restore it from a backup)")) from e
+    tokenizer = get_tokenizer()
+    check_tokenizer(meta, tokenizer, f"checkpoint {model_tag} step {step}")
     model = build_model({**meta["model_config"], **config_overrides}, device)
-    model.load_state_dict(load_model_weights(model_tag, step, device))
+    model.load_state_dict(weights)
     model.eval()
-    return model, get_tokenizer(), meta
+    return model, tokenizer, meta
+
+
+# ---------------------------------------------------------------------------------------------------- backup
+class Backup:
+    """A copy of the tag's checkpoints at an fsspec URL (gs://, s3://, a local path, memory://).
+
+    start() runs a background thread: submit(step) after each completed local save queues that checkpoint (a newer
+    one replaces one still waiting), which is uploaded with meta.json last (a step counts as backed up only once its
+    meta.json is there), then retention is applied to the backup too. A failure warns; training never waits."""
+
+    def __init__(self, fs, directory, url, model_tag, keep_last=0):
+        self.fs, self.dir, self.url, self.model_tag, self.keep_last = fs, directory, url, model_tag, keep_last
+        self.pending, self.busy, self.closed = None, False, False
+        self.cond = threading.Condition()
+        self.thread = None
+
+    @classmethod
+    def location(cls, url, model_tag, keep_last=0):
+        import fsspec
+        try:
+            fs, root = fsspec.core.url_to_fs(url)
+        except Exception as e:  # noqa: BLE001 - an unknown protocol, a missing filesystem package, bad options
+            raise CheckpointError(f"--backup_dir={url}: {describe_error(e)} (gs:// needs `pip install gcsfs`, s3:// "
+                                  f"needs `pip install s3fs`)") from e
+        return cls(fs, posixpath.join(root.rstrip("/") or "/", model_tag), url, model_tag, keep_last)
+
+    def remote(self, step, name=""):
+        return posixpath.join(self.dir, f"step_{step:06d}", name)
+
+    def steps(self):
+        """Steps with a complete copy in the backup, ascending."""
+        try:
+            paths = self.fs.glob(posixpath.join(self.dir, "step_*", "meta.json"))
+        except Exception as e:  # noqa: BLE001 - no access, no network
+            raise CheckpointError(f"cannot list the backup {self.url}: {describe_error(e)}") from e
+        names = [posixpath.basename(posixpath.dirname(p)) for p in paths]
+        return sorted(int(n[5:]) for n in names if n[5:].isdigit())
+
+    def restore(self, which="latest"):
+        """Download one checkpoint (the newest, or step `which`) into the local tag directory; returns its step."""
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(f"the backup {self.url} holds no checkpoint of {self.model_tag!r}")
+        step = steps[-1] if which in (None, "latest") else int(which)
+        if step not in steps:
+            raise CheckpointError(f"the backup {self.url} has no step {step} of {self.model_tag!r}; it has {steps}")
+        final, tmp = step_dir(self.model_tag, step), step_dir(self.model_tag, step) + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for path in self.fs.ls(self.remote(step), detail=False):
+            self.fs.get_file(path, os.path.join(tmp, posixpath.basename(path)))
+        os.rename(tmp, final)
+        print0(f"restored {self.model_tag} step {step} from the backup {self.url}")
+        return step
+
+    def start(self):
+        self.closed = False
+        self.thread = threading.Thread(target=self.work, name="checkpoint-backup", daemon=True)
+        self.thread.start()
+        return self
+
+    def submit(self, step):
+        with self.cond:
+            self.pending = step
+            self.cond.notify_all()
+
+    def work(self):
+        while True:
+            with self.cond:
+                while self.pending is None and not self.closed:
+                    self.cond.wait()
+                if self.pending is None:
+                    return
+                step, self.pending, self.busy = self.pending, None, True
+            try:
+                self.upload(step)
+                self.prune()
+                print0(f"backup: step {step} copied to {self.url}")
+            except Exception as e:  # noqa: BLE001 - a backup failure must never stop training
+                print0(f"WARNING: backup of step {step} to {self.url} failed ({describe_error(e)}); training goes "
+                       f"on and the local checkpoint is complete")
+            finally:
+                with self.cond:
+                    self.busy = False
+                    self.cond.notify_all()
+
+    def upload(self, step):
+        local = step_dir(self.model_tag, step)
+        names = sorted(os.listdir(local), key=lambda name: name == "meta.json")  # meta.json last: marks it complete
+        if self.fs.exists(self.remote(step, "meta.json")):  # a re-saved step: never "complete" while half-copied
+            self.fs.rm(self.remote(step, "meta.json"))
+        self.fs.makedirs(self.remote(step), exist_ok=True)
+        for name in names:
+            self.fs.put_file(os.path.join(local, name), self.remote(step, name))
+
+    def prune(self):
+        bpb = {s: final_val_bpb(json.loads(self.fs.cat_file(self.remote(s, "meta.json")))) for s in self.steps()}
+        for s in steps_to_prune(bpb, self.keep_last):
+            self.fs.rm(self.remote(s), recursive=True)
+
+    def close(self, timeout=BACKUP_EXIT_WAIT_S):
+        """Wait, at most timeout seconds, for an upload in flight or waiting, then end the thread."""
+        with self.cond:
+            if self.pending is not None or self.busy:
+                print0(f"waiting (at most {timeout:.0f}s) for the backup to {self.url} to finish")
+            self.closed = True
+            self.cond.notify_all()
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            print0(f"WARNING: the backup to {self.url} did not finish in {timeout:.0f}s; exiting without it (the local "
+                   f"checkpoints are complete)")

@@ -96,6 +96,57 @@ def compute_cleanup():
         dist.destroy_process_group()
 
 
+def distributed():
+    return dist.is_available() and dist.is_initialized()
+
+
+def collective_device():
+    """Where small control tensors must live for the process group's backend (NCCL only moves GPU tensors)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def reduce_with_flags(values, flags):
+    """Sum `values` (a 1-D tensor) over ranks and learn which ranks raised each of `flags` (bools), in one all_reduce.
+
+    Returns (summed values, [ranks that raised flag i, for each i]); every rank gets the same answer, so decisions
+    made from it (stop, save, skip) are taken by all ranks together. Without a process group: this rank's own.
+    """
+    if not distributed():
+        return values, [[0] if flag else [] for flag in flags]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    raised = torch.zeros(len(flags), world, dtype=values.dtype, device=values.device)
+    raised[:, rank] = torch.tensor([float(bool(f)) for f in flags], dtype=values.dtype)
+    payload = torch.cat([values.flatten(), raised.flatten()])
+    dist.all_reduce(payload)
+    summed, raised = payload[:values.numel()].view_as(values), payload[values.numel():].view(len(flags), world)
+    return summed, [[r for r in range(world) if raised[i, r] > 0] for i in range(len(flags))]
+
+
+class RankFailure(RuntimeError):
+    """Something failed on one or more ranks; every rank raises it, so none is left waiting in a collective."""
+
+
+def raise_if_any_rank_failed(error, what, failed=None):
+    """Every rank calls this with its own error (an exception, or None). If any rank failed, every rank raises
+    RankFailure('<what> failed on rank R: <cause>'); otherwise it returns. A collective: call it on every rank.
+    failed: the failing ranks when the caller already reduced them (reduce_with_flags), saving the all_reduce."""
+    if not distributed():
+        if error is not None:
+            raise RankFailure(f"{what} failed: {describe_error(error)}") from error
+        return
+    if failed is None:
+        _, (failed,) = reduce_with_flags(torch.zeros(0, device=collective_device()), [error is not None])
+    if not failed:
+        return
+    causes = [None] * dist.get_world_size()  # gathered only on failure: the common path stays one all_reduce
+    dist.all_gather_object(causes, None if error is None else describe_error(error))
+    raise RankFailure(f"{what} failed " + "; ".join(f"on rank {r}: {causes[r]}" for r in failed))
+
+
+def describe_error(error):
+    return f"{type(error).__name__}: {error}"
+
+
 def atomic_write_bytes(path, data):
     """Write to a temporary file beside `path`, fsync, rename: a crash leaves the old file or the new one, never half."""
     tmp = f"{path}.tmp{os.getpid()}"

@@ -3,7 +3,8 @@
 import math
 
 import torch
-import torch.distributed as dist
+
+from nanochat.common import progress_bar, raise_if_any_rank_failed, reduce_with_flags
 
 
 @torch.no_grad()
@@ -11,23 +12,30 @@ def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None):
     """Per supervision step, sum of per-token nats over sum of bytes of the target tokens, in bits.
 
     Special tokens have byte length 0 and are left out of both sums; targets of -1 (ignored) likewise.
-    Under DDP the sums are reduced across ranks, so every rank returns the same numbers.
+    batches: an iterator of (x, y), or a function returning one (called inside the failure guard, so a loader that
+    cannot start on one rank counts as that rank's failure). Under DDP the sums are reduced across ranks, so every
+    rank returns the same numbers; a failure on any rank raises RankFailure on every rank, naming rank and cause.
     """
-    nats, nbytes = None, torch.zeros((), dtype=torch.float64, device=token_bytes.device)
-    for _ in range(steps):
-        x, y = next(batches)
-        with autocast or torch.autocast(x.device.type, enabled=False):
-            losses = model(x, y, n_sup=n_sup, loss_reduction="none")  # (N, B, T)
-        valid = y >= 0
-        num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
-        counted = num_bytes > 0
-        step_nats = (losses.double() * counted).sum(dim=(1, 2))
-        nats = step_nats if nats is None else nats + step_nats
-        nbytes += num_bytes.sum()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(nats)
-        dist.all_reduce(nbytes)
-    return [(n / (math.log(2) * nbytes)).item() for n in nats]
+    n = n_sup or model.config.n_sup_train  # what model(x, y) runs when n_sup is None
+    sums = torch.zeros(n + 1, dtype=torch.float64, device=token_bytes.device)  # nats of each step, then bytes
+    error = None
+    try:
+        batches = batches() if callable(batches) else batches
+        for _ in progress_bar(range(steps), desc="evaluating", delay=3, leave=False):
+            x, y = next(batches)
+            with autocast or torch.autocast(x.device.type, enabled=False):
+                losses = model(x, y, n_sup=n_sup, loss_reduction="none")  # (N, B, T)
+            valid = y >= 0
+            num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
+            counted = num_bytes > 0
+            sums[:n] += (losses.double() * counted).sum(dim=(1, 2))
+            sums[n] += num_bytes.sum()
+    except Exception as e:  # noqa: BLE001 - reported below on every rank, so no rank waits for this one
+        error = e
+    sums, (failed,) = reduce_with_flags(sums, [error is not None])  # the one collective, success or not
+    raise_if_any_rank_failed(error, "evaluation", failed)
+    nats, nbytes = sums[:n], sums[n]
+    return [(v / (math.log(2) * nbytes)).item() for v in nats]
 
 
 def refinement(values):

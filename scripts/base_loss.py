@@ -3,35 +3,44 @@ Evaluate a checkpoint: train and validation bits per byte for every supervision 
 
     python -m scripts.base_loss --model_tag=d4
     torchrun --standalone --nproc_per_node=8 -m scripts.base_loss -- --model_tag=d12 --step=best
+    python -m scripts.base_loss --model_tag=d4 --n_sup=8     # past the trained steps: do extra steps help or hurt?
 """
 
 import argparse
 import contextlib
 import json
 import os
+import sys
 
 import torch
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat.cli import ArgumentParser
-from nanochat.common import atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init, print0
+from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
+                             print0)
 from nanochat.loss_eval import evaluate_bpb, format_steps, refinement
+from scripts.base_sample import step_arg
+from scripts.base_train import Parser
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(prog="python -m scripts.base_loss", allow_abbrev=False,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m scripts.base_loss", allow_abbrev=False,
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model_tag", default=None, help="default: the most recently written model")
-    p.add_argument("--step", default="latest", help="latest | best | a step number")
+    p.add_argument("--step", type=step_arg, default="latest", help="latest | best | a step number")
     p.add_argument("--device_batch_size", type=int, default=8)
     p.add_argument("--max_seq_len", type=int, default=None, help="default: the model's sequence_len")
     p.add_argument("--split_tokens", type=int, default=2 * 524288, help="tokens evaluated per split")
-    p.add_argument("--n_sup", type=int, default=None, help="supervision steps to run (default: n_sup_inference)")
+    p.add_argument("--n_sup", type=int, default=None,
+                   help="supervision steps to run (default: n_sup_inference); more than were trained is allowed")
     p.add_argument("--device_type", default="")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     p.add_argument("--sample_tokens", type=int, default=24)
-    argv = argv if argv is not None else __import__("sys").argv[1:]
-    return p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
+    for name in ("device_batch_size", "max_seq_len", "split_tokens", "n_sup", "sample_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name}={getattr(args, name)} must be >= 1")
+    return args
 
 
 def main(argv=None):
@@ -41,12 +50,19 @@ def main(argv=None):
     from nanochat.dataloader import DataLoader
     from nanochat.tokenizer import get_token_bytes
     try:
-        model, tokenizer, meta = ckpt.load_model(args.model_tag, args.step, device)
+        model_tag = args.model_tag or ckpt.latest_model_tag()
+        # n_sup past the trained steps is a legitimate question; the engine samples up to n_sup_inference
+        overrides = {"n_sup_inference": args.n_sup} if args.n_sup else {}
+        model, tokenizer, meta = ckpt.load_model(model_tag, args.step, device, **overrides)
     except ValueError as e:
         raise SystemExit(f"base_loss: {e}")
-    model_tag = args.model_tag or ckpt.latest_model_tag()
-    n_sup = args.n_sup or model.config.n_sup_inference
+    n_sup = model.config.n_sup_inference
     T = args.max_seq_len or model.config.sequence_len
+    if T > model.config.sequence_len:
+        raise SystemExit(f"base_loss: --max_seq_len={T} is longer than the {model.config.sequence_len}-token "
+                         f"context the model was trained with; use at most {model.config.sequence_len}")
+    if n_sup > model.config.n_sup_train:
+        print0(f"note: {n_sup} supervision steps, past the {model.config.n_sup_train} the model was trained with")
     steps = max(1, args.split_tokens // (args.device_batch_size * T * world_size))
     dtype = args.dtype or ("bfloat16" if device_type == "cuda" else "float32")
     autocast = (torch.autocast(device_type, dtype=torch.bfloat16) if dtype == "bfloat16"
@@ -56,9 +72,12 @@ def main(argv=None):
     results = {"model_tag": model_tag, "step": meta["step"], "n_sup": n_sup}
     token_bytes = get_token_bytes(device=device)
     for split in ("train", "val"):
-        loader = DataLoader(tokenizer, args.device_batch_size, T, split, device=device, rank=rank,
-                            world_size=world_size)
-        bpb = evaluate_bpb(model, loader, steps, token_bytes, n_sup=n_sup, autocast=autocast)
+        try:
+            bpb = evaluate_bpb(model, lambda: DataLoader(tokenizer, args.device_batch_size, T, split, device=device,
+                                                         rank=rank, world_size=world_size),
+                               steps, token_bytes, n_sup=n_sup, autocast=autocast)
+        except RankFailure as e:
+            raise SystemExit(f"base_loss: {e}")
         results[f"{split}_bpb"], results[f"{split}_refinement"] = bpb, refinement(bpb)
         print0(f"{split:5s} bpb per step: {format_steps(bpb)} | refinement "
                f"{100 * refinement(bpb):.1f}%")

@@ -24,12 +24,13 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat import lifecycle
 from nanochat.cli import ArgumentParser
-from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
-                             device_available, get_base_dir, get_dist_info, gpu_peak_flops, print0)
+from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
+                             device_available, get_base_dir, get_dist_info, gpu_peak_flops, print0,
+                             raise_if_any_rank_failed)
 from nanochat.gpt import GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
 from nanochat.loss_eval import evaluate_bpb, format_steps, refinement
 from nanochat.optim import clip_and_step
@@ -63,9 +64,8 @@ def str2bool(value):
 
 
 class Parser(ArgumentParser):
-    def error(self, message):
-        self.print_usage(sys.stderr)
-        raise SystemExit(f"base_train: error: {message}")
+    def error(self, message):  # one line that says what is wrong (the usage is in --help)
+        raise SystemExit(f"{self.prog.rsplit('.', 1)[-1]}: error: {message}")
 
 
 def build_parser():
@@ -124,8 +124,13 @@ def build_parser():
     output.add_argument("--sample_every", type=int, default=2000, help="steps between samples (0 = end only)")
     output.add_argument("--sample_tokens", type=int, default=16, help="tokens generated per sample prompt")
     output.add_argument("--save_every", type=int, default=0, help="steps between checkpoints (0 = end only)")
-    output.add_argument("--save_every_minutes", type=float, default=0, help="wall-clock minutes between checkpoints")
+    output.add_argument("--save_every_minutes", type=float, default=30,
+                        help="wall-clock minutes between checkpoints (0 = off)")
     output.add_argument("--keep_last", type=int, default=3, help="checkpoints kept besides the best (0 = keep all)")
+    output.add_argument("--backup_dir", default=None,
+                        help="also copy each checkpoint, in the background, to this fsspec URL (gs://bucket/dir, "
+                             "s3://..., a local path); --keep_last applies there too, and --resume pulls from it "
+                             "when the local directory is empty")
     output.add_argument("--run", default=os.environ.get("WANDB_RUN", "dummy"),
                         help="wandb run name ('dummy' = no wandb); the default comes from $WANDB_RUN")
     output.add_argument("--tensorboard", nargs="?", const="", default=None, metavar="DIR",
@@ -135,10 +140,16 @@ def build_parser():
     budget.add_argument("--max_hours", type=float, default=None, help="wall-clock hours for the whole run")
     budget.add_argument("--max_cost", type=float, default=None, help="dollars for the whole run")
     budget.add_argument("--gpu_hourly_price", type=float, default=None, help="dollars per GPU-hour (cost reports)")
-    resume = p.add_argument_group("resume")
+    resume = p.add_argument_group(
+        "resume and preemption", "SIGTERM or SIGINT (Ctrl-C): every process finishes the step in progress, saves a "
+        "checkpoint and exits with 128 + the signal number (143, 130); a second signal more than 5 s later exits at "
+        "once. Allow one step plus one save: torchrun SIGKILLs its workers --shutdown-timeout seconds (default 30) "
+        "after it forwards the signal.")
     resume.add_argument("--resume", type=str2bool, nargs="?", const=True, default=False,
-                        help="continue from the latest checkpoint of --model_tag")
+                        help="continue from the latest loadable checkpoint of --model_tag")
     resume.add_argument("--resume_from_step", type=int, default=None, help="continue from this checkpoint step")
+    resume.add_argument("--overwrite", type=str2bool, nargs="?", const=True, default=False,
+                        help="start over on a tag that holds a run: the old run is moved to <tag>.replaced-<date>/")
     return p
 
 
@@ -157,14 +168,15 @@ def reject_unknown(parser, unknown):
 def resolve_model_config(args):
     """The effective GPTConfig fields and where each came from: explicit flag > --preset > gpt.py default."""
     defaults = GPTConfig(vocab_size=1)
-    n_embd = args.n_embd or args.depth * 64
+    given = lambda value, default: default if value is None else value  # noqa: E731 - 0 is a value, not "unset"
+    n_embd = given(args.n_embd, args.depth * 64)
     values = {"n_layer": args.depth, "n_embd": n_embd, "sequence_len": args.max_seq_len,
-              "n_head": args.n_head or max(1, n_embd // 128)}
-    values["n_kv_head"] = args.n_kv_head or values["n_head"]
+              "n_head": given(args.n_head, max(1, n_embd // 128))}
+    values["n_kv_head"] = given(args.n_kv_head, values["n_head"])
     sources = {"n_layer": "--depth", "sequence_len": "--max_seq_len",
-               "n_embd": "--n_embd" if args.n_embd else "derived from --depth (64 per layer)",
-               "n_head": "--n_head" if args.n_head else "derived (head dim 128)",
-               "n_kv_head": "--n_kv_head" if args.n_kv_head else "= n_head"}
+               "n_embd": "--n_embd" if args.n_embd is not None else "derived from --depth (64 per layer)",
+               "n_head": "--n_head" if args.n_head is not None else "derived (head dim 128)",
+               "n_kv_head": "--n_kv_head" if args.n_kv_head is not None else "= n_head"}
     preset = REFINEMENT_PRESETS[args.preset] if args.preset else None
     for name in MODEL_FLAGS:
         if getattr(args, name) is not None:
@@ -193,6 +205,18 @@ def parse_args(argv=None, world_size=None, check_hardware=True):
         parser.error(f"unknown --preset={args.preset}; valid presets: {', '.join(REFINEMENT_PRESETS)}")
     if args.depth < 1:
         parser.error(f"--depth={args.depth} must be >= 1")
+    for name in ("n_embd", "n_head", "n_kv_head", "max_seq_len", "sample_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)} must be >= 1")
+    for name in ("eval_every", "sample_every", "save_every", "save_every_minutes", "keep_last", "matrix_lr",
+                 "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip", "gpu_hourly_price"):
+        if getattr(args, name) is not None and not getattr(args, name) >= 0:
+            parser.error(f"--{name}={getattr(args, name)} must be >= 0 (see --help for what 0 means)")
+    for name in ("target_flops", "target_param_data_ratio", "max_hours", "max_cost"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            parser.error(f"--{name}={getattr(args, name)} must be > 0")
+    if args.overwrite and (args.resume or args.resume_from_step is not None):
+        parser.error("--overwrite starts over and --resume continues: give one of them")
     args.model_config, args.config_sources = resolve_model_config(args)
     try:
         GPTConfig(vocab_size=1, **args.model_config)
@@ -304,25 +328,36 @@ def check_data_ready():
         raise ExitWithMessage(str(e))
 
 
-def load_resume(args, model_config):
-    """The checkpoint to resume from, validated against this run before anything is built."""
-    if not (args.resume or args.resume_from_step is not None):
-        return None
+def start_or_resume(args, model_config, tokenizer, rank):
+    """The resume point (step, meta, weights, rank state), checked against this run; or None for a fresh run, on a tag
+    that holds no other run (--overwrite moves one aside). Every check passes before anything is written."""
+    resuming = args.resume or args.resume_from_step is not None
     try:
-        step = ckpt.resolve_step(args.model_tag, args.resume_from_step if args.resume_from_step is not None else "latest")
-    except ValueError as e:
-        raise ExitWithMessage(f"cannot resume: {e}")
-    meta = ckpt.read_meta(args.model_tag, step)
-    diffs = ckpt.config_differences(meta["model_config"], model_config)
-    saved_geometry = meta["batch_geometry"]
-    geometry = batch_geometry(args)
-    diffs += [f"{k}: checkpoint {saved_geometry[k]!r} vs this run {geometry[k]!r}"
-              for k in geometry if saved_geometry.get(k) != geometry[k]]
+        if args.backup_dir:
+            ckpt.Backup.location(args.backup_dir, args.model_tag)  # a bad URL stops here, not after the first save
+        if not resuming:
+            found = ckpt.check_fresh_start(args.model_tag, args.overwrite, args.backup_dir)
+            if args.overwrite:  # on every rank, so the ranks wait for rank 0's move together
+                error = None
+                if rank == 0 and found:
+                    try:
+                        print0(f"--overwrite: moved the previous run ({found}) to {ckpt.move_aside(args.model_tag)}")
+                    except OSError as e:
+                        error = e
+                raise_if_any_rank_failed(error, "moving the previous run aside")
+            return None
+        which = args.resume_from_step if args.resume_from_step is not None else "latest"
+        point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir)
+        step, meta = point[:2]
+        ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {args.model_tag} step {step}")
+    except (ckpt.CheckpointError, RankFailure) as e:
+        raise ExitWithMessage(f"cannot {'resume' if resuming else 'start'}: {e}")
+    diffs = ckpt.resume_differences(meta, model_config, batch_geometry(args))
     if diffs:
         raise ExitWithMessage(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
                               f"different configuration:\n  " + "\n  ".join(diffs) +
                               "\nPass the checkpoint's values, or start a new run with another --model_tag.")
-    return step, meta
+    return point
 
 
 def data_ranks(args, rank):
@@ -360,7 +395,7 @@ def train(args):
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
     tokenizer = get_tokenizer()
     model_config = {**args.model_config, "vocab_size": tokenizer.get_vocab_size()}
-    resume = load_resume(args, model_config)
+    resume = start_or_resume(args, model_config, tokenizer, rank)
 
     model = ckpt.build_model(model_config, device)
     model.train()
@@ -372,16 +407,14 @@ def train(args):
     flops_per_token = model.estimate_flops()
     peak_flops = gpu_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     print_config(args, num_iterations, horizon_source, model, tokens_per_step)
+    no_room = ckpt.disk_room_problem(args.model_tag, ckpt.checkpoint_bytes(model), args.keep_last)
+    if no_room:
+        raise ExitWithMessage(no_room)
 
     start_step, prior_seconds, loader_states = 0, 0.0, [None] * args.grad_accum
     if resume:
-        start_step, meta = resume
-        model.load_state_dict(ckpt.load_model_weights(args.model_tag, start_step, device))
-        state = ckpt.load_rank_state(args.model_tag, start_step, rank, device)
-        for opt, opt_state in zip(optimizers, state["optimizers"]):
-            opt.load_state_dict(opt_state)
-        loader_states = state["loaders"]
-        ckpt.set_rng_state(state["rng"])
+        start_step, meta = resume[:2]
+        loader_states = ckpt.restore(resume, model, optimizers)
         prior_seconds = meta["elapsed_seconds"]
         print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
     if args.compile:
@@ -392,138 +425,140 @@ def train(args):
     token_bytes = get_token_bytes(device=device)
     run_dir = ckpt.model_dir(args.model_tag)
     os.makedirs(run_dir, exist_ok=True)
+    if rank == 0:
+        ckpt.remove_partial_saves(args.model_tag)
     metrics = MetricsLog(run_dir, args, rank, start_step if resume else None)
     health, history = Health(), []
     val_bpb, last_eval_step = None, None
     price_per_hour = (args.gpu_hourly_price or 0) * world_size
-    t_start = time.time()
-    last_save_time = t_start
+    backup = ckpt.Backup.location(args.backup_dir, args.model_tag, args.keep_last).start() \
+        if args.backup_dir and rank == 0 else None
 
-    def elapsed():
-        return prior_seconds + time.time() - t_start
+    with lifecycle.StopSignals() as signals:
+        control = lifecycle.RunControl(args, prior_seconds, price_per_hour, signals)
+        elapsed = control.elapsed
 
-    def save(step):
-        meta = {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
-                "train_config": {k: v for k, v in vars(args).items() if k not in ("model_config", "config_sources")},
-                "batch_geometry": batch_geometry(args), "num_iterations": num_iterations,
-                "val_bpb": val_bpb if last_eval_step == step else None, "elapsed_seconds": elapsed(),
-                "cost": elapsed() / 3600 * price_per_hour, "dataloader": loaders[0].state_dict()}
-        path = ckpt.save_checkpoint(args.model_tag, step, model, optimizers, meta,
-                                    {"loaders": [loader.state_dict() for loader in loaders]}, rank)
-        print0(f"saved checkpoint {path}")
+        def save(step):
+            meta = {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
+                    "train_config": {k: v for k, v in vars(args).items() if k not in ("model_config", "config_sources")},
+                    "batch_geometry": batch_geometry(args), "num_iterations": num_iterations,
+                    "tokenizer_fingerprint": tokenizer.fingerprint(),
+                    "val_bpb": val_bpb if last_eval_step == step else None, "elapsed_seconds": elapsed(),
+                    "cost": control.cost(), "dataloader": loaders[0].state_dict()}
+            try:
+                path = ckpt.save_checkpoint(args.model_tag, step, model, optimizers, meta,
+                                            {"loaders": [loader.state_dict() for loader in loaders]}, rank)
+            except ckpt.CheckpointError as e:
+                raise ExitWithMessage(str(e), code=5)
+            control.saved()
+            print0(f"saved checkpoint {path}")
 
-    step = start_step
-    while True:
-        last_step = step == num_iterations
-        over_budget = budget_spent(args, elapsed(), price_per_hour)
-        if over_budget:
-            print0(f"budget spent ({over_budget}) at step {step}: saving and stopping")
-        minutes_due = args.save_every_minutes and time.time() - last_save_time >= args.save_every_minutes * 60
-        steps_due = args.save_every and step % args.save_every == 0
-        save_due = (step > start_step and (last_step or minutes_due or steps_due)) or (
-            over_budget and (step > start_step or resume is None))
-        if save_due:
-            save(step)  # before evaluation, so a failing eval can never cost the checkpoint
-            last_save_time = time.time()
-        if last_step or over_budget or (args.eval_every and step % args.eval_every == 0):
-            val_bpb = run_eval(model, tokenizer, args, device, rank, world_size, token_bytes, DataLoader)
-            if val_bpb:
-                last_eval_step = step
-                metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb, "val_refinement": refinement(val_bpb)})
-                if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
-                    update_checkpoint_bpb(args.model_tag, step, val_bpb)
-        if rank == 0 and (last_step or over_budget or (args.sample_every and step % args.sample_every == 0)):
-            run_samples(model, tokenizer, args, metrics, step)
-        if rank == 0 and save_due:
-            removed = ckpt.prune_checkpoints(args.model_tag, args.keep_last)
-            if removed:
-                print0(f"pruned checkpoints at steps {removed} (keeping the last {args.keep_last} and the best)")
-        if last_step or over_budget:
-            break
+        step, flags = start_step, control.agree(device)  # a budget spent or a signal before the first step
+        while True:
+            last_step = step == num_iterations
+            stop = control.stop_reason(flags)  # agreed by every rank: a signal or a budget, raised on any of them
+            if stop:
+                print0(f"{stop} at step {step}: saving and stopping")
+            steps_due = args.save_every and step % args.save_every == 0
+            save_due = (step > start_step and (last_step or stop or flags["save_time"] or steps_due)) or (
+                stop and resume is None)
+            if save_due:
+                save(step)  # before evaluation, so a failing eval can never cost the checkpoint
+            hurry = bool(flags["signal"])  # after a signal, only the checkpoint: the grace period is short
+            if not hurry and (last_step or stop or (args.eval_every and step % args.eval_every == 0)):
+                val_bpb = run_eval(model, tokenizer, args, device, rank, world_size, token_bytes, DataLoader)
+                if val_bpb:
+                    last_eval_step = step
+                    metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb,
+                                 "val_refinement": refinement(val_bpb)})
+                    if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
+                        update_checkpoint_bpb(args.model_tag, step, val_bpb)
+            if rank == 0 and not hurry and (last_step or stop or (args.sample_every and step % args.sample_every == 0)):
+                run_samples(model, tokenizer, args, metrics, step)
+            if rank == 0 and save_due:
+                removed = ckpt.prune_checkpoints(args.model_tag, args.keep_last)
+                if removed:
+                    print0(f"pruned checkpoints at steps {removed} (keeping the last {args.keep_last} and the best)")
+                if backup:
+                    backup.submit(step)
+            if last_step or stop:
+                break
 
-        # ---- one optimizer step
-        t0 = time.time()
-        total = torch.zeros((), device=device)
-        n_sup = model.train_depth(step)
-        step_losses = torch.zeros(n_sup, device=device)
-        state = torch.zeros(n_sup, 4, device=device)
-        try:
-            for j, loader in enumerate(loaders):
-                x, y = next(loader)
-                with autocast_for(args):
-                    loss, aux = model.forward_backward(x, y, loss_scale=1 / args.grad_accum, n_sup=n_sup)
-                total += loss.detach() / args.grad_accum
-                step_losses += aux["step_losses"].float() / args.grad_accum
-                state += aux["state"] / args.grad_accum
-        except torch.OutOfMemoryError:
-            raise ExitWithMessage(oom_message(args), code=4)
-        if ddp:
-            dist.all_reduce(total, op=dist.ReduceOp.AVG)
-            dist.all_reduce(step_losses, op=dist.ReduceOp.AVG)
-        losses = step_losses.tolist()
-        if not all(math.isfinite(v) for v in losses + [total.item()]):
-            path = os.path.join(run_dir, f"nan_diagnostic_step{step:06d}.json")
-            if rank == 0:
-                write_nan_diagnostic(path, step, losses, history, model_config)
-            raise ExitWithMessage(f"loss is NaN/Inf at step {step} (per-step losses {losses}); stopped without "
-                                  f"saving, the last good checkpoint is untouched. Diagnostic: {path}", code=3)
-        lrm = lr_multiplier(step, num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac)
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["lr"] = group["initial_lr"] * lrm
-        for group in optimizers[1].param_groups:
-            group["momentum"] = muon_momentum(step)
-        grad_norm = clip_and_step(optimizers, args.grad_clip)
-        model.zero_grad(set_to_none=True)
-        if not math.isfinite(grad_norm):
-            raise ExitWithMessage(f"gradient norm is {grad_norm} at step {step}: the update was skipped and the run "
-                                  f"stopped; lower --matrix_lr or use a milder --preset, then --resume", code=3)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.time() - t0
-        step += 1
+            # ---- one optimizer step
+            t0 = time.time()
+            n_sup = model.train_depth(step)
+            sums = torch.zeros(1 + 5 * n_sup, device=device)  # total loss, the step losses, state diagnostics
+            try:
+                for loader in loaders:
+                    x, y = next(loader)
+                    with autocast_for(args):
+                        loss, aux = model.forward_backward(x, y, loss_scale=1 / args.grad_accum, n_sup=n_sup)
+                    sums += torch.cat([loss.view(1), aux["step_losses"], aux["state"].flatten()]).float() / args.grad_accum
+            except torch.OutOfMemoryError:
+                raise ExitWithMessage(oom_message(args), code=4)
+            # the mean over ranks and every rank's stop/save flags: one all_reduce, one host sync
+            values, flags = control.reduce(sums)
+            total, losses, state = values[0], values[1:1 + n_sup], values[1 + n_sup:]
+            if not all(math.isfinite(v) for v in losses + [total]):
+                path = os.path.join(run_dir, f"nan_diagnostic_step{step:06d}.json")
+                if rank == 0:
+                    write_nan_diagnostic(path, step, losses, history, model_config)
+                raise ExitWithMessage(f"loss is NaN/Inf at step {step} (per-step losses {losses}); stopped without "
+                                      f"saving, the last good checkpoint is untouched. Diagnostic: {path}", code=3)
+            lrm = lr_multiplier(step, num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac)
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = group["initial_lr"] * lrm
+            for group in optimizers[1].param_groups:
+                group["momentum"] = muon_momentum(step)
+            grad_norm = clip_and_step(optimizers, args.grad_clip)
+            model.zero_grad(set_to_none=True)
+            if not math.isfinite(grad_norm):
+                raise ExitWithMessage(f"gradient norm is {grad_norm} at step {step}: the update was skipped and the "
+                                      f"run stopped; lower --matrix_lr or use a milder --preset, then --resume", code=3)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.time() - t0
+            step += 1
 
-        # ---- log
-        history.append({"step": step, "step_losses": losses})
-        health.check(step, losses, grad_norm)
-        tok_per_sec = tokens_per_step / dt
-        mfu = flops_per_token * tok_per_sec / (peak_flops * world_size) if peak_flops else None
-        mem_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-        record = {"kind": "train", "step": step, "loss": losses[-1], "total_loss": total.item(), "step_losses": losses,
-                  "refinement": refinement(losses), "state": [[round(v, 5) for v in row] for row in state.tolist()],
-                  "grad_norm": grad_norm, "lr_multiplier": lrm, "dt": dt,
-                  "tok_per_sec": tok_per_sec, "mfu": mfu, "peak_mem_gb": mem_gb, "elapsed_s": elapsed(),
-                  "cost": elapsed() / 3600 * price_per_hour if price_per_hour else None}
-        metrics.log(record)
-        print0(metrics.format_step(record, num_iterations))
+            # ---- log
+            history.append({"step": step, "step_losses": losses})
+            health.check(step, losses, grad_norm)
+            tok_per_sec = tokens_per_step / dt
+            mfu = flops_per_token * tok_per_sec / (peak_flops * world_size) if peak_flops else None
+            mem_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+            record = {"kind": "train", "step": step, "loss": losses[-1], "total_loss": total, "step_losses": losses,
+                      "refinement": refinement(losses), "state": [[round(v, 5) for v in state[4 * s:4 * s + 4]]
+                                                                  for s in range(n_sup)],
+                      "grad_norm": grad_norm, "lr_multiplier": lrm, "dt": dt, "tok_per_sec": tok_per_sec,
+                      "mfu": mfu, "peak_mem_gb": mem_gb, "elapsed_s": elapsed(), "cost": control.cost() or None}
+            metrics.log(record)
+            print0(metrics.format_step(record, num_iterations))
 
-    if rank == 0:
-        write_summary(run_dir, args, step, elapsed(), price_per_hour, model, tokenizer.fingerprint())
-    metrics.close()
+        if rank == 0:
+            write_summary(run_dir, args, step, elapsed(), price_per_hour, model, tokenizer.fingerprint())
+        metrics.close()
+        if backup:
+            backup.close()
+    if control.exit_code(flags):
+        raise ExitWithMessage(f"stopped at step {step} by {stop}: the checkpoint is saved; continue with the same "
+                              f"command and --resume", code=control.exit_code(flags))
     return step
 
 
-def budget_spent(args, seconds, price_per_hour):
-    if args.max_hours is not None and seconds >= args.max_hours * 3600:
-        return f"--max_hours={args.max_hours}"
-    if args.max_cost is not None and seconds / 3600 * price_per_hour >= args.max_cost:
-        return f"--max_cost={args.max_cost}"
-    return None
-
-
 def run_eval(model, tokenizer, args, device, rank, world_size, token_bytes, DataLoader):
-    """Validation bpb per supervision step; a failure is reported and skipped, never the end of the run."""
+    """Validation bpb per supervision step; a failure on any rank is reported and skipped by every rank together."""
     try:
         model.eval()
-        loader = DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "val", device=device, rank=rank,
-                            world_size=world_size)
         steps = args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size)
-        bpb = evaluate_bpb(model, loader, steps, token_bytes, autocast=autocast_for(args))
+        bpb = evaluate_bpb(model, lambda: DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "val",
+                                                     device=device, rank=rank, world_size=world_size),
+                           steps, token_bytes, autocast=autocast_for(args))
         print0(f"validation bpb per step: {format_steps(bpb)} | refinement "
                f"{100 * refinement(bpb):.1f}%")
         return bpb
-    except Exception as e:  # noqa: BLE001 - evaluation must never end a paid run
-        print0(f"WARNING: evaluation failed and was skipped: {type(e).__name__}: {e}")
+    except RankFailure as e:  # raised on every rank alike: all skip, none waits in a collective
+        print0(f"WARNING: {e}; skipped on every rank, training goes on")
         return None
     finally:
         model.train()

@@ -190,7 +190,8 @@ def train(run, world_size):
     if steps and steps[-1] == run["iterations"]:
         print0(f"{run['name']}: training already finished, evaluating")
         return
-    args = base_train.parse_args(argv + (["--resume"] if steps else []), world_size=world_size)
+    # an interrupted config resumes; one stopped before its first save starts over (its partial files moved aside)
+    args = base_train.parse_args(argv + (["--resume"] if steps else ["--overwrite"]), world_size=world_size)
     try:
         base_train.train(args)
     except base_train.ExitWithMessage as e:

@@ -15,6 +15,9 @@ Extra flags go to base_train after the table's, so they win. Environment overrid
     NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT            multi-node: run the same script on every node
     DRY_RUN=1                                              plan and command only
     FORCE=1                                                go on past a failed preflight check (hardware, disk, memory)
+
+Re-running a script continues its run: when the tag holds a compatible checkpoint the command gets --resume (the plan
+says so). SIGTERM/SIGINT to this process is passed to torchrun, whose workers save a checkpoint and exit.
 """
 
 import argparse
@@ -22,14 +25,17 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 
+from nanochat import checkpoint_manager as ckpt
 from nanochat import memory
 from nanochat.cli import ArgumentParser
 from nanochat.common import GPU_PEAK_BF16_FLOPS, get_base_dir
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.loss_eval import format_steps
+from nanochat.tokenizer import SPECIAL_TOKENS
 
 # The guides' table: GPUs per node, GPU model, its memory (GB), the node's $/hour, and per phase the device batch,
 # gradient accumulation and the guide's seconds per step (low, high).
@@ -50,6 +56,7 @@ PHASES = {
 ASSUMED_MFU = 0.40  # model FLOPs utilisation a compiled bf16 run of this size reaches; stated in the plan
 SHARD_BYTES = 100e6  # one FineWeb-Edu parquet shard is about 100 MB on disk
 DEFAULT_VOCAB = 65536  # scripts.tok_train's default
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
 
 
 def env(name, default=None):
@@ -61,10 +68,11 @@ def env_flag(name):
     return env(name, "0") != "0"  # as the bash side reads it: set and not 0
 
 
-def env_int(name, default):
+def env_int(name, default, low=1, high=None, why=""):
     value = env(name, default)
-    if not str(value).isdigit() or int(value) < 1:
-        raise Stop(f"{name}={value!r} must be a positive integer")
+    if not str(value).isdigit() or int(value) < low or (high is not None and int(value) > high):
+        bounds = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise Stop(f"{name}={value!r} must be an integer {bounds}{why}")
     return int(value)
 
 
@@ -123,8 +131,10 @@ def torchrun_prefix(nproc, nnodes):
     if missing:
         raise Stop(f"NNODES={nnodes} also needs {' and '.join(missing)}: set NODE_RANK=0..{nnodes - 1} (0 on the node "
                    f"at MASTER_ADDR) and MASTER_ADDR=<address of node 0 reachable from every node>")
-    return ["torchrun", f"--nnodes={nnodes}", f"--node_rank={env('NODE_RANK')}", f"--master_addr={env('MASTER_ADDR')}",
-            f"--master_port={env('MASTER_PORT', 29500)}", f"--nproc_per_node={nproc}"]
+    node_rank = env_int("NODE_RANK", None, low=0, high=nnodes - 1, why=f" (this node's index of NNODES={nnodes})")
+    port = env_int("MASTER_PORT", 29500, high=65535, why=" (a TCP port free on node 0)")
+    return ["torchrun", f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={env('MASTER_ADDR')}",
+            f"--master_port={port}", f"--nproc_per_node={nproc}"]
 
 
 def model_config(args, vocab_size):
@@ -179,6 +189,7 @@ def compose(key, phase, extra, vocab_size, memory_bytes):
     from scripts.base_train import parse_args
     row, ph = HARDWARE[key], PHASES[phase]
     nproc, nnodes = processes(key)
+    prefix = torchrun_prefix(nproc, nnodes)  # checks the multi-node environment before anything is computed
     tag = f"{key}_{phase}"
     table = {"depth": env("DEPTH", 12), "n_loops": 2, "preset": ph["preset"], "matrix_lr": ph["matrix_lr"],
              "embedding_lr": ph["embedding_lr"], "num_iterations": ph["iterations"],
@@ -194,7 +205,7 @@ def compose(key, phase, extra, vocab_size, memory_bytes):
     fitted, notes = fit_batch(row, phase, nproc * nnodes, given, as_flags(table) + extra, vocab_size, memory_bytes)
     argv = as_flags({**table, **fitted}) + list(extra)
     args = parse_args(argv, world_size=nproc * nnodes, check_hardware=False)  # base_train's own validation
-    return torchrun_prefix(nproc, nnodes) + ["-m", "scripts.base_train", "--"] + argv, args, notes
+    return prefix + ["-m", "scripts.base_train", "--"] + argv, args, notes
 
 
 # ---------------------------------------------------------------------------------------------------- preflight
@@ -246,6 +257,71 @@ def disk_problem(needed, present, directory):
     return None
 
 
+def run_state(args, vocab, have_tokenizer, given, model):
+    """(flags to add, plan lines, preflight problems) for what the tag already holds: a re-run continues a
+    compatible checkpoint with --resume, and the checkpoints to come must fit on the disk."""
+    from scripts.base_train import batch_geometry
+    tag, flags, lines, problems = args.model_tag, [], [], []
+    per_checkpoint = ckpt.checkpoint_bytes(model)
+    copies = args.keep_last + 2 if args.keep_last else "all"
+    lines.append(f"checkpoints  ~{ckpt.gigabytes(per_checkpoint)} each, every {args.save_every} steps and "
+                 f"{args.save_every_minutes:g} min, keeping {copies} (--keep_last={args.keep_last}, the best, one being "
+                 f"written) in {ckpt.model_dir(tag)}; {ckpt.gigabytes(ckpt.free_bytes(ckpt.model_dir(tag)))} free")
+    room = ckpt.disk_room_problem(tag, per_checkpoint, args.keep_last)
+    problems += [room] if room else []
+    steps, found = ckpt.list_steps(tag), ckpt.previous_run(tag)
+    if given & {"resume", "resume_from_step", "overwrite"}:
+        lines.append(f"resume       as your flags say ({', '.join(sorted(given & {'resume', 'resume_from_step', 'overwrite'}))})")
+    elif steps:
+        metas = [m for m in map(lambda s: readable_meta(tag, s), reversed(steps)) if m]
+        config = {**args.model_config, "vocab_size": vocab}
+        diffs = ckpt.resume_differences(metas[0], config, batch_geometry(args)) if metas else ["no readable meta.json"]
+        saved_tok = metas[0].get("tokenizer_fingerprint") if metas else None
+        if have_tokenizer and saved_tok and saved_tok != tokenizer_fingerprint():
+            diffs.append(f"tokenizer: checkpoint {saved_tok} vs {tokenizer_fingerprint()} in the tokenizer directory")
+        elif not have_tokenizer:
+            diffs.append("tokenizer: the checkpoints' tokenizer is missing (a new one would give ids other meanings)")
+        if diffs:
+            problems.append(f"{tag} holds checkpoints (steps {', '.join(map(str, steps))}) of a different run: "
+                            f"{'; '.join(diffs)}. Pass the flags it was trained with, a new --model_tag, or "
+                            f"--overwrite to start over (the old run is moved aside, nothing is deleted)")
+        else:
+            flags.append("--resume")
+            lines.append(f"resume       {tag} has checkpoints up to step {steps[-1]}: continuing from the newest "
+                         f"loadable one (--resume); --overwrite starts over instead")
+    elif found:
+        flags.append("--overwrite")
+        lines.append(f"resume       {tag} holds an attempt that saved no checkpoint ({found}): starting over, its files "
+                     f"are moved to {tag}.replaced-<date>/ (--overwrite)")
+    elif args.backup_dir and backup_steps(args.backup_dir, tag, problems):
+        flags.append("--resume")
+        lines.append(f"resume       no local checkpoint; continuing from the backup {args.backup_dir} (--resume)")
+    else:
+        lines.append(f"resume       no checkpoint of {tag}: a new run")
+    return flags, lines, problems
+
+
+def backup_steps(url, tag, problems):
+    """The steps the backup holds; an unreadable backup URL becomes a preflight problem."""
+    try:
+        return ckpt.Backup.location(url, tag).steps()
+    except ckpt.CheckpointError as e:
+        problems.append(str(e))
+        return []
+
+
+def readable_meta(tag, step):
+    try:
+        return ckpt.read_meta(tag, step)
+    except ckpt.CheckpointError:
+        return None
+
+
+def tokenizer_fingerprint():
+    from nanochat.tokenizer import get_tokenizer
+    return get_tokenizer().fingerprint()
+
+
 def tokenizer_vocab():
     """The existing tokenizer's vocab size, or None when there is no tokenizer yet."""
     from nanochat.tokenizer import get_tokenizer
@@ -276,7 +352,7 @@ def hours(seconds):
     return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
-def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have_tokenizer, data):
+def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have_tokenizer, data, state_lines):
     row, ph = HARDWARE[key], PHASES[phase]
     nproc, nnodes = processes(key)
     world = nproc * nnodes
@@ -339,6 +415,7 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
             + ("" if present >= needed else (" -> build the built-in corpus" if env("DATASET") == "builtin" else
                                               f" -> download {needed - 1} FineWeb shards (+ validation)")),
             f"tokenizer    {'present' if have_tokenizer else f'missing -> train on {tok_chars(phase):,} chars, vocab {vocab:,}'}",
+            *state_lines,
             *[f"PREFLIGHT    {p}" for p in problems],
             f"command      {shlex.join(cmd)}"]
     print("\n".join(out), flush=True)
@@ -398,8 +475,26 @@ def criteria_report(model_tag, phase):
 
 # ---------------------------------------------------------------------------------------------------- commands
 def run(cmd):
+    """Run a step in a session of its own and pass it every SIGINT/SIGTERM this process gets (a Ctrl-C reaches only
+    this process, so torchrun sees each signal once): the step stops cleanly (base_train saves a checkpoint), then so
+    does the script, with 128 + the signal number."""
     print(f"+ {shlex.join(cmd)}", flush=True)
-    rc = subprocess.run(cmd).returncode
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    received = []
+
+    def forward(signum, frame):
+        received.append(signal.Signals(signum))
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        raise Stop(f"stopped by {received[0].name} during {shlex.join(cmd[:4])} ...; run the same command again to "
+                   f"continue where it stopped", code=128 + received[0].value)
     if rc:
         raise Stop(f"{shlex.join(cmd[:4])} ... failed with exit code {rc}", code=rc)
 
@@ -412,7 +507,8 @@ def train(key, phase, extra):
     gpus = detect_gpus() if device_type == "cuda" else []
     vocab = tokenizer_vocab()
     have_tokenizer = vocab is not None
-    vocab = vocab or env_int("VOCAB_SIZE", DEFAULT_VOCAB)
+    vocab = vocab or env_int("VOCAB_SIZE", DEFAULT_VOCAB, low=MIN_VOCAB,
+                             why=f" (256 byte tokens + {MIN_VOCAB - 256} special tokens at least; default {DEFAULT_VOCAB})")
     budget = memory_budget(key, device_type, gpus, nproc)
     cmd, args, notes = compose(key, phase, extra, vocab, budget[0])
     data = data_status(phase)
@@ -421,7 +517,10 @@ def train(key, phase, extra):
     est = memory.estimate_memory(model_config(args, vocab), args.device_batch_size, args.dtype, args.world_size)
     if est["total"] > memory.usable_bytes(budget[0]):
         problems.append(oom_problem(args, vocab, budget[0], est["total"]))
-    print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have_tokenizer, data)
+    flags, state_lines, state_problems = run_state(args, vocab, have_tokenizer, user_flag_names(extra),
+                                                   meta_model(model_config(args, vocab)))
+    cmd, problems = cmd + flags, problems + state_problems
+    print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have_tokenizer, data, state_lines)
     if env_flag("DRY_RUN"):
         print("DRY_RUN=1: nothing was run" + (" (the preflight above would stop a real run)" if problems else ""))
         return 0
@@ -513,6 +612,9 @@ def main(argv=None):
     except Stop as e:
         print(f"launch: {e}", file=sys.stderr, flush=True)
         return e.code
+    except KeyboardInterrupt:
+        print("launch: interrupted", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     except SystemExit as e:  # base_train's parse_args rejected a flag: its message says which
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr, flush=True)

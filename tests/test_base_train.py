@@ -32,7 +32,8 @@ def ckpt_dir(base_dir, tag, step=None):
 
 
 def weights(base_dir, tag, step):
-    return torch.load(os.path.join(ckpt_dir(base_dir, tag, step), "model.pt"), weights_only=True)
+    from safetensors.torch import load_file
+    return load_file(os.path.join(ckpt_dir(base_dir, tag, step), "model.safetensors"))
 
 
 def meta(base_dir, tag, step):
@@ -70,7 +71,7 @@ def test_sigkill_then_resume_is_bit_identical(base_dir):
 def test_kill_during_checkpoint_write_leaves_previous_loadable(base_dir, tmp_path):
     run(base_dir, *TINY, "--num_iterations=2", "--save_every=2", "--model_tag=midsave")
     # a process that dies (SIGKILL) halfway through writing the step-4 checkpoint
-    script = f"""
+    script = """
 import os, signal, torch
 from nanochat import checkpoint_manager as ckpt
 model, _, meta = ckpt.load_model("midsave", "latest")
@@ -79,7 +80,7 @@ def dying_save(obj, f, *a, **k):
     real_save(obj, f, *a, **k)
     os.kill(os.getpid(), signal.SIGKILL)
 torch.save = dying_save
-ckpt.save_checkpoint("midsave", 4, model, [], {{**meta}}, {{"loaders": []}})
+ckpt.save_checkpoint("midsave", 4, model, [], {**meta}, {"loaders": []})
 """
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)

@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -224,16 +225,28 @@ def test_speedrun_dry_run_tells_the_whole_story(tmp_path):
     assert len(commands) == 2 and "--preset=aggressive" in commands[0] and "--preset=extreme" in commands[1]
 
 
-def test_end_to_end_on_cpu(tmp_path):
-    """train_8xH100_fast.sh for real: 2 Gloo processes, tiny model, built-in corpus, tiny tokenizer, 4 steps."""
-    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, "--n_embd=32", "--n_head=2", "--max_seq_len=32",
-                      "--device_batch_size=2", "--gradient_accumulation_steps=1", "--num_iterations=4",
-                      "--compile=false", "--dtype=float32", "--eval_every=2", "--eval_tokens=256",
-                      "--sample_every=0", "--sample_tokens=4", "--save_every=2", "--warmup_steps=1",
-                      NPROC="2", DEVICE_TYPE="cpu", DEPTH="1", DATASET="builtin", VOCAB_SIZE="300",
-                      TOK_MAX_CHARS="300000", timeout=600)
+def test_end_to_end_on_cpu_stopped_and_run_again(tmp_path):
+    """train_8xH100_fast.sh for real: 2 Gloo processes, tiny model, built-in corpus, tiny tokenizer, 4 steps. SIGTERM
+    to the script after step 2 saves a checkpoint and exits 143; the same command again continues from it."""
+    from tests.test_lifecycle import finish, read_until
+    flags = ["--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--gradient_accumulation_steps=1",
+             "--num_iterations=4", "--compile=false", "--dtype=float32", "--eval_every=2", "--eval_tokens=256",
+             "--sample_every=0", "--sample_tokens=4", "--save_every=0", "--warmup_steps=1"]
+    env = dict(NPROC="2", DEVICE_TYPE="cpu", DEPTH="1", DATASET="builtin", VOCAB_SIZE="300", TOK_MAX_CHARS="300000")
+    proc = start_script("scripts/train_8xH100_fast.sh", tmp_path, *flags, **env)
+    assert "resume       no checkpoint of 8xH100_fast: a new run" in read_until(proc, "step 00002/", timeout=300)
+    proc.send_signal(signal.SIGTERM)
+    rc, out = finish(proc)
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    assert "launch: stopped by SIGTERM" in out and "run the same command again" in out
+    stopped = [int(d[5:]) for d in os.listdir(tmp_path / "base_checkpoints" / "8xH100_fast") if d.startswith("step_")]
+    assert len(stopped) == 1 and 2 <= stopped[0] < 4, out[-3000:]
+
+    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, *flags, **env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
+    assert f"8xH100_fast has checkpoints up to step {stopped[0]}: continuing" in out
+    assert f"resumed 8xH100_fast from step {stopped[0]}" in out
     assert "torchrun --standalone --nproc_per_node=2 -m scripts.base_train" in out
     assert "=== Phase 1 (fast) results: 8xH100_fast (step 4) ===" in out
     with open(tmp_path / "base_checkpoints" / "8xH100_fast" / "summary.json") as f:
@@ -247,3 +260,29 @@ def test_end_to_end_on_cpu(tmp_path):
                            cwd=ROOT, capture_output=True, text=True,
                            env={**os.environ, "NANOCHAT_BASE_DIR": str(tmp_path), "PYTHONPATH": ROOT})
     assert check.returncode == (0 if all(met for met, _ in results) else 1)
+
+
+def test_plan_continues_a_run_or_says_why_it_cannot(tmp_path, monkeypatch, capsys):
+    """In process, DRY_RUN: an attempt that saved nothing is moved aside (--overwrite); a checkpoint of another
+    configuration stops the preflight with the differing fields; the checkpoint disk need is in the plan."""
+    for name in OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"NANOCHAT_BASE_DIR": str(tmp_path), "DEVICE_TYPE": "cpu", "NPROC": "2", "DRY_RUN": "1",
+                        "DEPTH": "1", "VOCAB_SIZE": "300"}.items():
+        monkeypatch.setenv(name, value)
+    run_dir = tmp_path / "base_checkpoints" / "8xH100_fast"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")
+    assert launch.main(["train", "8xH100", "fast"]) == 0
+    out = capsys.readouterr().out
+    assert "8xH100_fast holds an attempt that saved no checkpoint (metrics.jsonl but no checkpoint)" in out
+    assert torchrun_command(out)[1][-1] == "--overwrite" and "checkpoints  ~" in out
+    (run_dir / "step_000200").mkdir()
+    (run_dir / "step_000200" / "meta.json").write_text(json.dumps(
+        {"model_config": {"n_layer": 2}, "batch_geometry": {"world_size": 2}}))
+    assert launch.main(["train", "8xH100", "fast"]) == 0
+    out = capsys.readouterr().out
+    problem = next(line for line in out.splitlines() if line.startswith("PREFLIGHT"))
+    assert "8xH100_fast holds checkpoints (steps 200) of a different run" in problem
+    assert "n_layer: checkpoint 2 vs this run 1" in problem and "--overwrite" in problem
+    assert "--resume" not in torchrun_command(out)[1]

@@ -39,7 +39,8 @@ def build_tiny_checkpoint():
         optimizer.zero_grad(set_to_none=True)
         if step % 20 == 0:
             fake_bpb = [1.0, 0.5] if step == 20 else [1.0, 0.9]  # makes "best" (20) differ from "latest" (40)
-            meta = {"model_config": config.to_dict(), "val_bpb": fake_bpb}
+            meta = {"model_config": config.to_dict(), "val_bpb": fake_bpb,
+                    "tokenizer_fingerprint": tokenizer.fingerprint()}
             save_checkpoint(MODEL_TAG, step, model, [optimizer], meta, rank_state={})
     model.eval()
     return model, tokenizer

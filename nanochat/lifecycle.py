@@ -1,0 +1,110 @@
+"""
+When a run stops and when it saves, decided by every rank together.
+
+Each rank raises flags from what only it can see: a SIGTERM/SIGINT it received, a budget its clock says is spent, a
+wall-clock save that is due. Once per step the flags travel in the same all_reduce that averages the step's losses
+(one collective, one host sync, both already paid for by the loss read), so every rank learns that some rank raised
+a flag at the same step, and all of them save, stop or carry on together. A decision taken by one rank alone would
+send it into the save barrier while the others start the next step's collectives: a deadlock.
+
+Signals: torchrun forwards a SIGTERM/SIGINT sent to the launcher to every worker and SIGKILLs them
+--shutdown_timeout seconds later (default 30); schedulers (SLURM, systemd) signal every process of the job. The run
+finishes the step in progress, saves a checkpoint and exits with 128 + the signal number. Repeats within a few
+seconds (forwarded copies) count as one; a signal after that exits at once, without saving.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from nanochat.common import distributed, reduce_with_flags
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_WINDOW_S = 5.0  # forwarded copies of one signal arrive within milliseconds; a person pressing Ctrl-C again, later
+FLAGS = ("signal", "budget", "save_time")
+
+
+class StopSignals:
+    """Turns SIGTERM/SIGINT into a request to save and stop (`received`), for the duration of a with-block."""
+
+    def __init__(self):
+        self.received, self.first_at, self.previous = None, None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            self.previous = {sig: signal.signal(sig, self.handle) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def handle(self, signum, frame):
+        if self.received is None:
+            self.received, self.first_at = signal.Signals(signum), time.monotonic()
+        elif time.monotonic() - self.first_at > REPEAT_WINDOW_S:
+            signal.signal(signum, signal.SIG_DFL)  # asked twice: exit now, as the default handler would
+            os.kill(os.getpid(), signum)
+
+
+class RunControl:
+    """The run's clock, budgets and save cadence, and the stop/save flags every rank agrees on once per step."""
+
+    def __init__(self, args, prior_seconds, price_per_hour, signals):
+        self.args, self.prior_seconds, self.price_per_hour, self.signals = args, prior_seconds, price_per_hour, signals
+        self.t_start = self.last_save = time.time()
+
+    def elapsed(self):
+        """Seconds of this run so far, across resumes."""
+        return self.prior_seconds + time.time() - self.t_start
+
+    def cost(self):
+        return self.elapsed() / 3600 * self.price_per_hour
+
+    def budget_spent(self):
+        """The budget flag that is spent on this rank's clock, e.g. '--max_hours=2.0', or None."""
+        if self.args.max_hours is not None and self.elapsed() >= self.args.max_hours * 3600:
+            return f"--max_hours={self.args.max_hours}"
+        if self.args.max_cost is not None and self.cost() >= self.args.max_cost:
+            return f"--max_cost={self.args.max_cost}"
+        return None
+
+    def saved(self):
+        self.last_save = time.time()
+
+    def local_flags(self):
+        minutes = self.args.save_every_minutes
+        return [self.signals.received is not None, self.budget_spent() is not None,
+                bool(minutes) and time.time() - self.last_save >= minutes * 60]
+
+    def reduce(self, values):
+        """The mean of every rank's `values` (a 1-D tensor, e.g. the step's losses) as floats, and the agreed flags:
+        {'signal' | 'budget' | 'save_time': ranks that raised it}. One all_reduce; call it on every rank."""
+        world = dist.get_world_size() if distributed() else 1
+        summed, raised = reduce_with_flags(values.float(), self.local_flags())
+        return [v / world for v in summed.tolist()], dict(zip(FLAGS, raised))
+
+    def agree(self, device):
+        """The agreed flags alone, for the moment before the first step (a budget already spent, an early signal)."""
+        return self.reduce(torch.zeros(0, device=device))[1]
+
+    def stop_reason(self, flags):
+        """Why the run must stop now, in words, or None. A signal wins over a budget: it has the shorter deadline."""
+        if flags["signal"]:
+            name = self.signals.received.name if self.signals.received else "a stop signal"
+            return f"{name} received (rank {', '.join(map(str, flags['signal']))})"
+        if flags["budget"]:
+            spent = self.budget_spent() or " / ".join(f"--{k}={getattr(self.args, k)}" for k in ("max_hours", "max_cost")
+                                                      if getattr(self.args, k) is not None)
+            return f"budget spent ({spent})"
+        return None
+
+    def exit_code(self, flags):
+        """0 for a run that ended as planned (the last step, a budget); 128 + signal number after a signal."""
+        if not flags["signal"]:
+            return 0
+        return 128 + (self.signals.received or signal.SIGTERM).value

@@ -1,0 +1,245 @@
+"""Checkpoint policy, in process on a tiny model: safetensors and old model.pt, RNG restore for a non-CPU device, a
+corrupt newest checkpoint, a full disk, a swapped tokenizer, a fresh run on a used tag, the disk preflight, backup."""
+
+import errno
+import json
+import os
+import random
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from nanochat import checkpoint_manager as ckpt
+from scripts import base_train
+from tests.test_base_train import TINY, ckpt_dir, tree, weights
+
+FLAGS = TINY + ["--eval_every=0", "--save_every=2"]
+
+
+@pytest.fixture
+def base(base_dir, tmp_path, monkeypatch):
+    """A private copy of the shared corpus and tokenizer, as NANOCHAT_BASE_DIR, so tests may break things in it."""
+    copy = tmp_path / "base"
+    shutil.copytree(os.path.join(base_dir, "tokenizer"), copy / "tokenizer")
+    os.symlink(os.path.join(base_dir, "base_data"), copy / "base_data")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(copy))
+    return str(copy)
+
+
+def train(*flags):
+    """base_train.main in this process; returns its exit code (0 when it returns)."""
+    try:
+        base_train.main(list(flags))
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def test_weights_are_safetensors_and_old_model_pt_checkpoints_still_load(base):
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=st") == 0
+    step = ckpt_dir(base, "st", 2)
+    assert sorted(os.listdir(step)) == ["meta.json", "model.safetensors", "rank_0.pt"]
+    expected = weights(base, "st", 2)
+    # an old checkpoint: the same weights as model.pt, no safetensors file
+    torch.save(expected, os.path.join(step, "model.pt"))
+    os.remove(os.path.join(step, "model.safetensors"))
+    model, _, meta = ckpt.load_model("st", "latest")
+    assert meta["step"] == 2
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+
+
+@pytest.mark.filterwarnings("ignore:.*meta parameter")
+def test_rng_is_restored_when_the_run_is_on_a_non_cpu_device(base):
+    """The GPU case: model and optimizers on a device other than the CPU (meta stands in for cuda)."""
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=rng") == 0
+    saved = torch.load(os.path.join(ckpt_dir(base, "rng", 2), "rank_0.pt"), weights_only=False)["rng"]
+    torch.set_rng_state(saved["torch"])
+    random.setstate(saved["python"])
+    expected = (torch.rand(4), random.random())
+    torch.manual_seed(123), random.seed(123)  # anything else
+    point = ckpt.load_resume_point("rng", "latest", rank=0)
+    model = ckpt.build_model(point[1]["model_config"], torch.device("meta"))
+    ckpt.restore(point, model, model.setup_optimizers())
+    assert torch.equal(torch.rand(4), expected[0]) and random.random() == expected[1]
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "rank_0.pt", "meta.json"])
+def test_resume_skips_a_corrupt_newest_checkpoint(base, damaged, capsys):
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=bad") == 0
+    truncate(os.path.join(ckpt_dir(base, "bad", 4), damaged))
+    assert train(*FLAGS, "--num_iterations=6", "--model_tag=bad", "--resume") == 0
+    out = capsys.readouterr().out
+    assert "WARNING: skipping checkpoint step 4 of bad: loading checkpoint step 4 failed" in out
+    assert f"step_000004/{damaged} is unreadable" in out
+    assert "resumed bad from step 2" in out
+    assert ckpt.list_steps("bad")[-1] == 6
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "meta.json"])
+def test_loading_a_corrupt_checkpoint_names_the_file_and_suggests_step(base, damaged, capsys):
+    from scripts import base_loss, base_sample
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=dmg") == 0
+    truncate(os.path.join(ckpt_dir(base, "dmg", 4), damaged))
+    with pytest.raises(ckpt.CheckpointError, match=f"step_000004/{damaged} is unreadable.*--step=2"):
+        ckpt.load_model("dmg", "latest")
+    assert base_sample.main(["--model_tag=dmg", "--device_type=cpu", "--max_tokens=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and damaged in err[0] and "--step=2" in err[0]
+    with pytest.raises(SystemExit, match=f"{damaged} is unreadable.*--step=2"):
+        base_loss.main(["--model_tag=dmg", "--device_type=cpu"])
+    ckpt.load_model("dmg", "2")  # the suggested step loads
+
+
+def test_full_disk_during_a_save_says_so_cleans_up_and_resume_works(base, monkeypatch, capsys):
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=full") == 0
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def full_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FullDisk(f) if "w" in mode and "step_000004" in str(path) else f
+
+    monkeypatch.setattr(ckpt, "open", full_open, raising=False)
+    before = tree(ckpt_dir(base, "full", 2))
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=full", "--resume") == 5
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no space left on device" in err[0] and "a checkpoint needs ~" in err[0]
+    assert "bytes)" in err[0] and "--resume" in err[0]
+    assert [d for d in os.listdir(ckpt_dir(base, "full")) if d.startswith("step_")] == ["step_000002"]  # no .tmp
+    assert tree(ckpt_dir(base, "full", 2)) == before
+    monkeypatch.undo()
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base)
+    os.makedirs(ckpt_dir(base, "full", 4) + ".tmp")  # as a kill mid-save would leave it
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=full", "--resume") == 0
+    assert "removed step_000004.tmp" in capsys.readouterr().out
+    assert ckpt.list_steps("full") == [2, 4] and not os.path.exists(ckpt_dir(base, "full", 4) + ".tmp")
+
+
+def test_a_swapped_tokenizer_is_refused_and_old_checkpoints_warn(base, capsys):
+    from nanochat.tokenizer import RustBPETokenizer, get_tokenizer, tokenizer_dir
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=tok") == 0
+    trained_with, vocab_size = get_tokenizer().fingerprint(), get_tokenizer().get_vocab_size()
+    assert ckpt.read_meta("tok", 2)["tokenizer_fingerprint"] == trained_with
+    texts = pq.read_table(os.path.join(base, "base_data", "shard_00000.parquet")).column("text").to_pylist()
+    other = RustBPETokenizer.train_from_iterator(iter([t[::-1].upper() for t in texts]), 300)
+    other.save(tokenizer_dir())
+    assert other.get_vocab_size() == vocab_size and other.fingerprint() != trained_with  # same size, other meanings
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        ckpt.load_model("tok", "latest")
+    assert trained_with in str(refused.value) and other.fingerprint() in str(refused.value)
+    before = tree(ckpt_dir(base, "tok"))
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=tok", "--resume") == 1
+    assert trained_with in capsys.readouterr().err
+    assert tree(ckpt_dir(base, "tok")) == before
+    # a checkpoint from before fingerprints loads, with a warning
+    meta_path = os.path.join(ckpt_dir(base, "tok", 2), "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    del meta["tokenizer_fingerprint"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    ckpt.load_model("tok", "latest")
+    assert "records no tokenizer fingerprint" in capsys.readouterr().out
+
+
+def test_a_fresh_run_on_a_used_tag_refuses_and_overwrite_moves_it_aside(base, capsys):
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=used") == 0
+    before = tree(ckpt_dir(base, "used"))
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=used") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a run" in err[0] and "--resume" in err[0] and "--overwrite" in err[0]
+    assert tree(ckpt_dir(base, "used")) == before
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=used", "--overwrite") == 0
+    aside = [d for d in os.listdir(os.path.join(base, "base_checkpoints")) if d.startswith("used.replaced-")]
+    assert len(aside) == 1
+    moved = tree(os.path.join(base, "base_checkpoints", aside[0]))
+    assert sorted(os.path.relpath(p, os.path.join(base, "base_checkpoints", aside[0])) for p in moved) == \
+        sorted(os.path.relpath(p, ckpt_dir(base, "used")) for p in before)  # every file of the first run, kept
+    assert ckpt.list_steps("used") == [2]
+
+
+def test_disk_preflight_refuses_before_writing(base, monkeypatch, capsys):
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 1000)
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=room", "--keep_last=2") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not enough disk for checkpoints" in err[0] and "--keep_last=2 keeps up to 4" in err[0]
+    assert not os.path.exists(ckpt_dir(base, "room"))
+
+
+def test_backup_retention_keeps_the_newest_and_the_best(base, tmp_path):
+    assert train(*FLAGS, "--save_every=1", "--keep_last=0", "--num_iterations=3", "--model_tag=ret") == 0
+    base_train.update_checkpoint_bpb("ret", 1, [0.5, 0.1])  # step 1 becomes the best
+    uploads = ckpt.Backup.location(str(tmp_path / "bucket"), "ret", keep_last=1)
+    for step in (1, 2, 3):  # one upload at a time, each waited for
+        uploads.start().submit(step)
+        uploads.close()
+    assert uploads.steps() == [1, 3]
+    assert sorted(os.listdir(tmp_path / "bucket" / "ret" / "step_000003")) == sorted(
+        os.listdir(ckpt_dir(base, "ret", 3)))
+
+
+@pytest.mark.parametrize("url", ["memory://backup", "local"])
+def test_backup_then_resume_from_it_into_an_empty_base_dir(base, base_dir, url, tmp_path, monkeypatch, capsys):
+    url = str(tmp_path / "bucket") if url == "local" else url
+    flags = [*FLAGS, "--save_every=1", f"--backup_dir={url}"]
+    assert train(*flags, "--num_iterations=3", "--model_tag=bk") == 0
+    backup = ckpt.Backup.location(url, "bk")
+    assert backup.steps()[-1] == 3  # the run waited for its last upload
+    assert "backup: step 3 copied" in capsys.readouterr().out
+    # a new machine: the same data and tokenizer, no checkpoints
+    fresh = tmp_path / "fresh"
+    shutil.copytree(os.path.join(base, "tokenizer"), fresh / "tokenizer")
+    os.symlink(os.path.join(base_dir, "base_data"), fresh / "base_data")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(fresh))
+    assert train(*flags, "--num_iterations=5", "--model_tag=bk", "--resume") == 0
+    out = capsys.readouterr().out
+    assert f"restored bk step 3 from the backup {url}" in out and "resumed bk from step 3" in out
+    assert backup.steps()[-1] == 5
+    # the same run without interruption ends with the same weights
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base)
+    assert train(*FLAGS, "--save_every=1", "--num_iterations=5", "--model_tag=straight") == 0
+    a, b = weights(base, "straight", 5), weights(str(fresh), "bk", 5)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    if url.startswith("memory://"):
+        backup.fs.rm(backup.dir, recursive=True)
+
+
+def test_a_failing_backup_warns_and_training_goes_on(base, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=nobk", f"--backup_dir={blocker}/sub") == 0
+    assert "WARNING: backup of step 2" in capsys.readouterr().out
+    assert ckpt.list_steps("nobk") == [2]
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    from nanochat.common import progress_bar
+    import sys
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert progress_bar(range(3)).disable
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert not progress_bar(range(3)).disable
+    monkeypatch.setenv("RANK", "1")
+    assert progress_bar(range(3)).disable

@@ -1,0 +1,175 @@
+"""The run lifecycle: stop and save decisions agreed by every rank (2 Gloo processes under torchrun, each with a
+hard timeout so a hang fails the test), SIGTERM from the launcher, a failing evaluation on one rank, the signal
+handler and the budget clock."""
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanochat import lifecycle
+from tests.test_base_train import ROOT, TINY, ckpt_dir, weights
+
+HANG = 90  # seconds: far above what a healthy run takes here, so only a hang reaches it
+FLAGS = TINY + ["--eval_every=0", "--keep_last=0"]
+
+
+def descendants(pid):
+    """Every process below pid (torchrun starts its workers in sessions of their own, so a group kill misses them)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    stack, out = [pid], []
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def kill_all(proc):
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def torchrun(base_dir, *args):
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc, timeout=HANG):
+    """(exit code, stdout + stderr); a run still going after timeout seconds is killed with everything it started."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out + (err or "")
+    except subprocess.TimeoutExpired:
+        kill_all(proc)
+        pytest.fail(f"hung: still running after {timeout}s")
+
+
+def read_until(proc, prefix, timeout=HANG):
+    """The output up to and including the first line starting with prefix."""
+    lines, deadline = [], time.time() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.time() < deadline:
+            if sel.select(timeout=1):
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                lines.append(line)
+                if line.startswith(prefix):
+                    return "".join(lines)
+    kill_all(proc)
+    pytest.fail(f"no line starting with {prefix!r} within {timeout}s:\n{''.join(lines)[-3000:]}")
+
+
+def base_train(base_dir, *flags):
+    return torchrun(base_dir, "-m", "scripts.base_train", "--", *flags)
+
+
+def checkpoints(base_dir, tag):
+    return sorted(int(d[5:]) for d in os.listdir(ckpt_dir(base_dir, tag)) if d.startswith("step_"))
+
+
+def test_budget_stop_ends_both_ranks_with_one_checkpoint(base_dir):
+    rc, out = finish(base_train(base_dir, *FLAGS, "--num_iterations=100000", "--max_hours=0.0005",
+                                "--save_every_minutes=0", "--model_tag=budget2"))
+    assert rc == 0, out[-3000:]
+    stop = [line for line in out.splitlines() if line.startswith("budget spent (--max_hours=0.0005) at step")]
+    assert len(stop) == 1, out[-3000:]
+    stopped_at = int(stop[0].split("at step ")[1].split(":")[0])
+    assert 0 < stopped_at < 100000 and checkpoints(base_dir, "budget2") == [stopped_at]
+
+
+def test_timed_save_completes_on_both_ranks(base_dir):
+    rc, out = finish(base_train(base_dir, *FLAGS, "--num_iterations=60", "--save_every_minutes=0.01",
+                                "--model_tag=timed2"))
+    assert rc == 0, out[-3000:]
+    saved = checkpoints(base_dir, "timed2")
+    assert len(saved) >= 2 and saved[-1] == 60, saved  # timed saves on the way, then the final one
+
+
+def test_an_evaluation_failing_on_one_rank_is_skipped_by_both(base_dir):
+    rc, out = finish(torchrun(base_dir, os.path.join("tests", "lifecycle_worker.py"), *FLAGS,
+                              "--num_iterations=4", "--eval_every=2", "--model_tag=evalfail"))
+    assert rc == 0, out[-3000:]
+    skipped = [line for line in out.splitlines() if line.startswith("WARNING: evaluation failed")]
+    assert len(skipped) == 3, out[-3000:]  # at steps 0, 2 and 4, each once (from rank 0), naming rank and cause
+    assert skipped[0] == ("WARNING: evaluation failed on rank 1: ValueError: injected: this rank has no validation "
+                          "row group; skipped on every rank, training goes on")
+    assert "step 00004/4" in out and checkpoints(base_dir, "evalfail") == [4]
+
+
+def test_sigterm_to_torchrun_saves_exits_and_resumes_bit_identically(base_dir):
+    flags = [*FLAGS, "--num_iterations=8", "--save_every_minutes=0"]
+    straight = base_train(base_dir, *flags, "--model_tag=term_straight")  # the reference, alongside
+    proc = base_train(base_dir, *flags, "--model_tag=term")
+    read_until(proc, "step 00003/")
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    rc, out = finish(proc)
+    stopped = time.time() - t0
+    line = next((l for l in out.splitlines() if "SIGTERM received" in l), None)
+    assert line and line.endswith(": saving and stopping"), out[-3000:]
+    at = int(line.split("at step ")[1].split(":")[0])
+    assert 3 <= at < 8 and checkpoints(base_dir, "term") == [at], out[-3000:]
+    assert out.count(f"stopped at step {at} by SIGTERM received") == 2  # both workers exited on their own, saying so
+    assert "Traceback" not in out.split("SIGTERM received")[1].split("torch.distributed.elastic")[0]
+    assert stopped < 30, stopped  # well inside torchrun's 30 s before it SIGKILLs
+    resumed = base_train(base_dir, *flags, "--model_tag=term", "--resume")
+    rc, out = finish(resumed)
+    assert rc == 0 and f"resumed term from step {at}" in out, out[-3000:]
+    rc, out = finish(straight)
+    assert rc == 0, out[-3000:]
+    a, b = weights(base_dir, "term_straight", 8), weights(base_dir, "term", 8)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------------------------------- in process
+def test_signals_ask_to_stop_and_repeats_count_once():
+    with lifecycle.StopSignals() as signals:
+        assert signals.received is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # a forwarded copy: still alive
+        assert signals.received == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored
+
+
+def test_a_later_second_signal_exits_at_once():
+    code = ("import os, signal, time\nfrom nanochat import lifecycle\nwith lifecycle.StopSignals() as s:\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n    s.first_at -= 60\n    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(5)\nprint('survived')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGINT and "survived" not in proc.stdout
+
+
+def test_flags_budgets_and_save_cadence():
+    args = SimpleNamespace(max_hours=1.0, max_cost=None, save_every_minutes=30)
+    control = lifecycle.RunControl(args, prior_seconds=3599.0, price_per_hour=0, signals=lifecycle.StopSignals())
+    values, flags = control.reduce(torch.tensor([1.0, 2.0]))
+    assert values == [1.0, 2.0] and flags == {"signal": [], "budget": [], "save_time": []}
+    control.prior_seconds = 3600.0  # the hour is spent, counting the run's time before its resume
+    control.last_save -= 31 * 60
+    flags = control.agree(torch.device("cpu"))
+    assert flags == {"signal": [], "budget": [0], "save_time": [0]}
+    assert control.stop_reason(flags) == "budget spent (--max_hours=1.0)" and control.exit_code(flags) == 0
+    control.signals.received = signal.SIGTERM
+    flags = control.agree(torch.device("cpu"))
+    assert control.stop_reason(flags) == "SIGTERM received (rank 0)" and control.exit_code(flags) == 143
