@@ -241,5 +241,6 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     assert progress_bar(range(3)).disable
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert not progress_bar(range(3)).disable
-    monkeypatch.setenv("RANK", "1")
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):  # as torchrun sets them
+        monkeypatch.setenv(name, value)
     assert progress_bar(range(3)).disable
