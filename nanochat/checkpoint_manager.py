@@ -31,6 +31,7 @@ from nanochat.common import (RankFailure, describe_error, fsync_dir, get_base_di
 from nanochat.gpt import GPT, GPTConfig
 
 WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
+TRAIN_WEIGHTS = "train_weights.safetensors"  # with --ema_decay: model.safetensors holds the EMA, this what trains on
 # Fields that may differ between a checkpoint and the run resuming it: they change no weight and no training math.
 RESUMABLE_CONFIG_CHANGES = {"n_sup_inference", "activation_checkpointing"}
 BACKUP_EXIT_WAIT_S = 600  # how long a finished run waits for an upload still in flight
@@ -146,7 +147,8 @@ def config_differences(saved, current):
 def resume_differences(meta, model_config, batch_geometry):
     """Why a run with this model config and batch geometry cannot continue the checkpoint `meta` ([] when it can)."""
     saved = meta.get("batch_geometry", {})
-    return config_differences(meta["model_config"], model_config) + [
+    saved_config = GPTConfig.from_dict(meta["model_config"]).to_dict()  # fields it predates: their old behaviour
+    return config_differences(saved_config, model_config) + [
         f"{k}: checkpoint {saved.get(k)!r} vs this run {v!r}" for k, v in batch_geometry.items() if saved.get(k) != v]
 
 
@@ -223,8 +225,10 @@ def _out_of_space(error, directory, need):
         or free_bytes(directory) < need
 
 
-def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0):
-    """Every rank calls this. rank_state: this rank's dataloader state (and anything else per-rank).
+def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0, train_model=None):
+    """Every rank calls this. rank_state: this rank's dataloader state (and anything else per-rank). model: the
+    weights to publish (those evaluated and sampled); train_model: the weights training goes on from, when they
+    differ (an EMA is published).
 
     A failure on any rank removes the partial save and raises CheckpointError on every rank; a full disk says so,
     with the bytes a checkpoint needs."""
@@ -260,8 +264,10 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
     def publish():
         if rank != 0:
             return
-        weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        _write(os.path.join(tmp, WEIGHTS), safetensors_bytes(weights))
+        for name, module in ((WEIGHTS, model), (TRAIN_WEIGHTS, train_model)):
+            if module is not None:
+                weights = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+                _write(os.path.join(tmp, name), safetensors_bytes(weights))
         _write(os.path.join(tmp, "meta.json"), json.dumps({**meta, "step": step}, indent=2).encode())
         fsync_dir(tmp)
         if os.path.exists(final):  # re-saving a step (e.g. after resume)
@@ -333,14 +339,17 @@ def move_aside(model_tag):
 
 
 # ---------------------------------------------------------------------------------------------------- loading
-def load_model_weights(model_tag, step, device):
-    """The state dict of a checkpoint: model.safetensors, or model.pt in checkpoints that predate it."""
+def load_model_weights(model_tag, step, device, name=WEIGHTS):
+    """The state dict of a checkpoint: model.safetensors, or model.pt in checkpoints that predate it; with
+    name=TRAIN_WEIGHTS the weights training goes on from (None when they are the published ones)."""
     directory = step_dir(model_tag, step)
-    path = os.path.join(directory, WEIGHTS)
+    path = os.path.join(directory, name)
     try:
         if os.path.exists(path):
             from safetensors.torch import load_file
             return load_file(path, device=str(device))
+        if name == TRAIN_WEIGHTS:
+            return None
         path = os.path.join(directory, LEGACY_WEIGHTS)
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 - a truncated file raises whatever its reader raises
@@ -376,7 +385,7 @@ def load_resume_point(model_tag, which, rank, backup_url=None):
         error, point = None, None
         try:
             point = (step, read_meta(model_tag, step), load_model_weights(model_tag, step, "cpu"),
-                     load_rank_state(model_tag, step, rank))
+                     load_rank_state(model_tag, step, rank), load_model_weights(model_tag, step, "cpu", TRAIN_WEIGHTS))
         except CheckpointError as e:
             error = e
         try:
@@ -388,10 +397,14 @@ def load_resume_point(model_tag, which, rank, backup_url=None):
                           f"above); start a new run with another --model_tag, or --overwrite")
 
 
-def restore(point, model, optimizers):
-    """Put a resume point's weights, optimizer states and RNG states into this process; returns its loader states."""
-    _, _, weights, state = point
-    model.load_state_dict(weights)
+def restore(point, model, optimizers, ema=None):
+    """Put a resume point's weights, optimizer states and RNG states into this process; returns its loader states.
+    ema: a torch.optim.swa_utils.AveragedModel of model, continued from the published weights."""
+    _, _, weights, state, train_weights = point
+    model.load_state_dict(train_weights if train_weights is not None else weights)
+    if ema is not None:
+        ema.module.load_state_dict(weights)
+        ema.n_averaged.fill_(1)  # an average already started: the next update blends, not copies
     for opt, opt_state in zip(optimizers, state["optimizers"]):
         opt.load_state_dict(opt_state)
     set_rng_state(state["rng"])

@@ -24,6 +24,7 @@ import sys
 import time
 
 import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
@@ -108,6 +109,9 @@ def build_parser():
     optim.add_argument("--unembedding_lr", type=float, default=0.004, help="AdamW lr for lm_head")
     optim.add_argument("--weight_decay", type=float, default=0.0)
     optim.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
+    optim.add_argument("--ema_decay", type=float, default=0.0,
+                       help="evaluate, sample and publish an exponential moving average of the weights, e.g. 0.999 "
+                            "(as TRM); 0 = off")
     optim.add_argument("--warmup_steps", type=int, default=None, help="lr warmup steps (overrides the ratio)")
     optim.add_argument("--warmup_ratio", type=float, default=0.02, help="lr warmup as a fraction of the run")
     optim.add_argument("--warmdown_ratio", type=float, default=0.2, help="final fraction with linear lr decay")
@@ -212,6 +216,9 @@ def parse_args(argv=None, world_size=None, check_hardware=True):
                  "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip", "gpu_hourly_price"):
         if getattr(args, name) is not None and not getattr(args, name) >= 0:
             parser.error(f"--{name}={getattr(args, name)} must be >= 0 (see --help for what 0 means)")
+    if not 0 <= args.ema_decay < 1:
+        parser.error(f"--ema_decay={args.ema_decay} must be in [0, 1): 0 turns the average off, 0.999 averages over "
+                     f"about the last 1000 steps")
     for name in ("target_flops", "target_param_data_ratio", "max_hours", "max_cost"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             parser.error(f"--{name}={getattr(args, name)} must be > 0")
@@ -411,10 +418,13 @@ def train(args):
     if no_room:
         raise ExitWithMessage(no_room)
 
+    # the EMA's copy of the model is what evaluation, samples and checkpoints see; training goes on in `model`
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay)) if args.ema_decay else None
+    published = ema.module if ema else model
     start_step, prior_seconds, loader_states = 0, 0.0, [None] * args.grad_accum
     if resume:
         start_step, meta = resume[:2]
-        loader_states = ckpt.restore(resume, model, optimizers)
+        loader_states = ckpt.restore(resume, model, optimizers, ema)
         prior_seconds = meta["elapsed_seconds"]
         print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
     if args.compile:
@@ -446,8 +456,9 @@ def train(args):
                     "val_bpb": val_bpb if last_eval_step == step else None, "elapsed_seconds": elapsed(),
                     "cost": control.cost(), "dataloader": loaders[0].state_dict()}
             try:
-                path = ckpt.save_checkpoint(args.model_tag, step, model, optimizers, meta,
-                                            {"loaders": [loader.state_dict() for loader in loaders]}, rank)
+                path = ckpt.save_checkpoint(args.model_tag, step, published, optimizers, meta,
+                                            {"loaders": [loader.state_dict() for loader in loaders]}, rank,
+                                            train_model=model if ema else None)
             except ckpt.CheckpointError as e:
                 raise ExitWithMessage(str(e), code=5)
             control.saved()
@@ -466,7 +477,7 @@ def train(args):
                 save(step)  # before evaluation, so a failing eval can never cost the checkpoint
             hurry = bool(flags["signal"])  # after a signal, only the checkpoint: the grace period is short
             if not hurry and (last_step or stop or (args.eval_every and step % args.eval_every == 0)):
-                val_bpb = run_eval(model, tokenizer, args, device, rank, world_size, token_bytes, DataLoader)
+                val_bpb = run_eval(published, tokenizer, args, device, rank, world_size, token_bytes, DataLoader)
                 if val_bpb:
                     last_eval_step = step
                     metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb,
@@ -474,7 +485,7 @@ def train(args):
                     if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
                         update_checkpoint_bpb(args.model_tag, step, val_bpb)
             if rank == 0 and not hurry and (last_step or stop or (args.sample_every and step % args.sample_every == 0)):
-                run_samples(model, tokenizer, args, metrics, step)
+                run_samples(published, tokenizer, args, metrics, step)
             if rank == 0 and save_due:
                 removed = ckpt.prune_checkpoints(args.model_tag, args.keep_last)
                 if removed:
@@ -513,6 +524,8 @@ def train(args):
                 group["momentum"] = muon_momentum(step)
             grad_norm = clip_and_step(optimizers, args.grad_clip)
             model.zero_grad(set_to_none=True)
+            if ema:
+                ema.update_parameters(model)
             if not math.isfinite(grad_norm):
                 raise ExitWithMessage(f"gradient norm is {grad_norm} at step {step}: the update was skipped and the "
                                       f"run stopped; lower --matrix_lr or use a milder --preset, then --resume", code=3)

@@ -194,3 +194,24 @@ def test_precedence_metrics_report_and_plot(base_dir):
     subprocess.run([sys.executable, "-m", "scripts.plot_run", "prec"], cwd=ROOT, env=env, check=True)
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ema_publishes_the_average_trains_on_the_raw_weights_and_resumes_exactly(base_dir):
+    from safetensors.torch import load_file
+    flags = TINY + ["--num_iterations=4", "--save_every=2", "--ema_decay=0.5"]
+    run(base_dir, *flags, "--model_tag=ema_straight")
+    run(base_dir, *flags[:-2], "--num_iterations=2", "--save_every=2", "--ema_decay=0.5", "--model_tag=ema_split")
+    run(base_dir, *flags, "--model_tag=ema_split", "--resume")
+    for tag in ("ema_straight", "ema_split"):
+        assert sorted(os.listdir(ckpt_dir(base_dir, tag, 4)))[-2:] == ["rank_0.pt", "train_weights.safetensors"]
+    published, raw = weights(base_dir, "ema_straight", 4), load_file(
+        os.path.join(ckpt_dir(base_dir, "ema_straight", 4), "train_weights.safetensors"))
+    published_2, raw_2 = weights(base_dir, "ema_straight", 2), load_file(
+        os.path.join(ckpt_dir(base_dir, "ema_straight", 2), "train_weights.safetensors"))
+    # the average of decay 0.5 over steps 3 and 4, continued from step 2's: ema_4 = 0.5 ema_3 + 0.5 w_4, ...
+    name = "transformer.h.0.mlp.c_fc.weight"
+    assert not torch.equal(published[name], raw[name])
+    assert (published[name] - raw[name]).abs().max() < (published_2[name] - raw[name]).abs().max()
+    for a, b in ((published, weights(base_dir, "ema_split", 4)),
+                 (raw, load_file(os.path.join(ckpt_dir(base_dir, "ema_split", 4), "train_weights.safetensors")))):
+        assert all(torch.equal(a[k], b[k]) for k in a)  # resume continues the average and the raw weights exactly
