@@ -6,6 +6,11 @@ import torch
 import torch.distributed as dist
 
 
+def squared_norm(tensors):
+    """The sum of squares of all elements of tensors, in float32: the optimizers' share of the gradient norm."""
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).square().sum()
+
+
 @torch.no_grad()
 def clip_and_step(optimizers, grad_clip):
     """Average gradients across ranks, clip their global norm to grad_clip (<= 0: no clipping), step.
