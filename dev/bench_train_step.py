@@ -1,0 +1,136 @@
+"""
+One CPU training step (forward + backward + optimizer step) of our model against karpathy/nanochat's GPT on the same
+config, and of TRM configs against our plain model. Every timed round runs one step of each model in turn, so a
+change in background load hits all of them alike; medians are reported.
+
+    git clone https://github.com/karpathy/nanochat /tmp/nanochat && git -C /tmp/nanochat checkout 10231df
+    python -m dev.bench_train_step --nanochat_dir /tmp/nanochat
+    python -m dev.bench_train_step --nanochat_dir /tmp/nanochat --steps 3 --configs plain,loops1-sup2
+
+10231df (2025-12-31) is nanochat's last 2025 commit; its GPT runs on CPU as is (SDPA attention, fp32 when not on
+CUDA). Its single-process optimizers are fused torch AdamW and a Muon whose Newton-Schulz is torch.compile'd and runs
+in bfloat16; it clips with torch.nn.utils.clip_grad_norm_ (grad_clip 1.0, as its base_train), and so do we.
+
+Targets (issue 13): our plain step <= 1.0x nanochat's, and each TRM config's step-time ratio over plain within 1.10x
+of its FLOP ratio (GPT.estimate_flops). Our plain step and nanochat's do the same FLOPs. The optimizer's cost does
+not grow with the recursion, so it lowers the step-time ratios; "fwd+bwd only" is the same ratio without it.
+"""
+
+import argparse
+import contextlib
+import importlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from dev.bench_model import build, train_step
+
+# (name, n_loops, T_recursion, n_sup_train); plain is our GPT in nanochat's shape, the others are compared with it
+CONFIGS = [
+    ("plain", 0, 1, 1),
+    ("loops1-sup2", 1, 1, 2),
+    ("loops2-sup4", 2, 1, 4),
+    ("loops1-T2-sup2", 1, 2, 2),
+]
+
+
+@contextlib.contextmanager
+def other_nanochat(path):
+    """Yields an import function for the modules of the package `nanochat` in path, usable beside ours."""
+    # both packages are named nanochat: ours leaves sys.modules while theirs imports, then comes back (theirs lives on
+    # in the objects made inside the with block, which hold their modules)
+    def take_out():
+        return {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "nanochat"}
+
+    path = os.path.abspath(path)
+    ours = take_out()
+    sys.path.insert(0, path)
+    try:
+        yield importlib.import_module
+    finally:
+        sys.path.remove(path)
+        take_out()
+        sys.modules.update(ours)
+
+
+def build_nanochat(nanochat_dir, args):
+    with other_nanochat(nanochat_dir) as load:
+        gpt = load("nanochat.gpt")
+        config = gpt.GPTConfig(sequence_len=args.seq_len, vocab_size=args.vocab, n_layer=args.depth,
+                               n_head=args.n_head, n_kv_head=args.n_head, n_embd=args.n_embd)
+        torch.manual_seed(0)
+        model = gpt.GPT(config)
+        model.init_weights()
+        return model, model.setup_optimizers()
+
+
+def nanochat_step(model, optimizers, batch):
+    """One training step as nanochat's base_train runs it; returns (forward + backward s, optimizer s)."""
+    t0 = time.perf_counter()
+    model(*batch).backward()
+    t1 = time.perf_counter()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nanochat_dir", required=True, help="a checkout of karpathy/nanochat (see above)")
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--n_embd", type=int, default=256)
+    parser.add_argument("--n_head", type=int, default=2)
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds (nanochat compiles Newton-Schulz)")
+    parser.add_argument("--steps", type=int, default=7, help="timed rounds (median reported)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--configs", default="", help="comma-separated names from CONFIGS (plain always runs)")
+    args = parser.parse_args()
+    if not os.path.isfile(os.path.join(args.nanochat_dir, "nanochat", "gpt.py")):
+        parser.error(f"--nanochat_dir {args.nanochat_dir}: no nanochat/gpt.py there; clone karpathy/nanochat first")
+    torch.set_num_threads(args.threads)
+    configs = [c for c in CONFIGS if not args.configs or c[0] in args.configs.split(",") or c[0] == "plain"]
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.2f} | "
+          f"depth {args.depth} n_embd {args.n_embd} n_head {args.n_head} seq {args.seq_len} batch {args.batch} "
+          f"vocab {args.vocab}, fp32")
+    runs = {name: (train_step, *build(args, *shape)) for name, *shape in configs}
+    batch = runs["plain"][3]
+    nanochat_model, nanochat_opts = build_nanochat(args.nanochat_dir, args)
+    runs["nanochat"] = (nanochat_step, nanochat_model, nanochat_opts, batch)
+    times = {name: [] for name in runs}  # one dict per timed round
+    for round_ in range(args.warmup + args.steps):
+        for name, (step, *run) in runs.items():
+            cpu = time.process_time()
+            fb, opt = step(*run)
+            if round_ >= args.warmup:  # cpu: this process's CPU seconds, less disturbed by a busy machine than wall
+                times[name].append(dict(step=fb + opt, fb=fb, optim=opt, cpu=time.process_time() - cpu))
+
+    def median(name, key="step"):
+        return statistics.median(t[key] for t in times[name])
+
+    tokens = args.batch * args.seq_len
+    flops = {name: run[1].estimate_flops() for name, run in runs.items()}
+    print(f"\n{'model':<16} {'GFLOP/step':>10} {'s/step':>7} {'min':>6} {'fwd+bwd':>7} {'optim':>6} {'cpu s':>6} "
+          f"{'t/t_plain':>9} {'F/F_plain':>9} {'(t/t_p)/(F/F_p)':>15} {'fwd+bwd only':>12}")
+    for name in runs:
+        t_ratio, f_ratio = median(name) / median("plain"), flops[name] / flops["plain"]
+        print(f"{name:<16} {flops[name] * tokens / 1e9:>10.1f} {median(name):>7.3f} "
+              f"{min(t['step'] for t in times[name]):>6.3f} {median(name, 'fb'):>7.3f} {median(name, 'optim'):>6.3f} "
+              f"{median(name, 'cpu'):>6.3f} {t_ratio:>9.2f} {f_ratio:>9.2f} {t_ratio / f_ratio:>15.2f} "
+              f"{median(name, 'fb') / median('plain', 'fb') / f_ratio:>12.2f}")
+    print(f"\nplain / nanochat step time: {median('plain') / median('nanochat'):.2f} (target <= 1.0); "
+          f"forward+backward {median('plain', 'fb') / median('nanochat', 'fb'):.2f}, "
+          f"optimizer {median('plain', 'optim') / median('nanochat', 'optim'):.2f}, "
+          f"CPU time {median('plain', 'cpu') / median('nanochat', 'cpu'):.2f}; "
+          f"load average now {os.getloadavg()[0]:.2f}")
+
+if __name__ == "__main__":
+    main()
