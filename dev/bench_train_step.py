@@ -9,11 +9,12 @@ change in background load hits all of them alike; medians are reported.
 
 10231df (2025-12-31) is nanochat's last 2025 commit; its GPT runs on CPU as is (SDPA attention, fp32 when not on
 CUDA). Its single-process optimizers are fused torch AdamW and a Muon whose Newton-Schulz is torch.compile'd and runs
-in bfloat16; it clips with torch.nn.utils.clip_grad_norm_ (grad_clip 1.0, as its base_train), and so do we.
+in bfloat16 (slow on a CPU without native bfloat16 matmuls); it clips with torch.nn.utils.clip_grad_norm_ at 1.0, as
+its base_train does. Ours runs base_train's step: forward_backward, then clip_and_step at 1.0.
 
 Targets (issue 13): our plain step <= 1.0x nanochat's, and each TRM config's step-time ratio over plain within 1.10x
-of its FLOP ratio (GPT.estimate_flops). Our plain step and nanochat's do the same FLOPs. The optimizer's cost does
-not grow with the recursion, so it lowers the step-time ratios; "fwd+bwd only" is the same ratio without it.
+of its FLOP ratio (GPT.estimate_flops). Our plain step and nanochat's do the same FLOPs. Times are wall and CPU
+seconds (this process's, which a machine busy with other work disturbs less than wall time).
 """
 
 import argparse
@@ -26,7 +27,8 @@ import time
 
 import torch
 
-from dev.bench_model import build, train_step
+from dev.bench_model import build
+from nanochat.optim import clip_and_step
 
 # (name, n_loops, T_recursion, n_sup_train); plain is our GPT in nanochat's shape, the others are compared with it
 CONFIGS = [
@@ -67,16 +69,32 @@ def build_nanochat(nanochat_dir, args):
         return model, model.setup_optimizers()
 
 
-def nanochat_step(model, optimizers, batch):
-    """One training step as nanochat's base_train runs it; returns (forward + backward s, optimizer s)."""
-    t0 = time.perf_counter()
-    model(*batch).backward()
-    t1 = time.perf_counter()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    for opt in optimizers:
-        opt.step()
+def timed(fn):
+    """(wall, CPU) seconds of fn(). CPU: this process's, which a busy machine disturbs less than wall time."""
+    t, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def our_step(model, optimizers, batch):
+    """One training step as base_train runs it; returns the (wall, CPU) seconds of forward + backward and optimizer."""
+    fb = timed(lambda: model.forward_backward(*batch))
+    opt = timed(lambda: clip_and_step(optimizers, 1.0))
     model.zero_grad(set_to_none=True)
-    return t1 - t0, time.perf_counter() - t1
+    return fb, opt
+
+
+def nanochat_step(model, optimizers, batch):
+    """One training step as nanochat's base_train runs it, timed like our_step."""
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for opt in optimizers:
+            opt.step()
+
+    fb = timed(lambda: model(*batch).backward())
+    opt = timed(update)
+    model.zero_grad(set_to_none=True)
+    return fb, opt
 
 
 def main():
@@ -101,36 +119,44 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.2f} | "
           f"depth {args.depth} n_embd {args.n_embd} n_head {args.n_head} seq {args.seq_len} batch {args.batch} "
           f"vocab {args.vocab}, fp32")
-    runs = {name: (train_step, *build(args, *shape)) for name, *shape in configs}
+    runs = {name: (our_step, *build(args, *shape)) for name, *shape in configs}
     batch = runs["plain"][3]
     nanochat_model, nanochat_opts = build_nanochat(args.nanochat_dir, args)
     runs["nanochat"] = (nanochat_step, nanochat_model, nanochat_opts, batch)
-    times = {name: [] for name in runs}  # one dict per timed round
+    times = {name: [] for name in runs}  # per timed round: ((wall, CPU) forward + backward, (wall, CPU) optimizer)
     for round_ in range(args.warmup + args.steps):
         for name, (step, *run) in runs.items():
-            cpu = time.process_time()
-            fb, opt = step(*run)
-            if round_ >= args.warmup:  # cpu: this process's CPU seconds, less disturbed by a busy machine than wall
-                times[name].append(dict(step=fb + opt, fb=fb, optim=opt, cpu=time.process_time() - cpu))
+            t = step(*run)
+            if round_ >= args.warmup:
+                times[name].append(t)
 
-    def median(name, key="step"):
-        return statistics.median(t[key] for t in times[name])
+    def median(name, part="step", clock=0):  # part: "fb", "optim" or "step" (both); clock 0: wall, 1: CPU
+        return statistics.median({"fb": fb[clock], "optim": opt[clock], "step": fb[clock] + opt[clock]}[part]
+                                 for fb, opt in times[name])
+
+    def per_flop(name, part="step", clock=0):  # time ratio over plain / FLOP ratio over plain
+        return median(name, part, clock) / median("plain", part, clock) / (flops[name] / flops["plain"])
 
     tokens = args.batch * args.seq_len
     flops = {name: run[1].estimate_flops() for name, run in runs.items()}
-    print(f"\n{'model':<16} {'GFLOP/step':>10} {'s/step':>7} {'min':>6} {'fwd+bwd':>7} {'optim':>6} {'cpu s':>6} "
-          f"{'t/t_plain':>9} {'F/F_plain':>9} {'(t/t_p)/(F/F_p)':>15} {'fwd+bwd only':>12}")
+    print(f"\n{'':<16} {'':>10} {'wall s':-^22} {'CPU s':-^22} {'':>9} {'(t/t_plain)/(F/F_plain)':-^23}")
+    print(f"{'model':<16} {'GFLOP/step':>10}" + f" {'step':>6} {'fw+bw':>7} {'optim':>7}" * 2 +
+          f" {'F/F_plain':>9} {'wall':>7} {'CPU':>7} {'fw+bw':>7}")
     for name in runs:
-        t_ratio, f_ratio = median(name) / median("plain"), flops[name] / flops["plain"]
-        print(f"{name:<16} {flops[name] * tokens / 1e9:>10.1f} {median(name):>7.3f} "
-              f"{min(t['step'] for t in times[name]):>6.3f} {median(name, 'fb'):>7.3f} {median(name, 'optim'):>6.3f} "
-              f"{median(name, 'cpu'):>6.3f} {t_ratio:>9.2f} {f_ratio:>9.2f} {t_ratio / f_ratio:>15.2f} "
-              f"{median(name, 'fb') / median('plain', 'fb') / f_ratio:>12.2f}")
-    print(f"\nplain / nanochat step time: {median('plain') / median('nanochat'):.2f} (target <= 1.0); "
-          f"forward+backward {median('plain', 'fb') / median('nanochat', 'fb'):.2f}, "
-          f"optimizer {median('plain', 'optim') / median('nanochat', 'optim'):.2f}, "
-          f"CPU time {median('plain', 'cpu') / median('nanochat', 'cpu'):.2f}; "
-          f"load average now {os.getloadavg()[0]:.2f}")
+        print(f"{name:<16} {flops[name] * tokens / 1e9:>10.1f}" +
+              "".join(f" {median(name, 'step', c):>6.3f} {median(name, 'fb', c):>7.3f} "
+                      f"{median(name, 'optim', c):>7.3f}" for c in (0, 1)) +
+              f" {flops[name] / flops['plain']:>9.2f} {per_flop(name):>7.2f} {per_flop(name, clock=1):>7.2f} "
+              f"{per_flop(name, 'fb', 1):>7.2f}")
+    print("(fw+bw: forward + backward alone, CPU time; the optimizer's cost does not grow with the recursion, so it "
+          "lowers the whole step's ratios)")
+    for clock, label in [(0, "wall"), (1, "CPU")]:
+        ratio = {part: median("plain", part, clock) / median("nanochat", part, clock)
+                 for part in ("step", "fb", "optim")}
+        print(f"plain / nanochat, {label} time: step {ratio['step']:.2f} (target <= 1.0), "
+              f"forward+backward {ratio['fb']:.2f}, optimizer {ratio['optim']:.2f}")
+    print(f"load average now {os.getloadavg()[0]:.2f}")
+
 
 if __name__ == "__main__":
     main()
