@@ -1,7 +1,7 @@
 """
 One CPU training step (forward + backward + optimizer step) of our model against karpathy/nanochat's GPT on the same
-config, and of TRM configs against our plain model. Every timed round runs one step of each model in turn, so a
-change in background load hits all of them alike; medians are reported.
+config, and of TRM configs against our plain model. Every timed round runs one step of each model in turn (in
+alternating order), so a change in background load hits all of them alike; medians are reported.
 
     git clone https://github.com/karpathy/nanochat /tmp/nanochat && git -C /tmp/nanochat checkout 10231df
     python -m dev.bench_train_step --nanochat_dir /tmp/nanochat
@@ -125,7 +125,8 @@ def main():
     runs["nanochat"] = (nanochat_step, nanochat_model, nanochat_opts, batch)
     times = {name: [] for name in runs}  # per timed round: ((wall, CPU) forward + backward, (wall, CPU) optimizer)
     for round_ in range(args.warmup + args.steps):
-        for name, (step, *run) in runs.items():
+        for name in list(runs)[::1 if round_ % 2 else -1]:  # alternate the order: no model always follows another
+            step, *run = runs[name]
             t = step(*run)
             if round_ >= args.warmup:
                 times[name].append(t)
