@@ -9,6 +9,8 @@ share one formula and give the same parameters on the same averaged gradients.
 import torch
 import torch.distributed as dist
 
+from nanochat.optim import squared_norm
+
 
 def adamw_update(param, grad, state, lr, betas, eps, weight_decay):
     beta1, beta2 = betas
@@ -34,8 +36,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def reduce_grads(self):
-        return sum((p.grad.float().square().sum() for g in self.param_groups for p in g["params"]),
-                   torch.zeros((), device=self.param_groups[0]["params"][0].device))
+        return squared_norm(p.grad for g in self.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self, grad_scale=1.0):
@@ -47,27 +48,32 @@ class AdamW(torch.optim.Optimizer):
 
 class DistAdamW(AdamW):
     """ZeRO-1 AdamW: reduce-scatter each flattened gradient (zero-padded to a multiple of world_size), update the
-    owned slice, all-gather the parameter. Any shape works, divisible or not."""
+    owned slice, all-gather the parameter. Any shape works, divisible or not.
+
+    Collectives are asynchronous, as in DistMuon: every reduce-scatter starts at once in reduce_grads(), and each
+    all-gather starts as soon as its slice is updated, running while the next slices are.
+    """
 
     @torch.no_grad()
     def reduce_grads(self):
         world = dist.get_world_size()
-        self._shards = []  # (param, group, averaged grad slice, padded flat length)
-        sq = torch.zeros((), device=self.param_groups[0]["params"][0].device)
+        self._shards, works = [], []  # (param, group, averaged grad slice, padded flat length)
         for group in self.param_groups:
             for p in group["params"]:
                 padded_len = -(-p.numel() // world) * world
                 flat = torch.zeros(padded_len, dtype=p.grad.dtype, device=p.device)
                 flat[:p.numel()] = p.grad.reshape(-1)
                 shard = torch.empty(padded_len // world, dtype=flat.dtype, device=p.device)
-                dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.AVG)
+                works.append(dist.reduce_scatter_single(shard, flat, op=dist.ReduceOp.AVG, async_op=True))
                 self._shards.append((p, group, shard, padded_len))
-                sq += shard.float().square().sum()
-        return sq
+        for work in works:
+            work.wait()
+        return squared_norm(shard for _, _, shard, _ in self._shards)
 
     @torch.no_grad()
     def step(self, grad_scale=1.0):
         rank, world = dist.get_rank(), dist.get_world_size()
+        gathers = []
         for p, group, grad_shard, padded_len in self._shards:
             flat = torch.zeros(padded_len, dtype=p.dtype, device=p.device)
             flat[:p.numel()] = p.reshape(-1)
@@ -75,6 +81,8 @@ class DistAdamW(AdamW):
             shard = flat[rank * size:(rank + 1) * size].clone()
             adamw_update(shard, grad_shard * grad_scale, self.state[p], group["lr"], group["betas"], group["eps"],
                          group["weight_decay"])
-            dist.all_gather_into_tensor(flat, shard)
+            gathers.append((p, flat, dist.all_gather_single(flat, shard, async_op=True)))
+        for p, flat, work in gathers:
+            work.wait()
             p.copy_(flat[:p.numel()].view_as(p))
         self._shards = []

@@ -1,31 +1,39 @@
 """
 Muon: SGD with Nesterov momentum whose update for each 2-D matrix is orthogonalised by a quintic Newton-Schulz
 iteration, and DistMuon, which shards that orthogonalisation across DDP ranks.
+
+Parameters are grouped by shape, and each group's updates are orthogonalised together, as one (G, m, n) stack.
 """
 
 import torch
 import torch.distributed as dist
 
+from nanochat.optim import squared_norm
+
 
 def zeropower_via_newtonschulz5(G, steps=5):
     """Push all singular values of G towards 1 (to roughly [0.7, 1.2]) with a quintic Newton-Schulz iteration.
 
+    G is a matrix (m, n) or a stack of them (..., m, n); each matrix of a stack is orthogonalised on its own.
     The coefficients maximise the slope at zero, trading exact convergence for speed; the result is close enough
     to U V^T for an optimizer. Runs in bfloat16 on CUDA, where it is fast and stable, and float32 elsewhere.
     """
     a, b, c = 3.4445, -4.7750, 2.0315
     X = G.bfloat16() if G.is_cuda else G.float()
+    X = X.reshape(-1, *G.shape[-2:])  # one batch dimension, for baddbmm
     transposed = G.size(-2) > G.size(-1)
     if transposed:  # iterate on the wide orientation: X @ X.T is then the smaller Gram matrix
         X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
         A = X @ X.mT
-        B = b * A + c * A @ A
-        X = a * X + B @ X
+        # B = b A + c A A, then X = a X + B X: baddbmm folds the scaling and the sum into the matmul, which keeps a
+        # whole stack as fast as one matrix at a time on CPU (separate elementwise passes over a stack miss the cache)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
     if transposed:
         X = X.mT
-    return X.to(G.dtype)
+    return X.reshape(G.shape).to(G.dtype)
 
 
 class Muon(torch.optim.Optimizer):
@@ -33,7 +41,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
         params = list(params)
-        # one group per shape, so DistMuon can hand out same-shaped matrices to ranks in turn
+        # one group per shape: a group is orthogonalised as one stack, and DistMuon hands its matrices out in turn
         shapes = sorted({tuple(p.shape) for p in params})
         groups = [{"params": [p for p in params if tuple(p.shape) == shape]} for shape in shapes]
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -41,60 +49,74 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def reduce_grads(self):
-        return sum((p.grad.float().square().sum() for g in self.param_groups for p in g["params"]),
-                   torch.zeros((), device=self.param_groups[0]["params"][0].device))
+        return squared_norm(p.grad for g in self.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self, grad_scale=1.0):
         for group in self.param_groups:
-            for p in group["params"]:
-                self._update(p, p.grad, group, grad_scale)
+            self._update(group, group["params"], torch.stack([p.grad for p in group["params"]]), grad_scale)
 
-    def _update(self, p, grad, group, grad_scale):
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grad)
-        buf = state["momentum_buffer"]
-        g = grad * grad_scale
-        buf.lerp_(g, 1 - group["momentum"])
-        g = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+    def _update(self, group, params, grads, grad_scale):
+        """Update same-shaped params from their gradients stacked as (G, m, n): one batched Newton-Schulz call."""
+        g = grads * grad_scale
+        for p, g_p in zip(params, g):  # momentum per matrix (its state stays per parameter), written into the stack
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g_p)
+            buf = state["momentum_buffer"]
+            buf.lerp_(g_p, 1 - group["momentum"])
+            if group["nesterov"]:
+                g_p.lerp_(buf, group["momentum"])
+            else:
+                g_p.copy_(buf)
         g = zeropower_via_newtonschulz5(g, group["ns_steps"])
-        if group["weight_decay"]:
-            p.mul_(1 - group["lr"] * group["weight_decay"])
         # tall matrices get a larger step so every shape moves its outputs by a similar RMS amount
-        p.add_(g, alpha=-group["lr"] * max(1.0, p.size(-2) / p.size(-1)) ** 0.5)
+        step_size = group["lr"] * max(1.0, g.size(-2) / g.size(-1)) ** 0.5
+        for p, g_p in zip(params, g):
+            if group["weight_decay"]:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(g_p, alpha=-step_size)
 
 
 class DistMuon(Muon):
     """Muon under DDP: gradients are reduce-scattered so that each rank owns every world_size-th matrix of a
-    shape group, orthogonalises only those, and all-gathers the updated matrices back to everyone."""
+    shape group, orthogonalises only those (as one stack), and all-gathers the updated matrices back to everyone.
+
+    Collectives are asynchronous: reduce_grads() starts every reduce-scatter at once and waits for them only before
+    the norm (clipping needs the whole averaged gradient before any update); step() starts each group's all-gathers
+    as soon as that group is updated, so they run while the next groups are orthogonalised, and waits at the end.
+    """
 
     @torch.no_grad()
     def reduce_grads(self):
         rank, world = dist.get_rank(), dist.get_world_size()
-        self._owned = []  # (param, averaged grad, group) for the matrices this rank updates
+        self._owned, works = [], []  # (group, params this rank updates, their averaged grads stacked)
         for group in self.param_groups:
             params = group["params"]
-            for base in range(0, len(params), world):
-                chunk = params[base:base + world]
-                grads = [p.grad for p in chunk] + [torch.zeros_like(chunk[0])] * (world - len(chunk))
-                owned = torch.empty_like(chunk[0])
-                dist.reduce_scatter(owned, grads, op=dist.ReduceOp.AVG)
-                if rank < len(chunk):
-                    self._owned.append((chunk[rank], owned, group))
-        return sum((g.float().square().sum() for _, g, _ in self._owned),
-                   torch.zeros((), device=self.param_groups[0]["params"][0].device))
+            mine = params[rank::world]
+            owned = params[0].grad.new_empty((len(mine), *params[0].shape))
+            for i, base in enumerate(range(0, len(params), world)):
+                grads = [p.grad for p in params[base:base + world]]
+                grads += [torch.zeros_like(grads[0])] * (world - len(grads))
+                out = owned[i] if i < len(mine) else torch.empty_like(grads[0])  # chunk i holds mine[i] if any
+                works.append(dist.reduce_scatter(out, grads, op=dist.ReduceOp.AVG, async_op=True))
+            self._owned.append((group, mine, owned))
+        for work in works:
+            work.wait()
+        return squared_norm(owned for _, _, owned in self._owned)
 
     @torch.no_grad()
     def step(self, grad_scale=1.0):
-        for p, grad, group in self._owned:
-            self._update(p, grad, group, grad_scale)
-        world = dist.get_world_size()
-        for group in self.param_groups:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        works = []
+        for group, mine, grads in self._owned:
+            if mine:
+                self._update(group, mine, grads, grad_scale)
             params = group["params"]
             for base in range(0, len(params), world):
                 chunk = params[base:base + world]
                 padded = chunk + [torch.empty_like(chunk[0]) for _ in range(world - len(chunk))]
-                mine = padded[dist.get_rank()].clone()
-                dist.all_gather(padded, mine)
+                works.append(dist.all_gather(padded, padded[rank].clone(), async_op=True))
+        for work in works:
+            work.wait()
         self._owned = []
