@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from tests import processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--n_loops=1",
         "--n_sup_train=2", "--eval_tokens=256", "--eval_every=4", "--sample_every=0", "--sample_tokens=4",
@@ -19,8 +21,8 @@ def run(base_dir, *flags, torchrun=False, check=True):
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
                 if torchrun else [sys.executable])
-    proc = subprocess.run(launcher + ["-m", "scripts.base_train"] + (["--"] if torchrun else []) + list(flags),
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = processes.run(launcher + ["-m", "scripts.base_train"] + (["--"] if torchrun else []) + list(flags),
+                         timeout=300, cwd=ROOT, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"base_train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -53,10 +55,8 @@ def test_sigkill_then_resume_is_bit_identical(base_dir):
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "scripts.base_train", *flags, "--model_tag=killed"], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:  # kill between checkpoints: after step 5 is logged, before step 6 saves
-        if line.startswith("step 00005/"):
-            proc.send_signal(signal.SIGKILL)
-            break
+    processes.read_until(proc, "step 00005/", timeout=300)  # kill between checkpoints: after step 5, before 6 saves
+    proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert not os.path.exists(ckpt_dir(base_dir, "killed", 8))
@@ -83,7 +83,7 @@ torch.save = dying_save
 ckpt.save_checkpoint("midsave", 4, model, [], {**meta}, {"loaders": []})
 """
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = processes.run([sys.executable, "-c", script], timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert os.path.isdir(ckpt_dir(base_dir, "midsave", 4) + ".tmp")  # the half-written attempt
     from nanochat import checkpoint_manager as ckpt
@@ -191,7 +191,7 @@ def test_precedence_metrics_report_and_plot(base_dir):
     assert os.path.exists(os.path.join(ckpt_dir(base_dir, "prec"), "report.md"))
     png = os.path.join(ckpt_dir(base_dir, "prec"), "training.png")
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
-    subprocess.run([sys.executable, "-m", "scripts.plot_run", "prec"], cwd=ROOT, env=env, check=True)
+    assert processes.run([sys.executable, "-m", "scripts.plot_run", "prec"], timeout=120, cwd=ROOT, env=env).returncode == 0
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -206,8 +206,7 @@ def test_ema_publishes_the_average_trains_on_the_raw_weights_and_resumes_exactly
         assert sorted(os.listdir(ckpt_dir(base_dir, tag, 4)))[-2:] == ["rank_0.pt", "train_weights.safetensors"]
     published, raw = weights(base_dir, "ema_straight", 4), load_file(
         os.path.join(ckpt_dir(base_dir, "ema_straight", 4), "train_weights.safetensors"))
-    published_2, raw_2 = weights(base_dir, "ema_straight", 2), load_file(
-        os.path.join(ckpt_dir(base_dir, "ema_straight", 2), "train_weights.safetensors"))
+    published_2 = weights(base_dir, "ema_straight", 2)
     # the average of decay 0.5 over steps 3 and 4, continued from step 2's: ema_4 = 0.5 ema_3 + 0.5 w_4, ...
     name = "transformer.h.0.mlp.c_fc.weight"
     assert not torch.equal(published[name], raw[name])

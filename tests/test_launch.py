@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from scripts import launch
+from tests import processes
 from scripts.base_train import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,8 +43,7 @@ def start_script(script, base_dir, *args, path_prefix=None, **env):
 
 
 def finish(popen, timeout=180):
-    stdout, stderr = popen.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
+    return processes.finish(popen, timeout)
 
 
 def run_script(script, base_dir, *args, path_prefix=None, timeout=180, **env):

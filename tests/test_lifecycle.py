@@ -3,48 +3,20 @@ hard timeout so a hang fails the test), SIGTERM from the launcher, a failing eva
 handler and the budget clock."""
 
 import os
-import selectors
 import signal
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from nanochat import lifecycle
+from tests import processes
 from tests.test_base_train import ROOT, TINY, ckpt_dir, weights
 
 HANG = 90  # seconds: far above what a healthy run takes here, so only a hang reaches it
 FLAGS = TINY + ["--eval_every=0", "--keep_last=0"]
-
-
-def descendants(pid):
-    """Every process below pid (torchrun starts its workers in sessions of their own, so a group kill misses them)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-        except (OSError, ValueError, IndexError):
-            pass
-    stack, out = [pid], []
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(child)
-            stack.append(child)
-    return out
-
-
-def kill_all(proc):
-    for pid in [*descendants(proc.pid), proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
 
 
 def torchrun(base_dir, *args):
@@ -54,30 +26,13 @@ def torchrun(base_dir, *args):
 
 
 def finish(proc, timeout=HANG):
-    """(exit code, stdout + stderr); a run still going after timeout seconds is killed with everything it started."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out + (err or "")
-    except subprocess.TimeoutExpired:
-        kill_all(proc)
-        pytest.fail(f"hung: still running after {timeout}s")
+    """(exit code, stdout + stderr) of a run, killed with everything it started if it hangs."""
+    done = processes.finish(proc, timeout)
+    return done.returncode, done.stdout + (done.stderr or "")
 
 
 def read_until(proc, prefix, timeout=HANG):
-    """The output up to and including the first line starting with prefix."""
-    lines, deadline = [], time.time() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.time() < deadline:
-            if sel.select(timeout=1):
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                lines.append(line)
-                if line.startswith(prefix):
-                    return "".join(lines)
-    kill_all(proc)
-    pytest.fail(f"no line starting with {prefix!r} within {timeout}s:\n{''.join(lines)[-3000:]}")
+    return processes.read_until(proc, prefix, timeout)
 
 
 def base_train(base_dir, *flags):

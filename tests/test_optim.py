@@ -12,6 +12,7 @@ from nanochat.adamw import AdamW
 from nanochat.muon import Muon, zeropower_via_newtonschulz5
 from nanochat.optim import clip_and_step
 from tests import dist_optim_worker as worker
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -180,14 +181,7 @@ def test_dist_optimizers_on_two_gloo_ranks_match_single_process(tmp_path):
                              f"--nproc_per_node={worker.WORLD_SIZE}", str(REPO / "tests" / "dist_optim_worker.py"),
                              str(tmp_path)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    try:
-        output, _ = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        # SIGTERM, not SIGKILL: torchrun passes it on to its workers (each in a session of its own, out of our
-        # reach) and SIGKILLs those still alive after 30 s
-        proc.terminate()
-        output, _ = proc.communicate(timeout=60)
-        pytest.fail("the 2-process optimizer run hung for 180 s:\n" + output[-3000:])
+    output = processes.finish(proc, timeout=180).stdout
     assert proc.returncode == 0, output[-6000:]
     reference = worker.run(distributed=False)
     start = worker.build_gpt().state_dict()
