@@ -9,7 +9,8 @@ from nanochat.common import progress_bar, raise_if_any_rank_failed, reduce_with_
 
 @torch.no_grad()
 def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None):
-    """Per supervision step, sum of per-token nats over sum of bytes of the target tokens, in bits.
+    """(bpb, state): per supervision step, sum of per-token nats over sum of bytes of the target tokens, in bits;
+    and the recursion's state diagnostics per step (gpt.STATE_DIAGNOSTICS) on the first batch, as lists.
 
     Special tokens have byte length 0 and are left out of both sums; targets of -1 (ignored) likewise.
     batches: an iterator of (x, y), or a function returning one (called inside the failure guard, so a loader that
@@ -17,14 +18,17 @@ def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None):
     rank returns the same numbers; a failure on any rank raises RankFailure on every rank, naming rank and cause.
     """
     n = n_sup or model.config.n_sup_train  # what model(x, y) runs when n_sup is None
-    sums = torch.zeros(n + 1, dtype=torch.float64, device=token_bytes.device)  # nats of each step, then bytes
+    # nats of each step, bytes, then the state diagnostics (4 per step)
+    sums = torch.zeros(n + 1 + 4 * n, dtype=torch.float64, device=token_bytes.device)
     error = None
     try:
         batches = batches() if callable(batches) else batches
-        for _ in progress_bar(range(steps), desc="evaluating", delay=3, leave=False):
+        for i in progress_bar(range(steps), desc="evaluating", delay=3, leave=False):
             x, y = next(batches)
             with autocast or torch.autocast(x.device.type, enabled=False):
                 losses = model(x, y, n_sup=n_sup, loss_reduction="none")  # (N, B, T)
+                if i == 0:
+                    sums[n + 1:] = model.diagnose(x, n).flatten()
             valid = y >= 0
             num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
             counted = num_bytes > 0
@@ -35,7 +39,16 @@ def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None):
     sums, (failed,) = reduce_with_flags(sums, [error is not None])  # the one collective, success or not
     raise_if_any_rank_failed(error, "evaluation", failed)
     nats, nbytes = sums[:n], sums[n]
-    return [(v / (math.log(2) * nbytes)).item() for v in nats]
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    state = (sums[n + 1:] / world).view(n, 4).tolist()
+    return [(v / (math.log(2) * nbytes)).item() for v in nats], state
+
+
+def format_state(state):
+    """'rms y 7.7 12.1 | rms update 4.2 5.0 | cos(update, y) 0.66 0.94': does the recursion settle or keep moving?"""
+    rms_y, rms_update, cos = ([row[i] for row in state] for i in (0, 2, 3))
+    numbers = lambda values, digits: " ".join(f"{v:.{digits}f}" for v in values)
+    return f"rms y {numbers(rms_y, 2)} | rms update {numbers(rms_update, 3)} | cos(update, y) {numbers(cos, 2)}"
 
 
 def refinement(values):

@@ -17,7 +17,7 @@ import torch
 from nanochat import checkpoint_manager as ckpt
 from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              print0)
-from nanochat.loss_eval import evaluate_bpb, format_steps, refinement
+from nanochat.loss_eval import evaluate_bpb, format_state, format_steps, refinement
 from scripts.base_sample import step_arg
 from scripts.base_train import Parser
 
@@ -73,14 +73,16 @@ def main(argv=None):
     token_bytes = get_token_bytes(device=device)
     for split in ("train", "val"):
         try:
-            bpb = evaluate_bpb(model, lambda: DataLoader(tokenizer, args.device_batch_size, T, split, device=device,
-                                                         rank=rank, world_size=world_size),
-                               steps, token_bytes, n_sup=n_sup, autocast=autocast)
+            bpb, state = evaluate_bpb(model, lambda: DataLoader(tokenizer, args.device_batch_size, T, split,
+                                                                device=device, rank=rank, world_size=world_size),
+                                      steps, token_bytes, n_sup=n_sup, autocast=autocast)
         except RankFailure as e:
             raise SystemExit(f"base_loss: {e}")
         results[f"{split}_bpb"], results[f"{split}_refinement"] = bpb, refinement(bpb)
+        results[f"{split}_state"] = state
         print0(f"{split:5s} bpb per step: {format_steps(bpb)} | refinement "
                f"{100 * refinement(bpb):.1f}%")
+        print0(f"{split:5s} recursion state per step: {format_state(state)}")
     if rank == 0:
         from nanochat.engine import Engine
         from scripts.base_train import SAMPLE_PROMPTS

@@ -33,7 +33,7 @@ from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_
                              device_available, get_base_dir, get_dist_info, gpu_peak_flops, print0,
                              raise_if_any_rank_failed)
 from nanochat.gpt import GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
-from nanochat.loss_eval import evaluate_bpb, format_steps, refinement
+from nanochat.loss_eval import evaluate_bpb, format_state, format_steps, refinement
 from nanochat.optim import clip_and_step
 from nanochat.report import Health, MetricsError, MetricsLog, format_duration, write_summary
 
@@ -477,11 +477,12 @@ def train(args):
                 save(step)  # before evaluation, so a failing eval can never cost the checkpoint
             hurry = bool(flags["signal"])  # after a signal, only the checkpoint: the grace period is short
             if not hurry and (last_step or stop or (args.eval_every and step % args.eval_every == 0)):
-                val_bpb = run_eval(published, tokenizer, args, device, rank, world_size, token_bytes, DataLoader)
+                val_bpb, val_state = run_eval(published, tokenizer, args, device, rank, world_size, token_bytes,
+                                              DataLoader)
                 if val_bpb:
                     last_eval_step = step
                     metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb,
-                                 "val_refinement": refinement(val_bpb)})
+                                 "val_refinement": refinement(val_bpb), "state": val_state})
                     if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
                         update_checkpoint_bpb(args.model_tag, step, val_bpb)
             if rank == 0 and not hurry and (last_step or stop or (args.sample_every and step % args.sample_every == 0)):
@@ -564,15 +565,16 @@ def run_eval(model, tokenizer, args, device, rank, world_size, token_bytes, Data
     try:
         model.eval()
         steps = args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size)
-        bpb = evaluate_bpb(model, lambda: DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "val",
-                                                     device=device, rank=rank, world_size=world_size),
-                           steps, token_bytes, autocast=autocast_for(args))
+        bpb, state = evaluate_bpb(model, lambda: DataLoader(tokenizer, args.device_batch_size, args.max_seq_len,
+                                                            "val", device=device, rank=rank, world_size=world_size),
+                                  steps, token_bytes, autocast=autocast_for(args))
         print0(f"validation bpb per step: {format_steps(bpb)} | refinement "
                f"{100 * refinement(bpb):.1f}%")
-        return bpb
+        print0(f"recursion state per step: {format_state(state)}")
+        return bpb, state
     except RankFailure as e:  # raised on every rank alike: all skip, none waits in a collective
         print0(f"WARNING: {e}; skipped on every rank, training goes on")
-        return None
+        return None, None
     finally:
         model.train()
 

@@ -34,7 +34,7 @@ import torch
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import ArgumentParser, underscore_flags
 from nanochat.common import atomic_write_bytes, compute_cleanup, compute_init, get_dist_info, print0
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPT, STATE_DIAGNOSTICS, GPTConfig
 from nanochat.loss_eval import format_steps
 from nanochat.report import read_metrics
 from scripts import base_train
@@ -204,12 +204,12 @@ def inference_sweep(run, max_sup, device, rank, world_size):
     args = run["args"]
     from nanochat.dataloader import DataLoader
     from nanochat.tokenizer import get_token_bytes
-    bpb = base_train.run_eval(model, tokenizer, args, device, rank, world_size, get_token_bytes(device=device),
-                              DataLoader)
+    bpb, state = base_train.run_eval(model, tokenizer, args, device, rank, world_size,
+                                     get_token_bytes(device=device), DataLoader)
     if bpb is None:
         raise SystemExit(f"compare: {run['name']}: the inference evaluation failed (see the warning above)")
     return [{"n_sup": k + 1, "flops_per_token": run["model"].estimate_flops(n_sup=k + 1, backward=False),
-             "val_bpb": b} for k, b in enumerate(bpb)]
+             "val_bpb": b, **dict(zip(STATE_DIAGNOSTICS, row))} for k, (b, row) in enumerate(zip(bpb, state))]
 
 
 def result(run, inference):
@@ -258,6 +258,19 @@ def table(report):
         cells = [f"{i['val_bpb']:.4f}{'*' if i['n_sup'] == len(r['val_bpb']) else ''} ({human(i['flops_per_token'])})"
                  for i in r["inference"]]
         rows.append(f"| {r['name']} | " + " | ".join(cells + ["-"] * (report["max_inference_sup"] - len(cells))) + " |")
+    rows += ["", "Does the recursion settle? Past the trained steps (N) a converging model's bpb stays flat and its "
+             "state stops moving: RMS of the answer state y and of each step's update, at inference steps 1, N and 2N "
+             "(first validation batch):", "",
+             "| config | bpb(2N) - bpb(N) | best n_sup | rms y | rms update | cos(update, y) |", "|---" * 6 + "|"]
+    for r in report["runs"]:
+        inference, trained = r["inference"], len(r["val_bpb"])
+        if len(inference) <= trained or "rms_y" not in inference[0]:
+            continue
+        at = [inference[0], inference[trained - 1], inference[-1]]
+        arrow = lambda key, digits: " → ".join(f"{i[key]:.{digits}f}" for i in at)
+        best = min(inference, key=lambda i: i["val_bpb"])["n_sup"]
+        rows.append(f"| {r['name']} | {inference[-1]['val_bpb'] - inference[trained - 1]['val_bpb']:+.4f} | {best} | "
+                    f"{arrow('rms_y', 2)} | {arrow('rms_update', 3)} | {arrow('cos_update_y', 2)} |")
     header = [f"Mode: **{report['mode']}**. Command: `{report['command']}` ({report['date']}, {report['device']}).",
               f"Wall time summed over runs (training and periodic evals): {report['wall_time_s'] / 60:.1f} min.", ""]
     return "\n".join(header + rows) + "\n"

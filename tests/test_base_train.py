@@ -174,8 +174,8 @@ def test_max_hours_stops_cleanly_with_a_checkpoint(base_dir):
 
 
 def test_precedence_metrics_report_and_plot(base_dir):
-    run(base_dir, *TINY, "--num_iterations=4", "--preset=extreme", "--improvement_reward_scale=0.7",
-        "--model_tag=prec")
+    out = run(base_dir, *TINY, "--num_iterations=4", "--preset=extreme", "--improvement_reward_scale=0.7",
+              "--model_tag=prec").stdout
     m = meta(base_dir, "prec", 4)
     assert m["model_config"]["supervision_weight_base"] == 10.0  # preset
     assert m["model_config"]["improvement_reward_scale"] == 0.7  # explicit flag beats the preset
@@ -188,6 +188,12 @@ def test_precedence_metrics_report_and_plot(base_dir):
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4] and all(len(r["step_losses"]) == 2 for r in train)
     assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 4]
+    # the recursion's state diagnostics, per supervision step, in every train and eval record and in the log
+    for r in train + [r for r in records if r["kind"] == "eval"]:
+        assert len(r["state"]) == 2 and all(len(row) == 4 for row in r["state"])
+        rms_y, rms_z, rms_update, cos = r["state"][-1]
+        assert rms_y > 0 and rms_update > 0 and -1 <= cos <= 1
+    assert out.count("recursion state per step: rms y ") == 2
     assert os.path.exists(os.path.join(ckpt_dir(base_dir, "prec"), "report.md"))
     png = os.path.join(ckpt_dir(base_dir, "prec"), "training.png")
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
