@@ -118,8 +118,8 @@ def reduce_with_flags(values, flags):
     raised[:, rank] = torch.tensor([float(bool(f)) for f in flags], dtype=values.dtype)
     payload = torch.cat([values.flatten(), raised.flatten()])
     dist.all_reduce(payload)
-    summed, raised = payload[:values.numel()].view_as(values), payload[values.numel():].view(len(flags), world)
-    return summed, [[r for r in range(world) if raised[i, r] > 0] for i in range(len(flags))]
+    raised = payload[values.numel():].view(len(flags), world).tolist()  # one host read for every flag
+    return payload[:values.numel()].view_as(values), [[r for r in range(world) if raised[i][r]] for i in range(len(flags))]
 
 
 class RankFailure(RuntimeError):

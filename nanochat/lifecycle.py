@@ -19,9 +19,8 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 
-from nanochat.common import distributed, reduce_with_flags
+from nanochat.common import reduce_with_flags
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_WINDOW_S = 5.0  # forwarded copies of one signal arrive within milliseconds; a person pressing Ctrl-C again, later
@@ -82,11 +81,11 @@ class RunControl:
                 bool(minutes) and time.time() - self.last_save >= minutes * 60]
 
     def reduce(self, values):
-        """The mean of every rank's `values` (a 1-D tensor, e.g. the step's losses) as floats, and the agreed flags:
-        {'signal' | 'budget' | 'save_time': ranks that raised it}. One all_reduce; call it on every rank."""
-        world = dist.get_world_size() if distributed() else 1
+        """The sum over ranks of every rank's `values` (a 1-D tensor, e.g. the step's losses) as floats, and the agreed
+        flags: {'signal' | 'budget' | 'save_time': ranks that raised it}. One all_reduce and one host read; call it on
+        every rank."""
         summed, raised = reduce_with_flags(values.float(), self.local_flags())
-        return [v / world for v in summed.tolist()], dict(zip(FLAGS, raised))
+        return summed.tolist(), dict(zip(FLAGS, raised))
 
     def agree(self, device):
         """The agreed flags alone, for the moment before the first step (a budget already spent, an early signal)."""

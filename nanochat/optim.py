@@ -12,21 +12,34 @@ def squared_norm(tensors):
 
 
 @torch.no_grad()
-def clip_and_step(optimizers, grad_clip):
-    """Average gradients across ranks, clip their global norm to grad_clip (<= 0: no clipping), step.
+def reduce_gradients(optimizers):
+    """Average the gradients across ranks; returns this rank's share of the squared global norm, on the device.
 
-    Returns the gradient norm before clipping; a non-finite norm skips the update. Under DDP each rank holds a
-    disjoint share of the averaged gradients after reduce_grads(), so summing the shares' squared norms across ranks
-    gives the exact global norm, the same number a single process computes on the same averaged gradient. The clip
-    scale enters the momentum before orthogonalisation, so no update can start before every gradient is reduced.
-    """
-    sq = sum(opt.reduce_grads() for opt in optimizers)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(sq)
-    grad_norm = sq.sqrt().item()
-    if not math.isfinite(grad_norm):  # never write NaN/Inf into the weights; the caller decides what to do
-        return grad_norm
+    Under DDP each rank holds a disjoint share of the averaged gradients after reduce_grads(), so summing the shares'
+    squared norms across ranks gives the exact global norm, the same number a single process computes on the same
+    averaged gradient."""
+    return sum(opt.reduce_grads() for opt in optimizers)
+
+
+@torch.no_grad()
+def clipped_step(optimizers, grad_norm, grad_clip):
+    """Step with the gradients scaled so their global norm is at most grad_clip (<= 0: no clipping). A non-finite
+    norm skips the update: never write NaN/Inf into the weights; the caller decides what to do. The clip scale
+    enters the momentum before orthogonalisation, so no update can start before every gradient is reduced."""
+    if not math.isfinite(grad_norm):
+        return
     scale = min(1.0, grad_clip / (grad_norm + 1e-6)) if grad_clip > 0 else 1.0
     for opt in optimizers:
         opt.step(grad_scale=scale)
+
+
+@torch.no_grad()
+def clip_and_step(optimizers, grad_clip):
+    """reduce_gradients, the global norm (an all_reduce and a host read), clipped_step; returns the norm before
+    clipping. base_train instead reads the norm in the same all_reduce as the step's losses: one host sync a step."""
+    sq = reduce_gradients(optimizers)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sq)
+    grad_norm = sq.sqrt().item()
+    clipped_step(optimizers, grad_norm, grad_clip)
     return grad_norm

@@ -34,7 +34,7 @@ from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_
                              raise_if_any_rank_failed)
 from nanochat.gpt import GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
 from nanochat.loss_eval import evaluate_bpb, format_state, format_steps, refinement
-from nanochat.optim import clip_and_step
+from nanochat.optim import clipped_step, reduce_gradients
 from nanochat.report import Health, MetricsError, MetricsLog, format_duration, write_summary
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
@@ -432,6 +432,8 @@ def train(args):
     loaders = [DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
                           rank=data_rank, world_size=world_size * args.grad_accum, resume_state=loader_states[j])
                for j, data_rank in enumerate(data_ranks(args, rank))]
+    consumed = [loader.state_dict() for loader in loaders]  # the loaders' positions after the last trained batch
+    prefetched = next(loaders[0])
     token_bytes = get_token_bytes(device=device)
     run_dir = ckpt.model_dir(args.model_tag)
     os.makedirs(run_dir, exist_ok=True)
@@ -454,10 +456,10 @@ def train(args):
                     "batch_geometry": batch_geometry(args), "num_iterations": num_iterations,
                     "tokenizer_fingerprint": tokenizer.fingerprint(),
                     "val_bpb": val_bpb if last_eval_step == step else None, "elapsed_seconds": elapsed(),
-                    "cost": control.cost(), "dataloader": loaders[0].state_dict()}
+                    "cost": control.cost(), "dataloader": consumed[0]}
             try:
                 path = ckpt.save_checkpoint(args.model_tag, step, published, optimizers, meta,
-                                            {"loaders": [loader.state_dict() for loader in loaders]}, rank,
+                                            {"loaders": consumed}, rank,
                                             train_model=model if ema else None)
             except ckpt.CheckpointError as e:
                 raise ExitWithMessage(str(e), code=5)
@@ -501,16 +503,22 @@ def train(args):
             n_sup = model.train_depth(step)
             sums = torch.zeros(1 + 5 * n_sup, device=device)  # total loss, the step losses, state diagnostics
             try:
-                for loader in loaders:
-                    x, y = next(loader)
+                for j, loader in enumerate(loaders):
+                    x, y = prefetched if j == 0 else next(loader)
                     with autocast_for(args):
                         loss, aux = model.forward_backward(x, y, loss_scale=1 / args.grad_accum, n_sup=n_sup)
-                    sums += torch.cat([loss.view(1), aux["step_losses"], aux["state"].flatten()]).float() / args.grad_accum
+                    sums += torch.cat([loss.view(1), aux["step_losses"], aux["state"].flatten()]).float()
+                # the next step's first batch, tokenized while the device still works on this one
+                consumed = [loader.state_dict() for loader in loaders]  # what a checkpoint resumes from
+                prefetched = next(loaders[0])
+                sq_grad_norm = reduce_gradients(optimizers)
             except torch.OutOfMemoryError:
                 raise ExitWithMessage(oom_message(args), code=4)
-            # the mean over ranks and every rank's stop/save flags: one all_reduce, one host sync
-            values, flags = control.reduce(sums)
-            total, losses, state = values[0], values[1:1 + n_sup], values[1 + n_sup:]
+            # the means over micro-steps and ranks, the squared gradient norm, and every rank's stop/save flags:
+            # one all_reduce and the step's one host sync
+            values, flags = control.reduce(torch.cat([sums / (args.grad_accum * world_size), sq_grad_norm.view(1)]))
+            total, losses, state = values[0], values[1:1 + n_sup], values[1 + n_sup:-1]
+            grad_norm = math.sqrt(values[-1]) if values[-1] >= 0 else float("nan")
             if not all(math.isfinite(v) for v in losses + [total]):
                 path = os.path.join(run_dir, f"nan_diagnostic_step{step:06d}.json")
                 if rank == 0:
@@ -523,15 +531,15 @@ def train(args):
                     group["lr"] = group["initial_lr"] * lrm
             for group in optimizers[1].param_groups:
                 group["momentum"] = muon_momentum(step)
-            grad_norm = clip_and_step(optimizers, args.grad_clip)
+            clipped_step(optimizers, grad_norm, args.grad_clip)  # skipped when the norm is not finite
             model.zero_grad(set_to_none=True)
-            if ema:
-                ema.update_parameters(model)
             if not math.isfinite(grad_norm):
                 raise ExitWithMessage(f"gradient norm is {grad_norm} at step {step}: the update was skipped and the "
                                       f"run stopped; lower --matrix_lr or use a milder --preset, then --resume", code=3)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            if ema:
+                ema.update_parameters(model)
+            # no device sync for the clock: the optimizer's kernels still running now are waited for by the next
+            # step's sync, so in a steady state dt is a whole step
             dt = time.time() - t0
             step += 1
 

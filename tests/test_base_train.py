@@ -223,3 +223,21 @@ def test_ema_publishes_the_average_trains_on_the_raw_weights_and_resumes_exactly
     for a, b in ((published, weights(base_dir, "ema_split", 4)),
                  (raw, load_file(os.path.join(ckpt_dir(base_dir, "ema_split", 4), "train_weights.safetensors")))):
         assert all(torch.equal(a[k], b[k]) for k in a)  # resume continues the average and the raw weights exactly
+
+
+def test_a_training_step_reads_the_device_once(base_dir, monkeypatch):
+    # every way a tensor's value reaches Python is a host sync on a GPU; count them over 2 and 5 steps: the extra
+    # 3 steps (no evaluation, sample or save in between) must cost exactly 3 reads
+    from scripts import base_train
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, **k: reads.append(1) or _real(self, *a, **k))
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    counts = []
+    for n, tag in ((2, "syncs_a"), (5, "syncs_b")):
+        args = base_train.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", f"--model_tag={tag}"])
+        reads.clear()
+        base_train.train(args)
+        counts.append(len(reads))
+    assert counts[1] - counts[0] == 3, counts
