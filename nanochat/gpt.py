@@ -25,8 +25,10 @@ from torch.utils.checkpoint import checkpoint
 
 ACTIVATIONS = ("relu_squared", "swiglu", "geglu")
 
-# (supervision_weight_base, improvement_reward_scale) per preset; the guides' Phase 1 is aggressive, Phase 2 extreme.
+# (supervision_weight_base, improvement_reward_scale) per preset; the guides' Phase 1 is aggressive, Phase 2 extreme;
+# uniform is TRM's own deep supervision: every step's loss weighs the same, no improvement reward.
 REFINEMENT_PRESETS = {
+    "uniform": (1.0, 0.0),
     "moderate": (3.0, 0.5),
     "aggressive": (5.0, 1.0),
     "extreme": (10.0, 2.0),

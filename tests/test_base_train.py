@@ -116,7 +116,7 @@ def test_two_gloo_processes_match_one_process_with_double_accumulation(base_dir)
 @pytest.mark.parametrize("flags, message", [
     (["--device_batch=4"], "did you mean --device_batch_size"),
     (["--total_batch_size=100"], "not a multiple of"),
-    (["--preset=insane"], "valid presets: moderate, aggressive, extreme"),
+    (["--preset=insane"], "valid presets: uniform, moderate, aggressive, extreme"),
     (["--n_head=5"], "n_embd=32 is not divisible by n_head=5"),
     (["--model_tag=nothing_here", "--resume"], "no checkpoint found for model tag 'nothing_here'"),
     (["--device_type=cuda"], "not available on this machine"),

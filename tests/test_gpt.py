@@ -295,7 +295,7 @@ def test_model_gradient_is_the_stop_gradient_linearisation():
 
 # ---------------------------------------------------------------------------------------------------- the config
 
-@pytest.mark.parametrize("name, base, scale", [("moderate", 3.0, 0.5), ("aggressive", 5.0, 1.0),
+@pytest.mark.parametrize("name, base, scale", [("uniform", 1.0, 0.0), ("moderate", 3.0, 0.5), ("aggressive", 5.0, 1.0),
                                                ("extreme", 10.0, 2.0)])
 def test_refinement_presets(name, base, scale):
     config = GPTConfig.with_refinement_preset(name)
