@@ -54,6 +54,24 @@ class ExitWithMessage(Exception):
 
 
 # ---------------------------------------------------------------------------------------------------- command line
+def ema_decay_arg(value):
+    if value == "auto":
+        return value
+    try:
+        decay = float(value)
+    except ValueError:
+        decay = -1.0
+    if not 0 <= decay < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: a decay in [0, 1) (0 = off, 0.999 averages over about the last "
+                                         f"1000 steps), or auto")
+    return decay
+
+
+def ema_decay_for(args, num_iterations):
+    """The EMA decay of the run: --ema_decay, or for auto an average over about the last tenth of the run."""
+    return max(0.0, 1 - 10 / num_iterations) if args.ema_decay == "auto" else args.ema_decay
+
+
 def str2bool(value):
     if isinstance(value, bool):
         return value
@@ -109,9 +127,10 @@ def build_parser():
     optim.add_argument("--unembedding_lr", type=float, default=0.004, help="AdamW lr for lm_head")
     optim.add_argument("--weight_decay", type=float, default=0.0)
     optim.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
-    optim.add_argument("--ema_decay", type=float, default=0.0,
-                       help="evaluate, sample and publish an exponential moving average of the weights, e.g. 0.999 "
-                            "(as TRM); 0 = off")
+    optim.add_argument("--ema_decay", type=ema_decay_arg, default="auto",
+                       help="evaluate, sample and publish an exponential moving average of the weights: a decay in "
+                            "[0, 1) (0 = off; TRM uses 0.999), or auto = 1 - 10 / num_iterations, an average over "
+                            "about the last tenth of the run")
     optim.add_argument("--warmup_steps", type=int, default=None, help="lr warmup steps (overrides the ratio)")
     optim.add_argument("--warmup_ratio", type=float, default=0.02, help="lr warmup as a fraction of the run")
     optim.add_argument("--warmdown_ratio", type=float, default=0.2, help="final fraction with linear lr decay")
@@ -216,9 +235,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True):
                  "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip", "gpu_hourly_price"):
         if getattr(args, name) is not None and not getattr(args, name) >= 0:
             parser.error(f"--{name}={getattr(args, name)} must be >= 0 (see --help for what 0 means)")
-    if not 0 <= args.ema_decay < 1:
-        parser.error(f"--ema_decay={args.ema_decay} must be in [0, 1): 0 turns the average off, 0.999 averages over "
-                     f"about the last 1000 steps")
+
     for name in ("target_flops", "target_param_data_ratio", "max_hours", "max_cost"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             parser.error(f"--{name}={getattr(args, name)} must be > 0")
@@ -419,7 +436,10 @@ def train(args):
         raise ExitWithMessage(no_room)
 
     # the EMA's copy of the model is what evaluation, samples and checkpoints see; training goes on in `model`
-    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay)) if args.ema_decay else None
+    ema_decay = ema_decay_for(args, num_iterations)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay)) if ema_decay else None
+    print0(f"weights published (evaluated, sampled, saved): "
+           + (f"EMA with decay {ema_decay:.4f} (--ema_decay={args.ema_decay})" if ema else "the trained weights"))
     published = ema.module if ema else model
     start_step, prior_seconds, loader_states = 0, 0.0, [None] * args.grad_accum
     if resume:

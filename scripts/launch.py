@@ -389,7 +389,9 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
            f"{' with activation checkpointing' if config.activation_checkpointing else ''} (nanochat/memory.py: "
            f"params+grads+optimizer {(est['params'] + est['grads'] + est['optimizer']) / 1e9:.1f}, activations "
            f"{est['activations'] / 1e9:.1f}, logits {est['logits'] / 1e9:.1f}, transient {est['transient'] / 1e9:.1f})"
-           f"; usable {memory.usable_bytes(budget[0]) / 1e9:.0f} GB ({budget[1]})",
+           f"; usable {memory.usable_bytes(budget[0]) / 1e9:.0f} GB ({budget[1]})"
+           + ("; eager-mode counts: compiled (--compile, on here) fuses ops and saves fewer activations, so it needs "
+              "less" if args.compile else ""),
            f"schedule     {iterations} steps, matrix_lr {args.matrix_lr}, embedding_lr {args.embedding_lr}, warmup "
            f"{warmup} steps, grad clip {args.grad_clip}, eval every {args.eval_every}, samples every "
            f"{args.sample_every}, checkpoint every {args.save_every}, compile {args.compile}, {args.dtype}",

@@ -23,6 +23,8 @@ TRAIN = [
     ("--unembedding_lr=-1", "--unembedding_lr=-1.0 must be >= 0"),
     ("--weight_decay=-1", "--weight_decay=-1.0 must be >= 0"),
     ("--grad_clip=-1", "--grad_clip=-1.0 must be >= 0"),
+    ("--ema_decay=1", "--ema_decay: '1': a decay in [0, 1)"),
+    ("--ema_decay=fast", "--ema_decay: 'fast': a decay in"),
     ("--n_embd=0", "--n_embd=0 must be >= 1"),
     ("--n_head=0", "--n_head=0 must be >= 1"),
     ("--target_flops=0", "--target_flops=0.0 must be > 0"),
