@@ -14,7 +14,7 @@ Budget modes:
     params   equal tokens, plus for each TRM config a plain model of the same width made deeper (or of the same depth
              made wider) until its FLOPs per token match the TRM's: same parameters vs same compute
 
-Configs are --config NAME="base_train flags" (repeatable; default: the grid below). Flags after a second `--` go to
+Configs are --config NAME="base_train flags" (repeatable; default: --grid, below). Flags after a second `--` go to
 base_train for every config (a config's own flags win); with none, on CPU the small default model below is used.
 Every trained TRM model is then evaluated with 1 .. --inference_factor x n_sup_train supervision steps.
 Finished configs are recorded in <out>/compare.json after each one, so a rerun skips them; a config interrupted
@@ -44,7 +44,24 @@ DEFAULT_GRID = {
     "trm_l1_s2": "--n_loops=1 --n_sup_train=2",
     "trm_l2_s4": "--n_loops=2 --n_sup_train=4",  # gpt.py's defaults with the aggressive preset (the guides' Phase 1)
     "trm_l2_s4_extreme": "--n_loops=2 --n_sup_train=4 --preset=extreme",  # the guides' "97% refinement" Phase 2
+    # the recursion as it was before bounded states: the residual sum, no detach, no EMA
+    "trm_l2_s4_residual": "--n_loops=2 --n_sup_train=4 --state_update=residual --detach_between_steps=false "
+                          "--ema_decay=0",
 }
+# --grid=recursion: how the recursion writes its state, and the training options, each alone and combined, at equal
+# compute (every config costs the same FLOPs per token); the first row is the recursion before bounded states.
+RECURSION_GRID = {
+    "residual": "--state_update=residual --detach_between_steps=false --ema_decay=0",
+    "postnorm": "--state_update=postnorm --detach_between_steps=false --ema_decay=0",
+    "decay": "--state_update=decay --detach_between_steps=false --ema_decay=0",
+    "trm": "--state_update=trm --detach_between_steps=false --ema_decay=0",
+    "trm_sampled": "--state_update=trm --detach_between_steps=false --ema_decay=0 --sample_n_sup",
+    "trm_uniform": "--state_update=trm --detach_between_steps=false --ema_decay=0 --preset=uniform",
+    "trm_ema": "--state_update=trm --detach_between_steps=false --ema_decay=auto",
+    "trm_detach": "--state_update=trm --detach_between_steps=true --ema_decay=0",
+    "trm_detach_ema": "--state_update=trm --detach_between_steps=true --ema_decay=auto",
+}
+GRIDS = {"refinement": DEFAULT_GRID, "recursion": RECURSION_GRID}
 # Two layers, as in the TRM paper's tiny network; the default grid took 9 min on 2 shared CPU cores (OMP_NUM_THREADS=1).
 CPU_MODEL = ["--depth=2", "--n_embd=128", "--n_head=2", "--max_seq_len=128", "--device_batch_size=8",
              "--eval_tokens=16384", "--sample_tokens=8", "--gradient_accumulation_steps=1"]
@@ -68,6 +85,9 @@ def parse_args(argv=None):
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["tokens", "flops", "params"], default="flops", help="budget mode (see above)")
     p.add_argument("--config", action="append", default=None, metavar='NAME="FLAGS"', help="a config of the grid")
+    p.add_argument("--grid", choices=GRIDS, default="refinement",
+                   help="the configs when no --config is given: refinement (does it pay against plain GPTs) or "
+                        "recursion (state updates and training options at equal compute)")
     p.add_argument("--num_iterations", type=int, default=128,
                    help="steps of every config (tokens, params) or of the costliest config (flops)")
     p.add_argument("--target_flops", type=float, default=None, help="flops mode: training FLOPs of every config")
@@ -82,7 +102,7 @@ def parse_args(argv=None):
         p.error("--num_iterations, --evals and --inference_factor must be >= 1")
     if args.target_flops is not None and (args.mode != "flops" or args.target_flops <= 0):
         p.error("--target_flops is for --mode=flops and must be > 0")
-    specs = args.config or [f"{name}={flags}" for name, flags in DEFAULT_GRID.items()]
+    specs = args.config or [f"{name}={flags}" for name, flags in GRIDS[args.grid].items()]
     args.configs = []
     for spec in specs:
         name, sep, flags = spec.partition("=")
