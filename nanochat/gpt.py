@@ -53,11 +53,11 @@ class GPTConfig:
     n_sup_train: int = 4  # supervision steps during training
     # None = same as n_sup_train: evaluating at a step that training barely weighted (or never saw) is a trap.
     n_sup_inference: int | None = None
-    state_update: str = "residual"  # how a layer visit writes into y and z: see STATE_UPDATES (n_loops >= 1 only)
+    state_update: str = "trm"  # how a layer visit writes into y and z: see STATE_UPDATES (n_loops >= 1 only)
     # True: each optimizer step trains a random number of supervision steps, uniform on 1 .. 2*n_sup_train-1 (mean
     # n_sup_train, so the same compute): every step must be a good answer, and stay one when run longer (Huginn).
     sample_n_sup: bool = False
-    detach_between_steps: bool = False  # True: carry y, z detached between steps (TRM paper); see forward_backward
+    detach_between_steps: bool = True  # carry y, z detached between steps (TRM paper); see forward_backward
     activation_checkpointing: bool = False  # recompute each layer visit in backward instead of storing it
     # The guides tell users to edit these two lines between phases (aggressive -> extreme): keep them plain literals.
     supervision_weight_base: float = 5.0

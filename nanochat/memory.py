@@ -91,10 +91,11 @@ def _param_counts_cached(vocab_size, n_layer, n_embd, n_head, n_kv_head, activat
     return model.num_params(), matrix_shapes, adamw, buffers
 
 
-def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1):
+def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, ema=False):
     """Peak bytes of one rank during a training micro-step: a dict of the parts and their "total".
 
-    config: a GPTConfig (sequence_len is the micro-batch's T); dtype: the autocast dtype ("float32" = no autocast).
+    config: a GPTConfig (sequence_len is the micro-batch's T); dtype: the autocast dtype ("float32" = no autocast);
+    ema: whether the run keeps an EMA of the weights (a float32 copy of every parameter on every rank).
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
@@ -124,7 +125,7 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1):
     # backward of the last head holds about three (B, T, vocab) float32 gradients at once
     transient = max(3 * 4 * c.vocab_size * tokens, recompute)
     parts = {
-        "params": 4 * n_params + buffers,
+        "params": 4 * n_params * (2 if ema else 1) + buffers,
         "grads": 4 * n_params,
         "optimizer": 4 * (muon_state + adamw_state),
         "weight_copies": DTYPE_BYTES[dtype] * (n_matrix + adamw[1]) if DTYPE_BYTES[dtype] < 4 else 0,
@@ -146,7 +147,7 @@ MIN_TOKENS_PER_MICRO_BATCH = 8192
 
 
 def fit_micro_batch(config, sequences_per_rank, max_batch, memory_bytes, dtype="bfloat16", world_size=1,
-                    allow_checkpointing=True):
+                    allow_checkpointing=True, ema=False):
     """Pick (device_batch_size, activation_checkpointing) so that one micro-batch fits in memory_bytes.
 
     Only device batches that divide sequences_per_rank are considered, so gradient accumulation keeps the effective
@@ -155,7 +156,7 @@ def fit_micro_batch(config, sequences_per_rank, max_batch, memory_bytes, dtype="
     it, any batch that fits. Returns None when not even one sequence fits.
     """
     budget = usable_bytes(memory_bytes)
-    fits = lambda cfg, b: estimate_memory(cfg, b, dtype, world_size)["total"] <= budget
+    fits = lambda cfg, b: estimate_memory(cfg, b, dtype, world_size, ema)["total"] <= budget
     batches = [b for b in range(min(max_batch, sequences_per_rank), 0, -1) if sequences_per_rank % b == 0]
     if fits(config, max_batch):
         return max_batch, config.activation_checkpointing

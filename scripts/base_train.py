@@ -438,7 +438,7 @@ def train(args):
     # the EMA's copy of the model is what evaluation, samples and checkpoints see; training goes on in `model`
     ema_decay = ema_decay_for(args, num_iterations)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay)) if ema_decay else None
-    print0(f"weights published (evaluated, sampled, saved): "
+    print0("weights published (evaluated, sampled, saved): "
            + (f"EMA with decay {ema_decay:.4f} (--ema_decay={args.ema_decay})" if ema else "the trained weights"))
     published = ema.module if ema else model
     start_step, prior_seconds, loader_states = 0, 0.0, [None] * args.grad_accum

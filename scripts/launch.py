@@ -137,6 +137,12 @@ def torchrun_prefix(nproc, nnodes):
             f"--master_port={port}", f"--nproc_per_node={nproc}"]
 
 
+def ema(args):
+    """Whether the run keeps an EMA copy of the weights (--ema_decay; auto depends on the run's length)."""
+    from scripts.base_train import ema_decay_for
+    return args.num_iterations is None or ema_decay_for(args, args.num_iterations) > 0
+
+
 def model_config(args, vocab_size):
     return GPTConfig(vocab_size=vocab_size, **args.model_config)
 
@@ -166,7 +172,7 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
             f"accumulation {accum} -> {per_rank // b} keeps the table's {sequences} sequences at your device batch {b}"]
     config = model_config(args, vocab_size)
     fit = memory.fit_micro_batch(config, per_rank, min(batch, per_rank), memory_bytes, args.dtype, world,
-                                 allow_checkpointing="activation_checkpointing" not in given)
+                                 allow_checkpointing="activation_checkpointing" not in given, ema=ema(args))
     if fit is None:
         raise Stop(f"not even one sequence of {args.max_seq_len} tokens fits in {memory_bytes / 1e9:.0f} GB per "
                    f"device with activation checkpointing (estimate); lower DEPTH, --max_seq_len or --n_sup_train")
@@ -174,7 +180,7 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
     flags, notes = {"device_batch_size": b, "gradient_accumulation_steps": per_rank // b}, []
     if checkpointing and not config.activation_checkpointing:
         flags["activation_checkpointing"] = "true"
-        need = memory.estimate_memory(config, batch, args.dtype, world)["total"]
+        need = memory.estimate_memory(config, batch, args.dtype, world, ema(args))["total"]
         notes.append(f"activation checkpointing turned ON: the table's batch {batch} would need ~{need / 1e9:,.0f} GB "
                      f"per device without it, {memory.usable_bytes(memory_bytes) / 1e9:.0f} GB are usable")
     if (b, per_rank // b) != (batch, accum):
@@ -359,7 +365,7 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
     config = model_config(args, vocab)
     sequences = world * args.device_batch_size * args.grad_accum
     table_sequences = row["gpus"] * row[phase][0] * row[phase][1]
-    est = memory.estimate_memory(config, args.device_batch_size, args.dtype, world)
+    est = memory.estimate_memory(config, args.device_batch_size, args.dtype, world, ema(args))
     model = meta_model(config)
     model_flops, recompute = flops_per_token(model)
     step_flops = model_flops * args.total_batch_size
@@ -516,7 +522,8 @@ def train(key, phase, extra):
     data = data_status(phase)
     problems = [p for p in (hardware_problem(key, phase, gpus) if args.device_type == "cuda" else None,
                             disk_problem(*data)) if p]
-    est = memory.estimate_memory(model_config(args, vocab), args.device_batch_size, args.dtype, args.world_size)
+    est = memory.estimate_memory(model_config(args, vocab), args.device_batch_size, args.dtype, args.world_size,
+                                 ema(args))
     if est["total"] > memory.usable_bytes(budget[0]):
         problems.append(oom_problem(args, vocab, budget[0], est["total"]))
     flags, state_lines, state_problems = run_state(args, vocab, have_tokenizer, user_flag_names(extra),
@@ -545,7 +552,8 @@ def train(key, phase, extra):
 def oom_problem(args, vocab, budget, need):
     config = model_config(args, vocab)
     per_rank = args.device_batch_size * args.grad_accum
-    fit = memory.fit_micro_batch(config, per_rank, args.device_batch_size, budget, args.dtype, args.world_size)
+    fit = memory.fit_micro_batch(config, per_rank, args.device_batch_size, budget, args.dtype, args.world_size,
+                                 ema=ema(args))
     fix = ("lower DEPTH or --max_seq_len" if fit is None else
            f"use --device_batch_size={fit[0]} --gradient_accumulation_steps={per_rank // fit[0]}"
            + (" --activation_checkpointing" if fit[1] and not config.activation_checkpointing else "")

@@ -19,7 +19,7 @@ GPT_SOURCE = Path(__file__).resolve().parents[1] / "nanochat" / "gpt.py"
 
 def tiny_config(**overrides):
     base = dict(sequence_len=16, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                n_loops=1, T_recursion=1, n_sup_train=2)
+                n_loops=1, T_recursion=1, n_sup_train=2, detach_between_steps=False)
     return GPTConfig(**{**base, **overrides})
 
 
@@ -526,7 +526,7 @@ def test_a_config_saved_before_state_update_existed_loads_as_the_residual_recurs
 def test_an_old_checkpoint_gives_the_same_logits_as_before(tmp_path, monkeypatch):
     from nanochat import checkpoint_manager as ckpt
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
-    config = tiny_config(n_loops=1, n_sup_train=2)
+    config = tiny_config(n_loops=1, n_sup_train=2, state_update="residual")  # what every old checkpoint is
     model = random_model(config).eval()
     meta = {"model_config": {k: v for k, v in config.to_dict().items() if k not in ("state_update", "sample_n_sup")}}
     ckpt.save_checkpoint("old", 1, model, [], meta, rank_state={})
