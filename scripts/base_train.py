@@ -453,7 +453,7 @@ def train(args):
                           rank=data_rank, world_size=world_size * args.grad_accum, resume_state=loader_states[j])
                for j, data_rank in enumerate(data_ranks(args, rank))]
     consumed = [loader.state_dict() for loader in loaders]  # the loaders' positions after the last trained batch
-    prefetched = next(loaders[0])
+    prefetched = next(loaders[0]) if start_step < num_iterations else None
     token_bytes = get_token_bytes(device=device)
     run_dir = ckpt.model_dir(args.model_tag)
     os.makedirs(run_dir, exist_ok=True)
@@ -530,7 +530,7 @@ def train(args):
                     sums += torch.cat([loss.view(1), aux["step_losses"], aux["state"].flatten()]).float()
                 # the next step's first batch, tokenized while the device still works on this one
                 consumed = [loader.state_dict() for loader in loaders]  # what a checkpoint resumes from
-                prefetched = next(loaders[0])
+                prefetched = next(loaders[0]) if step + 1 < num_iterations else None
                 sq_grad_norm = reduce_gradients(optimizers)
             except torch.OutOfMemoryError:
                 raise ExitWithMessage(oom_message(args), code=4)

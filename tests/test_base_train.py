@@ -195,7 +195,7 @@ def test_precedence_metrics_report_and_plot(base_dir):
         assert rms_y > 0 and -1 <= cos <= 1
     # untrained, the zero-initialised projections make every block the identity: the state does not move; trained, it does
     evals = [r for r in records if r["kind"] == "eval"]
-    assert evals[0]["state"][-1][2] == 0 and evals[-1]["state"][-1][2] > 0 and train[-1]["state"][-1][2] > 0
+    assert evals[0]["state"][-1][2] < 1e-5 and evals[-1]["state"][-1][2] > 1e-3 and train[-1]["state"][-1][2] > 1e-3
     assert out.count("recursion state per step: rms y ") == 2
     assert os.path.exists(os.path.join(ckpt_dir(base_dir, "prec"), "report.md"))
     png = os.path.join(ckpt_dir(base_dir, "prec"), "training.png")
