@@ -25,8 +25,8 @@ $py -m scripts.tok_eval
 
 echo "== 4/6 train a depth-4 TRM model (1 latent loop, 3 supervision steps)"
 # A plain depth-4 GPT costs 1/5 of this model per token: the recursion is not free, and the log's tok/s shows it.
-# Learning rates are 1/4 of the defaults (tuned for 0.5M-token batches) and the warmdown is long: at 2k tokens per
-# step the defaults train a model whose first draft beats its later steps (measured: README, "The CPU pipeline").
+# The recursion is gpt.py's default (TRM state update, detached supervision steps) with base_train's EMA of the
+# weights. Learning rates are 1/4 of the defaults (tuned for 0.5M-token batches) and the warmdown is long.
 resume=""  # run again, the pipeline continues (or re-checks) its run instead of refusing the used tag
 if compgen -G "$NANOCHAT_BASE_DIR/base_checkpoints/$MODEL_TAG/step_*" > /dev/null; then resume="--resume"; fi
 $py -m scripts.base_train --device_type=cpu --depth=4 --max_seq_len=256 --device_batch_size=8 --total_batch_size=2048 \
@@ -35,9 +35,9 @@ $py -m scripts.base_train --device_type=cpu --depth=4 --max_seq_len=256 --device
     --eval_every=40 --eval_tokens=16384 --sample_every=60 --save_every=40 --keep_last=2 \
     --model_tag="$MODEL_TAG" ${resume:+"$resume"} "$@"
 
-echo "== 5/6 evaluate and sample"
+echo "== 5/6 evaluate (6 supervision steps: the 3 trained, and 3 more to show they do not hurt) and sample"
 $py -m scripts.base_loss --device_type=cpu --model_tag="$MODEL_TAG" --device_batch_size=8 --max_seq_len=256 \
-    --split_tokens=32768
+    --split_tokens=32768 --n_sup=6
 $py -m scripts.base_sample --device_type=cpu --model_tag="$MODEL_TAG" --prompt="def main():" --max_tokens=24 \
     --show_steps
 
