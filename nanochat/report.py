@@ -64,20 +64,24 @@ def read_metrics(run_dir):
 
 # ---------------------------------------------------------------------------------------------------- smoothing
 class EMA:
-    """Exponential moving average of a list of values, debiased as nanochat does so early values are not pulled to 0."""
+    """Exponential moving average of a list of values, debiased as nanochat does so early values are not pulled to 0.
+    Each position averages the updates that had it: with sample_n_sup a step trains 1 .. 2N-1 supervision steps."""
 
     def __init__(self, beta=0.9):
-        self.beta, self.count, self.total = beta, 0, None
+        self.beta, self.count, self.total = beta, [], []
 
     def update(self, values):
-        self.count += 1
-        previous = [0.0] * len(values) if self.total is None else self.total
-        self.total = [self.beta * t + (1 - self.beta) * v for v, t in zip(values, previous)]
+        for i, v in enumerate(values):
+            if i == len(self.total):
+                self.total.append(0.0)
+                self.count.append(0)
+            self.count[i] += 1
+            self.total[i] = self.beta * self.total[i] + (1 - self.beta) * v
         return self.value
 
     @property
     def value(self):
-        return None if self.total is None else [t / (1 - self.beta ** self.count) for t in self.total]
+        return [t / (1 - self.beta ** c) for t, c in zip(self.total, self.count)]
 
 
 def smooth(series, beta):
@@ -244,7 +248,7 @@ class MetricsLog:
         step, losses, mfu, mem = record["step"], record["step_losses"], record["mfu"], record["peak_mem_gb"]
         eta = (num_iterations - step) * self.mean_step_time()
         return (f"step {step:05d}/{num_iterations} ({100 * step / num_iterations:.1f}%) | loss {losses[-1]:.4f} "
-                f"(smooth {self.ema.value[-1]:.4f}) | steps {format_steps(losses, digits=3)} | refine "
+                f"(smooth {self.ema.value[len(losses) - 1]:.4f}) | steps {format_steps(losses, digits=3)} | refine "
                 f"{100 * record['refinement']:5.1f}% | gnorm {record['grad_norm']:.3f} | lrm "
                 f"{record['lr_multiplier']:.2f} | {record['dt'] * 1000:.0f}ms | {record['tok_per_sec']:,.0f} tok/s | "
                 f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem {'n/a' if mem is None else f'{mem:.1f}GB'}"

@@ -40,12 +40,18 @@ def trained_range(values, skip):
     return low - margin, high + margin
 
 
+def column(steps, rows, s):
+    """(steps, values) of position s of each row that has one: with sample_n_sup the depth varies by step."""
+    pairs = [(step, row[s]) for step, row in zip(steps, rows) if len(row) > s]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
 def plot_train_loss(ax, train):
-    steps, n = [r["step"] for r in train], len(train[0]["step_losses"])
+    steps, n = [r["step"] for r in train], max(len(r["step_losses"]) for r in train)
     smoothed = smooth([r["step_losses"] for r in train], smoothing_beta(len(train)))
     for s in range(n):
-        line, = ax.plot(steps, [v[s] for v in smoothed], lw=1.8, label=step_label(s, n))
-        ax.plot(steps, [r["step_losses"][s] for r in train], lw=0.5, alpha=0.2, color=line.get_color())
+        line, = ax.plot(*column(steps, smoothed, s), lw=1.8, label=step_label(s, n))
+        ax.plot(*column(steps, [r["step_losses"] for r in train], s), lw=0.5, alpha=0.2, color=line.get_color())
     ax.set_ylim(*trained_range([v for row in smoothed for v in row], n * max(1, len(train) // 20)))
     ax.set(title="training loss per supervision step (smoothed; faint: raw batches)", xlabel="optimizer step",
            ylabel="loss (nats per token)")
@@ -58,14 +64,13 @@ def explain_gaps(ax, n):
 
 
 def plot_gaps(ax, train):
-    steps, n = [r["step"] for r in train], len(train[0]["step_losses"])
+    steps, n = [r["step"] for r in train], max(len(r["step_losses"]) for r in train)
     gaps = [[l - r["step_losses"][0] for l in r["step_losses"][1:]] for r in train]
     smoothed = smooth(gaps, smoothing_beta(len(train)))
     ax.axhline(0, color="black", lw=1, ls="--", label="step_0 (the draft)")
     for s in range(1, n):
-        line, = ax.plot(steps, [g[s - 1] for g in smoothed], lw=1.8, label=f"{step_label(s, n)} - step_0",
-                        color=f"C{s}")
-        ax.plot(steps, [g[s - 1] for g in gaps], lw=0.5, alpha=0.15, color=line.get_color())
+        line, = ax.plot(*column(steps, smoothed, s - 1), lw=1.8, label=f"{step_label(s, n)} - step_0", color=f"C{s}")
+        ax.plot(*column(steps, gaps, s - 1), lw=0.5, alpha=0.15, color=line.get_color())
     values = [v for row in smoothed for v in row] + [0.0]
     ax.set_ylim(*trained_range(values, (n - 1) * max(1, len(train) // 20)))
     ax.set(title="do later supervision steps help? (training batches, smoothed)", xlabel="optimizer step",
@@ -156,7 +161,8 @@ def figure(run_dir):
     if evals:
         plot_val(axes[2], evals)
         plot_val_gaps(axes[3], evals)
-    plot_inference(axes[4], evals, read_base_loss(run_dir), len(train[0]["step_losses"]), model_tag)
+    trained = len(evals[-1]["val_bpb"]) if evals else len(train[0]["step_losses"])  # evaluations run n_sup_train
+    plot_inference(axes[4], evals, read_base_loss(run_dir), trained, model_tag)
     headline = f"{model_tag}: {train[-1]['step']} optimizer steps"
     if evals:
         headline += f"; validation bpb per supervision step at the end: {format_steps(evals[-1]['val_bpb'])}"

@@ -241,3 +241,18 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch):
         base_train.train(args)
         counts.append(len(reads))
     assert counts[1] - counts[0] == 3, counts
+
+
+def test_sampled_depth_trains_logs_and_plots(base_dir):
+    # each optimizer step trains 1 .. 3 supervision steps: the log, the metrics, the summary and the plot follow
+    out = run(base_dir, *TINY, "--num_iterations=6", "--sample_n_sup", "--model_tag=sampled").stdout
+    with open(os.path.join(ckpt_dir(base_dir, "sampled"), "metrics.jsonl")) as f:
+        depths = [len(r["step_losses"]) for r in map(json.loads, f) if r["kind"] == "train"]
+    from nanochat.gpt import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=1, n_layer=1, n_embd=32, n_head=2, n_kv_head=2, sequence_len=32, n_sup_train=2,
+                          sample_n_sup=True))
+    assert depths == [model.train_depth(step) for step in range(6)] and len(set(depths)) > 1
+    assert out.count("step 0000") == 6
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
+    assert processes.run([sys.executable, "-m", "scripts.plot_run", "sampled"], timeout=120, cwd=ROOT,
+                         env=env).returncode == 0

@@ -273,3 +273,13 @@ def test_a_summary_without_steps_or_evaluations_is_valid_json():
     s = report.summarize({"train": [], "eval": [], "sample": []}, "t", 0, float("nan"), 0, model, "abc")
     text = json.dumps(s, allow_nan=False)
     assert json.loads(text)["grad_norm_median_last"] is None and json.loads(text)["wall_time_s"] is None
+
+
+def test_smoothing_follows_a_varying_number_of_supervision_steps():
+    from nanochat.report import EMA
+    ema = EMA(0.5)
+    ema.update([4.0, 2.0])
+    ema.update([2.0])  # a step that trained one supervision step leaves position 1 alone
+    assert ema.value == pytest.approx([(0.25 * 4 + 0.5 * 2) / 0.75, 2.0])
+    ema.update([2.0, 1.0, 3.0])
+    assert len(ema.value) == 3 and ema.value[2] == pytest.approx(3.0) and ema.value[1] == pytest.approx((0.25 * 2 + 0.5 * 1) / 0.75)
