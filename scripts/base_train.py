@@ -407,7 +407,9 @@ def oom_message(args):
     return (f"CUDA out of memory at --device_batch_size={args.device_batch_size}, --max_seq_len={args.max_seq_len}, "
             f"--depth={args.depth}. Lower --device_batch_size (e.g. {smaller}) with --gradient_accumulation_steps="
             f"{accum} to keep the same effective batch; or lower --max_seq_len or --depth; or turn on "
-            f"--activation_checkpointing, or --detach_between_steps (one supervision step's activations alive at a time).")
+            f"--activation_checkpointing"
+            + ("" if args.model_config["detach_between_steps"] else
+               ", or --detach_between_steps (one supervision step's activations alive at a time)") + ".")
 
 
 def train(args):

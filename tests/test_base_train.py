@@ -256,3 +256,13 @@ def test_sampled_depth_trains_logs_and_plots(base_dir):
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
     assert processes.run([sys.executable, "-m", "scripts.plot_run", "sampled"], timeout=120, cwd=ROOT,
                          env=env).returncode == 0
+
+
+def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_what_is_off():
+    from scripts import base_train
+    args = base_train.parse_args([*TINY, "--device_batch_size=8", "--gradient_accumulation_steps=2"])
+    message = base_train.oom_message(args)
+    assert "--device_batch_size (e.g. 4) with --gradient_accumulation_steps=4" in message
+    assert "--detach_between_steps" not in message  # on by default
+    off = base_train.oom_message(base_train.parse_args([*TINY, "--detach_between_steps=false"]))
+    assert "--detach_between_steps" in off
