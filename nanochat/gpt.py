@@ -7,7 +7,8 @@ zero-initialised output projections.
 
 The recursion (TRM). The input x = norm(wte(idx)) is fixed, the answer y starts as x, the latent z starts at zero.
 Each layer l wraps one ordinary pre-norm block B_l; D_l(u) = B_l(u) - u is its residual branch (attention + MLP).
-Visiting layer l does n_loops latent updates z <- z + D_l(x + y + z), then one answer update y <- y + D_l(y + z).
+Visiting layer l does n_loops latent updates on u = x + y + z, then one answer update on u = y + z; the state update
+(GPTConfig.state_update) writes D_l(u) into z or y: by default TRM's z <- norm(u + D_l(u)), originally z <- z + D_l(u).
 A sweep visits layers 0 .. n_layer-1. A supervision step is T_recursion sweeps, the first T_recursion-1 without
 gradient (as the TRM paper runs whole recursion cycles without gradient), then logits_s = softcap(lm_head(norm(y))).
 With T_recursion > 1 the gradient into the previous supervision step is therefore cut as well (the no-grad sweeps
