@@ -266,3 +266,17 @@ def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_wh
     assert "--detach_between_steps" not in message  # on by default
     off = base_train.oom_message(base_train.parse_args([*TINY, "--detach_between_steps=false"]))
     assert "--detach_between_steps" in off
+
+
+def test_the_weight_average_is_off_unless_asked_for():
+    """Off by default (it lost 0.06-0.11 bpb in short runs, see the README); auto and a decay turn it on, and the
+    launcher's memory plan counts its weight copy exactly when it is on."""
+    from scripts import base_train, launch
+    default = base_train.parse_args([*TINY, "--num_iterations=1000"])
+    assert base_train.ema_decay_for(default, 1000) == 0 and not launch.ema(default)
+    auto = base_train.parse_args([*TINY, "--num_iterations=1000", "--ema_decay=auto"])
+    assert base_train.ema_decay_for(auto, 1000) == pytest.approx(0.99) and launch.ema(auto)
+    assert not launch.ema(base_train.parse_args([*TINY, "--num_iterations=10", "--ema_decay=auto"]))
+    by_flops = base_train.parse_args([*TINY, "--target_flops=1e12"])  # no step count yet: count what is asked for
+    assert not launch.ema(by_flops)
+    assert launch.ema(base_train.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0.999"]))
