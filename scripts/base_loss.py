@@ -82,7 +82,8 @@ def main(argv=None):
         results[f"{split}_state"] = state
         print0(f"{split:5s} bpb per step: {format_steps(bpb)} | refinement "
                f"{100 * refinement(bpb):.1f}%")
-        print0(f"{split:5s} recursion state per step: {format_state(state)}")
+        if model.config.n_loops:  # a plain GPT has no recursion to diagnose
+            print0(f"{split:5s} recursion state per step: {format_state(state)}")
     if rank == 0:
         from nanochat.engine import Engine
         from scripts.base_train import SAMPLE_PROMPTS

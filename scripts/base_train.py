@@ -601,7 +601,8 @@ def run_eval(model, tokenizer, args, device, rank, world_size, token_bytes, Data
                                   steps, token_bytes, autocast=autocast_for(args))
         print0(f"validation bpb per step: {format_steps(bpb)} | refinement "
                f"{100 * refinement(bpb):.1f}%")
-        print0(f"recursion state per step: {format_state(state)}")
+        if model.config.n_loops:  # a plain GPT has no recursion: its residual stream's numbers would mislead
+            print0(f"recursion state per step: {format_state(state)}")
         return bpb, state
     except RankFailure as e:  # raised on every rank alike: all skip, none waits in a collective
         print0(f"WARNING: {e}; skipped on every rank, training goes on")
