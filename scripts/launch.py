@@ -140,7 +140,7 @@ def torchrun_prefix(nproc, nnodes):
 def ema(args):
     """Whether the run keeps an EMA copy of the weights (--ema_decay; auto depends on the run's length)."""
     from scripts.base_train import ema_decay_for
-    if args.num_iterations is None:  # the horizon comes from --target_flops or a data ratio: count the copy if asked for
+    if args.num_iterations is None:  # the length comes from --target_flops or a data ratio: count the copy unless off
         return args.ema_decay != 0
     return ema_decay_for(args, args.num_iterations) > 0
 
