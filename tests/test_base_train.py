@@ -269,7 +269,7 @@ def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_wh
 
 
 def test_the_weight_average_is_on_for_long_runs_only():
-    """auto, the default, averages runs of 300+ steps only (shorter runs lost 0.06-0.11 bpb to it, see the README); 0
+    """auto, the default, averages runs of 300+ steps only (shorter runs lost 0.05-0.11 bpb to it, see the README); 0
     turns it off; the launcher's memory plan counts its weight copy exactly when it is on."""
     from scripts import base_train, launch
     long_run = base_train.parse_args([*TINY, "--num_iterations=1000"])
