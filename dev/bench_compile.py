@@ -9,7 +9,8 @@ How long does torch.compile take as the recursion deepens? The first training st
     python -m dev.bench_compile --modes regional --applications 8,48
 
 Block applications per forward = n_sup_train x n_layer x (n_loops + 1); here n_layer=2, n_loops=1 and n_sup_train
-grows. Each measurement runs in a fresh process, so no compiled code is shared between them.
+grows. Each measurement runs in a fresh process with an empty inductor cache, so no compiled code is shared between
+them (inductor's on-disk cache would otherwise serve the regional graphs, identical at every depth, in ~3 s).
 """
 
 import argparse
@@ -17,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -63,8 +65,10 @@ def main():
     print(f"{'mode':<9} {'applications':>12} {'first step s':>12} {'second step s':>13} {'graphs':>6}")
     for mode in args.modes.split(","):
         for n in map(int, args.applications.split(",")):
-            out = subprocess.run([sys.executable, "-m", "dev.bench_compile", "--threads", str(args.threads),
-                                  "--child", mode, str(n)], capture_output=True, text=True, check=True).stdout
+            with tempfile.TemporaryDirectory() as cache:
+                out = subprocess.run([sys.executable, "-m", "dev.bench_compile", "--threads", str(args.threads),
+                                      "--child", mode, str(n)], capture_output=True, text=True, check=True,
+                                     env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}).stdout
             first, second, graphs = json.loads(out.strip().splitlines()[-1])
             print(f"{mode:<9} {n:>12} {first:>12.1f} {second:>13.2f} {graphs:>6}", flush=True)
 
