@@ -126,6 +126,9 @@ def check_out(out, force):
 def write_export(model, tokenizer, meta, model_tag, out):
     """Everything into out.tmpPID, then renamed into place: DIR is the old export or the new one, never half."""
     tmp, old = f"{out}.tmp{os.getpid()}", f"{out}.old{os.getpid()}"
+    from transformers.utils import logging as hf_logging
+    if not sys.stderr.isatty():  # transformers' own progress bar would fill log files, as ours never do
+        hf_logging.disable_progress_bar()
     try:
         hf_model(model, tokenizer).save_pretrained(tmp)
         hf_tokenizer(tokenizer, model.config.sequence_len).save_pretrained(tmp)

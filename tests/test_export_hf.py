@@ -194,3 +194,9 @@ def test_without_transformers_the_export_says_what_to_install(tmp_path):
                             text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(export_hf.__file__)))
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
     assert "pip install -e '.[hf]'" in result.stderr and os.listdir(tmp_path) == []
+
+
+def test_the_export_log_has_no_progress_bars_off_a_terminal(base_dir, tmp_path, capsys):
+    assert export_hf.main(["--model_tag", MODEL_TAG, "--out", str(tmp_path / "quiet-hf")]) == 0
+    out, err = capsys.readouterr()
+    assert "exported" in out and "\r" not in out + err and "it/s" not in out + err
