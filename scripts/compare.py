@@ -380,8 +380,9 @@ def main(argv=None):
             report["runs"].append(result(run, inference_sweep(run, max_sup, device, rank, world_size)))
         report["wall_time_s"] = sum(r["wall_time_s"] for r in report["runs"])
         report["max_inference_sup"] = max(len(r["inference"]) for r in report["runs"])
-        if rank == 0:
-            write_report(report, args.out)  # after every run: partial results are readable and a rerun skips them
+        if rank == 0:  # after every run, with the later runs an earlier invocation finished: a rerun skips them all
+            later = [done[r["tag"]] for r in runs[i + 1:] if r["tag"] in done]
+            write_report({**report, "runs": report["runs"] + later}, args.out)
     print0(table(report))
     print0(f"results: {os.path.abspath(args.out)}")
     compute_cleanup()

@@ -3,6 +3,7 @@
 import itertools
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -110,6 +111,17 @@ def test_tiny_grid_end_to_end_then_interrupted_rerun_skips_finished_configs(base
     assert "| plain | " in table and "| trm | " in table and "n_sup=4" in table
     for png in ("bpb_vs_training.png", "bpb_vs_inference.png"):
         assert read(os.path.join(out, png))[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # plain to be redone (its entry gone): from its first write on, the report keeps the trm an earlier run finished,
+    # so an interruption at any point loses nothing
+    with open(os.path.join(out, "compare.json"), "w") as f:
+        json.dump({**report, "runs": [trm]}, f)
+    shutil.rmtree(os.path.join(os.environ["NANOCHAT_BASE_DIR"], "base_checkpoints", plain["tag"]))
+    real_write, writes = compare.write_report, []
+    monkeypatch.setattr(compare, "write_report", lambda r, o: writes.append([x["name"] for x in r["runs"]])
+                        or real_write(r, o))
+    compare.main(argv)
+    assert writes == [["plain", "trm"], ["plain", "trm"]]
 
 
 def test_equal_tokens_mode_feeds_every_config_the_identical_token_stream(base_dir, tmp_path, monkeypatch):
