@@ -91,8 +91,12 @@ def compute_init(device_type=None, seed=42):
     return ddp, rank, local_rank, world_size, device
 
 
-def compute_cleanup():
+def compute_cleanup(together=False):
+    """Tear the process group down; together: every rank got here together (the end of a run), so wait for the
+    others first, since a rank that destroys Gloo while a peer still talks to it can abort (SIGABRT) at exit."""
     if dist.is_available() and dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 

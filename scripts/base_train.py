@@ -648,7 +648,7 @@ def main(argv=None):
         print(f"base_train: {e}", file=sys.stderr, flush=True)
         compute_cleanup()
         sys.exit(getattr(e, "code", 1))
-    compute_cleanup()
+    compute_cleanup(together=True)
 
 
 if __name__ == "__main__":
