@@ -14,6 +14,7 @@ aside); --resume skips a corrupt newest checkpoint for the newest loadable one a
 newest K and the best; a backup URL (any fsspec filesystem) gets a copy of each checkpoint from a background thread.
 """
 
+import argparse
 import errno
 import glob
 import json
@@ -106,6 +107,13 @@ def steps_to_prune(bpb_by_step, keep_last):
     steps = sorted(bpb_by_step)
     keep = set(steps[-keep_last:]) | {best_of(bpb_by_step)}
     return [s for s in steps if s not in keep]
+
+
+def step_arg(value):
+    """argparse type of --step: 'latest', 'best' or a step number (resolve_step finds it)."""
+    if value in ("latest", "best") or value.isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: use 'latest', 'best' or a step number")
 
 
 def resolve_step(model_tag, which):

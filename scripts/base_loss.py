@@ -7,26 +7,23 @@ Evaluate a checkpoint: train and validation bits per byte for every supervision 
 """
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 
-import torch
-
 from nanochat import checkpoint_manager as ckpt
+from nanochat.cli import ArgumentParser
 from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              print0)
 from nanochat.loss_eval import evaluate_bpb, format_state, format_steps, refinement
-from scripts.base_sample import step_arg
-from scripts.base_train import Parser
+from nanochat.train_config import SAMPLE_PROMPTS, autocast_for, default_dtype
 
 
 def parse_args(argv=None):
-    p = Parser(prog="python -m scripts.base_loss", allow_abbrev=False,
+    p = ArgumentParser(prog="python -m scripts.base_loss", allow_abbrev=False,
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model_tag", default=None, help="default: the most recently written model")
-    p.add_argument("--step", type=step_arg, default="latest", help="latest | best | a step number")
+    p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
     p.add_argument("--device_batch_size", type=int, default=8)
     p.add_argument("--max_seq_len", type=int, default=None, help="default: the model's sequence_len")
     p.add_argument("--split_tokens", type=int, default=2 * 524288, help="tokens evaluated per split")
@@ -64,9 +61,7 @@ def main(argv=None):
     if n_sup > model.config.n_sup_train:
         print0(f"note: {n_sup} supervision steps, past the {model.config.n_sup_train} the model was trained with")
     steps = max(1, args.split_tokens // (args.device_batch_size * T * world_size))
-    dtype = args.dtype or ("bfloat16" if device_type == "cuda" else "float32")
-    autocast = (torch.autocast(device_type, dtype=torch.bfloat16) if dtype == "bfloat16"
-                else contextlib.nullcontext())
+    autocast = autocast_for(device_type, args.dtype or default_dtype(device_type))
     print0(f"evaluating {model_tag} step {meta['step']} with {n_sup} supervision steps on "
            f"{steps * args.device_batch_size * T * world_size:,} tokens per split")
     results = {"model_tag": model_tag, "step": meta["step"], "n_sup": n_sup}
@@ -86,7 +81,6 @@ def main(argv=None):
             print0(f"{split:5s} recursion state per step: {format_state(state)}")
     if rank == 0:
         from nanochat.engine import Engine
-        from scripts.base_train import SAMPLE_PROMPTS
         for prompt, completion in zip(SAMPLE_PROMPTS, Engine(model, tokenizer).complete(
                 SAMPLE_PROMPTS, max_tokens=args.sample_tokens, temperature=0, n_sup=n_sup)):
             print0(f"sample: {prompt!r} -> {completion!r}")

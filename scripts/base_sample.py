@@ -8,23 +8,16 @@ python -m scripts.base_sample --prompts_file prompts.txt --temperature 0 --n_sup
 model would commit to if it stopped refining there (a forward with n_sup=s computes exactly the first s steps).
 """
 
-import argparse
 import sys
 
 import torch
 
-from nanochat.checkpoint_manager import load_model
+from nanochat.checkpoint_manager import load_model, step_arg
 from nanochat.cli import ArgumentParser
 from nanochat.common import autodetect_device_type, device_available
 from nanochat.engine import Engine, kv_cache_bytes_per_token
 
 DEFAULT_PROMPTS = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then"]
-
-
-def step_arg(value):
-    if value in ("latest", "best") or value.isdigit():
-        return value
-    raise argparse.ArgumentTypeError(f"{value!r}: use 'latest', 'best' or a step number")
 
 
 def parse_args(argv=None):

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from nanochat.checkpoint_manager import latest_model_tag, load_model
+from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
 from nanochat.cli import ArgumentParser
 
 try:
@@ -36,7 +36,6 @@ except ImportError as e:  # transformers missing, or older than 5
     reason = f"the export needs {e.name}" if isinstance(e, ModuleNotFoundError) else str(e)
     sys.exit(f"error: {reason}; install it with: pip install -e '.[hf]'")
 from nanochat.tokenizer import SPECIAL_TOKENS
-from scripts.base_sample import step_arg
 
 NanochatTRMConfig.register_for_auto_class()  # writes auto_map into config.json and copies the code into DIR
 NanochatTRMForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,9 +32,10 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat import memory
 from nanochat.cli import ArgumentParser
 from nanochat.common import GPU_PEAK_BF16_FLOPS, get_base_dir
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
-from nanochat.tokenizer import SPECIAL_TOKENS
+from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS
+from nanochat.train_config import batch_geometry, ema_decay_for, meta_model, model_config, parse_args
 
 # The guides' table: GPUs per node, GPU model, its memory (GB), the node's $/hour, and per phase the device batch,
 # gradient accumulation and the guide's seconds per step (low, high).
@@ -56,7 +56,6 @@ PHASES = {
 ASSUMED_MFU = 0.40  # model FLOPs utilisation a compiled bf16 run of this size reaches; stated in the plan
 SHARD_BYTES = 100e6  # one FineWeb-Edu parquet shard is about 100 MB on disk
 DEFAULT_VOCAB = 65536  # scripts.tok_train's default
-MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
 
 
 def env(name, default=None):
@@ -139,14 +138,9 @@ def torchrun_prefix(nproc, nnodes):
 
 def ema(args):
     """Whether the run keeps an EMA copy of the weights (--ema_decay; auto depends on the run's length)."""
-    from scripts.base_train import ema_decay_for
     if args.num_iterations is None:  # the length comes from --target_flops or a data ratio: count the copy unless off
         return args.ema_decay != 0
     return ema_decay_for(args, args.num_iterations) > 0
-
-
-def model_config(args, vocab_size):
-    return GPTConfig(vocab_size=vocab_size, **args.model_config)
 
 
 def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
@@ -155,7 +149,6 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
     argv: the table's flags (minus those the user gives) + the user's. Returns (flags to add, notes on what changed
     and why); flags the user passed are left as they are.
     """
-    from scripts.base_train import parse_args
     batch, accum, _ = row[phase]
     sequences = row["gpus"] * batch * accum  # the table's effective batch, in sequences per optimizer step
     if given & {"gradient_accumulation_steps", "total_batch_size"}:
@@ -194,7 +187,6 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
 
 def compose(key, phase, extra, vocab_size, memory_bytes):
     """(torchrun command, base_train's parsed args, notes): the table's flags, the memory fit, then the user's."""
-    from scripts.base_train import parse_args
     row, ph = HARDWARE[key], PHASES[phase]
     nproc, nnodes = processes(key)
     prefix = torchrun_prefix(nproc, nnodes)  # checks the multi-node environment before anything is computed
@@ -255,12 +247,9 @@ def data_status(phase):
 
 def disk_problem(needed, present, directory):
     missing = 0 if env("DATASET") == "builtin" else max(0, needed - present)
-    path = directory
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    free = shutil.disk_usage(path).free
+    free = ckpt.free_bytes(directory)
     if missing * SHARD_BYTES > free:
-        return (f"{missing} shards to download need ~{missing * SHARD_BYTES / 1e9:.0f} GB, {path} has "
+        return (f"{missing} shards to download need ~{missing * SHARD_BYTES / 1e9:.0f} GB, {directory} has "
                 f"{free / 1e9:.0f} GB free: free space or point NANOCHAT_DATA_DIR at a bigger disk")
     return None
 
@@ -268,7 +257,6 @@ def disk_problem(needed, present, directory):
 def run_state(args, vocab, have_tokenizer, given, model):
     """(flags to add, plan lines, preflight problems) for what the tag already holds: a re-run continues a
     compatible checkpoint with --resume, and the checkpoints to come must fit on the disk."""
-    from scripts.base_train import batch_geometry
     tag, flags, lines, problems = args.model_tag, [], [], []
     per_checkpoint = ckpt.checkpoint_bytes(model)
     copies = args.keep_last + 2 if args.keep_last else "all"
@@ -340,12 +328,6 @@ def tokenizer_vocab():
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
-def meta_model(config):
-    import torch
-    with torch.device("meta"):  # shapes only: no memory, no init
-        return GPT(config)
-
-
 def flops_per_token(model):
     """(model FLOPs per token, extra FLOPs per token that activation checkpointing recomputes)."""
     config = model.config
@@ -517,8 +499,8 @@ def train(key, phase, extra):
     gpus = detect_gpus() if device_type == "cuda" else []
     vocab = tokenizer_vocab()
     have_tokenizer = vocab is not None
-    vocab = vocab or env_int("VOCAB_SIZE", DEFAULT_VOCAB, low=MIN_VOCAB,
-                             why=f" (256 byte tokens + {MIN_VOCAB - 256} special tokens at least; default {DEFAULT_VOCAB})")
+    vocab = vocab or env_int("VOCAB_SIZE", DEFAULT_VOCAB, low=MIN_VOCAB_SIZE, high=MAX_VOCAB_SIZE,
+                             why=f" (256 byte tokens + {len(SPECIAL_TOKENS)} special tokens at least; default {DEFAULT_VOCAB})")
     budget = memory_budget(key, device_type, gpus, nproc)
     cmd, args, notes = compose(key, phase, extra, vocab, budget[0])
     data = data_status(phase)

@@ -43,11 +43,10 @@ try:
 except ModuleNotFoundError as e:
     sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
 
-from nanochat.checkpoint_manager import latest_model_tag, load_model
+from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
 from nanochat.cli import ArgumentParser
 from nanochat.common import autodetect_device_type, device_available
 from nanochat.engine import Engine
-from scripts.base_sample import step_arg
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOPS = 4  # as at OpenAI

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests import processes
+from nanochat import train_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--n_loops=1",
@@ -236,7 +237,7 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     counts = []
     for n, tag in ((2, "syncs_a"), (5, "syncs_b")):
-        args = base_train.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", f"--model_tag={tag}"])
+        args = train_config.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", f"--model_tag={tag}"])
         reads.clear()
         base_train.train(args)
         counts.append(len(reads))
@@ -260,11 +261,11 @@ def test_sampled_depth_trains_logs_and_plots(base_dir):
 
 def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_what_is_off():
     from scripts import base_train
-    args = base_train.parse_args([*TINY, "--device_batch_size=8", "--gradient_accumulation_steps=2"])
+    args = train_config.parse_args([*TINY, "--device_batch_size=8", "--gradient_accumulation_steps=2"])
     message = base_train.oom_message(args)
     assert "--device_batch_size (e.g. 4) with --gradient_accumulation_steps=4" in message
     assert "--detach_between_steps" not in message  # on by default
-    off = base_train.oom_message(base_train.parse_args([*TINY, "--detach_between_steps=false"]))
+    off = base_train.oom_message(train_config.parse_args([*TINY, "--detach_between_steps=false"]))
     assert "--detach_between_steps" in off
 
 
@@ -272,13 +273,13 @@ def test_the_weight_average_is_on_for_long_runs_only():
     """auto, the default, averages runs of 300+ steps only (shorter runs lost 0.05-0.11 bpb to it, see the README); 0
     turns it off; the launcher's memory plan counts its weight copy exactly when it is on."""
     from scripts import base_train, launch
-    long_run = base_train.parse_args([*TINY, "--num_iterations=1000"])
-    assert base_train.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and launch.ema(long_run)
-    short_run = base_train.parse_args([*TINY, "--num_iterations=120"])
-    assert base_train.ema_decay_for(short_run, 120) == 0 and not launch.ema(short_run)
-    off = base_train.parse_args([*TINY, "--num_iterations=1000", "--ema_decay=0"])
-    assert base_train.ema_decay_for(off, 1000) == 0 and not launch.ema(off)
-    assert base_train.ema_decay_for(base_train.parse_args([*TINY, "--ema_decay=0.9"]), 120) == 0.9
+    long_run = train_config.parse_args([*TINY, "--num_iterations=1000"])
+    assert train_config.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and launch.ema(long_run)
+    short_run = train_config.parse_args([*TINY, "--num_iterations=120"])
+    assert train_config.ema_decay_for(short_run, 120) == 0 and not launch.ema(short_run)
+    off = train_config.parse_args([*TINY, "--num_iterations=1000", "--ema_decay=0"])
+    assert train_config.ema_decay_for(off, 1000) == 0 and not launch.ema(off)
+    assert train_config.ema_decay_for(train_config.parse_args([*TINY, "--ema_decay=0.9"]), 120) == 0.9
     # no step count before the run (--target_flops): count the copy unless it is off
-    assert launch.ema(base_train.parse_args([*TINY, "--target_flops=1e12"]))
-    assert not launch.ema(base_train.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))
+    assert launch.ema(train_config.parse_args([*TINY, "--target_flops=1e12"]))
+    assert not launch.ema(train_config.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))

@@ -4,13 +4,14 @@ import pytest
 
 from nanochat.cli import underscore_flags
 from scripts import base_loss, base_train, launch
+from nanochat import train_config
 
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--device_type=cpu"]
 
 
 def parsed(argv, world_size=1):
     """base_train's parsed flags, less the command line they came from."""
-    args = vars(base_train.parse_args(argv, world_size=world_size, check_hardware=False))
+    args = vars(train_config.parse_args(argv, world_size=world_size, check_hardware=False))
     args.pop("argv")
     return args
 
@@ -32,7 +33,7 @@ def test_dashes_are_only_rewritten_in_flag_names():
 
 def test_a_misspelled_dashed_flag_gets_the_suggestion():
     with pytest.raises(SystemExit) as e:
-        base_train.parse_args(TINY + ["--device-batch=4"], check_hardware=False)
+        train_config.parse_args(TINY + ["--device-batch=4"], check_hardware=False)
     assert "unknown flag --device_batch; did you mean --device_batch_size?" in str(e.value.code)
 
 
@@ -46,7 +47,7 @@ def test_launch_sees_dashed_user_flags_as_its_own(monkeypatch, capsys):
 
 def test_the_default_total_batch_is_fixed_and_the_accumulation_follows_the_processes():
     one, two = parsed(TINY, world_size=1), parsed(TINY, world_size=2)
-    assert one["total_batch_size"] == two["total_batch_size"] == base_train.DEFAULT_TOTAL_BATCH_SIZE == 524288
+    assert one["total_batch_size"] == two["total_batch_size"] == train_config.DEFAULT_TOTAL_BATCH_SIZE == 524288
     assert (one["grad_accum"], two["grad_accum"]) == (8192, 4096)  # 524288 tokens / (processes x 2 x 32)
 
 
@@ -57,8 +58,8 @@ def test_one_and_two_processes_read_the_same_data_ranks_in_each_step():
     geometry = ["--max_seq_len=32", "--device_batch_size=8192"]  # 2 accumulation steps on 1 process, 1 on 2
     reads = {}
     for world in (1, 2):
-        args = base_train.parse_args(TINY + geometry, world_size=world, check_hardware=False)
-        reads[world] = ([base_train.data_ranks(args, rank) for rank in range(world)], world * args.grad_accum)
+        args = train_config.parse_args(TINY + geometry, world_size=world, check_hardware=False)
+        reads[world] = ([train_config.data_ranks(args, rank) for rank in range(world)], world * args.grad_accum)
     assert reads[1] == ([[0, 1]], 2)
     assert reads[2] == ([[0], [1]], 2)
 
@@ -72,7 +73,7 @@ def test_one_and_two_processes_read_the_same_data_ranks_in_each_step():
 ])
 def test_a_batch_that_does_not_divide_names_the_flag_to_pass(world, flags, message):
     with pytest.raises(SystemExit) as e:
-        base_train.parse_args(TINY + flags, world_size=world, check_hardware=False)
+        train_config.parse_args(TINY + flags, world_size=world, check_hardware=False)
     assert message in str(e.value.code)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from scripts import launch
 from tests import processes
-from scripts.base_train import parse_args
+from nanochat.train_config import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The table, written out again so the test does not check the launcher against itself:

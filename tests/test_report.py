@@ -11,6 +11,7 @@ import pytest
 
 from nanochat import report
 from nanochat.report import MetricsError, MetricsLog, read_metrics, read_records
+from nanochat import train_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--n_loops=1",
@@ -158,7 +159,7 @@ class FakeWandb(types.ModuleType):
 
 
 def test_wandb_gets_the_same_records_as_the_file_under_the_wandb_run_name(tmp_path, monkeypatch):
-    from scripts.base_train import parse_args
+    from nanochat.train_config import parse_args
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     monkeypatch.setenv("WANDB_RUN", "my_run")
@@ -192,9 +193,9 @@ def test_wandb_not_logged_in_warns_and_tensorboard_gets_the_run(base_dir, monkey
 
 def test_tensorboard_without_the_package_is_refused_before_anything_runs(monkeypatch):
     from scripts import base_train
-    monkeypatch.setattr(base_train.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(train_config.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match=r"--tensorboard needs the tensorboard package"):
-        base_train.parse_args(["--device_type=cpu", "--tensorboard"])
+        train_config.parse_args(["--device_type=cpu", "--tensorboard"])
 
 
 # ---------------------------------------------------------------------------------------------------- the summary
