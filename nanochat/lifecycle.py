@@ -14,7 +14,9 @@ seconds (forwarded copies) count as one; a signal after that exits at once, with
 """
 
 import os
+import shlex
 import signal
+import subprocess
 import threading
 import time
 
@@ -107,3 +109,24 @@ class RunControl:
         if not flags["signal"]:
             return 0
         return 128 + (self.signals.received or signal.SIGTERM).value
+
+
+def run_child(cmd, env=None):
+    """Run cmd in a session of its own and pass it every SIGINT/SIGTERM this process gets (a Ctrl-C reaches only this
+    process, so the child sees each signal once and can save before it stops). Returns (exit code, the first signal
+    received or None); the caller decides what each means."""
+    print(f"+ {shlex.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+    received = []
+
+    def forward(signum, frame):
+        received.append(signal.Signals(signum))
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return rc, (received[0] if received else None)

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from nanochat.common import progress_bar, raise_if_any_rank_failed, reduce_with_flags
+from nanochat.common import RankFailure, print0, progress_bar, raise_if_any_rank_failed, reduce_with_flags
 
 
 @torch.no_grad()
@@ -61,3 +61,26 @@ def format_steps(values, digits=4, names=False):
     parts = [f"step_{s} {v:.{digits}f}" if names else f"{v:.{digits}f}" for s, v in enumerate(values)]
     signs = [">" if a > b else "<" if a < b else "=" for a, b in zip(values, values[1:])]
     return parts[0] + "".join(f" {sign} {part}" for sign, part in zip(signs, parts[1:])) if parts else ""
+
+
+def validation_bpb(model, tokenizer, args, device, rank, world_size, token_bytes):
+    """Validation bpb per supervision step of a training run's model (args: its parsed flags), and the state
+    diagnostics; printed. A failure on any rank is reported and skipped by every rank together: (None, None)."""
+    from nanochat.dataloader import DataLoader
+    from nanochat.train_config import autocast_for
+    try:
+        model.eval()
+        steps = args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size)
+        bpb, state = evaluate_bpb(model, lambda: DataLoader(tokenizer, args.device_batch_size, args.max_seq_len,
+                                                            "val", device=device, rank=rank, world_size=world_size),
+                                  steps, token_bytes, autocast=autocast_for(args.device_type, args.dtype))
+        print0(f"validation bpb per step: {format_steps(bpb)} | refinement "
+               f"{100 * refinement(bpb):.1f}%")
+        if model.config.n_loops:  # a plain GPT has no recursion: its residual stream's numbers would mislead
+            print0(f"recursion state per step: {format_state(state)}")
+        return bpb, state
+    except RankFailure as e:  # raised on every rank alike: all skip, none waits in a collective
+        print0(f"WARNING: {e}; skipped on every rank, training goes on")
+        return None, None
+    finally:
+        model.train()

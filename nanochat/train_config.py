@@ -298,6 +298,20 @@ def num_iterations_for(args, model):
     return max(1, round(tokens / args.total_batch_size)), f"--target_param_data_ratio={args.target_param_data_ratio:g}"
 
 
+def data_problem():
+    """None when the tokenizer and the training shards exist; else what is missing and the command that makes it."""
+    from nanochat.common import get_base_dir
+    from nanochat.dataset import DatasetError, parquets_for_split
+    tok_dir = os.path.join(get_base_dir(), "tokenizer")
+    if not os.path.isdir(tok_dir):
+        return f"no tokenizer in {tok_dir}: train one first with python -m scripts.tok_train"
+    try:
+        parquets_for_split("train")
+    except DatasetError as e:
+        return str(e)
+    return None
+
+
 def default_dtype(device_type):
     """The autocast dtype when --dtype is not given: bfloat16 where it is fast (CUDA), float32 elsewhere."""
     return "bfloat16" if device_type == "cuda" else "float32"

@@ -24,13 +24,14 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
-from nanochat.common import (RankFailure, atomic_write_bytes, compute_cleanup, compute_init, get_base_dir,
-                             gpu_peak_flops, print0, raise_if_any_rank_failed)
-from nanochat.loss_eval import evaluate_bpb, format_state, format_steps, refinement
+from nanochat.common import (RankFailure, atomic_write_bytes, compute_cleanup, compute_init, gpu_peak_flops, print0,
+                             raise_if_any_rank_failed)
+from nanochat.loss_eval import refinement, validation_bpb
 from nanochat.optim import clipped_step, reduce_gradients
 from nanochat.report import Health, MetricsError, MetricsLog, format_duration, write_summary
-from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_ranks, ema_decay_for,
-                                   lr_multiplier, muon_momentum, num_iterations_for, parse_args)
+from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
+                                   ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args)
+
 
 class ExitWithMessage(Exception):
     """A run that must stop: printed without a traceback, with its exit code."""
@@ -49,18 +50,6 @@ def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
     print0(f"batch: {args.world_size} processes x {args.device_batch_size} x {args.max_seq_len} tokens x "
            f"{args.grad_accum} accumulation = {tokens_per_step:,} tokens per step")
     print0(f"horizon: {num_iterations} steps ({horizon_source}), {num_iterations * tokens_per_step:,} tokens")
-
-
-def check_data_ready():
-    """Fail before building anything when the tokenizer or shards are missing, naming the command that makes them."""
-    from nanochat.dataset import DatasetError, parquets_for_split
-    tok_dir = os.path.join(get_base_dir(), "tokenizer")
-    if not os.path.isdir(tok_dir):
-        raise ExitWithMessage(f"no tokenizer in {tok_dir}: train one first with python -m scripts.tok_train")
-    try:
-        parquets_for_split("train")
-    except DatasetError as e:
-        raise ExitWithMessage(str(e))
 
 
 def start_or_resume(args, model_config, tokenizer, rank):
@@ -117,7 +106,9 @@ def train(args):
     ddp, rank, local_rank, world_size, device = compute_init(args.device_type, args.seed)
     if ddp and world_size != args.world_size:
         raise ExitWithMessage(f"internal: parsed for {args.world_size} processes, running {world_size}")
-    check_data_ready()
+    missing = data_problem()
+    if missing:
+        raise ExitWithMessage(missing)
     from nanochat.dataloader import DataLoader
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
     tokenizer = get_tokenizer()
@@ -202,8 +193,8 @@ def train(args):
                 save(step)  # before evaluation, so a failing eval can never cost the checkpoint
             hurry = bool(flags["signal"])  # after a signal, only the checkpoint: the grace period is short
             if not hurry and (last_step or stop or (args.eval_every and step % args.eval_every == 0)):
-                val_bpb, val_state = run_eval(published, tokenizer, args, device, rank, world_size, token_bytes,
-                                              DataLoader)
+                val_bpb, val_state = validation_bpb(published, tokenizer, args, device, rank, world_size,
+                                                    token_bytes)
                 if val_bpb:
                     last_eval_step = step
                     metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb,
@@ -289,26 +280,6 @@ def train(args):
         raise ExitWithMessage(f"stopped at step {step} by {stop}: the checkpoint is saved; continue with the same "
                               f"command and --resume", code=control.exit_code(flags))
     return step
-
-
-def run_eval(model, tokenizer, args, device, rank, world_size, token_bytes, DataLoader):
-    """Validation bpb per supervision step; a failure on any rank is reported and skipped by every rank together."""
-    try:
-        model.eval()
-        steps = args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size)
-        bpb, state = evaluate_bpb(model, lambda: DataLoader(tokenizer, args.device_batch_size, args.max_seq_len,
-                                                            "val", device=device, rank=rank, world_size=world_size),
-                                  steps, token_bytes, autocast=autocast_for(args.device_type, args.dtype))
-        print0(f"validation bpb per step: {format_steps(bpb)} | refinement "
-               f"{100 * refinement(bpb):.1f}%")
-        if model.config.n_loops:  # a plain GPT has no recursion: its residual stream's numbers would mislead
-            print0(f"recursion state per step: {format_state(state)}")
-        return bpb, state
-    except RankFailure as e:  # raised on every rank alike: all skip, none waits in a collective
-        print0(f"WARNING: {e}; skipped on every rank, training goes on")
-        return None, None
-    finally:
-        model.train()
 
 
 def run_samples(model, tokenizer, args, metrics, step):

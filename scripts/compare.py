@@ -27,17 +27,21 @@ import datetime
 import hashlib
 import json
 import os
+import socket
 import sys
 
-import torch
+import torch.distributed as dist
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat import lifecycle
 from nanochat.cli import ArgumentParser, underscore_flags
-from nanochat.common import atomic_write_bytes, compute_cleanup, compute_init, get_dist_info, print0
-from nanochat.gpt import GPT, STATE_DIAGNOSTICS, GPTConfig
-from nanochat.loss_eval import format_steps
+from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init, distributed,
+                             get_dist_info, print0)
+from nanochat.gpt import STATE_DIAGNOSTICS
+from nanochat.loss_eval import format_steps, validation_bpb
 from nanochat.report import read_metrics
-from scripts import base_train
+from nanochat import train_config
+from nanochat.train_config import batch_geometry, data_problem, meta_model, model_config, num_iterations_for
 
 DEFAULT_GRID = {
     "plain": "--n_loops=0 --n_sup_train=1",
@@ -70,18 +74,12 @@ MANAGED = ("--num_iterations", "--target_flops", "--target_param_data_ratio", "-
            "--resume_from_step", "--eval_every", "--max_hours", "--max_cost")
 
 
-class Parser(ArgumentParser):
-    def error(self, message):
-        self.print_usage(sys.stderr)
-        raise SystemExit(f"compare: error: {message}")
-
-
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # torchrun ... -m scripts.compare -- --mode=flops -- --depth=12
         argv = argv[1:]
     own, shared = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = Parser(prog="python -m scripts.compare", allow_abbrev=False, description=__doc__,
+    p = ArgumentParser(prog="python -m scripts.compare", allow_abbrev=False, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["tokens", "flops", "params"], default="flops", help="budget mode (see above)")
     p.add_argument("--config", action="append", default=None, metavar='NAME="FLAGS"', help="a config of the grid")
@@ -112,7 +110,7 @@ def parse_args(argv=None):
     names = [name for name, _ in args.configs]
     if len(set(names)) != len(names):
         p.error(f"config names must be unique, got {names}")
-    args.device_type = args.device_type or base_train.autodetect_device_type()
+    args.device_type = args.device_type or autodetect_device_type()
     args.shared = shared or (CPU_MODEL if args.device_type == "cpu" else [])
     for flag in underscore_flags(args.shared + [f for _, flags in args.configs for f in flags]):
         if flag.split("=")[0] in MANAGED:
@@ -124,15 +122,9 @@ def parse_args(argv=None):
 def base_args(name, flags, world_size):
     """base_train's parsed arguments for one config; bad flags exit naming the config."""
     try:
-        return base_train.parse_args(flags, world_size=world_size, check_hardware=False)
+        return train_config.parse_args(flags, world_size=world_size, check_hardware=False)
     except SystemExit as e:
         raise SystemExit(f"compare: config {name}: {e}")
-
-
-def meta_model(args, vocab_size):
-    """The config's model without memory (meta device): enough for parameter and FLOP counts."""
-    with torch.device("meta"):
-        return GPT(GPTConfig(**args.model_config, vocab_size=vocab_size))
 
 
 def is_trm(args):
@@ -141,7 +133,7 @@ def is_trm(args):
 
 def make_run(name, flags, shared, vocab_size, world_size):
     args = base_args(name, shared + flags, world_size)
-    model = meta_model(args, vocab_size)
+    model = meta_model(model_config(args, vocab_size))
     return {"name": name, "flags": shared + flags, "args": args, "model": model, "parameters": model.num_params(),
             "flops_per_token": model.estimate_flops(), "tokens_per_step": args.total_batch_size}
 
@@ -172,7 +164,7 @@ def matched_plain(trm, vocab_size, world_size, by):
 def plan(args, vocab_size, world_size):
     """Every run of the comparison with its parameters, FLOPs per token, iterations, tokens and training FLOPs."""
     runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
-    data_order = {r["name"]: {**base_train.batch_geometry(r["args"]), "seed": r["args"].seed} for r in runs}
+    data_order = {r["name"]: {**batch_geometry(r["args"]), "seed": r["args"].seed} for r in runs}
     if len({json.dumps(v, sort_keys=True) for v in data_order.values()}) > 1:  # the batches depend on exactly these
         raise SystemExit("compare: every config must see the same tokens in the same order, so batch flags and "
                          "--seed belong after the second `--`, not in a config: " +
@@ -192,7 +184,7 @@ def plan(args, vocab_size, world_size):
                                                                 for r in runs)
     for r in runs:
         r["args"].num_iterations, r["args"].target_flops = (None, target) if target else (args.num_iterations, None)
-        r["iterations"] = base_train.num_iterations_for(r["args"], r["model"])[0]
+        r["iterations"] = num_iterations_for(r["args"], r["model"])[0]
         r["tokens"] = r["iterations"] * r["tokens_per_step"]
         r["train_flops"] = r["tokens"] * r["flops_per_token"]
         eval_every = max(1, r["iterations"] // args.evals)
@@ -211,21 +203,38 @@ def train(run, world_size):
         print0(f"{run['name']}: training already finished, evaluating")
         return
     # an interrupted config resumes; one stopped before its first save starts over (its partial files moved aside)
-    args = base_train.parse_args(argv + (["--resume"] if steps else ["--overwrite"]), world_size=world_size)
-    try:
-        base_train.train(args)
-    except base_train.ExitWithMessage as e:
-        raise SystemExit(f"compare: {run['name']}: base_train: {e}")
+    rc, received = run_base_train(argv + (["--resume"] if steps else ["--overwrite"]))
+    if received:
+        raise SystemExit(f"compare: stopped by {received.name} during {run['name']}; run the same command again to "
+                         f"continue where it stopped")
+    if rc:
+        raise SystemExit(f"compare: {run['name']}: base_train failed with exit code {rc} (its message is above)")
+
+
+def run_base_train(argv):
+    """base_train in processes of its own, one per rank of this comparison: each config starts with a fresh
+    torch._dynamo (its recompile limit would send later configs to eager mode) and frees its memory at exit.
+    Under torchrun the children form their own process group on a port that rank 0 picks."""
+    env = dict(os.environ)
+    if distributed():
+        port = [free_port() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(port, src=0)
+        env["MASTER_PORT"] = str(port[0])
+    return lifecycle.run_child([sys.executable, "-m", "scripts.base_train", *argv], env=env)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def inference_sweep(run, max_sup, device, rank, world_size):
     """Validation bpb after each of 1 .. max_sup supervision steps (a model's step s never depends on later steps)."""
     model, tokenizer, _ = ckpt.load_model(run["tag"], run["iterations"], device, n_sup_train=max_sup)
     args = run["args"]
-    from nanochat.dataloader import DataLoader
     from nanochat.tokenizer import get_token_bytes
-    bpb, state = base_train.run_eval(model, tokenizer, args, device, rank, world_size,
-                                     get_token_bytes(device=device), DataLoader)
+    bpb, state = validation_bpb(model, tokenizer, args, device, rank, world_size, get_token_bytes(device=device))
     if bpb is None:
         raise SystemExit(f"compare: {run['name']}: the inference evaluation failed (see the warning above)")
     return [{"n_sup": k + 1, "flops_per_token": run["model"].estimate_flops(n_sup=k + 1, backward=False),
@@ -346,10 +355,9 @@ def write_report(report, out):
 def main(argv=None):
     args = parse_args(argv)
     world_size = get_dist_info()[3]
-    try:
-        base_train.check_data_ready()
-    except base_train.ExitWithMessage as e:
-        raise SystemExit(f"compare: {e}")
+    missing = data_problem()
+    if missing:
+        raise SystemExit(f"compare: {missing}")
     from nanochat.tokenizer import get_tokenizer
     runs = plan(args, get_tokenizer().get_vocab_size(), world_size)
     _, rank, _, _, device = compute_init(args.device_type)

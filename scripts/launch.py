@@ -29,6 +29,7 @@ import subprocess
 import sys
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat import lifecycle
 from nanochat import memory
 from nanochat.cli import ArgumentParser
 from nanochat.common import GPU_PEAK_BF16_FLOPS, get_base_dir
@@ -467,26 +468,12 @@ def criteria_report(model_tag, phase):
 
 # ---------------------------------------------------------------------------------------------------- commands
 def run(cmd):
-    """Run a step in a session of its own and pass it every SIGINT/SIGTERM this process gets (a Ctrl-C reaches only
-    this process, so torchrun sees each signal once): the step stops cleanly (base_train saves a checkpoint), then so
-    does the script, with 128 + the signal number."""
-    print(f"+ {shlex.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    received = []
-
-    def forward(signum, frame):
-        received.append(signal.Signals(signum))
-        proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        rc = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    """Run a step with signals passed on (lifecycle.run_child): the step stops cleanly (base_train saves a
+    checkpoint), then so does the script, with 128 + the signal number."""
+    rc, received = lifecycle.run_child(cmd)
     if received:
-        raise Stop(f"stopped by {received[0].name} during {shlex.join(cmd[:4])} ...; run the same command again to "
-                   f"continue where it stopped", code=128 + received[0].value)
+        raise Stop(f"stopped by {received.name} during {shlex.join(cmd[:4])} ...; run the same command again to "
+                   f"continue where it stopped", code=128 + received.value)
     if rc:
         raise Stop(f"{shlex.join(cmd[:4])} ... failed with exit code {rc}", code=rc)
 

@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from nanochat.gpt import GPT, GPTConfig
-from scripts import base_train, compare
+from scripts import compare
 
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=128",
         "--sample_tokens=2", "--device_type=cpu",
         "--gradient_accumulation_steps=1"]
 GRID = ["--config", "plain=--n_loops=0 --n_sup_train=1", "--config", "trm=--n_loops=1 --n_sup_train=2"]
-
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
 def base_dir(base_dir, monkeypatch):
-    """The shared tiny corpus (tests/conftest.py) as NANOCHAT_BASE_DIR: compare runs base_train in this process."""
+    """The shared tiny corpus (tests/conftest.py) as NANOCHAT_BASE_DIR, for compare and the base_train it starts."""
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     return base_dir
 
@@ -77,15 +77,15 @@ def read(path):
 def test_tiny_grid_end_to_end_then_interrupted_rerun_skips_finished_configs(base_dir, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "results")
     argv = ["--mode=flops", "--num_iterations=3", "--evals=1", f"--out={out}", *GRID, "--", *TINY]
-    real_train, trained = base_train.train, []
+    real_train, trained = compare.run_base_train, []
 
-    def interrupted(args):  # Ctrl-C as the second config starts
+    def interrupted(argv):  # Ctrl-C as the second config starts
         if trained:
             raise KeyboardInterrupt
-        trained.append(args.model_tag)
-        return real_train(args)
+        trained.append(model_tag(argv))
+        return real_train(argv)
 
-    monkeypatch.setattr(base_train, "train", interrupted)
+    monkeypatch.setattr(compare, "run_base_train", interrupted)
     with pytest.raises(KeyboardInterrupt):
         compare.main(argv)
     with open(os.path.join(out, "compare.json")) as f:
@@ -93,7 +93,7 @@ def test_tiny_grid_end_to_end_then_interrupted_rerun_skips_finished_configs(base
     first = read(os.path.join(out, "compare.json"))
 
     trained.clear()
-    monkeypatch.setattr(base_train, "train", lambda args: trained.append(args.model_tag) or real_train(args))
+    monkeypatch.setattr(compare, "run_base_train", lambda argv: trained.append(model_tag(argv)) or real_train(argv))
     capsys.readouterr()
     compare.main(argv)
     assert "plain: finished in an earlier invocation, skipping" in capsys.readouterr().out
@@ -124,33 +124,45 @@ def test_tiny_grid_end_to_end_then_interrupted_rerun_skips_finished_configs(base
     assert writes == [["plain", "trm"], ["plain", "trm"]]
 
 
+# Each config trains in a process of its own: this module, put first on the children's path, records every training
+# batch they draw into RECORD_DIR/<model tag>.jsonl.
+RECORDER = """
+import json, os, sys
+from nanochat import dataloader
+real_init, real_next = dataloader.DataLoader.__init__, dataloader.DataLoader.__next__
+
+def init(self, tokenizer, B, T, split, *args, **kwargs):
+    real_init(self, tokenizer, B, T, split, *args, **kwargs)
+    self.split = split
+
+def next_batch(self):
+    x, y = real_next(self)
+    if self.split == "train":
+        tag = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--model_tag="))
+        with open(os.path.join(os.environ["RECORD_DIR"], tag + ".jsonl"), "a") as f:
+            f.write(json.dumps(__import__("torch").cat([x, y[:, -1:]], 1).tolist()) + "\\n")
+    return x, y
+
+dataloader.DataLoader.__init__, dataloader.DataLoader.__next__ = init, next_batch
+"""
+
+
+def model_tag(argv):
+    return next(a.split("=", 1)[1] for a in argv if a.startswith("--model_tag="))
+
+
 def test_equal_tokens_mode_feeds_every_config_the_identical_token_stream(base_dir, tmp_path, monkeypatch):
-    from nanochat import dataloader
-    streams, current = {}, {}
-
-    class Recording(dataloader.DataLoader):
-        def __init__(self, tokenizer, B, T, split, *args, **kwargs):
-            super().__init__(tokenizer, B, T, split, *args, **kwargs)
-            self.split = split
-
-        def __next__(self):
-            x, y = super().__next__()
-            if self.split == "train":
-                streams.setdefault(current["tag"], []).append(torch.cat([x, y[:, -1:]], 1).tolist())
-            return x, y
-
-    real_train = base_train.train
-
-    def train(args):
-        current["tag"] = args.model_tag
-        return real_train(args)
-
-    monkeypatch.setattr(dataloader, "DataLoader", Recording)
-    monkeypatch.setattr(base_train, "train", train)
-    compare.main(["--mode=tokens", "--num_iterations=4", "--evals=1", f"--out={tmp_path}", *GRID, "--", *TINY,
-                  "--gradient_accumulation_steps=2"])
+    hook, records = tmp_path / "hook", tmp_path / "records"
+    hook.mkdir(), records.mkdir()
+    (hook / "sitecustomize.py").write_text(RECORDER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), ROOT, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("RECORD_DIR", str(records))
+    compare.main(["--mode=tokens", "--num_iterations=4", "--evals=1", f"--out={tmp_path / 'out'}", *GRID, "--",
+                  *TINY, "--gradient_accumulation_steps=2"])
+    streams = {path.stem: [json.loads(line) for line in path.read_text().splitlines()]
+               for path in sorted(records.iterdir())}
     assert len(streams) == 2
-    plain, trm = streams.values()
+    plain, trm = (streams[name] for name in sorted(streams))  # compare_plain_..., compare_trm_...
     assert len(plain) == 4 * 2  # 4 steps x 2 micro-batches
     assert plain == trm
     assert plain[0] != plain[2]  # a real stream, not one batch repeated
