@@ -34,10 +34,11 @@ def progress_bar(iterable=None, **kwargs):
     return tqdm(iterable, disable=not progress_enabled(), **kwargs)
 
 
-def get_base_dir():
+def get_base_dir(create=True):
     """Where data, tokenizer, checkpoints and reports live: $NANOCHAT_BASE_DIR, default ~/.cache/nanochat."""
     base = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
-    os.makedirs(base, exist_ok=True)
+    if create:
+        os.makedirs(base, exist_ok=True)
     return base
 
 

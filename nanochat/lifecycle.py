@@ -13,6 +13,7 @@ finishes the step in progress, saves a checkpoint and exits with 128 + the signa
 seconds (forwarded copies) count as one; a signal after that exits at once, without saving.
 """
 
+import gc
 import os
 import shlex
 import signal
@@ -130,3 +131,24 @@ def run_child(cmd, env=None):
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return rc, (received[0] if received else None)
+
+
+def configure_cuda_allocator():
+    """Expandable segments, as nanochat: each micro-step frees and reallocates blocks of every size (logits,
+    activations), which fragment fixed segments. Must run before the first CUDA allocation; a user's setting wins."""
+    if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+
+
+GC_EVERY_STEPS = 5000
+
+
+def tame_garbage_collector(first_step, step):
+    """After the first step, freeze what setup left and turn automatic collection off (nanochat measured ~500 ms
+    scans that free almost nothing); collect by hand every GC_EVERY_STEPS steps instead."""
+    if first_step:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    elif step % GC_EVERY_STEPS == 0:
+        gc.collect()

@@ -11,13 +11,14 @@ import argparse
 import contextlib
 import difflib
 import importlib.util
+import math
 import os
 import sys
 
 import torch
 
 from nanochat.cli import ArgumentParser
-from nanochat.common import autodetect_device_type, device_available, get_dist_info
+from nanochat.common import autodetect_device_type, device_available, get_base_dir, get_dist_info
 from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
@@ -25,7 +26,15 @@ MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "acti
                "sample_n_sup", "detach_between_steps", "activation_checkpointing", "supervision_weight_base",
                "improvement_reward_scale"]
 SAMPLE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The opposite of hot is", "import os\n"]
-DEFAULT_TOTAL_BATCH_SIZE = 524288  # tokens per optimizer step, as nanochat: 1 or 8 GPUs train the same model
+# The compute-optimal batch, as nanochat HEAD derives it: B_REF tokens for the depth-12 reference at its horizon
+# D_REF, and B ~ D^BATCH_EXPONENT for other horizons (Power Lines, arXiv 2505.13738), rounded to a power of 2.
+B_REF = 2 ** 19
+BATCH_EXPONENT = 0.383
+REFERENCE_DEPTH = 12
+DEFAULT_VOCAB = 65536  # scripts.tok_train's default: the plan's vocabulary before a tokenizer exists
+MAX_DEVICE_BATCH = 32  # the largest automatic micro-batch (nanochat's default device batch)
+QUIET_ACCUMULATION = 64  # more micro-batches per step than this gets a warning: a small model made to crawl
+PLANNER_MFU = 0.40  # model FLOPs utilisation a compiled bf16 run of this size reaches; stated in every plan
 
 
 def ema_decay_arg(value):
@@ -88,10 +97,13 @@ def build_parser():
     model.add_argument("--supervision_weight_base", type=float, default=None)
     model.add_argument("--improvement_reward_scale", type=float, default=None)
     batch = p.add_argument_group("batch (effective batch = processes x device batch x accumulation)")
-    batch.add_argument("--device_batch_size", type=int, default=32, help="sequences per micro-batch per process")
+    batch.add_argument("--device_batch_size", type=int, default=None,
+                       help=f"sequences per micro-batch per process (default: the largest, up to {MAX_DEVICE_BATCH}, "
+                            f"that the memory estimate fits in the device)")
     batch.add_argument("--total_batch_size", type=int, default=None,
-                       help=f"tokens per optimizer step (default {DEFAULT_TOTAL_BATCH_SIZE:,} unless "
-                            f"--gradient_accumulation_steps is given); the accumulation follows from it")
+                       help=f"tokens per optimizer step (default: compute-optimal, {B_REF:,} at depth 12 and growing "
+                            f"as the token horizon^{BATCH_EXPONENT}, with learning rates scaled by sqrt(batch / "
+                            f"{B_REF:,}); unless --gradient_accumulation_steps is given); the accumulation follows")
     batch.add_argument("--gradient_accumulation_steps", type=int, default=None, help="micro-batches per step")
     horizon = p.add_argument_group("horizon (first given wins: iterations, FLOPs, ratio)")
     horizon.add_argument("--num_iterations", type=int, default=None)
@@ -114,7 +126,16 @@ def build_parser():
     optim.add_argument("--final_lr_frac", type=float, default=0.0, help="lr at the end, as a fraction of peak")
     runtime = p.add_argument_group("runtime")
     runtime.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
-    runtime.add_argument("--compile", type=str2bool, nargs="?", const=True, default=False, help="torch.compile")
+    runtime.add_argument("--compile", type=str2bool, nargs="?", const=True, default=None,
+                         help="torch.compile the layer visits (default: on for CUDA, off elsewhere)")
+    runtime.add_argument("--device_memory_gb", type=float, default=None,
+                         help="memory per device for the batch fit and the plan (default: the device's, or free RAM "
+                              "/ processes on CPU); plans for a GPU you do not have with --dry_run")
+    runtime.add_argument("--peak_tflops", type=float, default=None,
+                         help="the device's dense bf16 peak, for MFU and the plan's time (default: the GPU's entry "
+                              "in the peak-FLOPs table)")
+    runtime.add_argument("--dry_run", type=str2bool, nargs="?", const=True, default=False,
+                         help="print the plan (batch, memory, FLOPs, time, cost) and exit without touching disk")
     runtime.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                          help="autocast dtype (default: bfloat16 on CUDA, float32 elsewhere)")
     runtime.add_argument("--seed", type=int, default=42)
@@ -190,8 +211,10 @@ def resolve_model_config(args):
     return values, sources
 
 
-def parse_args(argv=None, world_size=None, check_hardware=True):
-    """Parse and validate every flag without touching a model or data; errors exit with what to change."""
+def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None):
+    """Parse and validate every flag without touching a model or data; errors exit with what to change.
+
+    vocab_size: the vocabulary the batch is planned for (default: the tokenizer's, or DEFAULT_VOCAB before one exists)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # torchrun ... -m scripts.base_train -- --depth=12
@@ -222,32 +245,26 @@ def parse_args(argv=None, world_size=None, check_hardware=True):
         GPTConfig(vocab_size=1, **args.model_config)
     except ValueError as e:
         parser.error(f"{e} (set --n_embd/--n_head/--n_kv_head or pick another --depth)")
-    if args.device_batch_size < 1:
-        parser.error(f"--device_batch_size={args.device_batch_size} must be >= 1")
-    tokens_per_micro = args.device_batch_size * args.max_seq_len * world_size
-    accum = args.gradient_accumulation_steps
-    if accum is not None and accum < 1:
-        parser.error(f"--gradient_accumulation_steps={accum} must be >= 1")
-    total = args.total_batch_size
-    if total is None and accum is None:
-        total = DEFAULT_TOTAL_BATCH_SIZE
-    if total is not None:
-        given = "--total_batch_size" if args.total_batch_size is not None else "the default --total_batch_size"
-        if total < tokens_per_micro or total % tokens_per_micro:
-            multiple = max(1, round(total / tokens_per_micro)) * tokens_per_micro
-            parser.error(f"{given}={total} is not a multiple of processes x device_batch_size x max_seq_len = "
-                         f"{world_size} x {args.device_batch_size} x {args.max_seq_len} = {tokens_per_micro}; pass "
-                         f"--total_batch_size={multiple} (or another multiple of {tokens_per_micro}), or "
-                         f"--gradient_accumulation_steps=N for N x {tokens_per_micro} tokens per step")
-        if accum is not None and accum != total // tokens_per_micro:
-            parser.error(f"--total_batch_size={total} implies gradient accumulation {total // tokens_per_micro}, "
-                         f"but --gradient_accumulation_steps={accum}; give only one of them")
-        accum = total // tokens_per_micro
-    args.grad_accum = accum
-    args.total_batch_size = tokens_per_micro * accum
+    args.device_type = args.device_type or autodetect_device_type()
+    if args.device_type not in ("cuda", "cpu", "mps"):
+        parser.error(f"--device_type={args.device_type} is not one of cuda, cpu, mps")
+    if check_hardware and not args.dry_run and not device_available(args.device_type):
+        parser.error(f"--device_type={args.device_type} is not available on this machine; "
+                     f"use --device_type={autodetect_device_type()}")
+    args.dtype = args.dtype or default_dtype(args.device_type)
+    args.compile = args.device_type == "cuda" if args.compile is None else args.compile
+    for name in ("device_batch_size", "gradient_accumulation_steps", "total_batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)} must be >= 1")
+    for name in ("device_memory_gb", "peak_tflops"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            parser.error(f"--{name}={getattr(args, name)} must be > 0")
     args.world_size = world_size
+    args.plan_vocab_size = vocab_size or tokenizer_vocab_size() or DEFAULT_VOCAB
+    resolve_batch(parser, args)
     if args.num_iterations is not None and args.num_iterations < 1:
         parser.error(f"--num_iterations={args.num_iterations} must be >= 1")
+    tokens_per_micro = args.device_batch_size * args.max_seq_len * world_size
     if args.eval_tokens < tokens_per_micro:
         parser.error(f"--eval_tokens={args.eval_tokens} is less than one validation batch ({tokens_per_micro} "
                      f"tokens = processes x device_batch_size x max_seq_len); raise it or lower the batch")
@@ -258,18 +275,162 @@ def parse_args(argv=None, world_size=None, check_hardware=True):
             parser.error(f"--{name}={getattr(args, name)} must be between 0 and 1")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         parser.error(f"--warmup_steps={args.warmup_steps} must be >= 0")
-    args.device_type = args.device_type or autodetect_device_type()
-    if args.device_type not in ("cuda", "cpu", "mps"):
-        parser.error(f"--device_type={args.device_type} is not one of cuda, cpu, mps")
-    if check_hardware and not device_available(args.device_type):
-        parser.error(f"--device_type={args.device_type} is not available on this machine; "
-                     f"use --device_type={autodetect_device_type()}")
     if args.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         parser.error("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'")
-    args.dtype = args.dtype or default_dtype(args.device_type)
     args.model_tag = args.model_tag or f"d{args.depth}"
     args.argv = argv
     return args
+
+
+# ---------------------------------------------------------------------------------------------------- the batch
+def resolve_batch(parser, args):
+    """Fill in args.device_batch_size, grad_accum, total_batch_size and lr_scale, and say why (args.batch_notes).
+
+    Unset, the total batch is compute-optimal for the run's horizon (nanochat HEAD's rule) with learning rates
+    scaled by sqrt(batch / B_REF), and the device batch is the largest that the memory estimate fits."""
+    world, T = args.world_size, args.max_seq_len
+    accum, total, notes = args.gradient_accumulation_steps, args.total_batch_size, []
+    args.lr_scale = 1.0
+    if total is None and accum is None:
+        total, horizon, reference = optimal_batch(args)
+        micro = (args.device_batch_size or 1) * T * world  # a whole number of micro-batches (sequences) per process
+        total = max(1, round(total / micro)) * micro
+        args.lr_scale = math.sqrt(total / B_REF)
+        notes.append(f"total batch {total:,} tokens: compute-optimal for a horizon of {horizon:.3g} tokens "
+                     f"({B_REF:,} at the depth-{REFERENCE_DEPTH} horizon {reference:.3g}, x (horizon ratio)^"
+                     f"{BATCH_EXPONENT}, a power of 2); learning rates x {args.lr_scale:.4f} = sqrt(batch / "
+                     f"{B_REF:,}). --total_batch_size sets it (and keeps the learning rates)")
+    if args.device_batch_size is None:
+        per_rank = total // (T * world) if total is not None and total % (T * world) == 0 else MAX_DEVICE_BATCH
+        args.device_batch_size, why = fit_device_batch(args, per_rank)
+        if args.device_batch_size is None:
+            parser.error(why)
+        notes.append(why)
+    tokens_per_micro = args.device_batch_size * T * world
+    if total is not None:
+        given = "--total_batch_size" if args.total_batch_size is not None else "the compute-optimal total batch"
+        if total < tokens_per_micro or total % tokens_per_micro:
+            multiple = max(1, round(total / tokens_per_micro)) * tokens_per_micro
+            parser.error(f"{given}={total} is not a multiple of processes x device_batch_size x max_seq_len = "
+                         f"{world} x {args.device_batch_size} x {T} = {tokens_per_micro}; pass "
+                         f"--total_batch_size={multiple} (or another multiple of {tokens_per_micro}), or "
+                         f"--gradient_accumulation_steps=N for N x {tokens_per_micro} tokens per step")
+        if accum is not None and accum != total // tokens_per_micro:
+            parser.error(f"--total_batch_size={total} implies gradient accumulation {total // tokens_per_micro}, "
+                         f"but --gradient_accumulation_steps={accum}; give only one of them")
+        accum = total // tokens_per_micro
+    args.grad_accum = accum
+    args.total_batch_size = tokens_per_micro * accum
+    if accum > QUIET_ACCUMULATION:
+        notes.append(f"WARNING: {accum} micro-batches per optimizer step ({args.total_batch_size:,} tokens in "
+                     f"micro-batches of {tokens_per_micro:,}): each step will be slow; a smaller --total_batch_size "
+                     f"(or --gradient_accumulation_steps) makes more, faster steps")
+    args.batch_notes = notes
+
+
+def optimal_batch(args):
+    """(tokens per step, the run's horizon in tokens, the reference horizon): B_REF x (D / D_REF)^BATCH_EXPONENT
+    rounded to a power of 2, D from --target_flops or the data ratio (as the horizon rule, iterations aside)."""
+    model = meta_model(model_config(args, args.plan_vocab_size))
+    reference_args = argparse.Namespace(**{**vars(args), "depth": REFERENCE_DEPTH, "n_embd": None, "n_head": None,
+                                           "n_kv_head": None})
+    reference_args.model_config, _ = resolve_model_config(reference_args)
+    reference = args.target_param_data_ratio * meta_model(model_config(reference_args, args.plan_vocab_size)).num_params()
+    if args.target_flops:
+        horizon = args.target_flops / model.estimate_flops()
+    else:
+        horizon = args.target_param_data_ratio * model.num_params()
+    return 2 ** round(math.log2(B_REF * (horizon / reference) ** BATCH_EXPONENT)), horizon, reference
+
+
+def fit_device_batch(args, sequences_per_rank, max_batch=MAX_DEVICE_BATCH, allow_checkpointing=False, memory_at=None):
+    """(the largest device batch up to max_batch that divides sequences_per_rank and fits the device's memory, why);
+    (None, what to do) when not even one sequence fits. Activation checkpointing, when allowed and needed, is turned
+    on in args.model_config. The launcher fits its table's batch with this function too. memory_at: (bytes per
+    device, where the number comes from), default device_memory(args)."""
+    from nanochat import memory
+    memory_bytes, where = memory_at or device_memory(args)
+    config = model_config(args, args.plan_vocab_size)
+    fit = memory.fit_micro_batch(config, sequences_per_rank, min(max_batch, sequences_per_rank), memory_bytes,
+                                 args.dtype, args.world_size, allow_checkpointing=allow_checkpointing,
+                                 ema=keeps_ema(args))
+    if fit is None:
+        return None, (f"not even one sequence of {args.max_seq_len} tokens fits in {memory_bytes / 1e9:.0f} GB per "
+                      f"device ({where}; estimate): turn on --activation_checkpointing, or lower --max_seq_len or "
+                      f"--depth")
+    batch, checkpointing = fit
+    if checkpointing and not config.activation_checkpointing:
+        args.model_config = {**args.model_config, "activation_checkpointing": True}
+        args.config_sources = {**args.config_sources, "activation_checkpointing": "turned on to fit memory"}
+    need = memory.estimate_memory(model_config(args, args.plan_vocab_size), batch, args.dtype, args.world_size,
+                                  keeps_ema(args))["total"]
+    return batch, (f"device batch {batch}: the largest of at most {max_batch} that divides the {sequences_per_rank} "
+                   f"sequences per process and fits ~{need / 1e9:.1f} GB in {memory.usable_bytes(memory_bytes) / 1e9:.0f}"
+                   f" GB usable of {memory_bytes / 1e9:.0f} GB ({where})")
+
+
+def device_memory(args):
+    """(bytes per device, where the number comes from): --device_memory_gb, the GPU's, or free RAM per process."""
+    if args.device_memory_gb:
+        return int(args.device_memory_gb * 1e9), "--device_memory_gb"
+    if args.device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // args.world_size, f"free RAM / {args.world_size} processes"
+
+
+def keeps_ema(args):
+    """Whether the run keeps an EMA copy of the weights (--ema_decay; auto depends on the run's length)."""
+    if args.num_iterations is None:  # the length comes from --target_flops or a data ratio: count the copy unless off
+        return args.ema_decay != 0
+    return ema_decay_for(args, args.num_iterations) > 0
+
+
+def tokenizer_vocab_size():
+    """The trained tokenizer's vocabulary size, or None when there is none yet (looked up without creating a dir)."""
+    from nanochat.tokenizer import get_tokenizer
+    if not os.path.isdir(tokenizer_path()):
+        return None
+    return get_tokenizer().get_vocab_size()
+
+
+def tokenizer_path():
+    return os.path.join(get_base_dir(create=False), "tokenizer")
+
+
+def plan_lines(args):
+    """What a run will do and cost, from its flags alone: base_train --dry_run prints these and exits."""
+    from nanochat import memory
+    from nanochat.common import gpu_peak_flops
+    config = model_config(args, args.plan_vocab_size)
+    model = meta_model(config)
+    iterations, source = num_iterations_for(args, model)
+    memory_bytes, where = device_memory(args)
+    est = memory.estimate_memory(config, args.device_batch_size, args.dtype, args.world_size, keeps_ema(args))
+    flops_per_step = model.estimate_flops() * args.total_batch_size
+    lines = [f"processes    {args.world_size} x {args.device_type}, {args.dtype}, compile {args.compile}",
+             f"model        depth {config.n_layer}, width {config.n_embd}, n_loops {config.n_loops}, "
+             f"{config.n_sup_train} supervision steps, vocab {config.vocab_size:,}: {model.num_params():,} parameters",
+             f"batch        {args.world_size} x {args.device_batch_size} sequences x {args.max_seq_len} tokens x "
+             f"{args.grad_accum} accumulation = {args.total_batch_size:,} tokens per step",
+             *[f"             {note}" for note in args.batch_notes],
+             f"memory       ~{est['total'] / 1e9:.1f} GB per device (nanochat/memory.py) of "
+             f"{memory.usable_bytes(memory_bytes) / 1e9:.0f} GB usable ({memory_bytes / 1e9:.0f} GB, {where})"
+             + ("" if est["total"] <= memory.usable_bytes(memory_bytes) else "  -> predicted OUT OF MEMORY"),
+             f"compute      {model.estimate_flops():.3e} FLOPs per token x {args.total_batch_size:,} tokens = "
+             f"{flops_per_step:.3e} FLOPs per step; {iterations} steps ({source})"]
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (
+        gpu_peak_flops(torch.cuda.get_device_name(0)) if args.device_type == "cuda" and torch.cuda.is_available()
+        else None)
+    if peak:
+        seconds = flops_per_step / (args.world_size * peak * PLANNER_MFU)
+        cost = (f", ${seconds * iterations / 3600 * args.gpu_hourly_price * args.world_size:,.2f} at "
+                f"${args.gpu_hourly_price}/GPU-hour" if args.gpu_hourly_price else "")
+        lines.append(f"time         {peak / 1e12:,.0f} TFLOP/s per device at {PLANNER_MFU:.0%} MFU: {seconds:.2f} s per "
+                     f"step, {seconds * iterations / 3600:.2f} h for {iterations} steps{cost}")
+    else:
+        lines.append("time         unknown: no GPU in the peak-FLOPs table here; --peak_tflops gives one")
+    return lines
 
 
 def lr_multiplier(step, num_iterations, warmup_steps, warmdown_ratio, final_lr_frac):
@@ -300,9 +461,8 @@ def num_iterations_for(args, model):
 
 def data_problem():
     """None when the tokenizer and the training shards exist; else what is missing and the command that makes it."""
-    from nanochat.common import get_base_dir
     from nanochat.dataset import DatasetError, parquets_for_split
-    tok_dir = os.path.join(get_base_dir(), "tokenizer")
+    tok_dir = tokenizer_path()
     if not os.path.isdir(tok_dir):
         return f"no tokenizer in {tok_dir}: train one first with python -m scripts.tok_train"
     try:

@@ -30,7 +30,8 @@ from nanochat.loss_eval import refinement, validation_bpb
 from nanochat.optim import clipped_step, reduce_gradients
 from nanochat.report import Health, MetricsError, MetricsLog, format_duration, write_summary
 from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
-                                   ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args)
+                                   ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args,
+                                   plan_lines)
 
 
 class ExitWithMessage(Exception):
@@ -49,6 +50,8 @@ def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
     print0(f"parameters: {model.num_params():,}   FLOPs per token (training step): {model.estimate_flops():.3e}")
     print0(f"batch: {args.world_size} processes x {args.device_batch_size} x {args.max_seq_len} tokens x "
            f"{args.grad_accum} accumulation = {tokens_per_step:,} tokens per step")
+    for note in args.batch_notes:
+        print0(f"  {note}")
     print0(f"horizon: {num_iterations} steps ({horizon_source}), {num_iterations * tokens_per_step:,} tokens")
 
 
@@ -117,8 +120,9 @@ def train(args):
 
     model = ckpt.build_model(model_config, device)
     model.train()
-    optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
-                                        matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
+    optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr * args.lr_scale,
+                                        embedding_lr=args.embedding_lr * args.lr_scale,
+                                        matrix_lr=args.matrix_lr * args.lr_scale, weight_decay=args.weight_decay)
     num_iterations, horizon_source = num_iterations_for(args, model)
     warmup_steps = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * num_iterations)
     tokens_per_step = args.total_batch_size
@@ -256,6 +260,7 @@ def train(args):
             # step's sync, so in a steady state dt is a whole step
             dt = time.time() - t0
             step += 1
+            lifecycle.tame_garbage_collector(first_step=step == start_step + 1, step=step)
 
             # ---- log
             history.append({"step": step, "step_losses": losses})
@@ -306,6 +311,10 @@ def update_checkpoint_bpb(model_tag, step, val_bpb):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.dry_run:
+        print0("\n".join(plan_lines(args)) + "\n--dry_run: nothing was run or written")
+        return
+    lifecycle.configure_cuda_allocator()
     try:
         train(args)
     except (ExitWithMessage, MetricsError) as e:

@@ -36,7 +36,8 @@ from nanochat.common import GPU_PEAK_BF16_FLOPS, get_base_dir
 from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
 from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS
-from nanochat.train_config import batch_geometry, ema_decay_for, meta_model, model_config, parse_args
+from nanochat.train_config import (PLANNER_MFU, batch_geometry, fit_device_batch, keeps_ema, meta_model, model_config,
+                                   parse_args)
 
 # The guides' table: GPUs per node, GPU model, its memory (GB), the node's $/hour, and per phase the device batch,
 # gradient accumulation and the guide's seconds per step (low, high).
@@ -54,7 +55,6 @@ PHASES = {
     "extreme": dict(title="Phase 2 (extreme)", iterations=5000, preset="extreme", matrix_lr=0.0005,
                     embedding_lr=0.005, shards=100, tok_chars=1_000_000_000, refinement=(50, 97), grad_norm=(2, 15)),
 }
-ASSUMED_MFU = 0.40  # model FLOPs utilisation a compiled bf16 run of this size reaches; stated in the plan
 SHARD_BYTES = 100e6  # one FineWeb-Edu parquet shard is about 100 MB on disk
 DEFAULT_VOCAB = 65536  # scripts.tok_train's default
 
@@ -137,13 +137,6 @@ def torchrun_prefix(nproc, nnodes):
             f"--master_port={port}", f"--nproc_per_node={nproc}"]
 
 
-def ema(args):
-    """Whether the run keeps an EMA copy of the weights (--ema_decay; auto depends on the run's length)."""
-    if args.num_iterations is None:  # the length comes from --target_flops or a data ratio: count the copy unless off
-        return args.ema_decay != 0
-    return ema_decay_for(args, args.num_iterations) > 0
-
-
 def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
     """Device batch, accumulation and checkpointing that fit memory and keep the table's effective batch.
 
@@ -167,16 +160,15 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
         return {"gradient_accumulation_steps": per_rank // b}, [
             f"accumulation {accum} -> {per_rank // b} keeps the table's {sequences} sequences at your device batch {b}"]
     config = model_config(args, vocab_size)
-    fit = memory.fit_micro_batch(config, per_rank, min(batch, per_rank), memory_bytes, args.dtype, world,
-                                 allow_checkpointing="activation_checkpointing" not in given, ema=ema(args))
-    if fit is None:
-        raise Stop(f"not even one sequence of {args.max_seq_len} tokens fits in {memory_bytes / 1e9:.0f} GB per "
-                   f"device with activation checkpointing (estimate); lower DEPTH, --max_seq_len or --n_sup_train")
-    b, checkpointing = fit
+    args.plan_vocab_size = vocab_size
+    b, why = fit_device_batch(args, per_rank, max_batch=batch, memory_at=(memory_bytes, "the launcher's budget"),
+                              allow_checkpointing="activation_checkpointing" not in given)
+    if b is None:
+        raise Stop(f"{why} (with activation checkpointing); lower DEPTH, --max_seq_len or --n_sup_train")
     flags, notes = {"device_batch_size": b, "gradient_accumulation_steps": per_rank // b}, []
-    if checkpointing and not config.activation_checkpointing:
+    if args.model_config["activation_checkpointing"] and not config.activation_checkpointing:
         flags["activation_checkpointing"] = "true"
-        need = memory.estimate_memory(config, batch, args.dtype, world, ema(args))["total"]
+        need = memory.estimate_memory(config, batch, args.dtype, world, keeps_ema(args))["total"]
         notes.append(f"activation checkpointing turned ON: the table's batch {batch} would need ~{need / 1e9:,.0f} GB "
                      f"per device without it, {memory.usable_bytes(memory_bytes) / 1e9:.0f} GB are usable")
     if (b, per_rank // b) != (batch, accum):
@@ -350,7 +342,7 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
     config = model_config(args, vocab)
     sequences = world * args.device_batch_size * args.grad_accum
     table_sequences = row["gpus"] * row[phase][0] * row[phase][1]
-    est = memory.estimate_memory(config, args.device_batch_size, args.dtype, world, ema(args))
+    est = memory.estimate_memory(config, args.device_batch_size, args.dtype, world, keeps_ema(args))
     model = meta_model(config)
     model_flops, recompute = flops_per_token(model)
     step_flops = model_flops * args.total_batch_size
@@ -390,10 +382,10 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
            f"step) x {args.total_batch_size:,} tokens = {step_flops:.3e} FLOPs per step"
            + (f", + {recompute * args.total_batch_size:.3e} recomputed by checkpointing" if recompute else "")]
     if peak:
-        seconds = (model_flops + recompute) * args.total_batch_size / (world * peak * ASSUMED_MFU)
+        seconds = (model_flops + recompute) * args.total_batch_size / (world * peak * PLANNER_MFU)
         lo, hi = row[phase][2]
         cost = seconds * iterations / 3600 * row["price"] * nnodes
-        out += [f"time         peak {peak / 1e12:,.0f} TFLOP/s bf16 per GPU, assuming {ASSUMED_MFU:.0%} MFU: "
+        out += [f"time         peak {peak / 1e12:,.0f} TFLOP/s bf16 per GPU, assuming {PLANNER_MFU:.0%} MFU: "
                 f"{seconds:.2f} s/step, {iterations} steps = {hours(seconds * iterations)}; the guide says "
                 f"{lo}-{hi} s/step = {hours(lo * iterations)}-{hours(hi * iterations)}",
                 f"cost         ${row['price']:.2f}/hour per node x {nnodes} x {hours(seconds * iterations)} = "
@@ -494,7 +486,7 @@ def train(key, phase, extra):
     problems = [p for p in (hardware_problem(key, phase, gpus) if args.device_type == "cuda" else None,
                             disk_problem(*data)) if p]
     est = memory.estimate_memory(model_config(args, vocab), args.device_batch_size, args.dtype, args.world_size,
-                                 ema(args))
+                                 keeps_ema(args))
     if est["total"] > memory.usable_bytes(budget[0]):
         problems.append(oom_problem(args, vocab, budget[0], est["total"]))
     flags, state_lines, state_problems = run_state(args, vocab, have_tokenizer, user_flag_names(extra),
@@ -521,14 +513,14 @@ def train(key, phase, extra):
 
 
 def oom_problem(args, vocab, budget, need):
-    config = model_config(args, vocab)
     per_rank = args.device_batch_size * args.grad_accum
-    fit = memory.fit_micro_batch(config, per_rank, args.device_batch_size, budget, args.dtype, args.world_size,
-                                 ema=ema(args))
-    fix = ("lower DEPTH or --max_seq_len" if fit is None else
-           f"use --device_batch_size={fit[0]} --gradient_accumulation_steps={per_rank // fit[0]}"
-           + (" --activation_checkpointing" if fit[1] and not config.activation_checkpointing else "")
-           + " (same effective batch)")
+    trial = argparse.Namespace(**{**vars(args), "plan_vocab_size": vocab})  # the fit may turn checkpointing on
+    batch, _ = fit_device_batch(trial, per_rank, max_batch=args.device_batch_size, allow_checkpointing=True,
+                                memory_at=(budget, "the launcher's budget"))
+    checkpointing = trial.model_config["activation_checkpointing"] and not args.model_config["activation_checkpointing"]
+    fix = ("lower DEPTH or --max_seq_len" if batch is None else
+           f"use --device_batch_size={batch} --gradient_accumulation_steps={per_rank // batch}"
+           + (" --activation_checkpointing" if checkpointing else "") + " (same effective batch)")
     return (f"predicted out of memory: ~{need / 1e9:.0f} GB per device at --device_batch_size={args.device_batch_size}, "
             f"{memory.usable_bytes(budget) / 1e9:.0f} GB usable: {fix}")
 

@@ -274,12 +274,12 @@ def test_the_weight_average_is_on_for_long_runs_only():
     turns it off; the launcher's memory plan counts its weight copy exactly when it is on."""
     from scripts import base_train, launch
     long_run = train_config.parse_args([*TINY, "--num_iterations=1000"])
-    assert train_config.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and launch.ema(long_run)
+    assert train_config.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and train_config.keeps_ema(long_run)
     short_run = train_config.parse_args([*TINY, "--num_iterations=120"])
-    assert train_config.ema_decay_for(short_run, 120) == 0 and not launch.ema(short_run)
+    assert train_config.ema_decay_for(short_run, 120) == 0 and not train_config.keeps_ema(short_run)
     off = train_config.parse_args([*TINY, "--num_iterations=1000", "--ema_decay=0"])
-    assert train_config.ema_decay_for(off, 1000) == 0 and not launch.ema(off)
+    assert train_config.ema_decay_for(off, 1000) == 0 and not train_config.keeps_ema(off)
     assert train_config.ema_decay_for(train_config.parse_args([*TINY, "--ema_decay=0.9"]), 120) == 0.9
     # no step count before the run (--target_flops): count the copy unless it is off
-    assert launch.ema(train_config.parse_args([*TINY, "--target_flops=1e12"]))
-    assert not launch.ema(train_config.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))
+    assert train_config.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12"]))
+    assert not train_config.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))

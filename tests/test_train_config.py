@@ -1,0 +1,78 @@
+"""nanochat/train_config: the compute-optimal batch and its learning-rate scaling, the automatic device batch shared
+with the launcher, and --dry_run."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nanochat import memory, train_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_80GB = ["--device_type=cuda", "--device_memory_gb=80", "--dry_run"]  # a plan for a GPU this machine lacks
+
+
+def parse(argv, world_size=8):
+    return train_config.parse_args(argv, world_size=world_size, check_hardware=False, vocab_size=65536)
+
+
+# Worked by hand from the rule (nanochat HEAD): parameters of depth d at width 64d and vocab 65,536 are
+# 12 * d * (64d)^2 + 2 * 64d * 65,536; d12 = 185.6M, d24 = 880.8M; 2^19 * (880.8 / 185.6)^0.383 = 952k -> 2^20.
+@pytest.mark.parametrize("depth, batch, lr_scale", [(12, 524288, 1.0), (24, 1048576, math.sqrt(2))])
+def test_auto_batch_and_lr_scaling_follow_the_documented_values(depth, batch, lr_scale):
+    args = parse([f"--depth={depth}", *GPU_80GB])
+    assert args.total_batch_size == batch
+    assert args.lr_scale == pytest.approx(lr_scale)
+    assert any("compute-optimal" in note for note in args.batch_notes)
+
+
+def test_an_explicit_total_batch_disables_the_auto_batch_and_the_lr_scaling():
+    args = parse(["--depth=24", "--total_batch_size=524288", *GPU_80GB])
+    assert args.total_batch_size == 524288 and args.lr_scale == 1.0
+    args = parse(["--depth=24", "--device_batch_size=4", "--gradient_accumulation_steps=2", *GPU_80GB])
+    assert args.total_batch_size == 8 * 4 * 2048 * 2 and args.lr_scale == 1.0
+
+
+def test_auto_device_batch_for_depth_12_on_8x80gb_fits_with_the_launchers_margin():
+    args = parse(["--depth=12", *GPU_80GB])
+    est = memory.estimate_memory(train_config.model_config(args, 65536), args.device_batch_size, "bfloat16", 8,
+                                 train_config.keeps_ema(args))["total"]
+    assert est <= memory.usable_bytes(80e9)
+    bigger = args.device_batch_size * 2  # the next candidate of the 32 sequences per process does not fit
+    assert memory.estimate_memory(train_config.model_config(args, 65536), bigger, "bfloat16", 8,
+                                  train_config.keeps_ema(args))["total"] > memory.usable_bytes(80e9)
+    assert args.compile is True  # on by default for CUDA
+    assert args.world_size * args.device_batch_size * args.max_seq_len * args.grad_accum == args.total_batch_size
+
+
+def test_the_launcher_and_base_train_choose_the_same_device_batch(monkeypatch):
+    from scripts import launch
+    direct = parse(["--depth=12", *GPU_80GB])
+    # the launcher's 8xH100 fast row, 80 GB per GPU: its fit goes through train_config.fit_device_batch too
+    _, args, _ = launch.compose("8xH100", "fast", ["--device_type=cuda"], 65536, int(80e9))
+    assert args.device_batch_size == direct.device_batch_size
+
+
+def test_compile_is_off_by_default_on_cpu_and_the_flag_wins():
+    assert parse(["--depth=2", "--device_type=cpu"], world_size=1).compile is False
+    assert parse(["--depth=2", "--device_type=cpu", "--compile"], world_size=1).compile is True
+
+
+def test_accumulation_past_64_warns_and_names_the_flag():
+    args = parse(["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--device_type=cpu"], world_size=1)
+    assert args.grad_accum > train_config.QUIET_ACCUMULATION
+    assert any("WARNING" in note and "--total_batch_size" in note for note in args.batch_notes)
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    base = tmp_path / "base"
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "scripts.base_train", "--depth=12", *GPU_80GB, "--peak_tflops=989",
+                           "--gpu_hourly_price=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for heading in ("processes", "batch", "memory", "compute", "time"):
+        assert any(line.startswith(heading) for line in proc.stdout.splitlines()), heading
+    assert "device batch" in proc.stdout and "s per step" in proc.stdout and "$" in proc.stdout
+    assert not base.exists()
