@@ -407,12 +407,12 @@ def load_resume_point(model_tag, which, rank, backup_url=None):
 
 def restore(point, model, optimizers, ema=None):
     """Put a resume point's weights, optimizer states and RNG states into this process; returns its loader states.
-    ema: a torch.optim.swa_utils.AveragedModel of model, continued from the published weights."""
+    ema: a weight_average.WeightAverage of model, continued from the published weights."""
     _, _, weights, state, train_weights = point
     model.load_state_dict(train_weights if train_weights is not None else weights)
     if ema is not None:
         ema.module.load_state_dict(weights)
-        ema.n_averaged.fill_(1)  # an average already started: the next update blends, not copies
+        ema.started = True  # an average already started: the next update blends, not copies
     for opt, opt_state in zip(optimizers, state["optimizers"]):
         opt.load_state_dict(opt_state)
     set_rng_state(state["rng"])

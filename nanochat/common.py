@@ -110,21 +110,26 @@ def collective_device():
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def reduce_with_flags(values, flags):
-    """Sum `values` (a 1-D tensor) over ranks and learn which ranks raised each of `flags` (bools), in one all_reduce.
+def reduce_with_flags(values, flags, to_host=False):
+    """Sum `values` (a 1-D tensor) over ranks and learn which ranks raised each of `flags` (bools), in one all_reduce
+    and one host read.
 
     Returns (summed values, [ranks that raised flag i, for each i]); every rank gets the same answer, so decisions
     made from it (stop, save, skip) are taken by all ranks together. Without a process group: this rank's own.
+    to_host: the summed values as a list of floats, read together with the flags.
     """
     if not distributed():
-        return values, [[0] if flag else [] for flag in flags]
-    world, rank = dist.get_world_size(), dist.get_rank()
+        return (values.tolist() if to_host else values), [[0] if flag else [] for flag in flags]
+    world, rank, n = dist.get_world_size(), dist.get_rank(), values.numel()
     raised = torch.zeros(len(flags), world, dtype=values.dtype, device=values.device)
-    raised[:, rank] = torch.tensor([float(bool(f)) for f in flags], dtype=values.dtype)
+    for i, flag in enumerate(flags):
+        if flag:
+            raised[i, rank] = 1.0  # a fill on the device: no copy from pageable host memory, so no sync
     payload = torch.cat([values.flatten(), raised.flatten()])
     dist.all_reduce(payload)
-    raised = payload[values.numel():].view(len(flags), world).tolist()  # one host read for every flag
-    return payload[:values.numel()].view_as(values), [[r for r in range(world) if raised[i][r]] for i in range(len(flags))]
+    host = payload.tolist() if to_host else payload[n:].tolist()
+    summed, raised = (host[:n], host[n:]) if to_host else (payload[:n].view_as(values), host)
+    return summed, [[r for r in range(world) if raised[i * world + r]] for i in range(len(flags))]
 
 
 class RankFailure(RuntimeError):

@@ -87,8 +87,8 @@ class RunControl:
         """The sum over ranks of every rank's `values` (a 1-D tensor, e.g. the step's losses) as floats, and the agreed
         flags: {'signal' | 'budget' | 'save_time': ranks that raised it}. One all_reduce and one host read; call it on
         every rank."""
-        summed, raised = reduce_with_flags(values.float(), self.local_flags())
-        return summed.tolist(), dict(zip(FLAGS, raised))
+        summed, raised = reduce_with_flags(values.float(), self.local_flags(), to_host=True)
+        return summed, dict(zip(FLAGS, raised))
 
     def agree(self, device):
         """The agreed flags alone, for the moment before the first step (a budget already spent, an early signal)."""

@@ -20,7 +20,6 @@ import sys
 import time
 
 import torch
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
@@ -29,6 +28,7 @@ from nanochat.common import (RankFailure, atomic_write_bytes, compute_cleanup, c
 from nanochat.loss_eval import refinement, validation_bpb
 from nanochat.optim import clipped_step, reduce_gradients
 from nanochat.report import Health, MetricsError, MetricsLog, format_duration, write_summary
+from nanochat.weight_average import WeightAverage
 from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
                                    ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args,
                                    plan_lines)
@@ -135,7 +135,7 @@ def train(args):
 
     # the EMA's copy of the model is what evaluation, samples and checkpoints see; training goes on in `model`
     ema_decay = ema_decay_for(args, num_iterations)
-    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay)) if ema_decay else None
+    ema = WeightAverage(model, ema_decay) if ema_decay else None
     print0("weights published (evaluated, sampled, saved): "
            + (f"EMA with decay {ema_decay:.4f} (--ema_decay={args.ema_decay})" if ema else "the trained weights"))
     published = ema.module if ema else model

@@ -226,9 +226,10 @@ def test_ema_publishes_the_average_trains_on_the_raw_weights_and_resumes_exactly
         assert all(torch.equal(a[k], b[k]) for k in a)  # resume continues the average and the raw weights exactly
 
 
-def test_a_training_step_reads_the_device_once(base_dir, monkeypatch):
+@pytest.mark.parametrize("ema", ["--ema_decay=0", "--ema_decay=0.9"])
+def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
     # every way a tensor's value reaches Python is a host sync on a GPU; count them over 2 and 5 steps: the extra
-    # 3 steps (no evaluation, sample or save in between) must cost exactly 3 reads
+    # 3 steps (no evaluation, sample or save in between) must cost exactly 3 reads, with the weight average too
     from scripts import base_train
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
@@ -237,7 +238,8 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     counts = []
     for n, tag in ((2, "syncs_a"), (5, "syncs_b")):
-        args = train_config.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", f"--model_tag={tag}"])
+        args = train_config.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", ema,
+                                        f"--model_tag={tag}{ema[-1]}"])
         reads.clear()
         base_train.train(args)
         counts.append(len(reads))

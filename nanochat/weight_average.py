@@ -1,0 +1,29 @@
+"""An exponential moving average of a model's weights, for base_train --ema_decay: evaluated, sampled and published
+while training goes on in the model itself.
+
+Written here rather than taken from torch.optim.swa_utils.AveragedModel: that one reads its step counter from a tensor
+on every update (two host syncs per optimizer step on a GPU). The arithmetic is the same as its
+get_ema_multi_avg_fn: the first update copies, each later one is ema <- ema + (1 - decay) * (w - ema).
+"""
+
+import copy
+
+import torch
+
+
+class WeightAverage(torch.nn.Module):
+
+    def __init__(self, model, decay):
+        super().__init__()
+        self.module = copy.deepcopy(model)
+        self.decay = decay
+        self.started = False  # a Python flag, not a tensor: reading it costs no sync
+
+    @torch.no_grad()
+    def update_parameters(self, model):
+        averaged, current = list(self.module.parameters()), [p.detach() for p in model.parameters()]
+        if self.started:
+            torch._foreach_lerp_(averaged, current, 1 - self.decay)
+        else:
+            torch._foreach_copy_(averaged, current)
+            self.started = True
