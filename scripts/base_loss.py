@@ -81,8 +81,10 @@ def main(argv=None):
             print0(f"{split:5s} recursion state per step: {format_state(state)}")
     if rank == 0:
         from nanochat.engine import Engine
-        for prompt, completion in zip(SAMPLE_PROMPTS, Engine(model, tokenizer).complete(
-                SAMPLE_PROMPTS, max_tokens=args.sample_tokens, temperature=0, n_sup=n_sup)):
+        with autocast:  # the evaluation's dtype: bf16 matmuls and KV cache on GPU
+            completions = Engine(model, tokenizer).complete(SAMPLE_PROMPTS, max_tokens=args.sample_tokens,
+                                                            temperature=0, n_sup=n_sup)
+        for prompt, completion in zip(SAMPLE_PROMPTS, completions):
             print0(f"sample: {prompt!r} -> {completion!r}")
         path = os.path.join(ckpt.model_dir(model_tag), f"base_loss_step{meta['step']:06d}.json")
         atomic_write_bytes(path, json.dumps(results, indent=2).encode())

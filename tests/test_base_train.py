@@ -285,3 +285,19 @@ def test_the_weight_average_is_on_for_long_runs_only():
     # no step count before the run (--target_flops): count the copy unless it is off
     assert train_config.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12"]))
     assert not train_config.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))
+
+
+def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch):
+    # bf16 on a GPU; CPU autocast stands in for it: the engine must see autocast on while it samples
+    from nanochat import engine
+    from scripts import base_train
+    seen, real = [], engine.Engine.complete
+
+    def complete(self, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.Engine, "complete", complete)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    base_train.train(train_config.parse_args([*TINY, "--num_iterations=1", "--dtype=bfloat16", "--model_tag=bf16"]))
+    assert seen and all(seen_dtype == (True, torch.bfloat16) for seen_dtype in seen)
