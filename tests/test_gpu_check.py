@@ -87,3 +87,52 @@ def test_out_that_is_a_file_is_refused(tmp_path, capsys):
         gpu_check.main(["--device", "cpu", "--out", str(path)])
     assert "is a file" in capsys.readouterr().err
     assert path.read_text() == "mine"
+
+
+FAKE_NANOCHAT_GPT = '''
+from dataclasses import dataclass
+import torch
+import torch.nn.functional as F
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 8
+    vocab_size: int = 8
+    n_layer: int = 1
+    n_head: int = 1
+    n_kv_head: int = 1
+    n_embd: int = 8
+    window_pattern: str = "SSSL"
+
+class GPT(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.window_pattern == "L", "the comparison must run full-context attention"
+        self.wte = torch.nn.Embedding(config.vocab_size, config.n_embd)
+        self.lm_head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def init_weights(self):
+        torch.nn.init.normal_(self.wte.weight)
+
+    def forward(self, idx, targets):
+        from nanochat.helper import twice  # imported while torch.compile traces, as nanochat's flash_attn is
+        logits = self.lm_head(twice(self.wte(idx)))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+'''
+
+
+def test_nanochat_compare_times_the_checkout_beside_ours(tmp_path):
+    checkout = tmp_path / "nanochat_checkout"
+    (checkout / "nanochat").mkdir(parents=True)
+    (checkout / "nanochat" / "__init__.py").write_text("")
+    (checkout / "nanochat" / "gpt.py").write_text(FAKE_NANOCHAT_GPT)
+    (checkout / "nanochat" / "helper.py").write_text("def twice(x):\n    return 2 * x\n")
+    ctx = gpu_check.Context(gpu_check.torch.device("cpu"), gpu_check.SIZES["cpu"], str(tmp_path), str(checkout))
+    ctx.results["plain"] = {"batch": 2, "step_s": 1e-9}  # ours "infinitely fast": the ratio must pass
+    result = gpu_check.check_nanochat(ctx)
+    assert result["name"] == "nanochat_compare" and result["ok"], result
+    assert 0 < ctx.results["nanochat"]["ours_over_theirs"] < 1
+    from nanochat import gpt  # ours is back in place
+    assert hasattr(gpt, "STATE_UPDATES")
+    ctx.results["plain"]["step_s"] = 1e9  # ours far slower: the check fails
+    assert not gpu_check.check_nanochat(ctx)["ok"]
