@@ -21,8 +21,9 @@ The checks, in order:
 
 report.json and report.md go to --out (default dev/results/gpu/<date>-<device>/ on CUDA, a temporary directory on
 CPU); the table is printed, and the exit code is 1 when any check failed. Every check runs whatever the others did:
-an exception fails its own check with the error. The training run's data, tokenizer and checkpoints, and
-transformers' copy of the exported code, live under --out: nothing of yours is read or changed.
+an exception fails its own check with the error. The training run's data, tokenizer and checkpoints, the export
+and transformers' copy of its code live in --out/work (removed when every check passed; the subprocesses' logs stay
+in --out/logs): nothing of yours is read or changed.
 """
 
 import argparse
@@ -97,8 +98,13 @@ class Context:
     results: dict = field(default_factory=dict)  # check name -> measurements (also written to report.json)
 
     @property
+    def work(self):
+        """The training run's data, tokenizer and checkpoints, and the export: removed when every check passed."""
+        return os.path.join(self.out, "work")
+
+    @property
     def base_dir(self):
-        return os.path.join(self.out, "nanochat_base")
+        return os.path.join(self.work, "nanochat_base")
 
     def autocast(self):
         if self.sizes.dtype == "float32":
@@ -466,7 +472,7 @@ def check_export_hf(ctx):
 
     from nanochat.checkpoint_manager import load_model
     from scripts import export_hf
-    out = os.path.join(ctx.out, "export_hf")
+    out = os.path.join(ctx.work, "export_hf")
     if export_hf.main(["--model_tag", MODEL_TAG, "--out", out, "--force"]) != 0:
         raise RuntimeError("scripts/export_hf.py failed (see its error above)")
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).to(ctx.device).eval()
@@ -548,7 +554,7 @@ def main(argv=None):
     ctx = Context(device, SIZES[device.type], out, args.nanochat and os.path.abspath(args.nanochat))
     os.makedirs(ctx.base_dir, exist_ok=True)
     os.environ["NANOCHAT_BASE_DIR"] = ctx.base_dir  # in-process checkpoint loading reads it too
-    os.environ["HF_MODULES_CACHE"] = os.path.join(out, "hf_modules")  # transformers' copy of the exported code
+    os.environ["HF_MODULES_CACHE"] = os.path.join(ctx.work, "hf_modules")  # transformers' copy of the export's code
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # as base_train
@@ -558,8 +564,12 @@ def main(argv=None):
               "device_type": device.type, "wall_s": time.perf_counter() - t0, "checks": rows,
               "environment": ctx.results.get("environment") or {}, "measurements": ctx.results,
               "sizes": dataclasses.asdict(ctx.sizes)}
-    print("\n" + write_report(out, report) + f"\nreport: {os.path.join(out, 'report.md')}")
-    return 0 if all(r["ok"] for r in rows) else 1
+    passed = all(r["ok"] for r in rows)
+    if passed:  # data shards and checkpoints have nothing to tell once everything passed
+        shutil.rmtree(ctx.work, ignore_errors=True)
+    print("\n" + write_report(out, report) + f"\nreport: {os.path.join(out, 'report.md')}, logs: "
+          f"{os.path.join(out, 'logs')}" + ("" if passed else f", the runs' files: {ctx.work}"))
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

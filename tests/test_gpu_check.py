@@ -35,6 +35,7 @@ def test_every_check_passes_at_cpu_size(tmp_path):
     table = (out / "report.md").read_text()
     assert all(f"| {name} | ok |" in table for name in CHECK_NAMES)
     assert "| train_resume | ok |" in proc.stdout  # the table is printed too
+    assert (out / "logs" / "base_train_resume.log").exists() and not (out / "work").exists()
 
 
 def test_a_failing_check_fails_the_run_and_the_others_still_run(tmp_path, monkeypatch):
@@ -50,6 +51,7 @@ def test_a_failing_check_fails_the_run_and_the_others_still_run(tmp_path, monkey
     assert [c["ok"] for c in checks] == [True, False, True]
     assert checks[1]["value"] == "ValueError: the accelerator caught fire"
     assert "| broken | FAIL | ValueError: the accelerator caught fire | runs |" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "work").is_dir()  # kept to look into
 
 
 def test_all_checks_passing_exits_zero(tmp_path, monkeypatch):
