@@ -177,14 +177,35 @@ def fsync_dir(path):
         os.close(fd)
 
 
-# Dense bf16 peak FLOP/s per GPU (vendor datasheets, no sparsity), matched against torch's device name.
-GPU_PEAK_BF16_FLOPS = {"B200": 2.25e15, "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
-                       "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+# Dense bf16 Tensor Core peak FLOP/s (no sparsity: the datasheets' "with sparsity" figures are twice these), keyed
+# by the full device name torch.cuda.get_device_name reports: variants of one GPU differ in clocks and power, so
+# "NVIDIA H100 PCIe" must not match the SXM part. Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM 989, PCIe 756,
+# NVL 835), H200 Tensor Core GPU datasheet (SXM 989, NVL 835), DGX/HGX B200 datasheet (B200 2250), GB200 NVL72
+# datasheet (2500 per GPU), A100 Tensor Core GPU datasheet (312, every form factor), L40S datasheet (362), AWS EC2
+# G5 instance specifications (A10G 70), GeForce RTX 4090 (Ada) and RTX 3090 (Ampere) whitepapers (165, 71).
+GPU_PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,  # SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA GB200": 2500e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA L40S": 362e12,
+    "NVIDIA A10G": 70e12,
+    "NVIDIA GeForce RTX 4090": 165e12,
+    "NVIDIA GeForce RTX 3090": 71e12,
+}
+# The device each GPU model of scripts/launch.py's table means: its nodes are 8-GPU SXM boards.
+LAUNCH_TABLE_DEVICES = {"H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200", "B200": "NVIDIA B200",
+                        "A100": "NVIDIA A100-SXM4-80GB"}
 
 
 def gpu_peak_flops(device_name):
-    """Peak bf16 FLOP/s for a GPU name like 'NVIDIA H100 80GB HBM3', or None when unknown (e.g. a CPU)."""
-    for key, flops in GPU_PEAK_BF16_FLOPS.items():
-        if key in device_name:
-            return flops
-    return None
+    """Peak dense bf16 FLOP/s of a device named exactly as torch.cuda.get_device_name reports it (e.g. 'NVIDIA H100
+    80GB HBM3'), or None when the name is not in the table (a CPU, an unlisted GPU): then MFU is not shown."""
+    return GPU_PEAK_BF16_FLOPS.get(device_name.strip())

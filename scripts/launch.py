@@ -32,7 +32,7 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
 from nanochat import memory
 from nanochat.cli import ArgumentParser
-from nanochat.common import GPU_PEAK_BF16_FLOPS, get_base_dir
+from nanochat.common import LAUNCH_TABLE_DEVICES, get_base_dir, gpu_peak_flops
 from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
 from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS
@@ -346,7 +346,7 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
     model = meta_model(config)
     model_flops, recompute = flops_per_token(model)
     step_flops = model_flops * args.total_batch_size
-    peak = GPU_PEAK_BF16_FLOPS[row["gpu"]] if args.device_type == "cuda" else None
+    peak = gpu_peak_flops(LAUNCH_TABLE_DEVICES[row["gpu"]]) if args.device_type == "cuda" else None
     iterations = args.num_iterations or ph["iterations"]
     warmup = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * iterations)
     src = args.config_sources

@@ -1,0 +1,140 @@
+"""The GPU check kit: every check runs at CPU size and passes, a failing check fails the run and nothing else."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from dev import gpu_check
+from tests import processes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECK_NAMES = {"environment", "peak_flops", "tiny_compile",
+               *(f"{model}_{what}" for model in ("plain", "trm") for what in ("step", "memory", "recompiles",
+                                                                             "graph_breaks")),
+               "nanochat_compare", "train_run", "train_resume", "kv_cache_logits", "decode", "export_hf"}
+
+
+def read_report(out):
+    with open(os.path.join(out, "report.json")) as f:
+        return json.load(f)
+
+
+def test_every_check_passes_at_cpu_size(tmp_path):
+    out = tmp_path / "report"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = processes.run([sys.executable, "-m", "dev.gpu_check", "--device", "cpu", "--out", str(out)], timeout=480,
+                         cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = read_report(out)
+    assert all(set(check) == {"name", "ok", "value", "expected"} for check in report["checks"])
+    assert {check["name"] for check in report["checks"]} == CHECK_NAMES
+    assert all(check["ok"] for check in report["checks"])
+    assert report["environment"]["torch"]
+    table = (out / "report.md").read_text()
+    assert all(f"| {name} | ok |" in table for name in CHECK_NAMES)
+    assert "| train_resume | ok |" in proc.stdout  # the table is printed too
+    assert (out / "logs" / "base_train_resume.log").exists() and not (out / "work").exists()
+
+
+def test_a_failing_check_fails_the_run_and_the_others_still_run(tmp_path, monkeypatch):
+    def check_broken(ctx):
+        raise ValueError("the accelerator caught fire\nsecond line")
+
+    for name in ("NANOCHAT_BASE_DIR", "HF_MODULES_CACHE"):  # main sets them: restored after the test
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(gpu_check, "CHECKS", [gpu_check.check_environment, check_broken, gpu_check.check_peak_flops])
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 1
+    checks = read_report(tmp_path)["checks"]
+    assert [c["name"] for c in checks] == ["environment", "broken", "peak_flops"]
+    assert [c["ok"] for c in checks] == [True, False, True]
+    assert checks[1]["value"] == "ValueError: the accelerator caught fire"
+    assert "| broken | FAIL | ValueError: the accelerator caught fire | runs |" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "work").is_dir()  # kept to look into
+
+
+def test_all_checks_passing_exits_zero(tmp_path, monkeypatch):
+    for name in ("NANOCHAT_BASE_DIR", "HF_MODULES_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(gpu_check, "CHECKS", [gpu_check.check_environment, gpu_check.check_nanochat])
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert read_report(tmp_path)["checks"][1]["value"].startswith("not given")
+
+
+def test_a_pipe_in_a_value_does_not_break_the_markdown_table():
+    report = {"environment": {"device": "cpu"}, "device_type": "cpu", "created": "now", "wall_s": 1.0,
+              "checks": [gpu_check.row("gap", True, "max |a - b| = 0", "<= 1")]}
+    assert "| gap | ok | max \\|a - b\\| = 0 | <= 1 |" in gpu_check.markdown(report)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--device", "cuda"], "torch sees no CUDA device"),
+    (["--device", "cpu", "--nanochat", "/nonexistent"], "no nanochat/gpt.py there"),
+])
+def test_bad_arguments_exit_2_with_one_line_and_write_nothing(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(argv + ["--out", str(out)])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_out_that_is_a_file_is_refused(tmp_path, capsys):
+    path = tmp_path / "a_file"
+    path.write_text("mine")
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--device", "cpu", "--out", str(path)])
+    assert "is a file" in capsys.readouterr().err
+    assert path.read_text() == "mine"
+
+
+FAKE_NANOCHAT_GPT = '''
+from dataclasses import dataclass
+import torch
+import torch.nn.functional as F
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 8
+    vocab_size: int = 8
+    n_layer: int = 1
+    n_head: int = 1
+    n_kv_head: int = 1
+    n_embd: int = 8
+    window_pattern: str = "SSSL"
+
+class GPT(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.window_pattern == "L", "the comparison must run full-context attention"
+        self.wte = torch.nn.Embedding(config.vocab_size, config.n_embd)
+        self.lm_head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def init_weights(self):
+        torch.nn.init.normal_(self.wte.weight)
+
+    def forward(self, idx, targets):
+        from nanochat.helper import twice  # imported while torch.compile traces, as nanochat's flash_attn is
+        logits = self.lm_head(twice(self.wte(idx)))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+'''
+
+
+def test_nanochat_compare_times_the_checkout_beside_ours(tmp_path):
+    checkout = tmp_path / "nanochat_checkout"
+    (checkout / "nanochat").mkdir(parents=True)
+    (checkout / "nanochat" / "__init__.py").write_text("")
+    (checkout / "nanochat" / "gpt.py").write_text(FAKE_NANOCHAT_GPT)
+    (checkout / "nanochat" / "helper.py").write_text("def twice(x):\n    return 2 * x\n")
+    ctx = gpu_check.Context(gpu_check.torch.device("cpu"), gpu_check.SIZES["cpu"], str(tmp_path), str(checkout))
+    ctx.results["plain"] = {"batch": 2, "step_s": 1e-9}  # ours "infinitely fast": the ratio must pass
+    result = gpu_check.check_nanochat(ctx)
+    assert result["name"] == "nanochat_compare" and result["ok"], result
+    assert 0 < ctx.results["nanochat"]["ours_over_theirs"] < 1
+    from nanochat import gpt  # ours is back in place
+    assert hasattr(gpt, "STATE_UPDATES")
+    ctx.results["plain"]["step_s"] = 1e9  # ours far slower: the check fails
+    assert not gpu_check.check_nanochat(ctx)["ok"]
