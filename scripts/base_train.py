@@ -33,9 +33,10 @@ from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_
                              device_available, get_base_dir, get_dist_info, gpu_peak_flops, print0,
                              raise_if_any_rank_failed)
 from nanochat.gpt import GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
+from nanochat.health import Health
 from nanochat.loss_eval import evaluate_bpb, format_state, format_steps, refinement
+from nanochat.metrics import MetricsError, MetricsLog, format_duration, write_summary
 from nanochat.optim import clipped_step, reduce_gradients
-from nanochat.report import Health, MetricsError, MetricsLog, format_duration, write_summary
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
 MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "state_update",

@@ -36,7 +36,7 @@ from nanochat.cli import ArgumentParser, underscore_flags
 from nanochat.common import atomic_write_bytes, compute_cleanup, compute_init, get_dist_info, print0
 from nanochat.gpt import GPT, STATE_DIAGNOSTICS, GPTConfig
 from nanochat.loss_eval import format_steps
-from nanochat.report import read_metrics
+from nanochat.metrics import read_metrics, summary_path
 from scripts import base_train
 
 DEFAULT_GRID = {
@@ -237,7 +237,7 @@ def result(run, inference):
     run_dir = ckpt.model_dir(run["tag"])
     records = read_metrics(run_dir)
     train_records, evals = records["train"], records["eval"]
-    with open(os.path.join(run_dir, "summary.json")) as f:
+    with open(summary_path(run_dir)) as f:
         summary = json.load(f)
     tail = train_records[-max(1, len(train_records) // 10):]  # last 10% of training batches, smoothed
     final = evals[-1]["val_bpb"]

@@ -35,6 +35,7 @@ from nanochat.cli import ArgumentParser
 from nanochat.common import GPU_PEAK_BF16_FLOPS, get_base_dir
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.loss_eval import format_steps
+from nanochat.metrics import summary_path
 from nanochat.tokenizer import SPECIAL_TOKENS
 
 # The guides' table: GPUs per node, GPU model, its memory (GB), the node's $/hour, and per phase the device batch,
@@ -458,7 +459,7 @@ def check_criteria(summary, phase):
 
 
 def read_summary(model_tag):
-    path = os.path.join(get_base_dir(), "base_checkpoints", model_tag, "summary.json")
+    path = summary_path(os.path.join(get_base_dir(), "base_checkpoints", model_tag))
     if not os.path.exists(path):
         raise Stop(f"no {path}: the run {model_tag} has not finished (train it with its scripts/train_*.sh)", code=1)
     with open(path) as f:
