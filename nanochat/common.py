@@ -94,7 +94,7 @@ def compute_init(device_type=None, seed=42):
 def compute_cleanup(together=False):
     """Tear the process group down; together: every rank got here together (the end of a run), so wait for the
     others first, since a rank that destroys Gloo while a peer still talks to it can abort (SIGABRT) at exit."""
-    if dist.is_available() and dist.is_initialized():
+    if distributed():
         if together:
             dist.barrier()
         dist.destroy_process_group()

@@ -17,6 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+# <|bos|> starts the next document, so a base model 'ends' by emitting it; chat models also end a turn
+STOP_TOKENS = ("<|bos|>", "<|assistant_end|>")
+
 
 def compute_dtype(model):
     """The dtype activations, and so the cached keys and values, take: autocast's when it is on, else the weights'."""
@@ -135,11 +138,9 @@ class Engine:
         return n_sup
 
     def stop_tokens(self):
-        """<|bos|> starts the next document, so a base model 'ends' by emitting it; chat models also end a turn."""
-        if self.tokenizer is None:
-            return set()
-        stops = {self.tokenizer.get_bos_token_id()}
-        for name in ("<|assistant_end|>",):
+        """The ids of STOP_TOKENS this tokenizer has."""
+        stops = set()
+        for name in STOP_TOKENS if self.tokenizer is not None else ():
             try:
                 stops.add(self.tokenizer.encode_special(name))
             except (KeyError, ValueError):
@@ -227,13 +228,19 @@ class Engine:
         return decode_stream(self.tokenizer, itertools.takewhile(lambda t: t is not None, tokens))
 
 
+def ends_mid_character(text):
+    """Whether decoded text ends inside a character: one character's bytes can span several tokens, and decode shows
+    the first ones as U+FFFD until the last arrives, so a stream holds the text back until then."""
+    return text.endswith("\ufffd")
+
+
 def decode_stream(tokenizer, tokens):
     """Token ids in, text pieces out; a character whose bytes span several tokens is held back until complete."""
     ids, emitted = [], ""
     for token in tokens:
         ids.append(token)
         text = tokenizer.decode(ids)
-        if not text.endswith("\ufffd"):
+        if not ends_mid_character(text):
             yield text[len(emitted):]
             emitted = text
     text = tokenizer.decode(ids)

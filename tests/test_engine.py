@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from nanochat.engine import Engine, KVCache, kv_cache_bytes_per_token, left_pad, sample_next
+from nanochat.engine import Engine, KVCache, ends_mid_character, kv_cache_bytes_per_token, left_pad, sample_next
 from nanochat.gpt import GPT, STATE_UPDATES, GPTConfig
 from scripts import base_sample
 from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -264,6 +264,13 @@ def test_engine_complete_and_stream_text(trained):
     assert completions[0].startswith(" on the")  # the tiny model learned its text
     pieces = list(engine.stream_text("the cat sat", max_tokens=12, temperature=0.0))
     assert len(pieces) > 1 and "".join(pieces) == completions[0]
+
+
+def test_a_character_split_across_tokens_is_seen_as_incomplete_until_its_last_token(trained):
+    _, _, tokenizer = trained
+    ids = tokenizer.encode("\u20ac")  # the euro sign: three UTF-8 bytes, which the tiny tokenizer never merged
+    assert len(ids) == 3
+    assert [ends_mid_character(tokenizer.decode(ids[:k])) for k in (1, 2, 3)] == [True, True, False]
 
 
 def test_sample_cli_show_steps_lists_every_step(trained, monkeypatch, capsys):
