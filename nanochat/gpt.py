@@ -453,10 +453,6 @@ class GPT(nn.Module):
             previous = y
         return torch.stack(rows)
 
-    def step_logits(self, idx, n_sup=None):
-        """Logits of every supervision step, (N, B, T, V): to watch a draft become the final answer."""
-        return torch.stack([self.head(y) for y, _ in self.refine(idx, n_sup or self.config.n_sup_inference)])
-
     def train_depth(self, step):
         """Supervision steps to train at optimizer step `step`: n_sup_train, or a draw that depends only on the step
         (every rank and micro-batch agrees, and a resumed run draws the same)."""

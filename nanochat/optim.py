@@ -3,9 +3,6 @@
 import math
 
 import torch
-import torch.distributed as dist
-
-from nanochat.common import distributed
 
 
 def squared_norm(tensors):
@@ -41,15 +38,3 @@ def clipped_step(optimizers, grad_norm, grad_clip):
     scale = min(1.0, grad_clip / (grad_norm + 1e-6)) if grad_clip > 0 else 1.0
     for opt in optimizers:
         opt.step(grad_scale=scale)
-
-
-@torch.no_grad()
-def clip_and_step(optimizers, grad_clip):
-    """reduce_gradients, the global norm (an all_reduce and a host read), clipped_step; returns the norm before
-    clipping. base_train instead reads the norm in the same all_reduce as the step's losses: one host sync a step."""
-    sq = reduce_gradients(optimizers)
-    if distributed():
-        dist.all_reduce(sq)
-    grad_norm = sq.sqrt().item()
-    clipped_step(optimizers, grad_norm, grad_clip)
-    return grad_norm
