@@ -226,8 +226,8 @@ class MetricsLog:
         step, losses, mfu, mem = record["step"], record["step_losses"], record["mfu"], record["peak_mem_gb"]
         eta = (num_iterations - step) * self.mean_step_time()
         return (f"step {step:05d}/{num_iterations} ({100 * step / num_iterations:.1f}%) | loss {losses[-1]:.4f} "
-                f"(smooth {self.smoother.value[len(losses) - 1]:.4f}) | steps {format_steps(losses, digits=3)} | refine "
-                f"{100 * record['refinement']:5.1f}% | gnorm {record['grad_norm']:.3f} | lrm "
+                f"(smooth {self.smoother.value[len(losses) - 1]:.4f}) | steps {format_steps(losses, digits=3)} | "
+                f"refine {100 * record['refinement']:5.1f}% | gnorm {record['grad_norm']:.3f} | lrm "
                 f"{record['lr_multiplier']:.2f} | {record['dt'] * 1000:.0f}ms | {record['tok_per_sec']:,.0f} tok/s | "
                 f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem {'n/a' if mem is None else f'{mem:.1f}GB'}"
                 f" | eta {format_duration(eta)}" + (f" | ${record['cost']:.2f}" if record["cost"] is not None else ""))

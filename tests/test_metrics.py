@@ -1,4 +1,4 @@
-"""nanochat/metrics.py: metrics.jsonl reading, the log line, the sinks (wandb, TensorBoard, NVML), summary and report."""
+"""nanochat/metrics.py: reading metrics.jsonl, the log line, the sinks (wandb, TensorBoard, NVML), summary, report."""
 
 import json
 import os
