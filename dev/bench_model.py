@@ -1,5 +1,5 @@
 """
-Does the recursion cost what its arithmetic costs? Times one training step (forward + backward + clip_and_step) of the
+Does the recursion cost what its arithmetic costs? Times one training step (forward + backward + optimizer_step) of the
 plain baseline and of TRM configs, and compares each time ratio with the ratio of estimate_flops.
 
     python -m dev.bench_model                       # CPU-sized defaults
@@ -18,10 +18,11 @@ import time
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop chatter on stderr; set before torch loads
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+import nanochat.optim
 from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import clip_and_step
 
 # (name, n_loops, T_recursion, n_sup_train); the first is the plain GPT everything is compared with
 CONFIGS = [
@@ -46,12 +47,21 @@ def build(args, n_loops, T_recursion, n_sup, **flags):
     return model, optimizers, batch
 
 
+def optimizer_step(optimizers, optim=nanochat.optim, ddp=False):
+    """base_train's update at --grad_clip=1.0: reduce_gradients, the squared norm summed over ranks, clipped_step.
+    optim: the nanochat.optim module of the checkout being timed."""
+    sq_grad_norm = optim.reduce_gradients(optimizers)
+    if ddp:
+        dist.all_reduce(sq_grad_norm)
+    optim.clipped_step(optimizers, sq_grad_norm.sqrt().item(), 1.0)
+
+
 def train_step(model, optimizers, batch):
-    """One training step; returns (seconds in forward + backward, seconds in clip_and_step)."""
+    """One training step; returns (seconds in forward + backward, seconds in optimizer_step)."""
     t0 = time.perf_counter()
     model.forward_backward(*batch)  # as base_train runs it: step-by-step backward under detach_between_steps
     t1 = time.perf_counter()
-    clip_and_step(optimizers, 1.0)
+    optimizer_step(optimizers)
     model.zero_grad(set_to_none=True)
     return t1 - t0, time.perf_counter() - t1
 

@@ -1,6 +1,7 @@
 """
-Optimizer step time: clip_and_step over the model's optimizers (AdamW for the embedding and lm_head, Muon for the
-block matrices) on fixed random gradients. Under torchrun the same step runs DistAdamW + DistMuon on Gloo.
+Optimizer step time: base_train's update (reduce_gradients, the global norm, clipped_step) over the model's optimizers
+(AdamW for the embedding and lm_head, Muon for the block matrices) on fixed random gradients. Under torchrun the same
+step runs DistAdamW + DistMuon on Gloo.
 
     python -m dev.bench_optim                                          # depth 4, width 256, vocab 8192
     python -m dev.bench_optim --depth 12 --n_embd 768 --n_head 6 --steps 5
@@ -21,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dev.bench_model import optimizer_step
 from dev.bench_train_step import other_nanochat
 
 
@@ -38,14 +40,15 @@ def build(gpt_module, args, seed):
     return optimizers
 
 
-def timed_step(clip_and_step, optimizers, ddp):
-    """(wall, CPU) seconds of one clip_and_step; under DDP the slowest rank's, as a step lasts until all are done.
+def timed_step(optim, optimizers, ddp):
+    """(wall, CPU) seconds of one optimizer_step with optim's functions; under DDP the slowest rank's, as a step lasts
+    until all are done.
 
     CPU seconds (this process's, all threads) are less disturbed by a busy machine than wall time."""
     if ddp:
         dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
-    clip_and_step(optimizers, 1.0)  # every step reuses the same gradients: only the time matters
+    optimizer_step(optimizers, optim, ddp)  # every step reuses the same gradients: only the time matters
     dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0])
     if ddp:
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
@@ -71,10 +74,10 @@ def main():
 
     import nanochat.gpt
     import nanochat.optim
-    runs = {"ours": (nanochat.optim.clip_and_step, build(nanochat.gpt, args, rank))}
+    runs = {"ours": (nanochat.optim, build(nanochat.gpt, args, rank))}
     if args.baseline:
         with other_nanochat(args.baseline) as load:  # setup_optimizers imports the optimizers: build in here
-            runs["baseline"] = (load("nanochat.optim").clip_and_step, build(load("nanochat.gpt"), args, rank))
+            runs["baseline"] = (load("nanochat.optim"), build(load("nanochat.gpt"), args, rank))
     times = {name: [] for name in runs}
     for step in range(args.warmup + args.steps):
         for name, run in runs.items():

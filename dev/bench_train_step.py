@@ -10,7 +10,7 @@ alternating order), so a change in background load hits all of them alike; media
 10231df (2025-12-31) is nanochat's last 2025 commit; its GPT runs on CPU as is (SDPA attention, fp32 when not on
 CUDA). Its single-process optimizers are fused torch AdamW and a Muon whose Newton-Schulz is torch.compile'd and runs
 in bfloat16 (slow on a CPU without native bfloat16 matmuls); it clips with torch.nn.utils.clip_grad_norm_ at 1.0, as
-its base_train does. Ours runs base_train's step: forward_backward, then clip_and_step at 1.0.
+its base_train does. Ours runs base_train's step: forward_backward, then reduce_gradients and clipped_step at 1.0.
 
 Targets (issue 13): our plain step <= 1.0x nanochat's, and each TRM config's step-time ratio over plain within 1.10x
 of its FLOP ratio (GPT.estimate_flops). Our plain step and nanochat's do the same FLOPs. Times are wall and CPU
@@ -27,8 +27,7 @@ import time
 
 import torch
 
-from dev.bench_model import build
-from nanochat.optim import clip_and_step
+from dev.bench_model import build, optimizer_step
 
 # (name, n_loops, T_recursion, n_sup_train); plain is our GPT in nanochat's shape, the others are compared with it
 CONFIGS = [
@@ -79,7 +78,7 @@ def timed(fn):
 def our_step(model, optimizers, batch):
     """One training step as base_train runs it; returns the (wall, CPU) seconds of forward + backward and optimizer."""
     fb = timed(lambda: model.forward_backward(*batch))
-    opt = timed(lambda: clip_and_step(optimizers, 1.0))
+    opt = timed(lambda: optimizer_step(optimizers))
     model.zero_grad(set_to_none=True)
     return fb, opt
 

@@ -49,7 +49,7 @@ import torch
 from nanochat import memory
 from nanochat.common import atomic_write_bytes, gpu_peak_flops
 from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import clip_and_step
+from dev.bench_model import optimizer_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_TAG = "gpucheck"
@@ -230,7 +230,7 @@ def run_micro_steps(ctx, config):
             loss, _ = model.forward_backward(x, y)
         ctx.sync()
         seconds = time.perf_counter() - t0
-        clip_and_step(optimizers, 1.0)
+        optimizer_step(optimizers)  # base_train's update at --grad_clip=1.0
         model.zero_grad(set_to_none=True)
         return seconds, loss.item()
 

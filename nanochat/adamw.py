@@ -9,7 +9,7 @@ share one formula and give the same parameters on the same averaged gradients.
 import torch
 import torch.distributed as dist
 
-from nanochat.optim import squared_norm
+from nanochat.optim import LocalGradients, squared_norm
 
 
 def adamw_update(param, grad, state, lr, betas, eps, weight_decay):
@@ -28,15 +28,11 @@ def adamw_update(param, grad, state, lr, betas, eps, weight_decay):
     param.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
 
 
-class AdamW(torch.optim.Optimizer):
+class AdamW(LocalGradients, torch.optim.Optimizer):
     """Single-process AdamW. Call reduce_grads() (returns the squared gradient norm, for clipping), then step()."""
 
     def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def reduce_grads(self):
-        return squared_norm(p.grad for g in self.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self, grad_scale=1.0):

@@ -1,21 +1,10 @@
-"""Shared plumbing: device detection, torch.distributed setup, printing and logging, the base directory."""
+"""Shared plumbing: device detection, torch.distributed setup, printing, the base directory."""
 
-import logging
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger("nanochat")
-
-
-def setup_logging(level=logging.INFO):
-    """One plain format for every entry point; only rank 0 logs at INFO so 8 GPUs don't print 8 times."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    logger.setLevel(level if get_dist_info()[1] == 0 else logging.WARNING)
-
 
 def print0(*args, **kwargs):
     """print on rank 0 only (flushes, so progress shows through pipes and tee)."""
@@ -95,7 +84,7 @@ def compute_init(device_type=None, seed=42):
 def compute_cleanup(together=False):
     """Tear the process group down; together: every rank got here together (the end of a run), so wait for the
     others first, since a rank that destroys Gloo while a peer still talks to it can abort (SIGABRT) at exit."""
-    if dist.is_available() and dist.is_initialized():
+    if distributed():
         if together:
             dist.barrier()
         dist.destroy_process_group()

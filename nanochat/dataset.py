@@ -22,32 +22,23 @@ Environment:
 """
 
 import argparse
-import contextlib
-import fcntl
 import functools
-import glob
 import itertools
 import json
 import math
 import os
 import platform
-import queue
-import random
 import shutil
 import sys
 import sysconfig
-import threading
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from http.client import HTTPException
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.cli import ArgumentParser
-from nanochat.common import atomic_write_bytes, fsync_dir, get_base_dir, progress_bar, progress_enabled
+from nanochat.common import atomic_write_bytes, fsync_dir, get_base_dir, progress_enabled
+from nanochat.download import (SHARD_TIMEOUT_S, DownloadError, download_files, hub_dataset_url, hub_endpoint,
+                               remove_stale_partials)
 
 REPO_ID = "karpathy/fineweb-edu-100b-shuffle"
 MAX_SHARD = 1822  # shard_01822.parquet is the last shard of the repo, used for validation
@@ -56,9 +47,6 @@ ROW_GROUP_CHARS = 1_000_000  # ~250k tokens per row group: the unit DDP ranks sp
 MIN_ROW_GROUPS = 8  # per shard, so 8 ranks can share even a small validation shard
 VAL_FRACTION = 0.02
 SHUFFLE_SEED = 42
-TIMEOUT_S = 30  # per connect and per read: a stalled connection fails instead of hanging every rank
-SHARD_TIMEOUT_S = 600  # per shard, retries included: a server trickling bytes cannot hang a download forever
-TRANSIENT_HTTP = {408, 429, 500, 502, 503, 504}
 MANIFEST = "corpus.json"  # records where the shards came from, so two corpora never get mixed in one directory
 SOURCE_FINEWEB = f"download: {REPO_ID}"
 OFFLINE_HINT = ("if this machine is offline, build the built-in corpus with `python -m nanochat.dataset --builtin` "
@@ -138,6 +126,11 @@ def is_readable_shard(path):
         return False
 
 
+def shard_problem(path):
+    """Why a downloaded file is not a usable shard (None when it is): the downloader refetches it."""
+    return None if is_readable_shard(path) else "not a readable parquet file with a text column"
+
+
 # -----------------------------------------------------------------------------
 # One directory holds one corpus
 
@@ -161,167 +154,10 @@ def refuse_to_mix(directory):
 
 
 # -----------------------------------------------------------------------------
-# Download from the hub
+# Download from the hub (the HTTP machinery is nanochat/download.py's)
 
 def shard_name(index):
     return f"shard_{index:05d}.parquet"
-
-
-def hub_endpoint():
-    for var in ("NANOCHAT_HF_ENDPOINT", "HF_ENDPOINT"):
-        endpoint = os.environ.get(var)
-        if endpoint:
-            url = urllib.parse.urlsplit(endpoint)
-            if url.scheme not in ("http", "https") or not url.netloc:
-                raise DatasetError(f"{var}={endpoint!r} is not an http(s) URL; set it to a hub or mirror such as "
-                                   "https://huggingface.co, or unset it")
-            return endpoint.rstrip("/")
-    return "https://huggingface.co"
-
-
-def shard_url(name):
-    from huggingface_hub import hf_hub_url  # resolves the hub's URL layout for a dataset file
-    return hf_hub_url(REPO_ID, name, repo_type="dataset", endpoint=hub_endpoint())
-
-
-class TransientError(Exception):
-    def __init__(self, reason, retry_after=None):
-        super().__init__(reason)
-        self.retry_after = retry_after
-
-
-class Stopped(Exception):
-    """Ctrl-C: the main thread asked every download to stop."""
-
-
-def continues_at(response, offset):
-    """Whether a response to `Range: bytes=offset-` holds exactly the rest of the file."""
-    return response.status == 206 and response.headers.get("Content-Range", "").startswith(f"bytes {offset}-")
-
-
-def fetch_into(f, url, deadline, stop, on_bytes):
-    """One attempt: complete the open file f with url's body, asking only for the bytes f lacks (HTTP Range).
-
-    Raises TransientError for what a retry may fix, DatasetError for what it won't, Stopped on Ctrl-C."""
-    offset = f.seek(0, os.SEEK_END)
-    headers = {"User-Agent": "nanochat", **({"Range": f"bytes={offset}-"} if offset else {})}
-    timeout = max(0.1, min(TIMEOUT_S, deadline - time.monotonic()))
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as response:
-            if offset and not continues_at(response, offset):  # the server sent the whole file: start over
-                f.seek(0)
-                f.truncate()
-            expected = response.headers.get("Content-Length")
-            received = 0
-            # read1 returns what has arrived, so Ctrl-C and the deadline are checked even on a trickling server
-            while chunk := response.read1(1 << 20):
-                f.write(chunk)
-                received += len(chunk)
-                on_bytes(len(chunk))
-                if stop.is_set():
-                    raise Stopped()
-                if time.monotonic() > deadline:
-                    raise TransientError(f"deadline passed with {f.tell():,} bytes received")
-    except urllib.error.HTTPError as e:
-        if e.code == 416:  # our partial file no longer matches the server's: start over
-            f.truncate(0)
-            raise TransientError("HTTP 416: the partial file does not match the server's") from e
-        if e.code in TRANSIENT_HTTP:
-            raise TransientError(f"HTTP {e.code}", retry_after=e.headers.get("Retry-After")) from e
-        raise DatasetError(f"HTTP {e.code} {e.reason}") from e
-    except (OSError, HTTPException) as e:  # resets, drops, timeouts, DNS: all OSError subclasses
-        raise TransientError(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from e
-    if expected is not None and received != int(expected):
-        raise TransientError(f"body cut short ({received} of {expected} bytes)")  # the next attempt resumes
-    f.flush()
-    os.fsync(f.fileno())
-    if not is_readable_shard(f.name):
-        f.truncate(0)
-        raise TransientError("not a readable parquet file with a text column")
-
-
-def backoff_delay(attempt, base_delay, retry_after):
-    """Exponential backoff with full jitter, so many ranks or workers don't retry in lockstep; Retry-After wins."""
-    if retry_after is not None and retry_after.strip().isdigit():
-        return min(float(retry_after), 120.0) + random.uniform(0, base_delay)
-    return random.uniform(0, base_delay * 2 ** attempt)
-
-
-def partial_path(final):
-    return f"{final}.tmp{os.getpid()}"
-
-
-def download_one(name, directory, stop, shard_timeout, base_delay, max_attempts, on_bytes):
-    """Fetch one shard with retries before its deadline; it appears under its final name only once verified."""
-    url = shard_url(name)
-    final = os.path.join(directory, name)
-    tmp = partial_path(final)
-    deadline = time.monotonic() + shard_timeout
-    try:
-        with open(tmp, "wb") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # held while this process lives: remove_stale_partials leaves it alone
-            for attempt in range(max_attempts):
-                try:
-                    fetch_into(f, url, deadline, stop, on_bytes)
-                    os.replace(tmp, final)
-                    return final
-                except TransientError as e:
-                    if time.monotonic() >= deadline:
-                        raise DatasetError(f"{name}: not complete after {shard_timeout:g} s ({e}) fetching {url}; "
-                                           "the server is stalled or too slow: run again, or raise "
-                                           "--shard_timeout") from e
-                    if attempt == max_attempts - 1:
-                        raise DatasetError(f"{name}: gave up after {max_attempts} attempts ({e}) fetching "
-                                           f"{url}") from e
-                    delay = backoff_delay(attempt, base_delay, e.retry_after)
-                    if stop.wait(min(delay, max(0.0, deadline - time.monotonic()))):
-                        raise Stopped() from e
-                except DatasetError as e:
-                    raise DatasetError(f"{name}: {e} fetching {url}") from e
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-
-
-def remove_stale_partials(directory):
-    """Delete the partial shards of downloads that died (SIGKILL, power loss): the kernel dropped their lock."""
-    removed = 0
-    for path in glob.glob(os.path.join(directory, "shard_*.parquet.tmp*")):
-        with contextlib.suppress(FileNotFoundError), open(path, "ab") as f:  # ab: NFS grants locks to writers only
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a download running now, in another process, owns it
-            os.remove(path)
-            removed += 1
-    if removed:
-        print(f"removed {removed} partial shard(s) left by an interrupted download", flush=True)
-
-
-def run_in_threads(work, items, workers, stop):
-    """work(item) for every item, on daemon threads: ThreadPoolExecutor joins its threads at exit, so Ctrl-C used to
-    wait for every read in flight. On Ctrl-C, set stop and re-raise: no thread is waited for."""
-    pending = queue.SimpleQueue()
-    for item in items:
-        pending.put(item)
-
-    def loop():
-        while not stop.is_set():
-            try:
-                item = pending.get_nowait()
-            except queue.Empty:
-                return
-            work(item)
-
-    threads = [threading.Thread(target=loop, daemon=True) for _ in range(max(1, min(workers, len(items))))]
-    for thread in threads:
-        thread.start()
-    try:
-        for thread in threads:
-            thread.join()
-    except KeyboardInterrupt:
-        stop.set()
-        raise
 
 
 def download_shards(n, workers=4, base_delay=1.0, max_attempts=6, shard_timeout=SHARD_TIMEOUT_S, data_dir=None):
@@ -336,34 +172,14 @@ def download_shards(n, workers=4, base_delay=1.0, max_attempts=6, shard_timeout=
     if list_parquet_files(directory) and read_source(directory) not in (None, SOURCE_FINEWEB):
         refuse_to_mix(directory)
     os.makedirs(directory, exist_ok=True)
-    remove_stale_partials(directory)
+    remove_stale_partials(directory, "shard_*.parquet")
     names = [shard_name(i) for i in sorted(set(range(min(n, MAX_SHARD))) | {MAX_SHARD})]
     todo = [name for name in names if not is_readable_shard(os.path.join(directory, name))]
     print(f"{len(names) - len(todo)} of {len(names)} shards already complete in {directory}", flush=True)
-    files_bar = progress_bar(total=len(todo), desc="files", unit="file", position=0)
-    bytes_bar = progress_bar(desc="bytes", unit="B", unit_scale=True, position=1)
-    stop, failures = threading.Event(), []
-
-    def work(name):
-        try:
-            download_one(name, directory, stop, shard_timeout, base_delay, max_attempts, bytes_bar.update)
-            files_bar.update(1)
-        except DatasetError as e:
-            failures.append(str(e))
-        except (Stopped, OSError):  # OSError: Ctrl-C's cleanup removed the partial file under a finishing download
-            if not stop.is_set():
-                raise
-
     try:
-        run_in_threads(work, todo, workers, stop)
-    except KeyboardInterrupt:
-        for name in todo:  # a thread still blocked in a read cannot clean up after itself before we exit
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(partial_path(os.path.join(directory, name)))
-        raise
+        failures = download_files(todo, directory, functools.partial(hub_dataset_url, REPO_ID), shard_problem,
+                                  workers, shard_timeout, base_delay, max_attempts)
     finally:
-        files_bar.close()
-        bytes_bar.close()
         if list_parquet_files(directory):
             write_source(directory, SOURCE_FINEWEB)
         fsync_dir(directory)
@@ -635,7 +451,7 @@ def main(argv=None):
             import_corpus(args.paths, args.skip_bad_lines, text_column=args.text_column)
         else:
             download_shards(args.num_shards, workers=args.workers, shard_timeout=args.shard_timeout)
-    except DatasetError as e:
+    except (DatasetError, DownloadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -11,11 +11,13 @@ The model rotates q and k at absolute positions, and rotary attention depends on
 positions, so a row shifted right by its padding computes the same logits (to float rounding) as the row alone.
 """
 
-import itertools
 import time
 
 import torch
 import torch.nn.functional as F
+
+# <|bos|> starts the next document, so a base model 'ends' by emitting it; chat models also end a turn
+STOP_TOKENS = ("<|bos|>", "<|assistant_end|>")
 
 
 def compute_dtype(model):
@@ -79,9 +81,6 @@ class KVCache:
         self.pos += T
         self._mask = None
 
-    def bytes_allocated(self):
-        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
-
 
 def left_pad(prompts, pad_id=0):
     """Token lists -> (idx (B, L) long, pads (B,) long, or None when all rows have the same length)."""
@@ -135,11 +134,9 @@ class Engine:
         return n_sup
 
     def stop_tokens(self):
-        """<|bos|> starts the next document, so a base model 'ends' by emitting it; chat models also end a turn."""
-        if self.tokenizer is None:
-            return set()
-        stops = {self.tokenizer.get_bos_token_id()}
-        for name in ("<|assistant_end|>",):
+        """The ids of STOP_TOKENS this tokenizer has."""
+        stops = set()
+        for name in STOP_TOKENS if self.tokenizer is not None else ():
             try:
                 stops.add(self.tokenizer.encode_special(name))
             except (KeyError, ValueError):
@@ -221,21 +218,8 @@ class Engine:
         outputs = self.generate_batch([self.encode_prompt(t) for t in texts], **kwargs)
         return [self.tokenizer.decode(ids) for ids in outputs]
 
-    def stream_text(self, text, **kwargs):
-        """Yield the completion of one prompt string piece by piece, as its tokens are produced."""
-        tokens = (column[0] for column in self.generate([self.encode_prompt(text)], **kwargs))
-        return decode_stream(self.tokenizer, itertools.takewhile(lambda t: t is not None, tokens))
 
-
-def decode_stream(tokenizer, tokens):
-    """Token ids in, text pieces out; a character whose bytes span several tokens is held back until complete."""
-    ids, emitted = [], ""
-    for token in tokens:
-        ids.append(token)
-        text = tokenizer.decode(ids)
-        if not text.endswith("\ufffd"):
-            yield text[len(emitted):]
-            emitted = text
-    text = tokenizer.decode(ids)
-    if text != emitted:
-        yield text[len(emitted):]  # the stream ended inside a character: flush what decode makes of it
+def ends_mid_character(text):
+    """Whether decoded text ends inside a character: one character's bytes can span several tokens, and decode shows
+    the first ones as U+FFFD until the last arrives, so a stream holds the text back until then."""
+    return text.endswith("\ufffd")

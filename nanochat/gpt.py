@@ -453,10 +453,6 @@ class GPT(nn.Module):
             previous = y
         return torch.stack(rows)
 
-    def step_logits(self, idx, n_sup=None):
-        """Logits of every supervision step, (N, B, T, V): to watch a draft become the final answer."""
-        return torch.stack([self.head(y) for y, _ in self.refine(idx, n_sup or self.config.n_sup_inference)])
-
     def train_depth(self, step):
         """Supervision steps to train at optimizer step `step`: n_sup_train, or a draw that depends only on the step
         (every rank and micro-batch agrees, and a resumed run draws the same)."""
@@ -497,12 +493,11 @@ class GPT(nn.Module):
                          scalar_lr=0.02):
         """Muon for the transformer matrices, AdamW for embedding, lm_head and the per-channel state decays
         (distributed variants under DDP)."""
-        import torch.distributed as dist
         # by name: transformers' remote-code loader would make users of an exported gpt.py install `nanochat`
         adamw, muon = importlib.import_module("nanochat.adamw"), importlib.import_module("nanochat.muon")
         AdamW, DistAdamW, Muon, DistMuon = adamw.AdamW, adamw.DistAdamW, muon.Muon, muon.DistMuon
 
-        ddp = dist.is_available() and dist.is_initialized()
+        ddp = importlib.import_module("nanochat.common").distributed()
         matrix_params = [p for p in self.transformer.h.parameters() if p.ndim == 2]
         scalar_params = [p for p in self.transformer.h.parameters() if p.ndim < 2]  # Muon orthogonalises matrices only
         dmodel_lr_scale = (self.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768

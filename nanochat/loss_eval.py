@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from nanochat.common import RankFailure, print0, progress_bar, raise_if_any_rank_failed, reduce_with_flags
+from nanochat.common import RankFailure, distributed, print0, progress_bar, raise_if_any_rank_failed, reduce_with_flags
 
 
 @torch.no_grad()
@@ -39,7 +39,7 @@ def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None):
     sums, (failed,) = reduce_with_flags(sums, [error is not None])  # the one collective, success or not
     raise_if_any_rank_failed(error, "evaluation", failed)
     nats, nbytes = sums[:n], sums[n]
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    world = torch.distributed.get_world_size() if distributed() else 1
     state = (sums[n + 1:] / world).view(n, 4).tolist()
     return [(v / (math.log(2) * nbytes)).item() for v in nats], state
 

@@ -8,7 +8,7 @@ Parameters are grouped by shape, and each group's updates are orthogonalised tog
 import torch
 import torch.distributed as dist
 
-from nanochat.optim import squared_norm
+from nanochat.optim import LocalGradients, squared_norm
 
 
 def zeropower_via_newtonschulz5(G, steps=5):
@@ -36,7 +36,7 @@ def zeropower_via_newtonschulz5(G, steps=5):
     return X.reshape(G.shape).to(G.dtype)
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(LocalGradients, torch.optim.Optimizer):
     """Single-process Muon. Call reduce_grads() (returns the squared gradient norm, for clipping), then step()."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
@@ -46,10 +46,6 @@ class Muon(torch.optim.Optimizer):
         groups = [{"params": [p for p in params if tuple(p.shape) == shape]} for shape in shapes]
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                       weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def reduce_grads(self):
-        return squared_norm(p.grad for g in self.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self, grad_scale=1.0):

@@ -3,12 +3,19 @@
 import math
 
 import torch
-import torch.distributed as dist
 
 
 def squared_norm(tensors):
     """The sum of squares of all elements of tensors, in float32: the optimizers' share of the gradient norm."""
     return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).square().sum()
+
+
+class LocalGradients:
+    """reduce_grads of the single-process optimizers (AdamW, Muon): the gradients are already the averaged ones."""
+
+    @torch.no_grad()
+    def reduce_grads(self):
+        return squared_norm(p.grad for g in self.param_groups for p in g["params"])
 
 
 @torch.no_grad()
@@ -31,15 +38,3 @@ def clipped_step(optimizers, grad_norm, grad_clip):
     scale = min(1.0, grad_clip / (grad_norm + 1e-6)) if grad_clip > 0 else 1.0
     for opt in optimizers:
         opt.step(grad_scale=scale)
-
-
-@torch.no_grad()
-def clip_and_step(optimizers, grad_clip):
-    """reduce_gradients, the global norm (an all_reduce and a host read), clipped_step; returns the norm before
-    clipping. base_train instead reads the norm in the same all_reduce as the step's losses: one host sync a step."""
-    sq = reduce_gradients(optimizers)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(sq)
-    grad_norm = sq.sqrt().item()
-    clipped_step(optimizers, grad_norm, grad_clip)
-    return grad_norm

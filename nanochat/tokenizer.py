@@ -123,17 +123,11 @@ class RustBPETokenizer:
     def get_vocab_size(self):
         return self.enc.n_vocab
 
-    def get_special_tokens(self):
-        return list(SPECIAL_TOKENS)
-
     def get_bos_token_id(self):
         return self.bos_token_id
 
     def encode_special(self, name):
         return self.enc.encode_single_token(name)
-
-    def id_to_token(self, token_id):
-        return self.enc.decode([token_id])
 
     def encode(self, text, prepend=None, num_threads=8):
         """str -> ids, or list of str -> list of ids. Special-token text in the input stays ordinary text."""

@@ -25,13 +25,14 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
 from nanochat.common import (RankFailure, atomic_write_bytes, compute_cleanup, compute_init, gpu_peak_flops, print0,
                              raise_if_any_rank_failed)
+from nanochat.health import Health
 from nanochat.loss_eval import refinement, validation_bpb
+from nanochat.metrics import MetricsError, MetricsLog, format_duration, write_summary
 from nanochat.optim import clipped_step, reduce_gradients
-from nanochat.report import Health, MetricsError, MetricsLog, format_duration, write_summary
-from nanochat.weight_average import WeightAverage
 from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
                                    ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args,
                                    plan_lines)
+from nanochat.weight_average import WeightAverage
 
 
 class ExitWithMessage(Exception):

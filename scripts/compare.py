@@ -35,12 +35,12 @@ import torch.distributed as dist
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
 from nanochat.cli import ArgumentParser, underscore_flags
+from nanochat import train_config
 from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init, distributed,
                              get_dist_info, print0)
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.loss_eval import format_steps, validation_bpb
-from nanochat.report import read_metrics
-from nanochat import train_config
+from nanochat.metrics import read_metrics, summary_path
 from nanochat.train_config import batch_geometry, data_problem, meta_model, model_config, num_iterations_for
 
 DEFAULT_GRID = {
@@ -246,7 +246,7 @@ def result(run, inference):
     run_dir = ckpt.model_dir(run["tag"])
     records = read_metrics(run_dir)
     train_records, evals = records["train"], records["eval"]
-    with open(os.path.join(run_dir, "summary.json")) as f:
+    with open(summary_path(run_dir)) as f:
         summary = json.load(f)
     tail = train_records[-max(1, len(train_records) // 10):]  # last 10% of training batches, smoothed
     final = evals[-1]["val_bpb"]

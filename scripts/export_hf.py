@@ -35,11 +35,11 @@ try:
 except ImportError as e:  # transformers missing, or older than 5
     reason = f"the export needs {e.name}" if isinstance(e, ModuleNotFoundError) else str(e)
     sys.exit(f"error: {reason}; install it with: pip install -e '.[hf]'")
+from nanochat.engine import STOP_TOKENS
 from nanochat.tokenizer import SPECIAL_TOKENS
 
 NanochatTRMConfig.register_for_auto_class()  # writes auto_map into config.json and copies the code into DIR
 NanochatTRMForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-STOP_TOKENS = ("<|bos|>", "<|assistant_end|>")  # the Engine's stop tokens
 
 
 class RanksConverter(TikTokenConverter):

@@ -35,6 +35,7 @@ from nanochat.cli import ArgumentParser
 from nanochat.common import LAUNCH_TABLE_DEVICES, get_base_dir, gpu_peak_flops
 from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
+from nanochat.metrics import summary_path
 from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS
 from nanochat.train_config import (PLANNER_MFU, batch_geometry, fit_device_batch, keeps_ema, meta_model, model_config,
                                    parse_args)
@@ -433,7 +434,7 @@ def check_criteria(summary, phase):
 
 
 def read_summary(model_tag):
-    path = os.path.join(get_base_dir(), "base_checkpoints", model_tag, "summary.json")
+    path = summary_path(os.path.join(get_base_dir(), "base_checkpoints", model_tag))
     if not os.path.exists(path):
         raise Stop(f"no {path}: the run {model_tag} has not finished (train it with its scripts/train_*.sh)", code=1)
     with open(path) as f:

@@ -19,8 +19,9 @@ import sys
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import ArgumentParser
+from nanochat.health import smooth
 from nanochat.loss_eval import format_steps
-from nanochat.report import MetricsError, read_metrics, smooth
+from nanochat.metrics import MetricsError, read_metrics
 
 
 def smoothing_beta(n):

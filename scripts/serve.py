@@ -46,7 +46,7 @@ except ModuleNotFoundError as e:
 from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
 from nanochat.cli import ArgumentParser
 from nanochat.common import autodetect_device_type, device_available
-from nanochat.engine import Engine
+from nanochat.engine import Engine, ends_mid_character
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOPS = 4  # as at OpenAI
@@ -149,7 +149,7 @@ class Choice:
             return self.finish("stop", text[:cut])
         if last:
             return self.finish("length", text)
-        if text.endswith("\ufffd"):  # a character whose bytes span tokens: wait for the rest
+        if ends_mid_character(text):  # wait for the rest of the character
             return ""
         return self.finish(None, text[:len(text) - partial_stop(text, self.stops)])
 

@@ -4,7 +4,7 @@ DistMuon / DistAdamW against their single-process forms. Launched by tests/test_
     torchrun --standalone --nproc_per_node=2 tests/dist_optim_worker.py OUT_DIR
 
 Every rank builds the same models, computes its own gradient (a different batch / random tensor per rank), and runs
-clip_and_step with the distributed optimizers; each rank saves its final parameters to OUT_DIR/rank{r}.pt. The test
+base_train's update (reduce_gradients, the norm summed over ranks, clipped_step) with the distributed optimizers; each rank saves its final parameters to OUT_DIR/rank{r}.pt. The test
 runs run(distributed=False) in one process on the average of all ranks' gradients and compares.
 """
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from nanochat.adamw import AdamW, DistAdamW
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.muon import DistMuon, Muon
-from nanochat.optim import clip_and_step
+from nanochat.optim import clipped_step, reduce_gradients
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -59,6 +59,16 @@ def toy_grads(params, rank, step):
     return [torch.randn(p.shape, generator=g) for p in params]
 
 
+def update(optimizers, distributed):
+    """base_train's update: each rank's share of the squared norm, summed over ranks, then clipped_step; the norm."""
+    sq_grad_norm = reduce_gradients(optimizers)
+    if distributed:
+        dist.all_reduce(sq_grad_norm)
+    grad_norm = sq_grad_norm.sqrt().item()
+    clipped_step(optimizers, grad_norm, GRAD_CLIP)
+    return grad_norm
+
+
 def run(distributed, rank=0):
     """Train both models for STEPS steps. distributed: this rank's gradients and the Dist optimizers; otherwise the
     average of all WORLD_SIZE ranks' gradients and the single-process optimizers."""
@@ -82,7 +92,7 @@ def run(distributed, rank=0):
         for r in ranks:
             for p, grad in zip(toy, toy_grads(toy, r, step)):
                 p.grad += grad / len(ranks)
-        norms.append((clip_and_step(gpt_opts, GRAD_CLIP), clip_and_step(toy_opts, GRAD_CLIP)))
+        norms.append((update(gpt_opts, distributed), update(toy_opts, distributed)))
         model.zero_grad(set_to_none=True)
     return {"gpt": {k: v.clone() for k, v in model.state_dict().items()},
             "toy": [p.detach().clone() for p in muon_params + adam_params], "norms": norms}

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from nanochat.engine import Engine, KVCache, kv_cache_bytes_per_token, left_pad, sample_next
+from nanochat.engine import Engine, KVCache, ends_mid_character, kv_cache_bytes_per_token, left_pad, sample_next
 from nanochat.gpt import GPT, STATE_UPDATES, GPTConfig
 from scripts import base_sample
 from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -41,6 +41,11 @@ def cached_logits(model, idx, prompt_len, n_sup, pads=None):
         outputs.append(model(idx[:, t:t + 1], kv_cache=cache, n_sup=n_sup))
     assert cache.pos == idx.size(1)
     return torch.cat(outputs, dim=1)
+
+
+def allocated(cache):
+    """Bytes held by the cache's key and value tensors."""
+    return sum(t.numel() * t.element_size() for t in cache.k + cache.v if t is not None)
 
 
 # n_loops, T_recursion, n_kv_head (2 = GQA); T_recursion > 1 needs latent loops
@@ -128,7 +133,7 @@ def test_fewer_supervision_steps_give_that_steps_logits():
     """n_sup=s computes the first s steps of the full recursion: what --show_steps relies on."""
     model = random_model(tiny_config())
     idx = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
-    steps = model.step_logits(idx, n_sup=4)
+    steps = [model.head(y) for y, _ in model.refine(idx, 4)]  # each step's logits of one 4-step recursion
     for s in range(1, 5):
         torch.testing.assert_close(cached_logits(model, idx, 3, s), steps[s - 1], atol=ATOL, rtol=0)
     assert (steps[0] - steps[-1]).abs().max() > 0.1  # the steps differ, so picking the wrong one would show
@@ -234,7 +239,7 @@ def test_under_bf16_autocast_the_cache_holds_keys_and_values_in_bf16_and_its_siz
         logits = model(torch.zeros(2, 4, dtype=torch.long), kv_cache=cache, n_sup=2)
         per_token = kv_cache_bytes_per_token(model, 2)
     assert {t.dtype for t in cache.k + cache.v} == {torch.bfloat16}
-    assert cache.bytes_allocated() == per_token * 2 * 6
+    assert allocated(cache) == per_token * 2 * 6
     assert per_token == kv_cache_bytes_per_token(model, 2, dtype=torch.float32) // 2  # half of fp32's
     assert torch.isfinite(logits).all()
 
@@ -246,7 +251,7 @@ def test_cache_bytes_per_token_is_what_the_cache_allocates():
     cache = KVCache(model.num_attention_slots(3), 2, 10)
     model(torch.zeros(2, 4, dtype=torch.long), kv_cache=cache, n_sup=3)
     assert all(k is not None for k in cache.k)  # every slot was used
-    assert cache.bytes_allocated() == kv_cache_bytes_per_token(model, 3) * 2 * 10
+    assert allocated(cache) == kv_cache_bytes_per_token(model, 3) * 2 * 10
     assert kv_cache_bytes_per_token(model, 3) == 2 * (3 * 2 * 2 * 3) * 2 * 8 * 4  # k+v, slots, kv heads, dim, fp32
 
 
@@ -257,13 +262,20 @@ def trained(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory)
 
 
-def test_engine_complete_and_stream_text(trained):
+def test_engine_complete_and_generate_stream_the_same_text(trained):
     _, model, tokenizer = trained
     engine = Engine(model, tokenizer)
     completions = engine.complete(["the cat sat", "the"], max_tokens=12, temperature=0.0)
     assert completions[0].startswith(" on the")  # the tiny model learned its text
-    pieces = list(engine.stream_text("the cat sat", max_tokens=12, temperature=0.0))
-    assert len(pieces) > 1 and "".join(pieces) == completions[0]
+    columns = list(engine.generate([engine.encode_prompt("the cat sat")], max_tokens=12, temperature=0.0))
+    assert len(columns) > 1 and tokenizer.decode([c[0] for c in columns if c[0] is not None]) == completions[0]
+
+
+def test_a_character_split_across_tokens_is_seen_as_incomplete_until_its_last_token(trained):
+    _, _, tokenizer = trained
+    ids = tokenizer.encode("\u20ac")  # the euro sign: three UTF-8 bytes, which the tiny tokenizer never merged
+    assert len(ids) == 3
+    assert [ends_mid_character(tokenizer.decode(ids[:k])) for k in (1, 2, 3)] == [True, True, False]
 
 
 def test_sample_cli_show_steps_lists_every_step(trained, monkeypatch, capsys):

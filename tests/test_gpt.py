@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from nanochat.gpt import (GPT, STATE_DIAGNOSTICS, STATE_UPDATES, GPTConfig, deep_supervision_loss,
                           supervision_weights)
-from nanochat.optim import clip_and_step
+from nanochat.optim import clipped_step, reduce_gradients
 
 GPT_SOURCE = Path(__file__).resolve().parents[1] / "nanochat" / "gpt.py"
 
@@ -72,7 +72,8 @@ def test_future_tokens_change_no_logit_or_loss_at_or_before_t(overrides):
     idx2, targets2 = idx.clone(), targets.clone()
     idx2[:, t + 1:] = (idx[:, t + 1:] + 1) % config.vocab_size  # every later token differs
     targets2[:, t + 1:] = (targets[:, t + 1:] + 1) % config.vocab_size
-    logits, logits2 = model.step_logits(idx), model.step_logits(idx2)
+    per_step = lambda x: torch.stack([model(x, n_sup=s) for s in range(1, config.n_sup_inference + 1)])
+    logits, logits2 = per_step(idx), per_step(idx2)  # step s's logits: a forward of s steps
     losses = model(idx, targets, loss_reduction="none")
     losses2 = model(idx2, targets2, loss_reduction="none")
     assert logits.shape[0] == losses.shape[0] == config.n_sup_train
@@ -383,7 +384,6 @@ def test_n_sup_inference_defaults_to_n_sup_train_and_can_be_lower():
         logits = model(idx)
         torch.testing.assert_close(logits, model(idx, n_sup=1))
         assert not torch.allclose(logits, model(idx, n_sup=3), atol=1e-3)  # the steps really differ
-        assert model.step_logits(idx).shape[0] == 1
         assert model(idx, idx, loss_reduction="none").shape[0] == 3  # training still uses n_sup_train
 
 
@@ -455,7 +455,7 @@ def test_tiny_trm_overfits_one_batch_and_later_steps_are_better():
     for step in range(20):
         total, aux = model(*batch)
         total.backward()
-        clip_and_step(optimizers, grad_clip=1.0)
+        clipped_step(optimizers, reduce_gradients(optimizers).sqrt().item(), grad_clip=1.0)  # base_train's update
         model.zero_grad(set_to_none=True)
         first = aux["step_losses"] if first is None else first
     with torch.no_grad():

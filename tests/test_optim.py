@@ -1,4 +1,4 @@
-"""Tests for Muon, AdamW, their distributed forms and clip_and_step."""
+"""Tests for Muon, AdamW, their distributed forms, and the clipped update (reduce_gradients, clipped_step)."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ import torch
 
 from nanochat.adamw import AdamW
 from nanochat.muon import Muon, zeropower_via_newtonschulz5
-from nanochat.optim import clip_and_step
+from nanochat.optim import clipped_step, reduce_gradients
 from tests import dist_optim_worker as worker
 from tests import processes
 
@@ -166,10 +166,12 @@ class RecordingOptimizer:
 
 
 @pytest.mark.parametrize("clip, expected_scale", [(1.0, 1.0 / 13), (20.0, 1.0), (0.0, 1.0)])
-def test_clip_and_step_returns_global_norm_and_scales_to_the_clip(clip, expected_scale):
+def test_reduce_gradients_gives_the_global_norm_and_clipped_step_scales_to_the_clip(clip, expected_scale):
     # two optimizers' gradients (3, 4) and (12,): global norm sqrt(9 + 16 + 144) = 13
     a, b = RecordingOptimizer(torch.tensor([3.0, 4.0])), RecordingOptimizer(torch.tensor([12.0]))
-    assert clip_and_step([a, b], clip) == pytest.approx(13.0)
+    grad_norm = reduce_gradients([a, b]).sqrt().item()
+    clipped_step([a, b], grad_norm, clip)
+    assert grad_norm == pytest.approx(13.0)
     assert a.scales == b.scales == [pytest.approx(expected_scale, rel=1e-5)]
 
 

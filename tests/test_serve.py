@@ -100,6 +100,14 @@ def test_streaming_gives_the_same_text_in_pieces(client, url):
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: {") for e in events[:-1])
 
 
+def test_a_character_split_across_tokens_is_held_back_until_complete(trained):
+    _, _, tokenizer = trained
+    ids = tokenizer.encode("a \u20ac!")  # the euro sign's three bytes are three tokens of the tiny tokenizer
+    choice = serve.Choice(tokenizer, stops=[])
+    pieces = [choice.add(token, last=False) for token in ids]
+    assert pieces[-4:] == ["", "", "\u20ac", "!"] and "".join(pieces) == "a \u20ac!"
+
+
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL_TAG]
     assert client.models.retrieve(MODEL_TAG).owned_by == "nanochat-trm"

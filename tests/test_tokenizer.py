@@ -44,7 +44,7 @@ def test_vocab_holds_merges_then_special_tokens(tok):
     ids = [tok.encode_special(name) for name in SPECIAL_TOKENS]
     assert ids == list(range(400 - len(SPECIAL_TOKENS), 400))
     assert tok.get_bos_token_id() == ids[0]
-    assert [tok.id_to_token(i) for i in ids] == SPECIAL_TOKENS
+    assert [tok.decode([i]) for i in ids] == SPECIAL_TOKENS
 
 
 def test_training_split_pattern_is_the_encoding_pattern(bpe, tok):

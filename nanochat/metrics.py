@@ -1,7 +1,7 @@
 """
 The record of a run: metrics.jsonl (one JSON record per optimizer step, evaluation and sample), fanned out to wandb
-and TensorBoard when asked for, GPU utilisation from NVML, the health warnings and the log line while training, and
-summary.json + report.md at the end.
+and TensorBoard when asked for, GPU utilisation from NVML, the log line while training, and summary.json + report.md
+at the end (the health warnings are nanochat/health.py's).
 
 summary.json and report.md are rebuilt from metrics.jsonl, so they cover the whole run however often it was resumed.
 """
@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 from nanochat.common import atomic_write_bytes, print0
+from nanochat.health import LossSmoother, smooth
 from nanochat.loss_eval import format_steps, refinement
 
 COMPILE_STEPS = 10  # the first steps of a process compile and warm up: left out of the mean step time
@@ -25,6 +26,11 @@ class MetricsError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------------- reading
+def summary_path(run_dir):
+    """The run's summary.json: written by write_summary, read by the launcher's checks and by compare."""
+    return os.path.join(run_dir, "summary.json")
+
+
 def read_records(path):
     """Every record of a metrics.jsonl, in file order.
 
@@ -60,34 +66,6 @@ def read_metrics(run_dir):
     for (kind, _), record in sorted(latest.items(), key=lambda item: item[0][1]):
         by_kind.setdefault(kind, []).append(record)
     return by_kind
-
-
-# ---------------------------------------------------------------------------------------------------- smoothing
-class EMA:
-    """Exponential moving average of a list of values, debiased as nanochat does so early values are not pulled to 0.
-    Each position averages the updates that had it: with sample_n_sup a step trains 1 .. 2N-1 supervision steps."""
-
-    def __init__(self, beta=0.9):
-        self.beta, self.count, self.total = beta, [], []
-
-    def update(self, values):
-        for i, v in enumerate(values):
-            if i == len(self.total):
-                self.total.append(0.0)
-                self.count.append(0)
-            self.count[i] += 1
-            self.total[i] = self.beta * self.total[i] + (1 - self.beta) * v
-        return self.value
-
-    @property
-    def value(self):
-        return [t / (1 - self.beta ** c) for t, c in zip(self.total, self.count)]
-
-
-def smooth(series, beta):
-    """Each point of a series of value lists replaced by its debiased EMA so far."""
-    ema = EMA(beta)
-    return [ema.update(values) for values in series]
 
 
 def format_duration(seconds):
@@ -189,7 +167,7 @@ class MetricsLog:
 
     def __init__(self, run_dir, args, rank, resume_step):
         self.path, self.enabled, self.sinks, self.gpus = os.path.join(run_dir, "metrics.jsonl"), rank == 0, [], None
-        self.ema, self.step_times, self.prior_step_time = EMA(), [], None
+        self.smoother, self.step_times, self.prior_step_time = LossSmoother(), [], None
         if not self.enabled:
             return
         if resume_step is not None and os.path.exists(self.path):  # drop what the run logged past its checkpoint
@@ -197,7 +175,7 @@ class MetricsLog:
             atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
             train = [r for r in kept if r["kind"] == "train"]
             for r in train:
-                self.ema.update(r["step_losses"])
+                self.smoother.update(r["step_losses"])
             times = [r["dt"] for r in train[COMPILE_STEPS:]]
             self.prior_step_time = statistics.mean(times) if times else None
         elif resume_step is None and os.path.exists(self.path):
@@ -213,7 +191,7 @@ class MetricsLog:
 
     def log(self, record):
         if record["kind"] == "train":
-            self.ema.update(record["step_losses"])
+            self.smoother.update(record["step_losses"])
             self.step_times.append(record["dt"])
             if self.gpus:
                 record = {**record, **self.read_gpus()}
@@ -248,8 +226,8 @@ class MetricsLog:
         step, losses, mfu, mem = record["step"], record["step_losses"], record["mfu"], record["peak_mem_gb"]
         eta = (num_iterations - step) * self.mean_step_time()
         return (f"step {step:05d}/{num_iterations} ({100 * step / num_iterations:.1f}%) | loss {losses[-1]:.4f} "
-                f"(smooth {self.ema.value[len(losses) - 1]:.4f}) | steps {format_steps(losses, digits=3)} | refine "
-                f"{100 * record['refinement']:5.1f}% | gnorm {record['grad_norm']:.3f} | lrm "
+                f"(smooth {self.smoother.value[len(losses) - 1]:.4f}) | steps {format_steps(losses, digits=3)} | "
+                f"refine {100 * record['refinement']:5.1f}% | gnorm {record['grad_norm']:.3f} | lrm "
                 f"{record['lr_multiplier']:.2f} | {record['dt'] * 1000:.0f}ms | {record['tok_per_sec']:,.0f} tok/s | "
                 f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem {'n/a' if mem is None else f'{mem:.1f}GB'}"
                 f" | eta {format_duration(eta)}" + (f" | ${record['cost']:.2f}" if record["cost"] is not None else ""))
@@ -260,32 +238,6 @@ class MetricsLog:
         if self.gpus:
             self.gpus.close()
         self.sinks, self.gpus = [], None
-
-
-# ---------------------------------------------------------------------------------------------------- health
-class Health:
-    """The guides' success criteria, watched every step: one warning per problem per 100 steps, with what to try."""
-
-    def __init__(self, window=50):
-        self.window, self.ema, self.inverted_for, self.last_warned = window, EMA(0.9), 0, {}
-
-    def warn(self, kind, step, message):
-        if step - self.last_warned.get(kind, -10**9) >= 100:
-            self.last_warned[kind] = step
-            print0(f"WARNING step {step}: {message}")
-
-    def check(self, step, step_losses, grad_norm):
-        smoothed = self.ema.update(step_losses)  # so one noisy batch does not count as an inversion
-        inverted = any(later > earlier for earlier, later in zip(smoothed, smoothed[1:]))
-        self.inverted_for = self.inverted_for + 1 if inverted else 0
-        if self.inverted_for >= self.window:
-            order = " ".join(f"{l:.3f}" for l in smoothed)
-            self.warn("order", step, f"supervision order inverted for {self.inverted_for} steps (smoothed per-step "
-                      f"losses {order}): later steps should be lower. Try a lower --matrix_lr (2x), a longer warmup "
-                      f"(--warmup_steps), and check --grad_clip=1.0 and the preset.")
-        if grad_norm > 20:
-            self.warn("grad", step, f"gradient norm {grad_norm:.1f} > 20: training may diverge. Lower --matrix_lr "
-                      f"or switch to a milder --preset (extreme -> aggressive).")
 
 
 # ---------------------------------------------------------------------------------------------------- the report
@@ -327,8 +279,7 @@ def write_summary(run_dir, args, step, seconds, price_per_hour, model, tokenizer
     """summary.json for the launch scripts' success check, report.md for people; both from metrics.jsonl."""
     records = read_metrics(run_dir)
     summary = summarize(records, args.model_tag, step, seconds, price_per_hour, model, tokenizer_fingerprint)
-    atomic_write_bytes(os.path.join(run_dir, "summary.json"),
-                       json.dumps(summary, indent=2, allow_nan=False).encode())
+    atomic_write_bytes(summary_path(run_dir), json.dumps(summary, indent=2, allow_nan=False).encode())
     report = report_markdown(summary, records, args, model)
     atomic_write_bytes(os.path.join(run_dir, "report.md"), report.encode())
     print0(f"report: {os.path.join(run_dir, 'report.md')}")

@@ -1,4 +1,4 @@
-"""nanochat/report.py: metrics.jsonl reading, the log line, the sinks (wandb, TensorBoard, NVML), summary and report."""
+"""nanochat/metrics.py: reading metrics.jsonl, the log line, the sinks (wandb, TensorBoard, NVML), summary, report."""
 
 import json
 import os
@@ -9,9 +9,8 @@ from argparse import Namespace
 
 import pytest
 
-from nanochat import report
-from nanochat.report import MetricsError, MetricsLog, read_metrics, read_records
-from nanochat import train_config
+from nanochat import metrics, train_config
+from nanochat.metrics import MetricsError, MetricsLog, read_metrics, read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--n_loops=1",
@@ -265,22 +264,12 @@ def test_summary_covers_the_whole_run_across_a_crash_a_torn_line_and_a_resume_of
 def test_git_commit_is_unknown_outside_a_checkout(monkeypatch):
     def no_git(*a, **k):
         raise FileNotFoundError("git")
-    monkeypatch.setattr(report.subprocess, "run", no_git)
-    assert report.git_commit() == "unknown"
+    monkeypatch.setattr(metrics.subprocess, "run", no_git)
+    assert metrics.git_commit() == "unknown"
 
 
 def test_a_summary_without_steps_or_evaluations_is_valid_json():
     model = Namespace(num_params=lambda: 10, estimate_flops=lambda: 60)
-    s = report.summarize({"train": [], "eval": [], "sample": []}, "t", 0, float("nan"), 0, model, "abc")
+    s = metrics.summarize({"train": [], "eval": [], "sample": []}, "t", 0, float("nan"), 0, model, "abc")
     text = json.dumps(s, allow_nan=False)
     assert json.loads(text)["grad_norm_median_last"] is None and json.loads(text)["wall_time_s"] is None
-
-
-def test_smoothing_follows_a_varying_number_of_supervision_steps():
-    from nanochat.report import EMA
-    ema = EMA(0.5)
-    ema.update([4.0, 2.0])
-    ema.update([2.0])  # a step that trained one supervision step leaves position 1 alone
-    assert ema.value == pytest.approx([(0.25 * 4 + 0.5 * 2) / 0.75, 2.0])
-    ema.update([2.0, 1.0, 3.0])
-    assert len(ema.value) == 3 and ema.value[2] == pytest.approx(3.0) and ema.value[1] == pytest.approx((0.25 * 2 + 0.5 * 1) / 0.75)
