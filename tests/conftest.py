@@ -1,14 +1,14 @@
 """Shared test setup: one torch thread, and a tiny corpus with a tiny tokenizer."""
 
-import io
 import os
 import random
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+
+from tests.helpers import stderr_capture  # noqa: F401 - until test_dataset and test_tokenizer import it from helpers
 
 WORDS = "the a model data refine step loss token draft answer of to in is was by with layer sweep".split()
 
@@ -20,15 +20,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def stderr_capture(monkeypatch, terminal):
-    """Replace sys.stderr with a buffer that claims to be a terminal (or not): progress bars decide by it."""
-    class Stderr(io.StringIO):
-        def isatty(self):
-            return terminal
-    monkeypatch.setattr(sys, "stderr", Stderr())
-    return sys.stderr
 
 
 def make_corpus(directory, num_shards=3, groups_per_shard=4, docs_per_group=20):

@@ -13,7 +13,7 @@ import torch
 
 from nanochat import checkpoint_manager as ckpt
 from scripts import base_train
-from tests.test_base_train import TINY, ckpt_dir, tree, weights
+from tests.helpers import TINY, ckpt_dir, tree, weights
 
 FLAGS = TINY + ["--eval_every=0", "--save_every=2"]
 
