@@ -1,4 +1,5 @@
-"""base_train end to end on a tiny model: resume exactness, crash safety, DDP equivalence, rejections, health stops."""
+"""base_train end to end on a tiny model: resume exactness, crash safety, DDP equivalence, rejections, health stops;
+and the batch geometry its parser derives."""
 
 import json
 import os
@@ -9,12 +10,9 @@ import sys
 import pytest
 import torch
 
+from scripts import base_train
 from tests import processes
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--n_loops=1",
-        "--n_sup_train=2", "--eval_tokens=256", "--eval_every=4", "--sample_every=0", "--sample_tokens=4",
-        "--matrix_lr=0.02", "--device_type=cpu", "--warmup_steps=1", "--gradient_accumulation_steps=1"]
+from tests.helpers import ROOT, TINY, TINY_SHAPE, ckpt_dir, parsed, tree, weights
 
 
 def run(base_dir, *flags, torchrun=False, check=True):
@@ -28,25 +26,9 @@ def run(base_dir, *flags, torchrun=False, check=True):
     return proc
 
 
-def ckpt_dir(base_dir, tag, step=None):
-    path = os.path.join(base_dir, "base_checkpoints", tag)
-    return path if step is None else os.path.join(path, f"step_{step:06d}")
-
-
-def weights(base_dir, tag, step):
-    from safetensors.torch import load_file
-    return load_file(os.path.join(ckpt_dir(base_dir, tag, step), "model.safetensors"))
-
-
 def meta(base_dir, tag, step):
     with open(os.path.join(ckpt_dir(base_dir, tag, step), "meta.json")) as f:
         return json.load(f)
-
-
-def tree(path):
-    """Every file under path with its size and mtime: 'writes nothing' means this does not change."""
-    return {os.path.join(d, f): (os.path.getsize(os.path.join(d, f)), os.path.getmtime(os.path.join(d, f)))
-            for d, _, files in os.walk(path) for f in files}
 
 
 def test_sigkill_then_resume_is_bit_identical(base_dir):
@@ -282,3 +264,50 @@ def test_the_weight_average_is_on_for_long_runs_only():
     # no step count before the run (--target_flops): count the copy unless it is off
     assert launch.ema(base_train.parse_args([*TINY, "--target_flops=1e12"]))
     assert not launch.ema(base_train.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))
+
+
+# ------------------------------------------------ the batch geometry and WANDB_RUN, as base_train parses them
+
+def test_the_default_total_batch_is_fixed_and_the_accumulation_follows_the_processes():
+    one, two = parsed(TINY_SHAPE, world_size=1), parsed(TINY_SHAPE, world_size=2)
+    assert one["total_batch_size"] == two["total_batch_size"] == base_train.DEFAULT_TOTAL_BATCH_SIZE == 524288
+    assert (one["grad_accum"], two["grad_accum"]) == (8192, 4096)  # 524288 tokens / (processes x 2 x 32)
+
+
+def test_one_and_two_processes_read_the_same_data_ranks_in_each_step():
+    """The loaders of process r read data ranks data_ranks(args, r) of world_size x grad_accum; with the default total
+    batch, 1 and 2 processes split the stream into the same ranks and read all of them every step. (That equal data
+    ranks give equal training is the two-process Gloo test above.)"""
+    geometry = ["--max_seq_len=32", "--device_batch_size=8192"]  # 2 accumulation steps on 1 process, 1 on 2
+    reads = {}
+    for world in (1, 2):
+        args = base_train.parse_args(TINY_SHAPE + geometry, world_size=world, check_hardware=False)
+        reads[world] = ([base_train.data_ranks(args, rank) for rank in range(world)], world * args.grad_accum)
+    assert reads[1] == ([[0, 1]], 2)
+    assert reads[2] == ([[0], [1]], 2)
+
+
+@pytest.mark.parametrize("world, flags, message", [
+    (3, [], "the default --total_batch_size=524288 is not a multiple of processes x device_batch_size x max_seq_len "
+            "= 3 x 2 x 32 = 192; pass --total_batch_size=524352"),
+    (1, ["--device_batch_size=16385"], "pass --total_batch_size=524320"),  # more than the whole batch in one step
+    (1, ["--total_batch_size=100"], "--total_batch_size=100 is not a multiple"),
+    (1, ["--total_batch_size=128", "--gradient_accumulation_steps=4"], "give only one of them"),
+])
+def test_a_batch_that_does_not_divide_names_the_flag_to_pass(world, flags, message):
+    with pytest.raises(SystemExit) as e:
+        base_train.parse_args(TINY_SHAPE + flags, world_size=world, check_hardware=False)
+    assert message in str(e.value.code)
+
+
+def test_explicit_accumulation_sets_the_batch():
+    args = parsed(TINY_SHAPE + ["--gradient_accumulation_steps=3"], world_size=2)
+    assert (args["grad_accum"], args["total_batch_size"]) == (3, 2 * 2 * 32 * 3)
+
+
+def test_wandb_run_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WANDB_RUN", "from_env")
+    assert parsed(TINY_SHAPE)["run"] == "from_env"
+    assert parsed(TINY_SHAPE + ["--run=from_flag"])["run"] == "from_flag"
+    monkeypatch.delenv("WANDB_RUN")
+    assert parsed(TINY_SHAPE)["run"] == "dummy"
