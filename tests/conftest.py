@@ -1,14 +1,14 @@
 """Shared test setup: one torch thread, and a tiny corpus with a tiny tokenizer."""
 
-import io
+import json
 import os
 import random
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+
 
 WORDS = "the a model data refine step loss token draft answer of to in is was by with layer sweep".split()
 
@@ -20,15 +20,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def stderr_capture(monkeypatch, terminal):
-    """Replace sys.stderr with a buffer that claims to be a terminal (or not): progress bars decide by it."""
-    class Stderr(io.StringIO):
-        def isatty(self):
-            return terminal
-    monkeypatch.setattr(sys, "stderr", Stderr())
-    return sys.stderr
 
 
 def make_corpus(directory, num_shards=3, groups_per_shard=4, docs_per_group=20):
@@ -55,3 +46,25 @@ def base_dir(tmp_path_factory):
     texts = pq.read_table(os.path.join(base, "base_data", "shard_00000.parquet")).column("text").to_pylist()
     RustBPETokenizer.train_from_iterator(iter(texts), 300).save(os.path.join(base, "tokenizer"))
     return str(base)
+
+
+# The dataset and download tests: each in a base directory of its own, with a corpus of every importable kind
+@pytest.fixture
+def isolated_dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+
+
+@pytest.fixture
+def corpus_files(tmp_path):
+    src = tmp_path / "src"
+    (src / "dir" / "sub").mkdir(parents=True)
+    (src / "one.txt").write_text("a whole file\n\nis one document")
+    (src / "dir" / "two.txt").write_text("second doc")
+    (src / "dir" / "sub" / "three.txt").write_text("third doc")
+    (src / "dir" / "ignored.md").write_text("not imported")
+    (src / "docs.jsonl").write_text(json.dumps({"text": "json doc 1", "id": 1}) + "\n\n" +
+                                    json.dumps({"text": "json doc 2"}) + "\n")
+    pq.write_table(pa.table({"text": ["parquet doc 1", None, "parquet doc 2"], "n": [1, 2, 3]}), src / "p.parquet")
+    return src

@@ -1,4 +1,5 @@
-"""base_train end to end on a tiny model: resume exactness, crash safety, DDP equivalence, rejections, health stops."""
+"""base_train end to end on a tiny model: resume exactness, crash safety, DDP equivalence, rejections, health stops;
+and the batch geometry its parser derives."""
 
 import json
 import os
@@ -9,13 +10,9 @@ import sys
 import pytest
 import torch
 
-from tests import processes
 from nanochat import train_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--n_loops=1",
-        "--n_sup_train=2", "--eval_tokens=256", "--eval_every=4", "--sample_every=0", "--sample_tokens=4",
-        "--matrix_lr=0.02", "--device_type=cpu", "--warmup_steps=1", "--gradient_accumulation_steps=1"]
+from tests import processes
+from tests.helpers import ROOT, TINY, TINY_SHAPE, ckpt_dir, parsed, tree, weights
 
 
 def run(base_dir, *flags, torchrun=False, check=True):
@@ -29,25 +26,9 @@ def run(base_dir, *flags, torchrun=False, check=True):
     return proc
 
 
-def ckpt_dir(base_dir, tag, step=None):
-    path = os.path.join(base_dir, "base_checkpoints", tag)
-    return path if step is None else os.path.join(path, f"step_{step:06d}")
-
-
-def weights(base_dir, tag, step):
-    from safetensors.torch import load_file
-    return load_file(os.path.join(ckpt_dir(base_dir, tag, step), "model.safetensors"))
-
-
 def meta(base_dir, tag, step):
     with open(os.path.join(ckpt_dir(base_dir, tag, step), "meta.json")) as f:
         return json.load(f)
-
-
-def tree(path):
-    """Every file under path with its size and mtime: 'writes nothing' means this does not change."""
-    return {os.path.join(d, f): (os.path.getsize(os.path.join(d, f)), os.path.getmtime(os.path.join(d, f)))
-            for d, _, files in os.walk(path) for f in files}
 
 
 def test_sigkill_then_resume_is_bit_identical(base_dir):
@@ -274,7 +255,6 @@ def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_wh
 def test_the_weight_average_is_on_for_long_runs_only():
     """auto, the default, averages runs of 300+ steps only (shorter runs lost 0.05-0.11 bpb to it, see the README); 0
     turns it off; the launcher's memory plan counts its weight copy exactly when it is on."""
-    from scripts import base_train, launch
     long_run = train_config.parse_args([*TINY, "--num_iterations=1000"])
     assert train_config.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and train_config.keeps_ema(long_run)
     short_run = train_config.parse_args([*TINY, "--num_iterations=120"])
@@ -301,3 +281,55 @@ def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     base_train.train(train_config.parse_args([*TINY, "--num_iterations=1", "--dtype=bfloat16", "--model_tag=bf16"]))
     assert seen and all(seen_dtype == (True, torch.bfloat16) for seen_dtype in seen)
+
+
+# ------------------------------------------------ the batch geometry and WANDB_RUN, as base_train parses them
+
+
+def test_the_default_total_batch_is_fixed_and_the_accumulation_follows_the_processes():
+    """The compute-optimal batch depends on the model and its horizon, not on the processes (1 or 8 GPUs train the
+    same model); its value is tests/test_train_config.py's."""
+    one, two = parsed(TINY_SHAPE, world_size=1), parsed(TINY_SHAPE, world_size=2)
+    assert one["total_batch_size"] == two["total_batch_size"]
+    assert one["grad_accum"] == 2 * two["grad_accum"] == one["total_batch_size"] // (2 * 32)
+
+
+def test_one_and_two_processes_read_the_same_data_ranks_in_each_step():
+    """The loaders of process r read data ranks data_ranks(args, r) of world_size x grad_accum; with a fixed total
+    batch, 1 and 2 processes split the stream into the same ranks and read all of them every step. (That equal data
+    ranks give equal training is the two-process Gloo test above.)"""
+    # 2 accumulation steps on 1 process, 1 on 2
+    geometry = ["--max_seq_len=32", "--device_batch_size=8192", "--total_batch_size=524288"]
+    reads = {}
+    for world in (1, 2):
+        args = train_config.parse_args(TINY_SHAPE + geometry, world_size=world, check_hardware=False)
+        reads[world] = ([train_config.data_ranks(args, rank) for rank in range(world)], world * args.grad_accum)
+    assert reads[1] == ([[0, 1]], 2)
+    assert reads[2] == ([[0], [1]], 2)
+
+
+@pytest.mark.parametrize("world, flags, message", [
+    (3, ["--total_batch_size=524288"], "--total_batch_size=524288 is not a multiple of processes x device_batch_size x "
+                                       "max_seq_len = 3 x 2 x 32 = 192; pass --total_batch_size=524352"),
+    # more than the whole batch in one step
+    (1, ["--device_batch_size=16385", "--total_batch_size=524288"], "pass --total_batch_size=524320"),
+    (1, ["--total_batch_size=100"], "--total_batch_size=100 is not a multiple"),
+    (1, ["--total_batch_size=128", "--gradient_accumulation_steps=4"], "give only one of them"),
+])
+def test_a_batch_that_does_not_divide_names_the_flag_to_pass(world, flags, message):
+    with pytest.raises(SystemExit) as e:
+        train_config.parse_args(TINY_SHAPE + flags, world_size=world, check_hardware=False)
+    assert message in str(e.value.code)
+
+
+def test_explicit_accumulation_sets_the_batch():
+    args = parsed(TINY_SHAPE + ["--gradient_accumulation_steps=3"], world_size=2)
+    assert (args["grad_accum"], args["total_batch_size"]) == (3, 2 * 2 * 32 * 3)
+
+
+def test_wandb_run_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WANDB_RUN", "from_env")
+    assert parsed(TINY_SHAPE)["run"] == "from_env"
+    assert parsed(TINY_SHAPE + ["--run=from_flag"])["run"] == "from_flag"
+    monkeypatch.delenv("WANDB_RUN")
+    assert parsed(TINY_SHAPE)["run"] == "dummy"

@@ -13,7 +13,7 @@ import torch
 
 from nanochat import checkpoint_manager as ckpt
 from scripts import base_train
-from tests.test_base_train import TINY, ckpt_dir, tree, weights
+from tests.helpers import TINY, ckpt_dir, tree, weights
 
 FLAGS = TINY + ["--eval_every=0", "--save_every=2"]
 
@@ -232,15 +232,3 @@ def test_a_failing_backup_warns_and_training_goes_on(base, tmp_path, capsys):
     assert train(*FLAGS, "--num_iterations=2", "--model_tag=nobk", f"--backup_dir={blocker}/sub") == 0
     assert "WARNING: backup of step 2" in capsys.readouterr().out
     assert ckpt.list_steps("nobk") == [2]
-
-
-def test_progress_bar_only_on_a_terminal(monkeypatch):
-    from nanochat.common import progress_bar
-    import sys
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
-    assert progress_bar(range(3)).disable
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    assert not progress_bar(range(3)).disable
-    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):  # as torchrun sets them
-        monkeypatch.setenv(name, value)
-    assert progress_bar(range(3)).disable

@@ -1,8 +1,11 @@
-"""The peak-FLOPs table: each GPU's exact device name finds its own datasheet figure, never a sibling's."""
+"""nanochat/common.py: what every entry point shares; the peak-FLOPs table, where each GPU's exact device name finds
+its own datasheet figure, never a sibling's."""
+
+import sys
 
 import pytest
 
-from nanochat.common import LAUNCH_TABLE_DEVICES, gpu_peak_flops
+from nanochat.common import LAUNCH_TABLE_DEVICES, gpu_peak_flops, progress_bar
 
 # (torch.cuda.get_device_name, dense bf16 TFLOP/s from the vendor's datasheet)
 DATASHEET = [
@@ -41,3 +44,13 @@ def test_the_launch_table_rows_are_sxm_boards():
     assert {row["gpu"] for row in HARDWARE.values()} <= set(LAUNCH_TABLE_DEVICES)
     for model, tflops in expected.items():
         assert gpu_peak_flops(LAUNCH_TABLE_DEVICES[model]) == pytest.approx(tflops * 1e12)
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert progress_bar(range(3)).disable
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert not progress_bar(range(3)).disable
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):  # as torchrun sets them
+        monkeypatch.setenv(name, value)
+    assert progress_bar(range(3)).disable

@@ -6,7 +6,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from nanochat.gpt import GPT, GPTConfig
 from scripts import compare

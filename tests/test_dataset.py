@@ -12,17 +12,9 @@ import pytest
 
 from nanochat import dataset
 from nanochat.dataset import DatasetError
+from tests.helpers import shard_texts
 
-
-@pytest.fixture(autouse=True)
-def isolated_dirs(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
-    monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-
-
-def shard_texts(path):
-    return pq.read_table(path, columns=["text"]).column("text").to_pylist()
+pytestmark = pytest.mark.usefixtures("isolated_dirs")
 
 
 def all_texts(directory):
@@ -37,20 +29,6 @@ def snapshot(directory):
 
 # -----------------------------------------------------------------------------
 # --from
-
-@pytest.fixture
-def corpus_files(tmp_path):
-    src = tmp_path / "src"
-    (src / "dir" / "sub").mkdir(parents=True)
-    (src / "one.txt").write_text("a whole file\n\nis one document")
-    (src / "dir" / "two.txt").write_text("second doc")
-    (src / "dir" / "sub" / "three.txt").write_text("third doc")
-    (src / "dir" / "ignored.md").write_text("not imported")
-    (src / "docs.jsonl").write_text(json.dumps({"text": "json doc 1", "id": 1}) + "\n\n" +
-                                    json.dumps({"text": "json doc 2"}) + "\n")
-    pq.write_table(pa.table({"text": ["parquet doc 1", None, "parquet doc 2"], "n": [1, 2, 3]}), src / "p.parquet")
-    return src
-
 
 def test_import_gives_shards_with_every_document(corpus_files, capsys):
     paths = [corpus_files / "one.txt", corpus_files / "dir", corpus_files / "docs.jsonl", corpus_files / "p.parquet"]

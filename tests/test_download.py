@@ -15,8 +15,10 @@ import pytest
 
 from nanochat import dataset
 from nanochat.dataset import DatasetError
-from tests.conftest import stderr_capture
-from tests.test_dataset import corpus_files, isolated_dirs, shard_texts  # noqa: F401 - fixtures, one autouse
+from tests.helpers import stderr_capture
+from tests.helpers import shard_texts
+
+pytestmark = pytest.mark.usefixtures("isolated_dirs")
 
 
 # -----------------------------------------------------------------------------

@@ -1,36 +1,24 @@
 """Tests for the inference engine: cached decoding against full forwards, sampling, and the sampling CLI."""
 
+import functools
 import itertools
-import math
 
 import pytest
 import torch
 
 from nanochat.engine import Engine, KVCache, ends_mid_character, kv_cache_bytes_per_token, left_pad, sample_next
-from nanochat.gpt import GPT, STATE_UPDATES, GPTConfig
+from nanochat.gpt import STATE_UPDATES
 from scripts import base_sample
+from tests import helpers
 from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 ATOL = 1e-4  # logits are soft-capped at 15; float32 reorderings move them by ~1e-6
 
-
-
-def tiny_config(**overrides):
-    base = dict(sequence_len=8, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                n_loops=2, T_recursion=1, n_sup_train=4)
-    return GPTConfig(**{**base, **overrides})
-
-
-def random_model(config, seed=0):
-    """Every weight random: init_weights zeroes c_proj and lm_head, which makes every block the identity and every
-    logit equal, so a cache that attends over the wrong keys would still match."""
-    torch.manual_seed(seed)
-    model = GPT(config)
-    model.init_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(std=1.0 / math.sqrt(p.size(-1)))
-    return model.eval()
+# prompts overrun a context of 8, 4 supervision steps to choose from, GPTConfig's default detaching
+tiny_config = functools.partial(helpers.tiny_config, sequence_len=8, n_loops=2, n_sup_train=4,
+                                detach_between_steps=True)
+# every weight random, so a cache that attends over the wrong keys cannot match by accident
+random_model = functools.partial(helpers.random_model, every_weight=True)
 
 
 def cached_logits(model, idx, prompt_len, n_sup, pads=None):

@@ -16,7 +16,7 @@ from nanochat.engine import Engine
 from nanochat.gpt import ACTIVATIONS, STATE_UPDATES, GPTConfig
 from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
 from scripts import export_hf
-from tests.test_engine import random_model
+from tests.helpers import ROOT, random_model
 from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 ATOL = 1e-4
@@ -94,7 +94,7 @@ def test_every_config_option_round_trips(options, trained, tmp_path):
     _, _, tokenizer = trained
     config = GPTConfig(sequence_len=16, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2,
                        n_embd=32, n_sup_train=3, **options)
-    model = random_model(config)
+    model = random_model(config, every_weight=True)
     meta = {"step": 1, "model_config": config.to_dict(), "val_bpb": None}
     export_hf.write_export(model, tokenizer, meta, "random", str(tmp_path / "out"))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
@@ -191,7 +191,7 @@ def test_an_existing_directory_is_replaced_only_with_force_and_only_if_it_is_an_
 def test_without_transformers_the_export_says_what_to_install(tmp_path):
     hide = "import runpy, sys; sys.modules['transformers'] = None; runpy.run_module('scripts.export_hf', run_name='__main__')"
     result = subprocess.run([sys.executable, "-c", hide, "--out", str(tmp_path / "out")], capture_output=True,
-                            text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(export_hf.__file__)))
+                            text=True, timeout=60, cwd=ROOT)
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
     assert "pip install -e '.[hf]'" in result.stderr and os.listdir(tmp_path) == []
 

@@ -13,29 +13,9 @@ import torch.nn.functional as F
 from nanochat.gpt import (GPT, STATE_DIAGNOSTICS, STATE_UPDATES, GPTConfig, deep_supervision_loss,
                           supervision_weights)
 from nanochat.optim import clipped_step, reduce_gradients
+from tests.helpers import ROOT, random_model, tiny_config
 
-GPT_SOURCE = Path(__file__).resolve().parents[1] / "nanochat" / "gpt.py"
-
-
-def tiny_config(**overrides):
-    base = dict(sequence_len=16, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                n_loops=1, T_recursion=1, n_sup_train=2, detach_between_steps=False)
-    return GPTConfig(**{**base, **overrides})
-
-
-def random_model(config, seed=0):
-    """A model whose zero-initialised projections (c_proj, lm_head) are randomised: with them at zero every block
-    is the identity and the logits are uniform, so causality and gradient tests would pass vacuously."""
-    torch.manual_seed(seed)
-    model = GPT(config)
-    model.init_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            if not p.any():
-                p.normal_(std=1.0 / math.sqrt(p.size(-1)))
-    assert all(p.any() for p in model.parameters())
-    return model
-
+GPT_SOURCE = Path(ROOT, "nanochat", "gpt.py")
 
 
 def random_batch(config, B=2, seed=1):

@@ -15,8 +15,8 @@ import pytest
 from scripts import launch
 from tests import processes
 from nanochat.train_config import parse_args
+from tests.helpers import OVERRIDES, ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The issue's table, written out again so the test does not check the launcher against itself:
 # script -> (GPUs, phase -> (batch per GPU, accumulation))
 TABLE = {
@@ -29,8 +29,6 @@ TABLE = {
 }
 PHASE = {"fast": dict(iterations=1000, preset="aggressive", matrix_lr=0.001, embedding_lr=0.01),
          "extreme": dict(iterations=5000, preset="extreme", matrix_lr=0.0005, embedding_lr=0.005)}
-OVERRIDES = ["DEPTH", "NPROC", "DEVICE_TYPE", "NANOCHAT_DATA_DIR", "DATASET", "VOCAB_SIZE", "TOK_MAX_CHARS", "NNODES",
-             "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DRY_RUN", "FORCE", "HARDWARE"]
 
 
 def start_script(script, base_dir, *args, path_prefix=None, **env):
@@ -230,7 +228,7 @@ def test_speedrun_dry_run_tells_the_whole_story(tmp_path):
 def test_end_to_end_on_cpu_stopped_and_run_again(tmp_path):
     """train_8xH100_fast.sh for real: 2 Gloo processes, tiny model, built-in corpus, tiny tokenizer, 4 steps. SIGTERM
     to the script after step 2 saves a checkpoint and exits 143; the same command again continues from it."""
-    from tests.test_lifecycle import finish, read_until
+    from tests.helpers import finish, read_until
     flags = ["--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--gradient_accumulation_steps=1",
              "--num_iterations=4", "--compile=false", "--dtype=float32", "--eval_every=2", "--eval_tokens=256",
              "--sample_every=0", "--sample_tokens=4", "--save_every=0", "--warmup_steps=1"]

@@ -12,10 +12,8 @@ from types import SimpleNamespace
 import torch
 
 from nanochat import lifecycle
-from tests import processes
-from tests.test_base_train import ROOT, TINY, ckpt_dir, weights
+from tests.helpers import ROOT, TINY, ckpt_dir, finish, read_until, weights
 
-HANG = 90  # seconds: far above what a healthy run takes here, so only a hang reaches it
 FLAGS = TINY + ["--eval_every=0", "--keep_last=0"]
 
 
@@ -23,16 +21,6 @@ def torchrun(base_dir, *args):
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(proc, timeout=HANG):
-    """(exit code, stdout + stderr) of a run, killed with everything it started if it hangs."""
-    done = processes.finish(proc, timeout)
-    return done.returncode, done.stdout + (done.stderr or "")
-
-
-def read_until(proc, prefix, timeout=HANG):
-    return processes.read_until(proc, prefix, timeout)
 
 
 def base_train(base_dir, *flags):

@@ -191,7 +191,6 @@ def test_wandb_not_logged_in_warns_and_tensorboard_gets_the_run(base_dir, monkey
 
 
 def test_tensorboard_without_the_package_is_refused_before_anything_runs(monkeypatch):
-    from scripts import base_train
     monkeypatch.setattr(train_config.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match=r"--tensorboard needs the tensorboard package"):
         train_config.parse_args(["--device_type=cpu", "--tensorboard"])

@@ -13,7 +13,7 @@ from nanochat import dataset
 from nanochat.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer, TokenizerError, TokenizerNotFound,
                                 get_token_bytes, get_tokenizer, tokenizer_dir, train_bpe)
 from scripts import tok_eval, tok_train
-from tests.conftest import stderr_capture
+from tests.helpers import stderr_capture
 
 TRAIN_TEXT = [
     "The quick brown fox jumps over the lazy dog. " * 20,

@@ -4,17 +4,13 @@ import pytest
 import torch
 
 from nanochat.checkpoint_manager import save_checkpoint
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPT
 from nanochat.tokenizer import RustBPETokenizer, tokenizer_dir
+from tests.helpers import tiny_config
 
 MODEL_TAG = "tiny"
 TEXT = "the cat sat on the mat. the dog sat on the log. " * 40
 TRAIN_STEPS = 40
-
-
-def tiny_config(vocab_size):
-    return GPTConfig(sequence_len=32, vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
-                     n_loops=1, T_recursion=1, n_sup_train=3)
 
 
 def build_tiny_checkpoint():
@@ -22,7 +18,9 @@ def build_tiny_checkpoint():
     tokenizer = RustBPETokenizer.train_from_iterator(iter([TEXT]), 300)
     tokenizer.save(tokenizer_dir())
     ids = torch.tensor(tokenizer.encode(TEXT, prepend="<|bos|>"))
-    config = tiny_config(tokenizer.get_vocab_size())
+    # detaching between steps, GPTConfig's default (helpers' tiny base turns it off): what this model always trained with
+    config = tiny_config(sequence_len=32, vocab_size=tokenizer.get_vocab_size(), n_head=2, n_kv_head=1, n_sup_train=3,
+                         detach_between_steps=True)
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()

@@ -1,0 +1,107 @@
+"""What several test modules share: the repository root, tiny models, base_train's tiny flags and checkpoint paths,
+process handling with a hang limit. Plain functions rather than conftest fixtures: tests call them with arguments
+(a config's overrides, which weights to draw) and other helper modules (tiny_checkpoint.py) call them too."""
+
+import io
+import math
+import os
+import sys
+
+import pyarrow.parquet as pq
+import torch
+
+from nanochat.gpt import GPT, GPTConfig
+from tests import processes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ---------------------------------------------------------------------------------------------------- tiny models
+
+# detach_between_steps=False, not the default: the model's tests take the full graph, gradients crossing every step
+TINY_MODEL = dict(sequence_len=16, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                  n_loops=1, T_recursion=1, n_sup_train=2, detach_between_steps=False)
+
+
+def tiny_config(**overrides):
+    return GPTConfig(**{**TINY_MODEL, **overrides})
+
+
+def random_model(config, seed=0, every_weight=False):
+    """A GPT on which a test can fail: init_weights zeroes c_proj and lm_head, which makes every block the identity
+    and every logit equal, so causality, gradient and cache tests would pass vacuously. every_weight=False draws only
+    those zeroed weights (the rest keep init_weights' values); every_weight=True draws every weight anew."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            if every_weight or not p.any():
+                p.normal_(std=1.0 / math.sqrt(p.size(-1)))
+    assert all(p.any() for p in model.parameters())
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- base_train
+
+# A tiny model on the CPU, as parsing sees it (the total batch left at its default)...
+TINY_SHAPE = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2",
+              "--device_type=cpu"]
+# ...and a run of it that takes seconds: one accumulation step, evaluation every 4 steps, 4-token samples
+TINY = TINY_SHAPE + ["--n_loops=1", "--n_sup_train=2", "--eval_tokens=256", "--eval_every=4", "--sample_every=0",
+                     "--sample_tokens=4", "--matrix_lr=0.02", "--warmup_steps=1", "--gradient_accumulation_steps=1"]
+
+
+def parsed(argv, world_size=1):
+    """base_train's parsed flags, less the command line they came from."""
+    from nanochat.train_config import parse_args
+    args = vars(parse_args(argv, world_size=world_size, check_hardware=False))
+    args.pop("argv")
+    return args
+
+
+def ckpt_dir(base_dir, tag, step=None):
+    path = os.path.join(base_dir, "base_checkpoints", tag)
+    return path if step is None else os.path.join(path, f"step_{step:06d}")
+
+
+def weights(base_dir, tag, step):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(ckpt_dir(base_dir, tag, step), "model.safetensors"))
+
+
+def tree(path):
+    """Every file under path with its size and mtime: 'writes nothing' means this does not change."""
+    return {os.path.join(d, f): (os.path.getsize(os.path.join(d, f)), os.path.getmtime(os.path.join(d, f)))
+            for d, _, files in os.walk(path) for f in files}
+
+
+# The launch scripts' environment overrides: a test clears them so the caller's environment cannot steer a script.
+OVERRIDES = ["DEPTH", "NPROC", "DEVICE_TYPE", "NANOCHAT_DATA_DIR", "DATASET", "VOCAB_SIZE", "TOK_MAX_CHARS", "NNODES",
+             "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DRY_RUN", "FORCE", "HARDWARE"]
+
+# ---------------------------------------------------------------------------------------------------- processes
+
+HANG = 90  # seconds: far above what a healthy run takes here, so only a hang reaches it
+
+
+def finish(proc, timeout=HANG):
+    """(exit code, stdout + stderr) of a run, killed with everything it started if it hangs."""
+    done = processes.finish(proc, timeout)
+    return done.returncode, done.stdout + (done.stderr or "")
+
+
+def read_until(proc, prefix, timeout=HANG):
+    return processes.read_until(proc, prefix, timeout)
+
+
+def stderr_capture(monkeypatch, terminal):
+    """Replace sys.stderr with a buffer that claims to be a terminal (or not): progress bars decide by it."""
+    class Stderr(io.StringIO):
+        def isatty(self):
+            return terminal
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    return sys.stderr
+
+
+def shard_texts(path):
+    return pq.read_table(path, columns=["text"]).column("text").to_pylist()

@@ -1,0 +1,102 @@
+"""nanochat/loss_eval.evaluate_bpb, which every validation number rests on, against bits per byte computed by hand."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat.common import RankFailure
+from nanochat.gpt import GPT, STATE_DIAGNOSTICS
+from nanochat.loss_eval import evaluate_bpb
+from tests.helpers import tiny_config
+
+V = 8
+# Bytes of each token id. Ids 0 and 5 are special tokens (0 bytes); the last id has bytes, so a target of -1 read
+# as token_bytes[-1] would be counted.
+TOKEN_BYTES = torch.tensor([0, 1, 2, 3, 4, 0, 2, 5])
+# (x, y) batches of 2 rows x 3 positions; -1 is an ignored target. Only the first two are evaluated (steps=2).
+BATCHES = [
+    (torch.tensor([[1, 2, 3], [4, 6, 7]]), torch.tensor([[1, 2, 0], [3, -1, 5]])),
+    (torch.tensor([[2, 4, 4], [1, 6, 3]]), torch.tensor([[4, 4, 7], [6, 0, -1]])),
+    (torch.tensor([[3, 3, 3], [3, 3, 3]]), torch.tensor([[1, 1, 1], [1, 1, 1]])),
+]
+# By hand: the counted targets are those with bytes, ignored ones and specials (0, 5) left out:
+#   batch 1: tokens 1, 2, 3 -> 3 tokens, 1 + 2 + 3 = 6 bytes
+#   batch 2: tokens 4, 4, 7, 6 -> 4 tokens, 4 + 4 + 5 + 2 = 15 bytes
+# 7 tokens over 21 bytes: a step costing b bits on every token scores 7 * b / 21 = b / 3 bits per byte.
+COUNTED_TOKENS_PER_BYTE = 7 / 21
+
+# The stand-in's target logit at each supervision step, every other logit 0: the target's probability is
+# w / (w + V - 1) = 1/8 (uniform), 1/2, 3/4, so a token costs log2(8) = 3, 1 and log2(4/3) bits.
+TARGET_WEIGHTS = (1.0, 7.0, 21.0)
+BITS_PER_TOKEN = (3.0, 1.0, math.log2(4 / 3))
+
+
+class KnownLossModel:
+    """Stands in for GPT: model(x, y, n_sup, loss_reduction="none") -> per-token losses (N, B, T) of the logits
+    above, scored at every position, ignored and special targets too (leaving them out is evaluate_bpb's job);
+    diagnose(x, n) -> rows 10 * step + (1, 2, 3, 4) + x[0, 0] - 1, which tell the steps and the batches apart."""
+
+    config = SimpleNamespace(n_sup_train=3)
+
+    def __init__(self):
+        self.n_sups, self.diagnosed = [], []
+
+    def __call__(self, x, y, n_sup=None, loss_reduction="mean"):
+        assert loss_reduction == "none"
+        self.n_sups.append(n_sup)
+        target = y.clamp(min=0)
+        is_target = F.one_hot(target, V).bool()
+        weights = TARGET_WEIGHTS[:n_sup or self.config.n_sup_train]
+        return torch.stack([F.cross_entropy(torch.where(is_target, math.log(w), 0.0).view(-1, V), target.view(-1),
+                                            reduction="none").view(y.shape) for w in weights])
+
+    def diagnose(self, x, n):
+        self.diagnosed.append(n)
+        return torch.tensor([[10.0 * s + j + x[0, 0].item() - 1 for j in (1, 2, 3, 4)] for s in range(n)])
+
+
+def test_every_step_is_the_sum_of_nats_over_the_bytes_of_the_counted_tokens_in_bits():
+    model, batches = KnownLossModel(), iter(BATCHES)
+    bpb, state = evaluate_bpb(model, batches, 2, TOKEN_BYTES)
+    assert bpb == pytest.approx([b * COUNTED_TOKENS_PER_BYTE for b in BITS_PER_TOKEN], rel=1e-6)
+    assert bpb == pytest.approx([1.0, 1 / 3, 0.13834], abs=1e-5)  # the same, as numbers
+    assert model.n_sups == [None, None]  # n_sup=None: the model's own default, n_sup_train steps
+    assert next(batches) is BATCHES[2]  # steps=2 batches read, no more
+
+
+def test_state_is_the_first_batchs_diagnostics_one_row_per_step():
+    model = KnownLossModel()
+    _, state = evaluate_bpb(model, iter(BATCHES), 2, TOKEN_BYTES)
+    assert len(STATE_DIAGNOSTICS) == 4
+    assert state == [[1, 2, 3, 4], [11, 12, 13, 14], [21, 22, 23, 24]]  # x[0, 0] = 1: the first batch's
+    assert model.diagnosed == [3]  # once, over every step
+
+
+def test_fewer_supervision_steps_give_the_first_steps_values():
+    model = KnownLossModel()
+    bpb, state = evaluate_bpb(model, lambda: iter(BATCHES), 2, TOKEN_BYTES, n_sup=2)  # a loader factory, as base_train
+    assert bpb == pytest.approx([1.0, 1 / 3], rel=1e-6)
+    assert state == [[1, 2, 3, 4], [11, 12, 13, 14]]
+    assert model.n_sups == [2, 2] and model.diagnosed == [2]
+
+
+@torch.no_grad()
+def test_a_gpt_at_initialisation_scores_log2_vocab_bits_per_counted_token_at_every_step():
+    """init_weights zeroes lm_head: every logit is 0, so every token costs ln(V) nats = 3 bits at every step."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=V, n_sup_train=3))
+    model.init_weights()
+    assert not model.lm_head.weight.any()
+    bpb, state = evaluate_bpb(model, iter(BATCHES), 2, TOKEN_BYTES)
+    assert bpb == pytest.approx([3 * COUNTED_TOKENS_PER_BYTE] * 3, rel=1e-6)
+    torch.testing.assert_close(torch.tensor(state), model.diagnose(BATCHES[0][0], 3))
+
+
+def test_a_loader_that_cannot_start_is_reported_as_the_evaluation_failing():
+    def broken_loader():
+        raise OSError("no val shard")
+    with pytest.raises(RankFailure, match="evaluation failed: .*no val shard"):
+        evaluate_bpb(KnownLossModel(), broken_loader, 2, TOKEN_BYTES)
