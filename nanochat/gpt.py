@@ -215,16 +215,17 @@ HEAD_CHUNK_ELEMENTS = 2 ** 26
 def head_chunk_loss_and_grads(h, weight, targets, grad_scale):
     """For rows h (n, C) of norm(y): the summed softcapped cross-entropy (targets -1 ignored) and its gradients with
     respect to h and weight, times grad_scale (a 0-dim tensor: a Python float would be a compile guard)."""
+    # in place where a float32 (rows, vocab) tensor is not read again: eager then allocates three, not eight
     logits = F.linear(h, weight)
-    t = torch.tanh(logits.float() / SOFTCAP)
+    t = logits.float().div_(SOFTCAP).tanh_()
     capped = SOFTCAP * t
     lse = torch.logsumexp(capped, dim=-1)
     valid = targets != -1
     picked = targets.clamp(min=0).unsqueeze(1)
     loss = torch.where(valid, lse - capped.gather(1, picked).squeeze(1), 0.0).sum()
     # d loss / d capped = softmax - one-hot; through the softcap d capped / d logits = 1 - t^2
-    d_capped = torch.exp(capped - lse.unsqueeze(1)).scatter_add_(1, picked, -torch.ones_like(picked, dtype=t.dtype))
-    d_logits = (d_capped * (valid * grad_scale).unsqueeze(1) * (1 - t * t)).to(logits.dtype)
+    d_capped = capped.sub_(lse.unsqueeze(1)).exp_().scatter_add_(1, picked, -torch.ones_like(picked, dtype=t.dtype))
+    d_logits = d_capped.mul_((valid * grad_scale).unsqueeze(1)).mul_(t.square_().neg_().add_(1)).to(logits.dtype)
     return loss, d_logits @ weight, d_logits.t() @ h
 
 
