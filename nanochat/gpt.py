@@ -247,7 +247,8 @@ class ChunkedHeadLoss(torch.autograd.Function):
         for i in range(0, h.size(0), rows):
             chunk_loss, grad_h[i:i + rows], chunk_grad_weight = chunk_fn(h[i:i + rows], weight_lowp,
                                                                          targets[i:i + rows], grad_scale)
-            loss, grad_weight = loss + chunk_loss, grad_weight.add_(chunk_grad_weight)
+            loss = loss + chunk_loss
+            grad_weight += chunk_grad_weight
         ctx.save_for_backward(grad_h, grad_weight)
         return loss * grad_scale
 
