@@ -654,8 +654,10 @@ def test_chunked_head_gives_the_loss_and_gradients_of_the_plain_head(detach, aut
             torch.testing.assert_close(q.grad, p.grad, atol=atol, rtol=rtol, msg=f"{train}: {name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 def test_inductor_compiled_head_chunk_matches_the_plain_head(autocast):
+    # CPU inductor builds C++ (minutes on a cold cache on 2 loaded cores), hence slow, like the test above
     torch.manual_seed(0)
     h = torch.randn(24, 32, requires_grad=True)
     weight = torch.randn(100, 32, requires_grad=True)
