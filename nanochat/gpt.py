@@ -474,9 +474,9 @@ class GPT(nn.Module):
     def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None):
         """A training micro-step: the loss of model(idx, targets, n_sup=n_sup), backpropagated (scaled by loss_scale).
 
-        Each supervision step's head (its (B, T, vocab) float32 logits) is backpropagated as soon as its loss is
-        known, into the lm_head and into a gradient for that step's answer state y_s; the logits are then freed, so
-        one step's logits are alive at a time, not all of them. The trunk (the recursion) is backpropagated from all
+        Each supervision step's head is backpropagated as soon as its loss is known, into the lm_head and into a
+        gradient for that step's answer state y_s; its logits exist one chunk at a time (ChunkedHeadLoss), never as
+        a (B, T, vocab) float32 tensor. The trunk (the recursion) is backpropagated from all
         the y_s at the end, or, with detach_between_steps, step by step, so that only one step's activations are
         alive either. The gradients equal those of total.backward(): d total / d loss_s = w_s + c / sg(loss_{s-1}).
         Returns (total, aux) like model(idx, targets), detached, plus aux["state"]: state_diagnostics per step.
