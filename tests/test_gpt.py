@@ -614,7 +614,7 @@ def test_inductor_compiled_training_matches_eager_and_does_not_recompile():
 # ---------------------------------------------------------------------------------------------------- the head's loss
 
 def plain_step_loss(model):
-    """Today's training loss of a step, the way it was before the chunked head: whole-batch logits, F.cross_entropy."""
+    """A step's training loss as it was before the chunked head: the whole batch's logits, then F.cross_entropy."""
     def step_loss(y, targets, reduction="mean"):
         logits = model.head(y)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -623,7 +623,7 @@ def plain_step_loss(model):
 
 def head_batch(config):
     idx, targets = random_batch(config, B=3)
-    targets[0, :5] = -1  # ignored positions, some of them in a chunk of their own
+    targets[0, :5] = -1  # ignored positions: with 5-row chunks, the first chunk counts none
     return idx, targets
 
 
