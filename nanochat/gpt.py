@@ -205,6 +205,59 @@ def state_diagnostics(previous_y, y, z):
     return torch.stack([rms(y), rms(z) if z is not None else torch.zeros((), device=y.device), rms(update), cos])
 
 
+# ---------------------------------------------------------------------------------------------------- the head's loss
+SOFTCAP = 15.0  # logits = SOFTCAP * tanh(lm_head(norm(y)) / SOFTCAP)
+# The training loss runs the head this many logits at a time: a chunk's float32 (rows, vocab) tensors are 256 MB,
+# not the micro-batch's tens of GB.
+HEAD_CHUNK_ELEMENTS = 2 ** 26
+
+
+def head_chunk_loss_and_grads(h, weight, targets, grad_scale):
+    """For rows h (n, C) of norm(y): the summed softcapped cross-entropy (targets -1 ignored) and its gradients with
+    respect to h and weight, times grad_scale (a 0-dim tensor: a Python float would be a compile guard)."""
+    # in place where a float32 (rows, vocab) tensor is not read again: eager then allocates three, not eight
+    logits = F.linear(h, weight)
+    t = logits.float().div_(SOFTCAP).tanh_()
+    capped = SOFTCAP * t
+    lse = torch.logsumexp(capped, dim=-1)
+    valid = targets != -1
+    picked = targets.clamp(min=0).unsqueeze(1)
+    loss = torch.where(valid, lse - capped.gather(1, picked).squeeze(1), 0.0).sum()
+    # d loss / d capped = softmax - one-hot; through the softcap d capped / d logits = 1 - t^2
+    d_capped = capped.sub_(lse.unsqueeze(1)).exp_().scatter_add_(1, picked, -torch.ones_like(picked, dtype=t.dtype))
+    d_logits = d_capped.mul_((valid * grad_scale).unsqueeze(1)).mul_(t.square_().neg_().add_(1)).to(logits.dtype)
+    return loss, d_logits @ weight, d_logits.t() @ h
+
+
+class ChunkedHeadLoss(torch.autograd.Function):
+    """Mean softcapped cross-entropy of lm_head over rows h (N, C), HEAD_CHUNK_ELEMENTS logits at a time.
+
+    Each chunk's gradients are computed in forward, while its logits exist (training backpropagates every head's
+    loss at once anyway), so backward only scales them: no (N, vocab) float32 tensor is ever stored or rebuilt.
+    chunk_fn is head_chunk_loss_and_grads, or its compiled twin."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk_fn):
+        device = h.device.type  # under autocast: cast lm_head once here, not once per chunk
+        lowp = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        weight_lowp = weight.to(lowp)
+        grad_scale = 1.0 / (targets != -1).sum()  # the mean over the targets that count, as F.cross_entropy
+        rows = max(1, HEAD_CHUNK_ELEMENTS // weight.size(0))
+        loss, grad_h, grad_weight = 0.0, torch.empty_like(h), torch.zeros_like(weight)
+        for i in range(0, h.size(0), rows):
+            chunk_loss, grad_h[i:i + rows], chunk_grad_weight = chunk_fn(h[i:i + rows], weight_lowp,
+                                                                         targets[i:i + rows], grad_scale)
+            loss = loss + chunk_loss
+            grad_weight += chunk_grad_weight
+        ctx.save_for_backward(grad_h, grad_weight)
+        return loss * grad_scale
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_weight = ctx.saved_tensors
+        return grad_h * grad_loss, grad_weight * grad_loss, None, None
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -231,13 +284,18 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
+def mlp_hidden(config):
+    """The MLP's hidden width: 4 * n_embd for relu^2; gated activations 2/3 of that (parameters ~ equal to relu^2),
+    rounded up to a multiple of 64."""
+    hidden = 4 * config.n_embd
+    return hidden if config.activation_fn == "relu_squared" else 64 * math.ceil(hidden * 2 / 3 / 64)
+
+
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.activation_fn = config.activation_fn
-        hidden = 4 * config.n_embd
-        if config.activation_fn != "relu_squared":
-            hidden = 64 * math.ceil(hidden * 2 / 3 / 64)  # gated: 2/3 width keeps parameters ~ equal to relu^2
+        hidden = mlp_hidden(config)
         self.gated = config.activation_fn != "relu_squared"
         self.c_fc = nn.Linear(config.n_embd, hidden * (2 if self.gated else 1), bias=False)
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
@@ -337,8 +395,10 @@ class GPT(nn.Module):
     def compile_layer_visits(self, backend="inductor"):
         """Regional torch.compile: one compiled layer visit serves every layer, loop, sweep and supervision step, so
         compile time does not grow with the recursion. Only training calls (gradient on, no KV cache) use it:
-        evaluation, the no-gradient sweeps and cached sampling run eagerly and never recompile the training graph."""
+        evaluation, the no-gradient sweeps and cached sampling run eagerly and never recompile the training graph.
+        The training loss's head chunk is compiled too: fused, its softcap and cross-entropy read the logits once."""
         self._compiled_visit = torch.compile(visit_layer, dynamic=False, backend=backend)
+        self._compiled_head_chunk = torch.compile(head_chunk_loss_and_grads, dynamic=False, backend=backend)
 
     def _visit_layer(self, layer, x, y, z, cos_sin, kv_cache, slot):
         args = (self.transformer.h[layer], x, y, z, cos_sin, self.config.n_loops, STATE_UPDATES[self.config.state_update])
@@ -379,11 +439,13 @@ class GPT(nn.Module):
                 y, z = y.detach(), (z.detach() if z is not None else None)
 
     def head(self, y):
-        softcap = 15.0
         logits = self.lm_head(norm(y)).float()
-        return softcap * torch.tanh(logits / softcap)
+        return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
     def step_loss(self, y, targets, reduction="mean"):
+        if reduction == "mean" and torch.is_grad_enabled():  # training: never the whole batch's logits at once
+            chunk = getattr(self, "_compiled_head_chunk", head_chunk_loss_and_grads)
+            return ChunkedHeadLoss.apply(norm(y).flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk)
         logits = self.head(y)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
                                reduction=reduction)
@@ -412,9 +474,9 @@ class GPT(nn.Module):
     def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None):
         """A training micro-step: the loss of model(idx, targets, n_sup=n_sup), backpropagated (scaled by loss_scale).
 
-        Each supervision step's head (its (B, T, vocab) float32 logits) is backpropagated as soon as its loss is
-        known, into the lm_head and into a gradient for that step's answer state y_s; the logits are then freed, so
-        one step's logits are alive at a time, not all of them. The trunk (the recursion) is backpropagated from all
+        Each supervision step's head is backpropagated as soon as its loss is known, into the lm_head and into a
+        gradient for that step's answer state y_s; its logits exist one chunk at a time (ChunkedHeadLoss), never as
+        a (B, T, vocab) float32 tensor. The trunk (the recursion) is backpropagated from all
         the y_s at the end, or, with detach_between_steps, step by step, so that only one step's activations are
         alive either. The gradients equal those of total.backward(): d total / d loss_s = w_s + c / sg(loss_{s-1}).
         Returns (total, aux) like model(idx, targets), detached, plus aux["state"]: state_diagnostics per step.

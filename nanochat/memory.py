@@ -7,10 +7,10 @@ The peak comes at the backward of the last supervision step's head, when every s
     under DDP) + the low-precision weight copies autocast keeps for backward
     + activations saved for backward by every block application with gradient (each loop, layer and supervision
       step; the no-grad sweeps of T_recursion > 1 save nothing), and the gradient of each step's answer state
-    + what ONE supervision step's head saves: GPT.forward_backward backpropagates each head as soon as its loss is
-      known, so one step's (B, T, vocab) float32 tensors are alive at a time, whatever the number of steps
-    + the transient working set of backward (the head's (B, T, vocab) gradients, or one recomputed layer visit
-      under activation checkpointing).
+    + what ONE supervision step's head holds: GPT.forward_backward backpropagates each head as soon as its loss is
+      known, and the chunked head (gpt.ChunkedHeadLoss) keeps (B, T, n_embd) tensors only, never (B, T, vocab)
+    + the transient working set: the head's chunk of logits and the lm_head gradient it accumulates, or one
+      recomputed layer visit under activation checkpointing.
 
 With detach_between_steps, the trunk is backpropagated step by step as well, so one step's activations are alive.
 With sample_n_sup, a batch may train up to 2 * n_sup_train - 1 steps: the estimate covers that deepest batch.
@@ -25,18 +25,12 @@ import math
 
 import torch
 
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPT, HEAD_CHUNK_ELEMENTS, GPTConfig, mlp_hidden
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Of a GPU's memory, how much a training process can count on: the rest goes to the CUDA context, NCCL buffers,
 # allocator fragmentation and torch.compile's workspaces.
 USABLE_FRACTION = 0.85
-
-
-def _mlp_hidden(config):
-    # mirrors gpt.MLP: relu^2 is 4x wide; gated activations 2/3 of that, rounded up to a multiple of 64
-    hidden = 4 * config.n_embd
-    return hidden if config.activation_fn == "relu_squared" else 64 * math.ceil(hidden * 2 / 3 / 64)
 
 
 def _block_bytes_per_token(config, dtype):
@@ -54,16 +48,24 @@ def _block_bytes_per_token(config, dtype):
     linear_inputs = (4 if autocast else 2) * act * C
     rotary = act * (C + Ckv)  # rotated q and k, saved by QK-norm
     attention = act * (C + 2 * Ckv) + act * C  # the q, k, v that attention saves, and its output (c_proj's input)
-    hidden = _mlp_hidden(config)
+    hidden = mlp_hidden(config)
     # relu^2 saves relu's output and its square; gated: fc's output (gate and up), the activation and the product
     mlp = act * (2 * hidden if config.activation_fn == "relu_squared" else 4 * hidden)
     return residual_inputs + linear_inputs + rotary + attention + mlp
 
 
-def _head_bytes_per_token(config, dtype):
-    """What one supervision step's head saves: y for the final norm, lm_head's input, and two (vocab,) float32
-    tensors per token (tanh's output for the softcap, log_softmax's output for the cross-entropy)."""
-    return 4 * config.n_embd + DTYPE_BYTES[dtype] * config.n_embd + 2 * 4 * config.vocab_size
+def _head_bytes_per_token(config):
+    """What one supervision step's head holds per token, all float32 (n_embd,): y for the final norm, norm(y), and
+    the gradient for it that ChunkedHeadLoss computes in forward (no (vocab,) tensor: see _head_chunk_bytes)."""
+    return 3 * 4 * config.n_embd
+
+
+def _head_chunk_bytes(config, tokens):
+    """The chunked head's working set: eager gpt.head_chunk_loss_and_grads peaks at 3 float32 tensors the size of
+    one chunk's logits (3.8 with autocast's bf16 logits and gradient; measured on CPU), counted as 4; and the
+    float32 lm_head gradient it accumulates over the chunks."""
+    chunk_rows = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // config.vocab_size))
+    return 4 * 4 * chunk_rows * config.vocab_size + 4 * config.vocab_size * config.n_embd
 
 
 def _param_counts(config):
@@ -121,9 +123,8 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
         activations = visits * deltas_per_visit * block * tokens
         recompute = 0
     # one head at a time; every step's answer state and its gradient wait for the trunk's backward
-    logits = _head_bytes_per_token(c, dtype) * tokens + steps_alive * 2 * 4 * c.n_embd * tokens
-    # backward of the last head holds about three (B, T, vocab) float32 gradients at once
-    transient = max(3 * 4 * c.vocab_size * tokens, recompute)
+    logits = _head_bytes_per_token(c) * tokens + steps_alive * 2 * 4 * c.n_embd * tokens
+    transient = max(_head_chunk_bytes(c, tokens), recompute)
     parts = {
         "params": 4 * n_params * (2 if ema else 1) + buffers,
         "grads": 4 * n_params,

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import nanochat.gpt as gpt_module
 from nanochat.gpt import (GPT, STATE_DIAGNOSTICS, STATE_UPDATES, GPTConfig, deep_supervision_loss,
                           supervision_weights)
 from nanochat.optim import clipped_step, reduce_gradients
@@ -573,7 +574,8 @@ def test_regional_compile_graphs_do_not_grow_with_the_recursion_and_never_recomp
     shallow = compiled_training_matches_eager(tiny_config(n_loops=1, n_sup_train=2, n_layer=1), "aot_eager")
     deep = compiled_training_matches_eager(tiny_config(n_loops=2, T_recursion=2, n_sup_train=4, n_layer=3,
                                                        state_update="trm"), "aot_eager", steps=1)
-    assert shallow == deep == 2  # the first layer visit (z does not require grad yet), and every other visit
+    # the first layer visit (z does not require grad yet), every other visit, and the head's loss chunk
+    assert shallow == deep == 3
 
 
 def test_compile_takes_effect_with_detached_steps():
@@ -586,4 +588,82 @@ def test_compile_takes_effect_with_detached_steps():
 def test_inductor_compiled_training_matches_eager_and_does_not_recompile():
     # CPU inductor compiles C++ for each graph: about a minute on 2 cores, hence slow
     graphs = compiled_training_matches_eager(tiny_config(n_loops=1, n_sup_train=2), backend="inductor")
-    assert graphs <= 2
+    assert graphs <= 3  # two layer visits and the head's loss chunk
+
+
+# ---------------------------------------------------------------------------------------------------- the head's loss
+
+def plain_step_loss(model):
+    """A step's training loss as it was before the chunked head: the whole batch's logits, then F.cross_entropy."""
+    def step_loss(y, targets, reduction="mean"):
+        logits = model.head(y)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+    return step_loss
+
+
+def head_batch(config):
+    idx, targets = random_batch(config, B=3)
+    targets[0, :5] = -1  # ignored positions: with 5-row chunks, the first chunk counts none
+    return idx, targets
+
+
+@pytest.mark.parametrize("autocast, atol, rtol", [(False, 1e-6, 1e-5), (True, 2e-3, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("detach", [False, True])
+def test_chunked_head_gives_the_loss_and_gradients_of_the_plain_head(detach, autocast, atol, rtol, monkeypatch):
+    config = tiny_config(n_loops=2, T_recursion=2, n_sup_train=3, state_update="trm", detach_between_steps=detach)
+    monkeypatch.setattr(gpt_module, "HEAD_CHUNK_ELEMENTS", 5 * config.vocab_size)  # 48 rows: 9 chunks of 5, one of 3
+    chunked = random_model(config)
+    plain = twin(chunked, config)
+    plain.step_loss = plain_step_loss(plain)
+    batch = head_batch(config)
+    for train in ("forward_backward", "total.backward"):
+        for model in (chunked, plain):
+            model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if train == "forward_backward":
+                results = [model.forward_backward(*batch, loss_scale=0.5) for model in (chunked, plain)]
+            else:
+                results = [model(*batch) for model in (chunked, plain)]
+        if train == "total.backward":
+            for total, _ in results:
+                (total * 0.5).backward()
+        (total, aux), (total_ref, aux_ref) = results
+        torch.testing.assert_close(aux["step_losses"], aux_ref["step_losses"], atol=atol, rtol=rtol)
+        torch.testing.assert_close(total.detach(), total_ref.detach(), atol=atol, rtol=rtol)
+        for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, atol=atol, rtol=rtol, msg=f"{train}: {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_inductor_compiled_head_chunk_matches_the_plain_head(autocast):
+    # CPU inductor builds C++ (minutes on a cold cache on 2 loaded cores), hence slow, like the test above
+    torch.manual_seed(0)
+    h = torch.randn(24, 32, requires_grad=True)
+    weight = torch.randn(100, 32, requires_grad=True)
+    targets = torch.randint(0, 100, (24,))
+    targets[:3] = -1
+    compiled = torch.compile(gpt_module.head_chunk_loss_and_grads, dynamic=False, backend="inductor")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = F.linear(h, weight).float()
+        plain = F.cross_entropy(gpt_module.SOFTCAP * torch.tanh(logits / gpt_module.SOFTCAP), targets, ignore_index=-1)
+        loss = gpt_module.ChunkedHeadLoss.apply(h, weight, targets, compiled)
+    atol, rtol = (2e-3, 2e-2) if autocast else (1e-6, 1e-5)
+    torch.testing.assert_close(loss, plain, atol=atol, rtol=rtol)
+    for grad, grad_ref in zip(torch.autograd.grad(loss, (h, weight)), torch.autograd.grad(plain, (h, weight))):
+        torch.testing.assert_close(grad, grad_ref, atol=atol, rtol=rtol)
+
+
+def test_training_never_makes_the_whole_batch_logits(monkeypatch):
+    config = tiny_config(vocab_size=512, n_sup_train=2)
+    monkeypatch.setattr(gpt_module, "HEAD_CHUNK_ELEMENTS", 8 * config.vocab_size)
+    model = random_model(config)
+    idx, targets = random_batch(config, B=4)
+    chunk_logits, head_chunk = [], gpt_module.head_chunk_loss_and_grads
+    def counting_chunk(h, weight, targets, grad_scale):
+        chunk_logits.append(h.size(0) * weight.size(0))
+        return head_chunk(h, weight, targets, grad_scale)
+    monkeypatch.setattr(gpt_module, "head_chunk_loss_and_grads", counting_chunk)
+    model.forward_backward(idx, targets)
+    # 2 steps of 4 x 16 rows, 8 rows a chunk; with no chunk larger than 8 rows' logits
+    assert len(chunk_logits) == 2 * 4 * 16 // 8 and max(chunk_logits) == 8 * config.vocab_size
