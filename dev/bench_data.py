@@ -35,19 +35,24 @@ def resident_mb():
 
 def loader_memory(args):
     tokenizer = get_tokenizer()
+    t0 = time.perf_counter()
     loaders = [DataLoader(tokenizer, args.B, args.T, "train", rank=r, world_size=args.loaders,
                           tokenizer_threads=args.tokenizer_threads) for r in range(args.loaders)]
-    t0 = time.perf_counter()
-    for step in range(args.steps):
+    built = time.perf_counter()
+    for loader in loaders:
+        next(loader)
+    first = time.perf_counter()
+    rss, hwm = resident_mb()
+    print(f"loaders {args.loaders}: after one batch each: VmRSS {rss:.1f} MB, VmHWM {hwm:.1f} MB; built in "
+          f"{built - t0:.2f}s, first batches {(first - built) / args.loaders * 1e3:.3f} ms each", flush=True)
+    for _ in range(args.steps - 1):
         for loader in loaders:
             next(loader)
-        if step == 0:
-            rss, hwm = resident_mb()
-            print(f"loaders {args.loaders}: after one batch each: VmRSS {rss:.1f} MB, VmHWM {hwm:.1f} MB", flush=True)
-    seconds = time.perf_counter() - t0
-    rss, hwm = resident_mb()
-    print(f"loaders {args.loaders}: after {args.steps} steps: VmRSS {rss:.1f} MB, VmHWM {hwm:.1f} MB; "
-          f"{seconds / (args.steps * args.loaders) * 1e3:.3f} ms per batch (B={args.B} T={args.T})")
+    if args.steps > 1:
+        rss, hwm = resident_mb()
+        per_batch = (time.perf_counter() - first) / ((args.steps - 1) * args.loaders)
+        print(f"loaders {args.loaders}: after {args.steps} steps: VmRSS {rss:.1f} MB, VmHWM {hwm:.1f} MB; "
+              f"later batches {per_batch * 1e3:.3f} ms each (B={args.B} T={args.T})")
 
 
 def main():

@@ -4,7 +4,7 @@ The split's documents are dealt out to the data ranks (processes x accumulation 
 world_size-th row group; with more ranks than row groups, each row group's documents are dealt out in turn to the
 ranks that share it; and when even that would leave a rank without documents (a tiny split, e.g. a validation shard
 of one document), every rank reads the whole split and keeps every world_size-th batch. Ranks never overlap and
-together cover the split. Each rank tokenizes its documents in batches (<|bos|> first in each) and cuts its token
+together cover the split. Each rank tokenizes its documents (<|bos|> first in each) and cuts its token
 stream into (B, T+1) windows: inputs are a window's first T tokens, targets its last T. Small corpora are read epoch
 after epoch.
 
