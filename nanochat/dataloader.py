@@ -28,6 +28,7 @@ from nanochat.dataset import DatasetError, parquets_for_split, read_texts, row_g
 
 STATE_KEYS = ("epoch", "shard", "row_group", "doc", "token")
 CHARS_PER_TOKEN = 4  # about right for English BPE: sizes how many documents to tokenize for a window
+WINDOWS_AHEAD = 8  # tokenized when a loader runs short: one row-group read (on a cache miss) serves several windows
 ROW_GROUPS_CACHED = 4
 
 
@@ -138,7 +139,7 @@ class DataLoader:
         needed = self.B * (self.T + 1)
         # keep at least one token past the window, so the next window's start is a tokenized document
         while self.buffered <= needed:
-            self.tokenize_more(needed + 1 - self.buffered)
+            self.tokenize_more(WINDOWS_AHEAD * needed + 1 - self.buffered)
         pieces, filled = [], 0
         while filled < needed:
             head = self.pending[0]
