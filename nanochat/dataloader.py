@@ -12,8 +12,8 @@ The position after each batch (epoch, shard, row group, document, token within i
 tokenization is deterministic, so a loader started there yields exactly the batches that would have come next.
 
 Memory stays flat in the number of loaders (base_train holds one per accumulation step): a loader tokenizes only
-the documents its next window needs and keeps their tokens as int32, and row groups' texts come from a small cache
-shared by all loaders of the process.
+the documents its next few windows need and keeps their tokens as int32, and row groups' texts come from a small
+cache shared by all loaders of the process.
 """
 
 import functools
@@ -39,8 +39,8 @@ cached_texts = functools.lru_cache(maxsize=ROW_GROUPS_CACHED)(read_texts)
 
 def plan_shares(paths, rank, world_size):
     """(this rank's shares, batch stride). A share (path, row group, first doc, doc stride, documents in the row
-    group) is the documents first, first + stride, ... of one row group; the batch stride is 1, or world_size for a split too small to deal
-    out by documents (every rank then reads it all and keeps every world_size-th batch)."""
+    group) is the documents first, first + stride, ... of one row group; the batch stride is 1, or world_size for a
+    split too small to deal out by documents (every rank then reads it all and keeps every world_size-th batch)."""
     groups = [(path, g, n) for path in paths for g, n in enumerate(row_group_sizes(path))]
     if not any(n for *_, n in groups):
         raise DatasetError(f"{', '.join(paths)} hold(s) no documents; rebuild the corpus")

@@ -249,22 +249,25 @@ def test_batches_and_states_equal_a_plain_reference(tmp_path, corpus, split, ran
     every_rank_reads_all = batch_stride > 1
     documents = reference_documents(directory, split, *((0, 1) if every_rank_reads_all else (rank, world_size)))
     first = rank if every_rank_reads_all else 0  # window index of the first batch
-    tokens, states = reference_stream(documents, tokenizer, (first + (num_batches + 1) * batch_stride) * window)
+
+    def start(k):  # of batch k in the reference stream
+        return (first + k * batch_stride) * window
+
+    tokens, states = reference_stream(documents, tokenizer, start(num_batches + 1))
     assert states[-1]["epoch"] >= 2  # the comparison runs across epoch boundaries
 
-    def assert_batches_from(loader, k, count):
-        for k in range(k, k + count):
-            start = (first + k * batch_stride) * window
-            assert loader.state_dict() == states[start]
+    def assert_batches_from(loader, first_batch, count):
+        for k in range(first_batch, first_batch + count):
+            assert loader.state_dict() == states[start(k)]
             inputs, targets = next(loader)
-            expected = torch.tensor(tokens[start:start + window]).view(B, T + 1)
+            expected = torch.tensor(tokens[start(k):start(k) + window]).view(B, T + 1)
             assert torch.equal(inputs, expected[:, :-1]) and torch.equal(targets, expected[:, 1:])
 
     assert_batches_from(make_loader((directory, tokenizer), split, rank=rank, world_size=world_size), 0, num_batches)
-    mid_document = [k for k in range(num_batches) if states[(first + k * batch_stride) * window]["token"]]
+    mid_document = [k for k in range(num_batches) if states[start(k)]["token"]]
     for k in mid_document[::len(mid_document) // 5]:  # resuming inside a document
         resumed = make_loader((directory, tokenizer), split, rank=rank, world_size=world_size,
-                              resume_state=states[(first + k * batch_stride) * window])
+                              resume_state=states[start(k)])
         assert_batches_from(resumed, k, 3)
 
 
