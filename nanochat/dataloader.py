@@ -4,14 +4,19 @@ The split's documents are dealt out to the data ranks (processes x accumulation 
 world_size-th row group; with more ranks than row groups, each row group's documents are dealt out in turn to the
 ranks that share it; and when even that would leave a rank without documents (a tiny split, e.g. a validation shard
 of one document), every rank reads the whole split and keeps every world_size-th batch. Ranks never overlap and
-together cover the split. Each rank tokenizes its documents in batches (<|bos|> first in each) and cuts its token
+together cover the split. Each rank tokenizes its documents (<|bos|> first in each) and cuts its token
 stream into (B, T+1) windows: inputs are a window's first T tokens, targets its last T. Small corpora are read epoch
 after epoch.
 
 The position after each batch (epoch, shard, row group, document, token within it) is the whole state:
 tokenization is deterministic, so a loader started there yields exactly the batches that would have come next.
+
+Memory stays flat in the number of loaders (base_train holds one per accumulation step): a loader tokenizes only
+the documents its next few windows need and keeps their tokens as int32, and row groups' texts come from a small
+cache shared by all loaders of the process.
 """
 
+import functools
 import math
 import os
 from collections import deque
@@ -22,12 +27,20 @@ from nanochat.common import get_dist_info
 from nanochat.dataset import DatasetError, parquets_for_split, read_texts, row_group_sizes
 
 STATE_KEYS = ("epoch", "shard", "row_group", "doc", "token")
+CHARS_PER_TOKEN = 4  # about right for English BPE: sizes how many documents to tokenize for a window
+WINDOWS_AHEAD = 8  # tokenized when a loader runs short: one row-group read (on a cache miss) serves several windows
+ROW_GROUPS_CACHED = 4
+
+
+# base_train's micro-steps walk the data ranks in order, and neighbouring ranks share row groups when there are
+# more ranks than row groups: a few cached row groups serve them all
+cached_texts = functools.lru_cache(maxsize=ROW_GROUPS_CACHED)(read_texts)
 
 
 def plan_shares(paths, rank, world_size):
-    """(this rank's shares, batch stride). A share (path, row group, first doc, doc stride) is the documents
-    first, first + stride, ... of one row group; the batch stride is 1, or world_size for a split too small to deal
-    out by documents (every rank then reads it all and keeps every world_size-th batch)."""
+    """(this rank's shares, batch stride). A share (path, row group, first doc, doc stride, documents in the row
+    group) is the documents first, first + stride, ... of one row group; the batch stride is 1, or world_size for a
+    split too small to deal out by documents (every rank then reads it all and keeps every world_size-th batch)."""
     groups = [(path, g, n) for path in paths for g, n in enumerate(row_group_sizes(path))]
     if not any(n for *_, n in groups):
         raise DatasetError(f"{', '.join(paths)} hold(s) no documents; rebuild the corpus")
@@ -38,8 +51,8 @@ def plan_shares(paths, rank, world_size):
         return sum(len(range(p, n, parts)) for *_, p, parts, n in shares[r::world_size])
 
     if all(num_docs(r) for r in range(world_size)):
-        return [share[:4] for share in shares[rank::world_size]], 1
-    return [(path, g, 0, 1) for path, g, _ in groups], world_size
+        return shares[rank::world_size], 1
+    return [(path, g, 0, 1, n) for path, g, n in groups], world_size
 
 
 class DataLoader:
@@ -53,13 +66,15 @@ class DataLoader:
         self.device = torch.device(device)
         self.tokenizer_threads, self.tokenizer_batch_size = tokenizer_threads, tokenizer_batch_size
         self.shares, self.stride = plan_shares(parquets_for_split(split, data_dir), self.rank, self.world_size)
-        self.names = [(os.path.basename(path), g) for path, g, _, _ in self.shares]
+        self.names = [(os.path.basename(path), g) for path, g, *_ in self.shares]
         self.position = self.check_state(resume_state) if resume_state else self.state_at(0, 0, self.shares[0][2], 0)
-        self.windows = self.generate_windows()
+        self.upcoming = self.documents()
+        self.pending = deque()  # tokenized documents: [epoch, share index, doc index, int32 tokens, tokens used]
+        self.buffered = 0  # unused tokens in pending
+        self.skip = self.position["token"]  # resuming mid-document
         if self.stride > 1 and not resume_state:  # batches are dealt out in turn: rank r's first is the r-th
             for _ in range(self.rank):
-                _, self.position = next(self.windows)
-        self.batches = self.generate_batches()
+                self.next_window()
 
     def state_at(self, epoch, share_index, doc, token):
         shard, row_group = self.names[share_index]
@@ -85,58 +100,60 @@ class DataLoader:
         return self
 
     def __next__(self):
-        return next(self.batches)
+        window = self.next_window()
+        for _ in range(self.stride - 1):  # the other ranks' batches of a split read by every rank
+            self.next_window()
+        return self.to_device(window.long().view(self.B, self.T + 1))
 
     def documents(self):
-        """(epoch, share index, doc index, token ids) from the current position on, looping over epochs."""
-        bos = self.tokenizer.get_bos_token_id()
+        """(epoch, share index, doc index) of this rank's documents from the current position on, looping over
+        epochs."""
         epoch, doc = self.position["epoch"], self.position["doc"]
         start = self.names.index((self.position["shard"], self.position["row_group"]))
         while True:
             for index in range(start, len(self.shares)):
-                path, group, first, stride = self.shares[index]
-                texts = read_texts(path, group)
-                mine = range(first if doc is None else doc, len(texts), stride)
-                for i in range(0, len(mine), self.tokenizer_batch_size):
-                    ids = mine[i:i + self.tokenizer_batch_size]
-                    encoded = self.tokenizer.encode([texts[j] for j in ids], prepend=bos,
-                                                    num_threads=self.tokenizer_threads)
-                    yield from ((epoch, index, j, tokens) for j, tokens in zip(ids, encoded))
+                _, _, first, stride, num_docs = self.shares[index]
+                yield from ((epoch, index, j) for j in range(first if doc is None else doc, num_docs, stride))
                 doc = None
             start, epoch = 0, epoch + 1
 
-    def generate_windows(self):
-        """(B*(T+1) tokens, the position after them) of this rank's document stream."""
-        needed = self.B * (self.T + 1)
-        documents = self.documents()
-        pending = deque()  # [epoch, share index, doc index, tokens, tokens already used]
-        skip = self.position["token"]  # resuming mid-document
-        buffered = 0
-        while True:
-            # keep at least one token past the window, so the next window's start is a buffered document
-            while buffered <= needed:
-                epoch, index, doc, tokens = next(documents)
-                pending.append([epoch, index, doc, tokens, skip])
-                buffered += len(tokens) - skip
-                skip = 0
-            window = []
-            while len(window) < needed:
-                head = pending[0]
-                take = min(needed - len(window), len(head[3]) - head[4])
-                window.extend(head[3][head[4]:head[4] + take])
-                head[4] += take
-                if head[4] == len(head[3]):
-                    pending.popleft()
-            buffered -= needed
-            epoch, index, doc, _, used = pending[0]
-            yield window, self.state_at(epoch, index, doc, used)
+    def tokenize_more(self, missing):
+        """Tokenize the next few documents: about enough characters for `missing` tokens, at least one document,
+        at most tokenizer_batch_size."""
+        chosen, texts, chars = [], [], 0
+        while chars < CHARS_PER_TOKEN * missing and len(texts) < self.tokenizer_batch_size:
+            epoch, index, doc = next(self.upcoming)
+            path, group, *_ = self.shares[index]
+            chosen.append((epoch, index, doc))
+            texts.append(cached_texts(path, group)[doc])
+            chars += len(texts[-1])
+        encoded = self.tokenizer.encode(texts, prepend=self.tokenizer.get_bos_token_id(),
+                                        num_threads=self.tokenizer_threads)
+        for (epoch, index, doc), ids in zip(chosen, encoded):
+            self.pending.append([epoch, index, doc, torch.tensor(ids, dtype=torch.int32), self.skip])
+            self.buffered += len(ids) - self.skip
+            self.skip = 0
 
-    def generate_batches(self):
-        while True:
-            window, self.position = next(self.windows)
-            for _ in range(self.stride - 1):  # the other ranks' batches of a split read by every rank
-                _, self.position = next(self.windows)
-            yield self.to_device(torch.tensor(window, dtype=torch.long).view(self.B, self.T + 1))
+    def next_window(self):
+        """The next B*(T+1) tokens of this rank's document stream (int32); moves the position past them."""
+        needed = self.B * (self.T + 1)
+        # keep at least one token past the window, so the next window's start is a tokenized document
+        while self.buffered <= needed:
+            self.tokenize_more(WINDOWS_AHEAD * needed + 1 - self.buffered)
+        pieces, filled = [], 0
+        while filled < needed:
+            head = self.pending[0]
+            tokens, used = head[3], head[4]
+            take = min(needed - filled, len(tokens) - used)
+            pieces.append(tokens[used:used + take])
+            filled += take
+            head[4] += take
+            if head[4] == len(tokens):
+                self.pending.popleft()
+        self.buffered -= needed
+        epoch, index, doc, _, used = self.pending[0]
+        self.position = self.state_at(epoch, index, doc, used)
+        return torch.cat(pieces)
 
     def to_device(self, windows):
         inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

@@ -1,8 +1,11 @@
 """Tokenizing loader: window shapes, exact resume, disjoint DDP ranks (also more ranks than row groups),
-restartable validation, unreadable shards."""
+restartable validation, unreadable shards, batches equal to a plain reference, memory flat in the number of loaders."""
 
 import json
+import os
+import random
 import re
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,8 +15,13 @@ import torch
 from nanochat.dataloader import DataLoader
 from nanochat.dataset import DatasetError, import_corpus
 from nanochat.tokenizer import RustBPETokenizer
+from tests import processes
+from tests.conftest import WORDS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 B, T = 2, 16
+MEMORY_TOLERANCE_MB = 10  # 64 loaders minus 4 on the test's corpus: 55 MB before the loaders shed row groups, 3.6 after
 
 
 @pytest.fixture(autouse=True)
@@ -196,3 +204,100 @@ def test_unreadable_shards_are_named(tmp_path, corpus):
     with pytest.raises(DatasetError, match="shard_00001.parquet: unreadable shard"):
         for _ in range(100):
             next(loader)
+
+
+# -----------------------------------------------------------------------------
+# the loader against a plain reference: its rank's documents in order, <|bos|> first, cut into windows
+
+def reference_documents(directory, split, rank, world_size):
+    """(shard name, row group, doc, text) of the rank's share, in reading order: whole row groups dealt out in turn,
+    or with more ranks than row groups each row group's documents dealt out to `parts` ranks in turn."""
+    paths = sorted(os.path.join(directory, name) for name in os.listdir(directory) if name.endswith(".parquet"))
+    paths = paths[:-1] if split == "train" else paths[-1:]
+    groups = [(path, g) for path in paths for g in range(pq.ParquetFile(path).num_row_groups)]
+    parts = -(-world_size // len(groups))
+    shares = [(path, g, p) for path, g in groups for p in range(parts)][rank::world_size]
+    return [(os.path.basename(path), g, j, text) for path, g, p in shares
+            for j, text in enumerate(pq.ParquetFile(path).read_row_group(g).column("text").to_pylist())
+            if j % parts == p]
+
+
+def reference_stream(documents, tokenizer, num_tokens):
+    """(tokens, the state of every token: where a loader resuming at it starts), epoch after epoch."""
+    bos = tokenizer.get_bos_token_id()
+    tokens, states, epoch = [], [], 0
+    while len(tokens) < num_tokens:
+        for shard, group, doc, text in documents:
+            ids = tokenizer.encode(text, prepend=bos)
+            tokens += ids
+            states += [{"epoch": epoch, "shard": shard, "row_group": group, "doc": doc, "token": t}
+                       for t in range(len(ids))]
+        epoch += 1
+    return tokens, states
+
+
+@pytest.mark.parametrize("split, rank, world_size, batch_stride", [
+    ("train", 0, 1, 1),  # one rank reads everything
+    ("train", 2, 3, 1),  # whole row groups per rank
+    ("train", 5, 8, 1),  # more ranks than row groups: row groups' documents dealt out
+    ("val", 1, 3, 3),  # one document: every rank reads it all and keeps every third batch
+])
+def test_batches_and_states_equal_a_plain_reference(tmp_path, corpus, split, rank, world_size, batch_stride):
+    directory, _ = write_shards(tmp_path / "data", [[20, 20, 20, 20], [1]])
+    tokenizer = corpus[1]
+    num_batches, window = 300, B * (T + 1)
+    every_rank_reads_all = batch_stride > 1
+    documents = reference_documents(directory, split, *((0, 1) if every_rank_reads_all else (rank, world_size)))
+    first = rank if every_rank_reads_all else 0  # window index of the first batch
+
+    def start(k):  # of batch k in the reference stream
+        return (first + k * batch_stride) * window
+
+    tokens, states = reference_stream(documents, tokenizer, start(num_batches + 1))
+    assert states[-1]["epoch"] >= 2  # the comparison runs across epoch boundaries
+
+    def assert_batches_from(loader, first_batch, count):
+        for k in range(first_batch, first_batch + count):
+            assert loader.state_dict() == states[start(k)]
+            inputs, targets = next(loader)
+            expected = torch.tensor(tokens[start(k):start(k) + window]).view(B, T + 1)
+            assert torch.equal(inputs, expected[:, :-1]) and torch.equal(targets, expected[:, 1:])
+
+    assert_batches_from(make_loader((directory, tokenizer), split, rank=rank, world_size=world_size), 0, num_batches)
+    mid_document = [k for k in range(num_batches) if states[start(k)]["token"]]
+    for k in mid_document[::len(mid_document) // 5]:  # resuming inside a document
+        resumed = make_loader((directory, tokenizer), split, rank=rank, world_size=world_size,
+                              resume_state=states[start(k)])
+        assert_batches_from(resumed, k, 3)
+
+
+# -----------------------------------------------------------------------------
+# memory: base_train holds one loader per micro-step
+
+def write_long_documents(directory, num_groups, docs_per_group, words_per_doc):
+    """One train shard of num_groups row groups of long random documents, and a one-document val shard."""
+    rng = random.Random(0)
+    directory.mkdir(parents=True)
+    for name, groups, docs in (("shard_00000", num_groups, docs_per_group), ("shard_00001", 1, 1)):
+        with pq.ParquetWriter(directory / f"{name}.parquet", pa.schema([("text", pa.string())])) as writer:
+            for _ in range(groups):
+                writer.write_table(pa.table({"text": [" ".join(rng.choices(WORDS, k=words_per_doc))
+                                                      for _ in range(docs)]}))
+
+
+def resident_mb_with_loaders(base_dir, num_loaders):
+    """VmRSS of a fresh process that builds the loaders of data ranks 0..num_loaders-1 and draws a batch from each."""
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env.pop("NANOCHAT_DATA_DIR", None)
+    proc = processes.run([sys.executable, "-m", "dev.bench_data", "--loaders", str(num_loaders), "--B", str(B),
+                          "--T", str(T), "--tokenizer_threads", "1"], timeout=180, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return float(re.search(r"after one batch each: VmRSS ([\d.]+) MB", proc.stdout).group(1))
+
+
+def test_resident_memory_is_flat_in_the_number_of_loaders(tmp_path, corpus):
+    # 16 row groups of ~400 kB text: a loader holding its row group or a tokenized chunk of it costs megabytes
+    write_long_documents(tmp_path / "base" / "base_data", num_groups=16, docs_per_group=64, words_per_doc=1000)
+    corpus[1].save(str(tmp_path / "base" / "tokenizer"))
+    four, sixty_four = (resident_mb_with_loaders(tmp_path / "base", n) for n in (4, 64))
+    assert sixty_four - four < MEMORY_TOLERANCE_MB, f"4 loaders: {four:.1f} MB, 64 loaders: {sixty_four:.1f} MB"
