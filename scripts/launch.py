@@ -30,7 +30,7 @@ import subprocess
 import sys
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat import memory
+from nanochat import memory, multinode, preflight
 from nanochat.cli import ArgumentParser
 from nanochat.common import GPU_PEAK_BF16_FLOPS, get_base_dir
 from nanochat.gpt import GPT, GPTConfig
@@ -532,12 +532,29 @@ def train(key, phase, extra):
                                                    meta_model(model_config(args, vocab)))
     cmd, problems = cmd + flags, problems + state_problems
     print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have_tokenizer, data, state_lines)
+    # DRY_RUN runs the in-process checks (seconds) and leaves out the compile check (a minute)
+    stack = preflight.cuda_problems(args.device_type, compile_check=args.compile and not env_flag("DRY_RUN"))
+    print("".join(f"PREFLIGHT    {p}\n" for p in stack), end="", flush=True)
+    problems += stack
     if env_flag("DRY_RUN"):
         print("DRY_RUN=1: nothing was run" + (" (the preflight above would stop a real run)" if problems else ""))
         return 0
     if problems and not env_flag("FORCE"):
         raise Stop("preflight failed, nothing was run or downloaded:\n  " + "\n  ".join(problems) +
                    "\nFix it as above, or set FORCE=1 to go on anyway.")
+    nnodes, prepared = processes(key)[1], {"dataset": env("DATASET", "fineweb"), "shards": PHASES[phase]["shards"]}
+    waited = multinode.prepare_on_node0(lambda: prepare(phase, data, have_tokenizer, vocab), prepared, nnodes,
+                                        int(env("NODE_RANK", 0)), env_int(multinode.WAIT_ENV, multinode.DEFAULT_WAIT_S))
+    if waited:
+        raise Stop(waited, code=1)
+    run(cmd)
+    if env("NODE_RANK", "0") == "0":  # node 0 ran rank 0, which wrote the summary
+        print(criteria_report(args.model_tag, phase)[0])
+    return 0
+
+
+def prepare(phase, data, have_tokenizer, vocab):
+    """The data and the tokenizer the run needs, where missing."""
     needed, present, _ = data
     if env("DATASET") == "builtin":
         run([sys.executable, "-m", "nanochat.dataset", "--builtin"])
@@ -545,10 +562,6 @@ def train(key, phase, extra):
         run([sys.executable, "-m", "nanochat.dataset", "-n", str(PHASES[phase]["shards"])])
     if not have_tokenizer:
         run([sys.executable, "-m", "scripts.tok_train", f"--max_chars={tok_chars(phase)}", f"--vocab_size={vocab}"])
-    run(cmd)
-    if env("NODE_RANK", "0") == "0":  # node 0 ran rank 0, which wrote the summary
-        print(criteria_report(args.model_tag, phase)[0])
-    return 0
 
 
 def oom_problem(args, vocab, budget, need):
