@@ -31,7 +31,7 @@ from nanochat import lifecycle
 from nanochat.cli import ArgumentParser
 from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              device_available, get_base_dir, get_dist_info, gpu_peak_flops, print0,
-                             raise_if_any_rank_failed)
+                             raise_if_any_rank_failed, run_on_rank0)
 from nanochat.gpt import GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
 from nanochat.loss_eval import evaluate_bpb, format_state, format_steps, refinement
 from nanochat.optim import clipped_step, reduce_gradients
@@ -590,8 +590,8 @@ def train(args):
         if rank == 0:
             write_summary(run_dir, args, step, elapsed(), price_per_hour, model, tokenizer.fingerprint())
         metrics.close()
-        if backup:
-            backup.close()
+        if args.backup_dir:  # every rank: the others wait in short collectives while rank 0's uploads drain
+            run_on_rank0(backup.close if backup else None, rank)
     if control.exit_code(flags):
         raise ExitWithMessage(f"stopped at step {step} by {stop}: the checkpoint is saved; continue with the same "
                               f"command and --resume", code=control.exit_code(flags))
