@@ -29,7 +29,8 @@ def cuda_problems(device_type, compile_check=True):
         return []
     import torch
     if not torch.cuda.is_available():
-        return [f"torch {stack()} sees no GPU: {reinstall_fix()}"]
+        driver = driver_cuda_version()
+        return [f"torch sees no GPU ({stack(driver)}): {stack_fix(driver)}"]
     problem = device_op_problem() or (compile_problem() if compile_check else None)
     return [problem] if problem else []
 
@@ -44,24 +45,35 @@ def driver_cuda_version():
     return found.group(1) if found else None
 
 
-def stack():
-    """'2.13.0+cpu (a CPU-only build), driver CUDA 12.4': the versions that must match, in words."""
+def stack(driver):
+    """'torch 2.13.0+cu128 (built for CUDA 12.8), driver for CUDA 12.4': the versions that must match, in words."""
     import torch
     built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-    driver = driver_cuda_version()
-    return f"{torch.__version__} ({built}), driver {f'CUDA {driver}' if driver else 'not found (no nvidia-smi)'}"
+    supports = f"driver for CUDA {driver}" if driver else "no driver (nvidia-smi not found)"
+    return f"torch {torch.__version__} ({built}), {supports}"
 
 
-def reinstall_fix():
-    """Install the torch build for the driver's CUDA version (or the driver, when there is none)."""
+def version(text):
+    return tuple(int(part) for part in text.split(".")[:2])
+
+
+def stack_fix(driver):
+    """What makes torch see the GPU: the driver, the GPUs made visible, or the torch build for the driver's CUDA."""
     import torch
-    driver = driver_cuda_version()
     if driver is None:
         return "install the NVIDIA driver (nvidia-smi must work), or set DEVICE_TYPE=cpu"
-    version = torch.__version__.split("+")[0]
-    tag = "cu" + "".join(driver.split(".")[:2])
-    return (f"install the torch build matching the driver, e.g. pip install torch=={version} --index-url "
-            f"{TORCH_INDEX}/{tag} (or the newest cuXY at or below CUDA {driver} that {TORCH_INDEX} lists)")
+    if torch.version.cuda and version(torch.version.cuda) <= version(driver):
+        return ("the driver supports this build's CUDA: check that nvidia-smi lists the GPUs and CUDA_VISIBLE_DEVICES "
+                "names them (after a driver update without a reboot: reboot)")
+    return build_fix(driver)
+
+
+def build_fix(driver):
+    import torch
+    tag = "cu" + "".join(driver.split(".")[:2]) if driver else "cuXY"
+    return (f"install the torch build matching the driver, e.g. pip install torch=={torch.__version__.split('+')[0]} "
+            f"--index-url {TORCH_INDEX}/{tag} (or the newest cuXY at or below the driver's CUDA version that "
+            f"{TORCH_INDEX} lists)")
 
 
 def device_op_problem():
@@ -72,7 +84,8 @@ def device_op_problem():
         torch.ones(8, device="cuda").add_(1).sum().item()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - CUDA reports these as RuntimeError, AcceleratorError, ...
-        return f"a tensor op on the GPU failed ({first_line(e)}) with torch {stack()}: {reinstall_fix()}"
+        driver = driver_cuda_version()
+        return f"a tensor op on the GPU failed ({first_line(e)}; {stack(driver)}): {build_fix(driver)}"
     return None
 
 

@@ -12,9 +12,11 @@ Extra flags go to base_train after the table's, so they win. Environment overrid
     NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR                   where data, tokenizer and checkpoints live
     DATASET=builtin                                        the offline built-in corpus instead of FineWeb shards
     VOCAB_SIZE, TOK_MAX_CHARS                              the tokenizer trained when there is none
-    NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT            multi-node: run the same script on every node
+    NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT            multi-node: run the same script on every node; node 0
+                                                           prepares data and tokenizer in the shared base directory
+    NANOCHAT_NODE_WAIT_S                                   how long the other nodes wait for that (default 3 hours)
     DRY_RUN=1                                              plan and command only
-    FORCE=1                                                go on past a failed preflight check (hardware, disk, memory)
+    FORCE=1                                                go on past a failed preflight check (hardware, CUDA, disk, memory)
 
 Re-running a script continues its run: when the tag holds a compatible checkpoint the command gets --resume (the plan
 says so). SIGTERM/SIGINT to this process is passed to torchrun, whose workers save a checkpoint and exit.

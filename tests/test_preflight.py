@@ -63,7 +63,7 @@ def test_a_build_for_a_newer_cuda_than_the_driver_names_both_and_the_matching_bu
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     calls = compile_subprocess(monkeypatch)
     [line] = preflight.cuda_problems("cuda")
-    assert "2.13.0+cu128 (built for CUDA 12.8), driver CUDA 12.4" in line and PIP_FIX in line
+    assert "torch 2.13.0+cu128 (built for CUDA 12.8), driver for CUDA 12.4" in line and PIP_FIX in line
     assert calls == []  # later checks need a GPU
 
 
@@ -78,7 +78,14 @@ def test_no_driver_says_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     [line] = preflight.cuda_problems("cuda")
-    assert "driver not found (no nvidia-smi)" in line and "install the NVIDIA driver" in line
+    assert "no driver (nvidia-smi not found)" in line and "install the NVIDIA driver" in line
+
+
+def test_a_driver_new_enough_for_the_build_points_at_visibility_not_a_reinstall(monkeypatch, cuda_build):
+    monkeypatch.setattr(preflight, "driver_cuda_version", lambda: "12.10")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    [line] = preflight.cuda_problems("cuda")
+    assert "driver for CUDA 12.10" in line and "CUDA_VISIBLE_DEVICES" in line and "pip install" not in line
 
 
 def test_the_driver_cuda_version_is_read_from_nvidia_smi(monkeypatch, tmp_path):
