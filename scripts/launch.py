@@ -16,7 +16,8 @@ Extra flags go to base_train after the table's, so they win. Environment overrid
                                                            prepares data and tokenizer in the shared base directory
     NANOCHAT_NODE_WAIT_S                                   how long the other nodes wait for that (default 3 hours)
     DRY_RUN=1                                              plan and command only
-    FORCE=1                                                go on past a failed preflight check (hardware, CUDA, disk, memory)
+    FORCE=1                                                go on past a failed preflight check (hardware, CUDA,
+                                                           disk, memory)
 
 Re-running a script continues its run: when the tag holds a compatible checkpoint the command gets --resume (the plan
 says so). SIGTERM/SIGINT to this process is passed to torchrun, whose workers save a checkpoint and exit.
@@ -546,7 +547,8 @@ def train(key, phase, extra):
                    "\nFix it as above, or set FORCE=1 to go on anyway.")
     nnodes, prepared = processes(key)[1], {"dataset": env("DATASET", "fineweb"), "shards": PHASES[phase]["shards"]}
     waited = multinode.prepare_on_node0(lambda: prepare(phase, data, have_tokenizer, vocab), prepared, nnodes,
-                                        int(env("NODE_RANK", 0)), env_int(multinode.WAIT_ENV, multinode.DEFAULT_WAIT_S))
+                                        env_int("NODE_RANK", 0, low=0),
+                                        env_int(multinode.WAIT_ENV, multinode.DEFAULT_WAIT_S))
     if waited:
         raise Stop(waited, code=1)
     run(cmd)
