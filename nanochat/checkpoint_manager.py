@@ -28,7 +28,8 @@ import time
 import numpy as np
 import torch
 
-from nanochat.common import (RankFailure, describe_error, fsync_dir, get_base_dir, print0, raise_if_any_rank_failed)
+from nanochat.common import (RankFailure, describe_error, fsync_dir, get_base_dir, print0, raise_if_any_rank_failed,
+                             run_on_rank0)
 from nanochat.gpt import GPT, GPTConfig
 
 WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
@@ -244,13 +245,17 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
     final, tmp = step_dir(model_tag, step), step_dir(model_tag, step) + ".tmp"
     need = checkpoint_bytes(model)
 
-    def together(what, work):
-        error = None
-        try:
-            work()
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
-            error = OSError(errno.ENOSPC, "no space left on device") if _out_of_space(e, model_dir(model_tag), need) \
-                else e
+    def together(what, work, rank0_only=False):
+        if rank0_only:  # the others wait in short collectives: writing the weights may outlast the group's timeout
+            error = run_on_rank0(work, rank)
+        else:
+            error = None
+            try:
+                work()
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
+                error = e
+        if error is not None and _out_of_space(error, model_dir(model_tag), need):
+            error = OSError(errno.ENOSPC, "no space left on device")
         try:
             raise_if_any_rank_failed(error, f"saving step {step} ({what})")
         except RankFailure as failure:
@@ -270,8 +275,6 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
             os.makedirs(tmp)
 
     def publish():
-        if rank != 0:
-            return
         for name, module in ((WEIGHTS, model), (TRAIN_WEIGHTS, train_model)):
             if module is not None:
                 weights = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
@@ -288,7 +291,7 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
     together(f"writing {os.path.basename(rank_file)}",
              lambda: _write(rank_file, {"optimizers": [opt.state_dict() for opt in optimizers], "rng": rng_state(),
                                         **rank_state}))
-    together("writing the model and meta.json", publish)
+    together("writing the model and meta.json", publish, rank0_only=True)
     return final
 
 
@@ -379,13 +382,8 @@ def load_resume_point(model_tag, which, rank, backup_url=None):
 
     which: 'latest' or a step. An empty local directory is first filled from the backup. With 'latest', a checkpoint
     that fails to load on any rank is skipped, with the reason, for the next newest."""
-    if backup_url and not list_steps(model_tag):
-        error = None
-        if rank == 0:
-            try:
-                Backup.location(backup_url, model_tag).restore(which)
-            except Exception as e:  # noqa: BLE001
-                error = e
+    if backup_url and not list_steps(model_tag):  # rank 0 downloads; the others wait without nearing the timeout
+        error = run_on_rank0(lambda: Backup.location(backup_url, model_tag).restore(which), rank)
         raise_if_any_rank_failed(error, f"restoring {model_tag} from the backup {backup_url}")
     newest = resolve_step(model_tag, which)
     candidates = [s for s in reversed(list_steps(model_tag)) if s <= newest] if which in (None, "latest") else [newest]
@@ -551,7 +549,9 @@ class Backup:
             self.fs.rm(self.remote(s), recursive=True)
 
     def close(self, timeout=BACKUP_EXIT_WAIT_S):
-        """Wait, at most timeout seconds, for an upload in flight or waiting, then end the thread."""
+        """Wait, at most timeout seconds, for an upload in flight or waiting, then end the thread. On rank 0 of a
+        distributed run, call it through common.run_on_rank0, so the other ranks wait without nearing the
+        process-group timeout."""
         with self.cond:
             if self.pending is not None or self.busy:
                 print0(f"waiting (at most {timeout:.0f}s) for the backup to {self.url} to finish")

@@ -2,9 +2,18 @@
 
 import os
 import sys
+import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# How long a rank waits in one collective before the process group gives up on its peers (NCCL's default). Work that
+# rank 0 does alone while the others wait (checkpoint I/O, a backup) goes through run_on_rank0, so no single wait
+# nears it. NANOCHAT_PROCESS_GROUP_TIMEOUT_S shortens it for tests.
+PROCESS_GROUP_TIMEOUT = timedelta(seconds=float(os.environ.get("NANOCHAT_PROCESS_GROUP_TIMEOUT_S") or 600))
+RANK0_POLL_S = min(5.0, PROCESS_GROUP_TIMEOUT.total_seconds() / 10)  # the longest one wait in run_on_rank0
+
 
 def print0(*args, **kwargs):
     """print on rank 0 only (flushes, so progress shows through pipes and tee)."""
@@ -75,7 +84,7 @@ def compute_init(device_type=None, seed=42):
     else:
         device = torch.device(device_type)
     if ddp and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=PROCESS_GROUP_TIMEOUT,
                                 device_id=device if device_type == "cuda" else None)
         dist.barrier()
     return ddp, rank, local_rank, world_size, device
@@ -88,6 +97,37 @@ def compute_cleanup(together=False):
         if together:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def run_on_rank0(work, rank):
+    """work() on rank 0 while every other rank waits for it; returns rank 0's exception (None elsewhere, or when it
+    succeeded), for raise_if_any_rank_failed. A collective: call it on every rank.
+
+    The others wait in short collectives, one every RANK0_POLL_S seconds until rank 0's work is done, rather than in
+    one long one: however long rank 0 works (a download, an upload, a large file), no wait nears the process-group
+    timeout, so no rank gives up on a peer that is only busy."""
+    error = []
+
+    def attempt():
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - handed to the caller, which tells every rank
+            error.append(e)
+
+    if not distributed():
+        if rank == 0:
+            attempt()
+        return error[0] if error else None
+    worker = threading.Thread(target=attempt, name="rank0-work", daemon=True) if rank == 0 else None
+    if worker:
+        worker.start()
+    while True:
+        if worker:
+            worker.join(RANK0_POLL_S)
+        _, (finished,) = reduce_with_flags(torch.zeros(0, device=collective_device()),
+                                           [worker is not None and not worker.is_alive()])
+        if finished:
+            return error[0] if error else None
 
 
 def distributed():

@@ -24,7 +24,7 @@ import torch
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
 from nanochat.common import (RankFailure, atomic_write_bytes, compute_cleanup, compute_init, gpu_peak_flops, print0,
-                             raise_if_any_rank_failed)
+                             raise_if_any_rank_failed, run_on_rank0)
 from nanochat.health import Health
 from nanochat.loss_eval import refinement, validation_bpb
 from nanochat.metrics import MetricsError, MetricsLog, format_duration, write_summary
@@ -280,8 +280,8 @@ def train(args):
         if rank == 0:
             write_summary(run_dir, args, step, elapsed(), price_per_hour, model, tokenizer.fingerprint())
         metrics.close()
-        if backup:
-            backup.close()
+        if args.backup_dir:  # every rank: the others wait in short collectives while rank 0's uploads drain
+            run_on_rank0(backup.close if backup else None, rank)
     if control.exit_code(flags):
         raise ExitWithMessage(f"stopped at step {step} by {stop}: the checkpoint is saved; continue with the same "
                               f"command and --resume", code=control.exit_code(flags))

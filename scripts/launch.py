@@ -12,9 +12,12 @@ Extra flags go to base_train after the table's, so they win. Environment overrid
     NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR                   where data, tokenizer and checkpoints live
     DATASET=builtin                                        the offline built-in corpus instead of FineWeb shards
     VOCAB_SIZE, TOK_MAX_CHARS                              the tokenizer trained when there is none
-    NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT            multi-node: run the same script on every node
+    NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT            multi-node: run the same script on every node; node 0
+                                                           prepares data and tokenizer in the shared base directory
+    NANOCHAT_NODE_WAIT_S                                   how long the other nodes wait for that (default 3 hours)
     DRY_RUN=1                                              plan and command only
-    FORCE=1                                                go on past a failed preflight check (hardware, disk, memory)
+    FORCE=1                                                go on past a failed preflight check (hardware, CUDA,
+                                                           disk, memory)
 
 Re-running a script continues its run: when the tag holds a compatible checkpoint the command gets --resume (the plan
 says so). SIGTERM/SIGINT to this process is passed to torchrun, whose workers save a checkpoint and exit.
@@ -29,8 +32,7 @@ import subprocess
 import sys
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle
-from nanochat import memory
+from nanochat import lifecycle, memory, multinode, preflight
 from nanochat.cli import ArgumentParser
 from nanochat.common import LAUNCH_TABLE_DEVICES, get_base_dir, gpu_peak_flops
 from nanochat.gpt import GPTConfig
@@ -494,12 +496,30 @@ def train(key, phase, extra):
                                                    meta_model(model_config(args, vocab)))
     cmd, problems = cmd + flags, problems + state_problems
     print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have_tokenizer, data, state_lines)
+    # DRY_RUN runs the in-process checks (seconds) and leaves out the compile check (a minute)
+    stack = preflight.cuda_problems(args.device_type, compile_check=args.compile and not env_flag("DRY_RUN"))
+    print("".join(f"PREFLIGHT    {p}\n" for p in stack), end="", flush=True)
+    problems += stack
     if env_flag("DRY_RUN"):
         print("DRY_RUN=1: nothing was run" + (" (the preflight above would stop a real run)" if problems else ""))
         return 0
     if problems and not env_flag("FORCE"):
         raise Stop("preflight failed, nothing was run or downloaded:\n  " + "\n  ".join(problems) +
                    "\nFix it as above, or set FORCE=1 to go on anyway.")
+    nnodes, prepared = processes(key)[1], {"dataset": env("DATASET", "fineweb"), "shards": PHASES[phase]["shards"]}
+    waited = multinode.prepare_on_node0(lambda: prepare(phase, data, have_tokenizer, vocab), prepared, nnodes,
+                                        env_int("NODE_RANK", 0, low=0),
+                                        env_int(multinode.WAIT_ENV, multinode.DEFAULT_WAIT_S))
+    if waited:
+        raise Stop(waited, code=1)
+    run(cmd)
+    if env("NODE_RANK", "0") == "0":  # node 0 ran rank 0, which wrote the summary
+        print(criteria_report(args.model_tag, phase)[0])
+    return 0
+
+
+def prepare(phase, data, have_tokenizer, vocab):
+    """The data and the tokenizer the run needs, where missing."""
     needed, present, _ = data
     if env("DATASET") == "builtin":
         run([sys.executable, "-m", "nanochat.dataset", "--builtin"])
@@ -507,10 +527,6 @@ def train(key, phase, extra):
         run([sys.executable, "-m", "nanochat.dataset", "-n", str(PHASES[phase]["shards"])])
     if not have_tokenizer:
         run([sys.executable, "-m", "scripts.tok_train", f"--max_chars={tok_chars(phase)}", f"--vocab_size={vocab}"])
-    run(cmd)
-    if env("NODE_RANK", "0") == "0":  # node 0 ran rank 0, which wrote the summary
-        print(criteria_report(args.model_tag, phase)[0])
-    return 0
 
 
 def oom_problem(args, vocab, budget, need):

@@ -1,0 +1,71 @@
+"""
+Rank 0 working alone for longer than the process-group timeout while the other rank waits. Launched by
+tests/test_process_group_timeout.py with a short NANOCHAT_PROCESS_GROUP_TIMEOUT_S as
+
+    torchrun --standalone --nproc_per_node=2 tests/rank0_wait_worker.py steps <backup dir>
+    torchrun --standalone --nproc_per_node=2 tests/rank0_wait_worker.py base_train [base_train flags...]
+
+steps: a slow piece of work, a failing one, a checkpoint whose weights write slowly and a slow restore from a backup,
+each printing one line per rank. base_train: a run whose backup drains slowly at the end.
+"""
+
+import os
+import shutil
+import sys
+import time
+
+from nanochat import checkpoint_manager as ckpt
+from nanochat.common import (PROCESS_GROUP_TIMEOUT, RankFailure, compute_cleanup, compute_init,
+                             raise_if_any_rank_failed, run_on_rank0)
+from nanochat.gpt import GPTConfig
+
+SLOW_S = 3 * PROCESS_GROUP_TIMEOUT.total_seconds()
+
+
+def slowly(function):
+    def slow(*args, **kwargs):
+        time.sleep(SLOW_S)
+        return function(*args, **kwargs)
+    return slow
+
+
+def fail():
+    raise ValueError("injected")
+
+
+def move_to_backup(model_tag, step, backup_url):
+    """As on a new machine: the checkpoint only in the backup."""
+    ckpt.Backup.location(backup_url, model_tag).upload(step)
+    shutil.rmtree(ckpt.model_dir(model_tag))
+
+
+def steps(backup_url):
+    rank = compute_init("cpu")[1]
+    assert run_on_rank0(slowly(lambda: None), rank) is None
+    print(f"rank {rank}: slow work done", flush=True)
+    try:
+        raise_if_any_rank_failed(run_on_rank0(fail, rank), "the work")
+    except RankFailure as e:
+        print(f"rank {rank}: {e}", flush=True)
+    model = ckpt.build_model(GPTConfig(sequence_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, n_embd=8).to_dict(), "cpu")
+    real_write = ckpt._write
+    ckpt._write = lambda path, data: (slowly(real_write) if path.endswith(ckpt.WEIGHTS) else real_write)(path, data)
+    ckpt.save_checkpoint("slow", 1, model, [], {"model_config": model.config.to_dict()}, {"loaders": []}, rank)
+    ckpt._write = real_write
+    print(f"rank {rank}: saved steps {ckpt.list_steps('slow')}", flush=True)
+    run_on_rank0(lambda: move_to_backup("slow", 1, backup_url), rank)
+    ckpt.Backup.restore = slowly(ckpt.Backup.restore)
+    step = ckpt.load_resume_point("slow", "latest", rank, backup_url)[0]
+    print(f"rank {rank}: resumed from step {step}", flush=True)
+    compute_cleanup(together=True)
+
+
+def base_train(argv):
+    from scripts import base_train
+    ckpt.Backup.close = slowly(ckpt.Backup.close)
+    base_train.main(argv)
+    print(f"rank {os.environ['RANK']}: exited cleanly", flush=True)
+
+
+if __name__ == "__main__":
+    steps(sys.argv[2]) if sys.argv[1] == "steps" else base_train(sys.argv[2:])

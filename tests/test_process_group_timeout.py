@@ -1,0 +1,67 @@
+"""No rank waits alone past the process-group timeout: rank 0's checkpoint I/O and backup, longer than the timeout,
+with the other rank waiting (2 Gloo processes under torchrun, a 5 s timeout, each run with a hard timeout)."""
+
+import os
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from nanochat import common
+from tests import processes
+from tests.test_base_train import ROOT, TINY, ckpt_dir
+
+TIMEOUT_S = "5"  # the process group's; rank 0's slow steps take 3x as long
+HANG = 240  # seconds: far above what the runs take here, so only a hang reaches it
+GROUP_GAVE_UP = ("Connection closed", "Timed out", "timed out", "Timeout")
+
+
+def torchrun(base_dir, *args):
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+           "NANOCHAT_PROCESS_GROUP_TIMEOUT_S": TIMEOUT_S}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join("tests", "rank0_wait_worker.py"), *args]
+    done = processes.run(cmd, HANG, cwd=ROOT, env=env)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_every_rank0_wait_is_far_below_the_process_group_timeout():
+    assert common.RANK0_POLL_S <= common.PROCESS_GROUP_TIMEOUT.total_seconds() / 10
+    env = {**os.environ, "NANOCHAT_PROCESS_GROUP_TIMEOUT_S": TIMEOUT_S}
+    out = processes.run([sys.executable, "-c", "from nanochat import common; print(common.PROCESS_GROUP_TIMEOUT"
+                                               ".total_seconds(), common.RANK0_POLL_S)"], 60, cwd=ROOT, env=env)
+    assert out.stdout.split() == ["5.0", "0.5"], out.stderr
+
+
+def test_compute_init_gives_the_process_group_its_timeout(monkeypatch):
+    given = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: given.update(kwargs))
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    common.compute_init("cpu")
+    assert given["timeout"] == common.PROCESS_GROUP_TIMEOUT and given["backend"] == "gloo"
+    assert common.PROCESS_GROUP_TIMEOUT == timedelta(seconds=float(os.environ.get(
+        "NANOCHAT_PROCESS_GROUP_TIMEOUT_S") or 600))
+
+
+def test_slow_work_saves_and_restores_on_rank0_keep_the_other_rank_waiting(tmp_path):
+    rc, out = torchrun(tmp_path, "steps", str(tmp_path / "bucket"))
+    assert rc == 0, out[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: slow work done" in out
+        assert f"rank {rank}: the work failed on rank 0: ValueError: injected" in out
+        assert f"rank {rank}: saved steps [1]" in out and f"rank {rank}: resumed from step 1" in out
+    assert not any(word in out for word in GROUP_GAVE_UP), out[-3000:]
+
+
+def test_a_slow_backup_at_the_end_of_a_run_ends_both_ranks_cleanly(base_dir, tmp_path):
+    bucket = tmp_path / "bucket"
+    rc, out = torchrun(base_dir, "base_train", *TINY, "--eval_every=0", "--num_iterations=2", "--save_every=2",
+                       "--model_tag=slowbackup", f"--backup_dir={bucket}")
+    assert rc == 0, out[-3000:]
+    assert "rank 0: exited cleanly" in out and "rank 1: exited cleanly" in out
+    assert not any(word in out for word in GROUP_GAVE_UP), out[-3000:]
+    assert sorted(os.listdir(bucket / "slowbackup" / "step_000002")) == sorted(
+        os.listdir(ckpt_dir(base_dir, "slowbackup", 2)))
