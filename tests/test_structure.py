@@ -58,7 +58,6 @@ def test_every_script_is_checked():
     assert {"scripts/base_train.py", "scripts/launch.py", "scripts/compare.py", "scripts/serve.py"} <= names
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: scripts still import scripts; remove this mark when fixed")
 def test_no_script_imports_another_script():
     offenders = {}
     for path in script_files():
