@@ -17,11 +17,15 @@ def underscore_flags(argv):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that accepts --flag-name for every --flag_name (argparse itself has no option for it), and says what
-    is wrong in one line (the usage is in --help)."""
-
-    def error(self, message):
-        raise SystemExit(f"{self.prog.split()[-1].rsplit('.', 1)[-1]}: error: {message}")
+    """argparse that accepts --flag-name for every --flag_name (argparse itself has no option for it)."""
 
     def parse_known_args(self, args=None, namespace=None):
         return super().parse_known_args(underscore_flags(sys.argv[1:] if args is None else args), namespace)
+
+
+class OneLineErrors(ArgumentParser):
+    """A parser whose errors are one line that says what is wrong (the usage is in --help), raised as SystemExit with
+    that line, so a caller that parses another tool's flags (launch, compare) can name where they came from."""
+
+    def error(self, message):
+        raise SystemExit(f"{self.prog.split()[-1].rsplit('.', 1)[-1]}: error: {message}")

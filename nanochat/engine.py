@@ -11,6 +11,7 @@ The model rotates q and k at absolute positions, and rotary attention depends on
 positions, so a row shifted right by its padding computes the same logits (to float rounding) as the row alone.
 """
 
+import contextlib
 import time
 
 import torch
@@ -116,10 +117,14 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, rng=None):
 
 
 class Engine:
-    """Generation with a per-virtual-layer KV cache. Engine(model, tokenizer).complete(["Once upon"]) -> [str]."""
+    """Generation with a per-virtual-layer KV cache. Engine(model, tokenizer).complete(["Once upon"]) -> [str].
 
-    def __init__(self, model, tokenizer=None):
-        self.model, self.tokenizer = model, tokenizer
+    autocast: a function returning the context every forward runs in (e.g. bf16 autocast on a GPU, so matmuls and
+    the KV cache are bf16). Entered around each forward, not around a call: autocast is per thread, and the server
+    iterates a generation on worker threads."""
+
+    def __init__(self, model, tokenizer=None, autocast=contextlib.nullcontext):
+        self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
         self.stats = {}  # timings of the last generation: prefill/decode tokens and seconds
 
     @property
@@ -183,7 +188,8 @@ class Engine:
         B = idx.size(0)
         cache = self.new_cache(B, idx.size(1) + max_tokens, n_sup, pads)
         t0 = time.perf_counter()
-        logits = self.model(idx.to(self.device), kv_cache=cache, n_sup=n_sup)[:, -1]
+        with self.autocast():
+            logits = self.model(idx.to(self.device), kv_cache=cache, n_sup=n_sup)[:, -1]
         done = [False] * B
         for step in range(max_tokens):
             tokens = sample_next(logits, temperature, top_k, top_p, rng)
@@ -199,7 +205,8 @@ class Engine:
             if all(done) or step == max_tokens - 1:
                 return
             t0 = time.perf_counter()
-            logits = self.model(tokens[:, None], kv_cache=cache, n_sup=n_sup)[:, -1]
+            with self.autocast():
+                logits = self.model(tokens[:, None], kv_cache=cache, n_sup=n_sup)[:, -1]
 
     def generate_batch(self, prompts, **kwargs):
         """Token-id lists in, the generated token-id lists out (stop tokens excluded). kwargs as generate()."""

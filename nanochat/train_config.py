@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from nanochat.cli import ArgumentParser
+from nanochat.cli import OneLineErrors
 from nanochat.common import autodetect_device_type, device_available, get_base_dir, get_dist_info
 from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
 
@@ -73,7 +73,7 @@ def str2bool(value):
 
 
 def build_parser():
-    p = ArgumentParser(prog="python -m scripts.base_train", allow_abbrev=False,
+    p = OneLineErrors(prog="python -m scripts.base_train", allow_abbrev=False,
                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                description="Pretrain the TRM GPT. Flags take --name=value or --name value (--name-with-dashes too).")
     model = p.add_argument_group("model (unset = preset, then the defaults written in nanochat/gpt.py)")

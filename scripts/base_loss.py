@@ -12,7 +12,7 @@ import os
 import sys
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat.cli import ArgumentParser
+from nanochat.cli import OneLineErrors
 from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              print0)
 from nanochat.loss_eval import evaluate_bpb, format_state, format_steps, refinement
@@ -20,7 +20,7 @@ from nanochat.train_config import SAMPLE_PROMPTS, autocast_for, default_dtype
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(prog="python -m scripts.base_loss", allow_abbrev=False,
+    p = OneLineErrors(prog="python -m scripts.base_loss", allow_abbrev=False,
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model_tag", default=None, help="default: the most recently written model")
     p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
@@ -61,7 +61,8 @@ def main(argv=None):
     if n_sup > model.config.n_sup_train:
         print0(f"note: {n_sup} supervision steps, past the {model.config.n_sup_train} the model was trained with")
     steps = max(1, args.split_tokens // (args.device_batch_size * T * world_size))
-    autocast = autocast_for(device_type, args.dtype or default_dtype(device_type))
+    dtype = args.dtype or default_dtype(device_type)
+    autocast = autocast_for(device_type, dtype)
     print0(f"evaluating {model_tag} step {meta['step']} with {n_sup} supervision steps on "
            f"{steps * args.device_batch_size * T * world_size:,} tokens per split")
     results = {"model_tag": model_tag, "step": meta["step"], "n_sup": n_sup}
@@ -81,9 +82,8 @@ def main(argv=None):
             print0(f"{split:5s} recursion state per step: {format_state(state)}")
     if rank == 0:
         from nanochat.engine import Engine
-        with autocast:  # the evaluation's dtype: bf16 matmuls and KV cache on GPU
-            completions = Engine(model, tokenizer).complete(SAMPLE_PROMPTS, max_tokens=args.sample_tokens,
-                                                            temperature=0, n_sup=n_sup)
+        engine = Engine(model, tokenizer, autocast=lambda: autocast_for(device_type, dtype))
+        completions = engine.complete(SAMPLE_PROMPTS, max_tokens=args.sample_tokens, temperature=0, n_sup=n_sup)
         for prompt, completion in zip(SAMPLE_PROMPTS, completions):
             print0(f"sample: {prompt!r} -> {completion!r}")
         path = os.path.join(ckpt.model_dir(model_tag), f"base_loss_step{meta['step']:06d}.json")

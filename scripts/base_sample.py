@@ -14,8 +14,9 @@ import torch
 
 from nanochat.checkpoint_manager import load_model, step_arg
 from nanochat.cli import ArgumentParser
-from nanochat.common import autodetect_device_type, device_available
+from nanochat.common import autodetect_device_type, compute_init, device_available
 from nanochat.engine import Engine, kv_cache_bytes_per_token
+from nanochat.train_config import autocast_for, default_dtype
 
 DEFAULT_PROMPTS = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then"]
 
@@ -65,12 +66,14 @@ def rate(tokens, seconds):
 
 def main(argv=None):
     args = parse_args(argv)
+    device = compute_init(args.device_type)[4]  # TF32 matmuls on CUDA, as in training
+    dtype = default_dtype(args.device_type)
     try:
-        model, tokenizer, meta = load_model(args.model_tag, args.step, torch.device(args.device_type))
+        model, tokenizer, meta = load_model(args.model_tag, args.step, device)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, dtype))  # bf16 on GPU
     config = model.config
     n_sup = config.n_sup_inference if args.n_sup is None else args.n_sup
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k or None, seed=args.seed)
@@ -82,7 +85,7 @@ def main(argv=None):
     stats = engine.stats
     print(f"model step {meta['step']}: n_layer={config.n_layer} n_embd={config.n_embd} n_loops={config.n_loops} "
           f"T_recursion={config.T_recursion} n_sup={n_sup} (of {config.n_sup_inference})")
-    print(f"KV cache: {kv_cache_bytes_per_token(model, n_sup):,} bytes/token "
+    print(f"KV cache: {kv_cache_bytes_per_token(model, n_sup, getattr(torch, dtype)):,} bytes/token "
           f"({model.num_attention_slots(n_sup)} attention slots)")
     drafts = [engine.complete(args.prompts, n_sup=s, **{**sampling, "temperature": 0.0})
               for s in range(1, n_sup + 1)] if args.show_steps else []

@@ -292,9 +292,8 @@ def run_samples(model, tokenizer, args, metrics, step):
     try:
         from nanochat.engine import Engine
         model.eval()
-        with autocast_for(args.device_type, args.dtype):  # the training dtype: bf16 matmuls and KV cache on GPU
-            completions = Engine(model, tokenizer).complete(SAMPLE_PROMPTS, max_tokens=args.sample_tokens,
-                                                            temperature=0)
+        engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, args.dtype))
+        completions = engine.complete(SAMPLE_PROMPTS, max_tokens=args.sample_tokens, temperature=0)
         for prompt, completion in zip(SAMPLE_PROMPTS, completions):
             print0(f"sample: {prompt!r} -> {completion!r}")
         metrics.log({"kind": "sample", "step": step, "samples": list(zip(SAMPLE_PROMPTS, completions))})

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
-from nanochat.cli import ArgumentParser, underscore_flags
+from nanochat.cli import OneLineErrors, underscore_flags
 from nanochat import train_config
 from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init, distributed,
                              get_dist_info, print0)
@@ -79,7 +79,7 @@ def parse_args(argv=None):
     if argv[:1] == ["--"]:  # torchrun ... -m scripts.compare -- --mode=flops -- --depth=12
         argv = argv[1:]
     own, shared = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = ArgumentParser(prog="python -m scripts.compare", allow_abbrev=False, description=__doc__,
+    p = OneLineErrors(prog="python -m scripts.compare", allow_abbrev=False, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["tokens", "flops", "params"], default="flops", help="budget mode (see above)")
     p.add_argument("--config", action="append", default=None, metavar='NAME="FLAGS"', help="a config of the grid")

@@ -31,7 +31,6 @@ import threading
 import time
 import uuid
 
-import torch
 
 try:
     import uvicorn
@@ -45,8 +44,9 @@ except ModuleNotFoundError as e:
 
 from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
 from nanochat.cli import ArgumentParser
-from nanochat.common import autodetect_device_type, device_available
+from nanochat.common import autodetect_device_type, compute_init, device_available
 from nanochat.engine import Engine, ends_mid_character
+from nanochat.train_config import autocast_for, default_dtype
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOPS = 4  # as at OpenAI
@@ -388,9 +388,12 @@ def parse_args(argv=None):
 def build_server(args):
     """(uvicorn.Server, Server) for parsed args; the caller runs it on a socket it bound."""
     model_tag = args.model_tag or latest_model_tag()
-    model, tokenizer, meta = load_model(model_tag, args.step, torch.device(args.device_type))
+    device = compute_init(args.device_type)[4]  # TF32 matmuls on CUDA, as in training
+    model, tokenizer, meta = load_model(model_tag, args.step, device)
     info = {"model_tag": model_tag, "step": meta["step"]}
-    server = Server(Engine(model, tokenizer), info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout,
+    dtype = default_dtype(args.device_type)  # bf16 matmuls and KV cache on GPU
+    engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, dtype))
+    server = Server(engine, info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout,
                     args.max_batch)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="warning", lifespan="off")
     return uvicorn.Server(config), server

@@ -268,16 +268,17 @@ def test_the_weight_average_is_on_for_long_runs_only():
 
 
 def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch):
-    # bf16 on a GPU; CPU autocast stands in for it: the engine must see autocast on while it samples
-    from nanochat import engine
+    # bf16 on a GPU; CPU autocast stands in for it: every cached (sampling) forward must run under it
+    from nanochat.gpt import GPT
     from scripts import base_train
-    seen, real = [], engine.Engine.complete
+    seen, real = [], GPT.forward
 
-    def complete(self, *args, **kwargs):
-        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
-        return real(self, *args, **kwargs)
+    def forward(self, *args, kv_cache=None, **kwargs):
+        if kv_cache is not None:
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return real(self, *args, kv_cache=kv_cache, **kwargs)
 
-    monkeypatch.setattr(engine.Engine, "complete", complete)
+    monkeypatch.setattr(GPT, "forward", forward)
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     base_train.train(train_config.parse_args([*TINY, "--num_iterations=1", "--dtype=bfloat16", "--model_tag=bf16"]))
     assert seen and all(seen_dtype == (True, torch.bfloat16) for seen_dtype in seen)

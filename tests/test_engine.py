@@ -2,6 +2,7 @@
 
 import functools
 import itertools
+import threading
 
 import pytest
 import torch
@@ -230,6 +231,27 @@ def test_under_bf16_autocast_the_cache_holds_keys_and_values_in_bf16_and_its_siz
     assert allocated(cache) == per_token * 2 * 6
     assert per_token == kv_cache_bytes_per_token(model, 2, dtype=torch.float32) // 2  # half of fp32's
     assert torch.isfinite(logits).all()
+
+
+def test_the_engines_autocast_holds_on_the_thread_that_runs_the_generation():
+    # the server iterates a generation on worker threads, where a caller's `with autocast` (per thread) does not reach
+    model = random_model(tiny_config(n_loops=1, n_sup_train=2))
+    caches = []
+    real_new_cache = Engine.new_cache
+
+    def new_cache(self, *args, **kwargs):
+        caches.append(real_new_cache(self, *args, **kwargs))
+        return caches[-1]
+
+    engine = Engine(model, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    engine.new_cache = new_cache.__get__(engine)
+    tokens = engine.generate([[1, 2, 3]], max_tokens=3, temperature=0, stop_tokens=())
+    worker = threading.Thread(target=lambda: list(tokens))
+    worker.start()
+    worker.join(timeout=60)
+    assert {t.dtype for t in caches[0].k + caches[0].v} == {torch.bfloat16}
+    plain = Engine(model).generate_batch([[1, 2, 3]], max_tokens=3, temperature=0, stop_tokens=())
+    assert len(plain[0]) == 3
 
 
 @torch.no_grad()
