@@ -24,6 +24,7 @@ import random
 import shutil
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -377,8 +378,18 @@ def load_rank_state(model_tag, step, rank):
         raise CheckpointError(f"{path} is unreadable ({describe_error(e)})") from e
 
 
+class ResumePoint(NamedTuple):
+    """What a run resumes from: the checkpoint's step and meta.json, its published weights, this rank's state
+    (optimizers, RNG, loaders) and, with a weight average, the raw weights training goes on from (else None)."""
+    step: int
+    meta: dict
+    weights: dict
+    rank_state: dict
+    train_weights: dict | None
+
+
 def load_resume_point(model_tag, which, rank, backup_url=None):
-    """(step, meta, weights, rank state) to resume from, agreed by every rank.
+    """The ResumePoint to resume from, agreed by every rank.
 
     which: 'latest' or a step. An empty local directory is first filled from the backup. With 'latest', a checkpoint
     that fails to load on any rank is skipped, with the reason, for the next newest."""
@@ -390,8 +401,9 @@ def load_resume_point(model_tag, which, rank, backup_url=None):
     for step in candidates:
         error, point = None, None
         try:
-            point = (step, read_meta(model_tag, step), load_model_weights(model_tag, step, "cpu"),
-                     load_rank_state(model_tag, step, rank), load_model_weights(model_tag, step, "cpu", TRAIN_WEIGHTS))
+            point = ResumePoint(step, read_meta(model_tag, step), load_model_weights(model_tag, step, "cpu"),
+                                load_rank_state(model_tag, step, rank),
+                                load_model_weights(model_tag, step, "cpu", TRAIN_WEIGHTS))
         except CheckpointError as e:
             error = e
         try:
@@ -406,10 +418,10 @@ def load_resume_point(model_tag, which, rank, backup_url=None):
 def restore(point, model, optimizers, ema=None):
     """Put a resume point's weights, optimizer states and RNG states into this process; returns its loader states.
     ema: a weight_average.WeightAverage of model, continued from the published weights."""
-    _, _, weights, state, train_weights = point
-    model.load_state_dict(train_weights if train_weights is not None else weights)
+    state = point.rank_state
+    model.load_state_dict(point.train_weights if point.train_weights is not None else point.weights)
     if ema is not None:
-        ema.module.load_state_dict(weights)
+        ema.module.load_state_dict(point.weights)
         ema.started = True  # an average already started: the next update blends, not copies
     for opt, opt_state in zip(optimizers, state["optimizers"]):
         opt.load_state_dict(opt_state)

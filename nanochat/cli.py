@@ -29,3 +29,12 @@ class OneLineErrors(ArgumentParser):
 
     def error(self, message):
         raise SystemExit(f"{self.prog.split()[-1].rsplit('.', 1)[-1]}: error: {message}")
+
+
+class Exit(SystemExit):
+    """Stop an entry point with one line for the user, no traceback, and an exit code (1 unless given). Uncaught, it
+    exits 1 with the line, as any SystemExit does; entry points that report other codes catch it and use exit_code."""
+
+    def __init__(self, message, code=1):
+        super().__init__(message)
+        self.exit_code = code

@@ -12,7 +12,7 @@ import os
 import sys
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat.cli import OneLineErrors
+from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              print0)
 from nanochat.loss_eval import evaluate_bpb, format_state, format_steps, refinement
@@ -52,11 +52,11 @@ def main(argv=None):
         overrides = {"n_sup_inference": args.n_sup} if args.n_sup else {}
         model, tokenizer, meta = ckpt.load_model(model_tag, args.step, device, **overrides)
     except ValueError as e:
-        raise SystemExit(f"base_loss: {e}")
+        raise Exit(f"base_loss: {e}")
     n_sup = model.config.n_sup_inference
     T = args.max_seq_len or model.config.sequence_len
     if T > model.config.sequence_len:
-        raise SystemExit(f"base_loss: --max_seq_len={T} is longer than the {model.config.sequence_len}-token "
+        raise Exit(f"base_loss: --max_seq_len={T} is longer than the {model.config.sequence_len}-token "
                          f"context the model was trained with; use at most {model.config.sequence_len}")
     if n_sup > model.config.n_sup_train:
         print0(f"note: {n_sup} supervision steps, past the {model.config.n_sup_train} the model was trained with")
@@ -73,7 +73,7 @@ def main(argv=None):
                                                                 device=device, rank=rank, world_size=world_size),
                                       steps, token_bytes, n_sup=n_sup, autocast=autocast)
         except RankFailure as e:
-            raise SystemExit(f"base_loss: {e}")
+            raise Exit(f"base_loss: {e}")
         results[f"{split}_bpb"], results[f"{split}_refinement"] = bpb, refinement(bpb)
         results[f"{split}_state"] = state
         print0(f"{split:5s} bpb per step: {format_steps(bpb)} | refinement "

@@ -18,16 +18,20 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
+from nanochat.cli import Exit
 from nanochat.common import (RankFailure, atomic_write_bytes, compute_cleanup, compute_init, gpu_peak_flops, print0,
                              raise_if_any_rank_failed, run_on_rank0)
+from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
 from nanochat.loss_eval import refinement, validation_bpb
 from nanochat.metrics import MetricsError, MetricsLog, format_duration, write_summary
+from nanochat.muon import Muon
 from nanochat.optim import clipped_step, reduce_gradients
 from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
                                    ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args,
@@ -35,84 +39,14 @@ from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry,
 from nanochat.weight_average import WeightAverage
 
 
-class ExitWithMessage(Exception):
-    """A run that must stop: printed without a traceback, with its exit code."""
-
-    def __init__(self, message, code=1):
-        super().__init__(message)
-        self.code = code
-
-
 # ---------------------------------------------------------------------------------------------------- the run
-def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
-    print0(f"model config ({args.model_tag}):")
-    for name, value in model.config.to_dict().items():
-        print0(f"  {name:26s} = {value!s:14s} ({args.config_sources.get(name, 'tokenizer')})")
-    print0(f"parameters: {model.num_params():,}   FLOPs per token (training step): {model.estimate_flops():.3e}")
-    print0(f"batch: {args.world_size} processes x {args.device_batch_size} x {args.max_seq_len} tokens x "
-           f"{args.grad_accum} accumulation = {tokens_per_step:,} tokens per step")
-    for note in args.batch_notes:
-        print0(f"  {note}")
-    print0(f"horizon: {num_iterations} steps ({horizon_source}), {num_iterations * tokens_per_step:,} tokens")
-
-
-def start_or_resume(args, model_config, tokenizer, rank):
-    """The resume point (step, meta, weights, rank state), checked against this run; or None for a fresh run, on a tag
-    that holds no other run (--overwrite moves one aside). Every check passes before anything is written."""
-    resuming = args.resume or args.resume_from_step is not None
-    try:
-        if args.backup_dir:
-            ckpt.Backup.location(args.backup_dir, args.model_tag)  # a bad URL stops here, not after the first save
-        if not resuming:
-            found = ckpt.check_fresh_start(args.model_tag, args.overwrite, args.backup_dir)
-            if args.overwrite:  # on every rank, so the ranks wait for rank 0's move together
-                error = None
-                if rank == 0 and found:
-                    try:
-                        print0(f"--overwrite: moved the previous run ({found}) to {ckpt.move_aside(args.model_tag)}")
-                    except OSError as e:
-                        error = e
-                raise_if_any_rank_failed(error, "moving the previous run aside")
-            return None
-        which = args.resume_from_step if args.resume_from_step is not None else "latest"
-        point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir)
-        step, meta = point[:2]
-        ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {args.model_tag} step {step}")
-    except (ckpt.CheckpointError, RankFailure) as e:
-        raise ExitWithMessage(f"cannot {'resume' if resuming else 'start'}: {e}")
-    diffs = ckpt.resume_differences(meta, model_config, batch_geometry(args))
-    if diffs:
-        raise ExitWithMessage(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
-                              f"different configuration:\n  " + "\n  ".join(diffs) +
-                              "\nPass the checkpoint's values, or start a new run with another --model_tag.")
-    return point
-
-
-def write_nan_diagnostic(path, step, losses, history, model_config):
-    record = {"step": step, "step_losses": losses, "last_good": history[-5:], "model_config": model_config,
-              "advice": "Lower --matrix_lr (2x), use a milder --preset (extreme -> aggressive), keep --grad_clip=1.0,"
-                        " and resume from the last good checkpoint with --resume."}
-    atomic_write_bytes(path, json.dumps(record, indent=2).encode())
-
-
-def oom_message(args):
-    smaller = max(1, args.device_batch_size // 2)
-    accum = args.grad_accum * args.device_batch_size // smaller
-    return (f"CUDA out of memory at --device_batch_size={args.device_batch_size}, --max_seq_len={args.max_seq_len}, "
-            f"--depth={args.depth}. Lower --device_batch_size (e.g. {smaller}) with --gradient_accumulation_steps="
-            f"{accum} to keep the same effective batch; or lower --max_seq_len or --depth; or turn on "
-            f"--activation_checkpointing"
-            + ("" if args.model_config["detach_between_steps"] else
-               ", or --detach_between_steps (one supervision step's activations alive at a time)") + ".")
-
-
 def train(args):
     ddp, rank, local_rank, world_size, device = compute_init(args.device_type, args.seed)
     if ddp and world_size != args.world_size:
-        raise ExitWithMessage(f"internal: parsed for {args.world_size} processes, running {world_size}")
+        raise Exit(f"internal: parsed for {args.world_size} processes, running {world_size}")
     missing = data_problem()
     if missing:
-        raise ExitWithMessage(missing)
+        raise Exit(missing)
     from nanochat.dataloader import DataLoader
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
     tokenizer = get_tokenizer()
@@ -132,7 +66,7 @@ def train(args):
     print_config(args, num_iterations, horizon_source, model, tokens_per_step)
     no_room = ckpt.disk_room_problem(args.model_tag, ckpt.checkpoint_bytes(model), args.keep_last)
     if no_room:
-        raise ExitWithMessage(no_room)
+        raise Exit(no_room)
 
     # the EMA's copy of the model is what evaluation, samples and checkpoints see; training goes on in `model`
     ema_decay = ema_decay_for(args, num_iterations)
@@ -142,9 +76,8 @@ def train(args):
     published = ema.module if ema else model
     start_step, prior_seconds, loader_states = 0, 0.0, [None] * args.grad_accum
     if resume:
-        start_step, meta = resume[:2]
+        start_step, prior_seconds = resume.step, resume.meta["elapsed_seconds"]
         loader_states = ckpt.restore(resume, model, optimizers, ema)
-        prior_seconds = meta["elapsed_seconds"]
         print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
     if args.compile:
         model.compile_layer_visits()
@@ -181,10 +114,76 @@ def train(args):
                                             {"loaders": consumed}, rank,
                                             train_model=model if ema else None)
             except ckpt.CheckpointError as e:
-                raise ExitWithMessage(str(e), code=5)
+                raise Exit(str(e), code=5)
             control.saved()
             print0(f"saved checkpoint {path}")
 
+        def evaluate_and_sample(step, due):
+            """Validation bpb (recorded in the checkpoint just saved, if any) and samples, each when due."""
+            nonlocal val_bpb, last_eval_step
+            if due or (args.eval_every and step % args.eval_every == 0):
+                val_bpb, val_state = validation_bpb(published, tokenizer, args, device, rank, world_size, token_bytes)
+                if val_bpb:
+                    last_eval_step = step
+                    metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb,
+                                 "val_refinement": refinement(val_bpb), "state": val_state})
+                    if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
+                        update_checkpoint_bpb(args.model_tag, step, val_bpb)
+            if rank == 0 and (due or (args.sample_every and step % args.sample_every == 0)):
+                run_samples(published, tokenizer, args, metrics, step)
+
+        def optimizer_step(step):
+            """Forward and backward over the micro-batches, one all_reduce (the step's one host sync, which also
+            carries every rank's stop/save flags), then the update. Returns (StepStats, flags, lr multiplier)."""
+            nonlocal consumed, prefetched
+            n_sup = model.train_depth(step)
+            sums = torch.zeros(StepStats.size(n_sup), device=device)
+            try:
+                for j, loader in enumerate(loaders):
+                    x, y = prefetched if j == 0 else next(loader)
+                    with autocast_for(args.device_type, args.dtype):
+                        loss, aux = model.forward_backward(x, y, loss_scale=1 / args.grad_accum, n_sup=n_sup)
+                    sums += StepStats.pack(loss, aux)
+                # the next step's first batch, tokenized while the device still works on this one
+                consumed = [loader.state_dict() for loader in loaders]  # what a checkpoint resumes from
+                prefetched = next(loaders[0]) if step + 1 < num_iterations else None
+                sq_grad_norm = reduce_gradients(optimizers)
+            except torch.OutOfMemoryError:
+                raise Exit(oom_message(args), code=4)
+            values, flags = control.reduce(torch.cat([sums / (args.grad_accum * world_size), sq_grad_norm.view(1)]))
+            stats = StepStats.unpack(values, n_sup)
+            if not all(math.isfinite(v) for v in stats.losses + [stats.total]):
+                path = os.path.join(run_dir, f"nan_diagnostic_step{step:06d}.json")
+                if rank == 0:
+                    write_nan_diagnostic(path, step, stats.losses, history, model_config)
+                raise Exit(f"loss is NaN/Inf at step {step} (per-step losses {stats.losses}); stopped without "
+                           f"saving, the last good checkpoint is untouched. Diagnostic: {path}", code=3)
+            lrm = lr_multiplier(step, num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac)
+            set_schedule(optimizers, lrm, muon_momentum(step))
+            clipped_step(optimizers, stats.grad_norm, args.grad_clip)  # skipped when the norm is not finite
+            model.zero_grad(set_to_none=True)
+            if not math.isfinite(stats.grad_norm):
+                raise Exit(f"gradient norm is {stats.grad_norm} at step {step}: the update was skipped and the "
+                           f"run stopped; lower --matrix_lr or use a milder --preset, then --resume", code=3)
+            if ema:
+                ema.update_parameters(model)
+            return stats, flags, lrm
+
+        def log_step(step, stats, lrm, dt):
+            history.append({"step": step, "step_losses": stats.losses})
+            health.check(step, stats.losses, stats.grad_norm)
+            tok_per_sec = tokens_per_step / dt
+            mfu = flops_per_token * tok_per_sec / (peak_flops * world_size) if peak_flops else None
+            mem_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+            record = {"kind": "train", "step": step, "loss": stats.losses[-1], "total_loss": stats.total,
+                      "step_losses": stats.losses, "refinement": refinement(stats.losses),
+                      "state": [[round(v, 5) for v in row] for row in stats.state], "grad_norm": stats.grad_norm,
+                      "lr_multiplier": lrm, "dt": dt, "tok_per_sec": tok_per_sec, "mfu": mfu, "peak_mem_gb": mem_gb,
+                      "elapsed_s": elapsed(), "cost": control.cost() or None}
+            metrics.log(record)
+            print0(metrics.format_step(record, num_iterations))
+
+        # ---- the run: at each step boundary save, evaluate and sample when due; stop, or train one more step
         step, flags = start_step, control.agree(device)  # a budget spent or a signal before the first step
         while True:
             last_step = step == num_iterations
@@ -196,18 +195,8 @@ def train(args):
                 stop and resume is None)
             if save_due:
                 save(step)  # before evaluation, so a failing eval can never cost the checkpoint
-            hurry = bool(flags["signal"])  # after a signal, only the checkpoint: the grace period is short
-            if not hurry and (last_step or stop or (args.eval_every and step % args.eval_every == 0)):
-                val_bpb, val_state = validation_bpb(published, tokenizer, args, device, rank, world_size,
-                                                    token_bytes)
-                if val_bpb:
-                    last_eval_step = step
-                    metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb,
-                                 "val_refinement": refinement(val_bpb), "state": val_state})
-                    if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
-                        update_checkpoint_bpb(args.model_tag, step, val_bpb)
-            if rank == 0 and not hurry and (last_step or stop or (args.sample_every and step % args.sample_every == 0)):
-                run_samples(published, tokenizer, args, metrics, step)
+            if not flags["signal"]:  # after a signal, only the checkpoint: the grace period is short
+                evaluate_and_sample(step, due=last_step or stop)
             if rank == 0 and save_due:
                 removed = ckpt.prune_checkpoints(args.model_tag, args.keep_last)
                 if removed:
@@ -216,66 +205,14 @@ def train(args):
                     backup.submit(step)
             if last_step or stop:
                 break
-
-            # ---- one optimizer step
             t0 = time.time()
-            n_sup = model.train_depth(step)
-            sums = torch.zeros(1 + 5 * n_sup, device=device)  # total loss, the step losses, state diagnostics
-            try:
-                for j, loader in enumerate(loaders):
-                    x, y = prefetched if j == 0 else next(loader)
-                    with autocast_for(args.device_type, args.dtype):
-                        loss, aux = model.forward_backward(x, y, loss_scale=1 / args.grad_accum, n_sup=n_sup)
-                    sums += torch.cat([loss.view(1), aux["step_losses"], aux["state"].flatten()]).float()
-                # the next step's first batch, tokenized while the device still works on this one
-                consumed = [loader.state_dict() for loader in loaders]  # what a checkpoint resumes from
-                prefetched = next(loaders[0]) if step + 1 < num_iterations else None
-                sq_grad_norm = reduce_gradients(optimizers)
-            except torch.OutOfMemoryError:
-                raise ExitWithMessage(oom_message(args), code=4)
-            # the means over micro-steps and ranks, the squared gradient norm, and every rank's stop/save flags:
-            # one all_reduce and the step's one host sync
-            values, flags = control.reduce(torch.cat([sums / (args.grad_accum * world_size), sq_grad_norm.view(1)]))
-            total, losses, state = values[0], values[1:1 + n_sup], values[1 + n_sup:-1]
-            grad_norm = math.sqrt(values[-1]) if values[-1] >= 0 else float("nan")
-            if not all(math.isfinite(v) for v in losses + [total]):
-                path = os.path.join(run_dir, f"nan_diagnostic_step{step:06d}.json")
-                if rank == 0:
-                    write_nan_diagnostic(path, step, losses, history, model_config)
-                raise ExitWithMessage(f"loss is NaN/Inf at step {step} (per-step losses {losses}); stopped without "
-                                      f"saving, the last good checkpoint is untouched. Diagnostic: {path}", code=3)
-            lrm = lr_multiplier(step, num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac)
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = group["initial_lr"] * lrm
-            for group in optimizers[1].param_groups:
-                group["momentum"] = muon_momentum(step)
-            clipped_step(optimizers, grad_norm, args.grad_clip)  # skipped when the norm is not finite
-            model.zero_grad(set_to_none=True)
-            if not math.isfinite(grad_norm):
-                raise ExitWithMessage(f"gradient norm is {grad_norm} at step {step}: the update was skipped and the "
-                                      f"run stopped; lower --matrix_lr or use a milder --preset, then --resume", code=3)
-            if ema:
-                ema.update_parameters(model)
+            stats, flags, lrm = optimizer_step(step)
             # no device sync for the clock: the optimizer's kernels still running now are waited for by the next
             # step's sync, so in a steady state dt is a whole step
             dt = time.time() - t0
             step += 1
             lifecycle.tame_garbage_collector(first_step=step == start_step + 1, step=step)
-
-            # ---- log
-            history.append({"step": step, "step_losses": losses})
-            health.check(step, losses, grad_norm)
-            tok_per_sec = tokens_per_step / dt
-            mfu = flops_per_token * tok_per_sec / (peak_flops * world_size) if peak_flops else None
-            mem_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-            record = {"kind": "train", "step": step, "loss": losses[-1], "total_loss": total, "step_losses": losses,
-                      "refinement": refinement(losses), "state": [[round(v, 5) for v in state[4 * s:4 * s + 4]]
-                                                                  for s in range(n_sup)],
-                      "grad_norm": grad_norm, "lr_multiplier": lrm, "dt": dt, "tok_per_sec": tok_per_sec,
-                      "mfu": mfu, "peak_mem_gb": mem_gb, "elapsed_s": elapsed(), "cost": control.cost() or None}
-            metrics.log(record)
-            print0(metrics.format_step(record, num_iterations))
+            log_step(step, stats, lrm, dt)
 
         if rank == 0:
             write_summary(run_dir, args, step, elapsed(), price_per_hour, model, tokenizer.fingerprint())
@@ -283,9 +220,107 @@ def train(args):
         if args.backup_dir:  # every rank: the others wait in short collectives while rank 0's uploads drain
             run_on_rank0(backup.close if backup else None, rank)
     if control.exit_code(flags):
-        raise ExitWithMessage(f"stopped at step {step} by {stop}: the checkpoint is saved; continue with the same "
+        raise Exit(f"stopped at step {step} by {stop}: the checkpoint is saved; continue with the same "
                               f"command and --resume", code=control.exit_code(flags))
     return step
+
+
+# ---------------------------------------------------------------------------------------------------- its stages
+def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
+    print0(f"model config ({args.model_tag}):")
+    for name, value in model.config.to_dict().items():
+        print0(f"  {name:26s} = {value!s:14s} ({args.config_sources.get(name, 'tokenizer')})")
+    print0(f"parameters: {model.num_params():,}   FLOPs per token (training step): {model.estimate_flops():.3e}")
+    print0(f"batch: {args.world_size} processes x {args.device_batch_size} x {args.max_seq_len} tokens x "
+           f"{args.grad_accum} accumulation = {tokens_per_step:,} tokens per step")
+    for note in args.batch_notes:
+        print0(f"  {note}")
+    print0(f"horizon: {num_iterations} steps ({horizon_source}), {num_iterations * tokens_per_step:,} tokens")
+
+
+def start_or_resume(args, model_config, tokenizer, rank):
+    """The resume point (step, meta, weights, rank state), checked against this run; or None for a fresh run, on a tag
+    that holds no other run (--overwrite moves one aside). Every check passes before anything is written."""
+    resuming = args.resume or args.resume_from_step is not None
+    try:
+        if args.backup_dir:
+            ckpt.Backup.location(args.backup_dir, args.model_tag)  # a bad URL stops here, not after the first save
+        if not resuming:
+            found = ckpt.check_fresh_start(args.model_tag, args.overwrite, args.backup_dir)
+            if args.overwrite:  # on every rank, so the ranks wait for rank 0's move together
+                error = None
+                if rank == 0 and found:
+                    try:
+                        print0(f"--overwrite: moved the previous run ({found}) to {ckpt.move_aside(args.model_tag)}")
+                    except OSError as e:
+                        error = e
+                raise_if_any_rank_failed(error, "moving the previous run aside")
+            return None
+        which = args.resume_from_step if args.resume_from_step is not None else "latest"
+        point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir)
+        step, meta = point.step, point.meta
+        ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {args.model_tag} step {step}")
+    except (ckpt.CheckpointError, RankFailure) as e:
+        raise Exit(f"cannot {'resume' if resuming else 'start'}: {e}")
+    diffs = ckpt.resume_differences(meta, model_config, batch_geometry(args))
+    if diffs:
+        raise Exit(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
+                              f"different configuration:\n  " + "\n  ".join(diffs) +
+                              "\nPass the checkpoint's values, or start a new run with another --model_tag.")
+    return point
+
+
+class StepStats(NamedTuple):
+    """One optimizer step's numbers, averaged over micro-steps and ranks: the total (weighted) loss, every
+    supervision step's loss, the recursion's state diagnostics per step (gpt.STATE_DIAGNOSTICS) and the gradient
+    norm. They travel packed in one tensor, so the step reads the device once."""
+    total: float
+    losses: list
+    state: list
+    grad_norm: float
+
+    @staticmethod
+    def size(n_sup):
+        return 1 + n_sup + len(STATE_DIAGNOSTICS) * n_sup  # the gradient norm is appended after the reduction
+
+    @staticmethod
+    def pack(loss, aux):
+        return torch.cat([loss.view(1), aux["step_losses"], aux["state"].flatten()]).float()
+
+    @classmethod
+    def unpack(cls, values, n_sup):
+        width = len(STATE_DIAGNOSTICS)
+        state = values[1 + n_sup:-1]
+        return cls(values[0], values[1:1 + n_sup], [state[width * s:width * (s + 1)] for s in range(n_sup)],
+                   math.sqrt(values[-1]) if values[-1] >= 0 else float("nan"))
+
+
+def set_schedule(optimizers, lr_multiplier, momentum):
+    """This step's learning rates (every group's initial lr x the multiplier) and Muon's momentum."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lr_multiplier
+        if isinstance(opt, Muon):  # DistMuon too
+            for group in opt.param_groups:
+                group["momentum"] = momentum
+
+
+def write_nan_diagnostic(path, step, losses, history, model_config):
+    record = {"step": step, "step_losses": losses, "last_good": history[-5:], "model_config": model_config,
+              "advice": "Lower --matrix_lr (2x), use a milder --preset (extreme -> aggressive), keep --grad_clip=1.0,"
+                        " and resume from the last good checkpoint with --resume."}
+    atomic_write_bytes(path, json.dumps(record, indent=2).encode())
+
+
+def oom_message(args):
+    smaller = max(1, args.device_batch_size // 2)
+    accum = args.grad_accum * args.device_batch_size // smaller
+    return (f"CUDA out of memory at --device_batch_size={args.device_batch_size}, --max_seq_len={args.max_seq_len}, "
+            f"--depth={args.depth}. Lower --device_batch_size (e.g. {smaller}) with --gradient_accumulation_steps="
+            f"{accum} to keep the same effective batch; or lower --max_seq_len or --depth; or turn on "
+            f"--activation_checkpointing"
+            + ("" if args.model_config["detach_between_steps"] else
+               ", or --detach_between_steps (one supervision step's activations alive at a time)") + ".")
 
 
 def run_samples(model, tokenizer, args, metrics, step):
@@ -319,10 +354,10 @@ def main(argv=None):
     lifecycle.configure_cuda_allocator()
     try:
         train(args)
-    except (ExitWithMessage, MetricsError) as e:
+    except (Exit, MetricsError) as e:
         print(f"base_train: {e}", file=sys.stderr, flush=True)
         compute_cleanup()
-        sys.exit(getattr(e, "code", 1))
+        sys.exit(getattr(e, "exit_code", 1))
     compute_cleanup(together=True)
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
-from nanochat.cli import OneLineErrors, underscore_flags
+from nanochat.cli import Exit, OneLineErrors, underscore_flags
 from nanochat import train_config
 from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init, distributed,
                              get_dist_info, print0)
@@ -124,7 +124,7 @@ def base_args(name, flags, world_size):
     try:
         return train_config.parse_args(flags, world_size=world_size, check_hardware=False)
     except SystemExit as e:
-        raise SystemExit(f"compare: config {name}: {e}")
+        raise Exit(f"compare: config {name}: {e}")
 
 
 def is_trm(args):
@@ -154,7 +154,7 @@ def matched_plain(trm, vocab_size, world_size, by):
         if run["flops_per_token"] >= target:
             break
     if abs(best["flops_per_token"] / target - 1) > 0.1:
-        raise SystemExit(f"compare: no plain model within 10% of {trm['name']}'s {target:.3e} FLOPs per token by "
+        raise Exit(f"compare: no plain model within 10% of {trm['name']}'s {target:.3e} FLOPs per token by "
                          f"{by} (closest {best['flops_per_token']:.3e}); try --match_by="
                          f"{'width' if by == 'depth' else 'depth'}")
     best["matches"] = trm["name"]
@@ -166,13 +166,13 @@ def plan(args, vocab_size, world_size):
     runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
     data_order = {r["name"]: {**batch_geometry(r["args"]), "seed": r["args"].seed} for r in runs}
     if len({json.dumps(v, sort_keys=True) for v in data_order.values()}) > 1:  # the batches depend on exactly these
-        raise SystemExit("compare: every config must see the same tokens in the same order, so batch flags and "
+        raise Exit("compare: every config must see the same tokens in the same order, so batch flags and "
                          "--seed belong after the second `--`, not in a config: " +
                          "; ".join(f"{name} {v}" for name, v in data_order.items()))
     if args.mode == "params":
         trms = [r for r in runs if is_trm(r["args"])]
         if not trms:
-            raise SystemExit("compare: --mode=params needs at least one TRM config to match")
+            raise Exit("compare: --mode=params needs at least one TRM config to match")
         matched = {}
         for trm in trms:
             run = matched_plain(trm, vocab_size, world_size, args.match_by)
@@ -205,10 +205,10 @@ def train(run, world_size):
     # an interrupted config resumes; one stopped before its first save starts over (its partial files moved aside)
     rc, received = run_base_train(argv + (["--resume"] if steps else ["--overwrite"]))
     if received:
-        raise SystemExit(f"compare: stopped by {received.name} during {run['name']}; run the same command again to "
+        raise Exit(f"compare: stopped by {received.name} during {run['name']}; run the same command again to "
                          f"continue where it stopped")
     if rc:
-        raise SystemExit(f"compare: {run['name']}: base_train failed with exit code {rc} (its message is above)")
+        raise Exit(f"compare: {run['name']}: base_train failed with exit code {rc} (its message is above)")
 
 
 def run_base_train(argv):
@@ -236,7 +236,7 @@ def inference_sweep(run, max_sup, device, rank, world_size):
     from nanochat.tokenizer import get_token_bytes
     bpb, state = validation_bpb(model, tokenizer, args, device, rank, world_size, get_token_bytes(device=device))
     if bpb is None:
-        raise SystemExit(f"compare: {run['name']}: the inference evaluation failed (see the warning above)")
+        raise Exit(f"compare: {run['name']}: the inference evaluation failed (see the warning above)")
     return [{"n_sup": k + 1, "flops_per_token": run["model"].estimate_flops(n_sup=k + 1, backward=False),
              "val_bpb": b, **dict(zip(STATE_DIAGNOSTICS, row))} for k, (b, row) in enumerate(zip(bpb, state))]
 
@@ -311,7 +311,7 @@ def plot(report, out):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("compare: matplotlib is not installed; pip install -e '.[plot]'")
+        raise Exit("compare: matplotlib is not installed; pip install -e '.[plot]'")
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for r in report["runs"]:
         evals = r["evals"][1:]  # step 0 is the same untrained model for every config
@@ -357,7 +357,7 @@ def main(argv=None):
     world_size = get_dist_info()[3]
     missing = data_problem()
     if missing:
-        raise SystemExit(f"compare: {missing}")
+        raise Exit(f"compare: {missing}")
     from nanochat.tokenizer import get_tokenizer
     runs = plan(args, get_tokenizer().get_vocab_size(), world_size)
     _, rank, _, _, device = compute_init(args.device_type)

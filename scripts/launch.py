@@ -33,7 +33,7 @@ import sys
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle, memory, multinode, preflight
-from nanochat.cli import ArgumentParser
+from nanochat.cli import ArgumentParser, Exit
 from nanochat.common import LAUNCH_TABLE_DEVICES, get_base_dir, gpu_peak_flops
 from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
@@ -75,21 +75,13 @@ def env_int(name, default, low=1, high=None, why=""):
     value = env(name, default)
     if not str(value).isdigit() or int(value) < low or (high is not None and int(value) > high):
         bounds = f"from {low} to {high}" if high is not None else f">= {low}"
-        raise Stop(f"{name}={value!r} must be an integer {bounds}{why}")
+        raise Exit(f"{name}={value!r} must be an integer {bounds}{why}", code=2)
     return int(value)
 
 
 def processes(key):
     """(processes per node, nodes)."""
     return env_int("NPROC", HARDWARE[key]["gpus"]), env_int("NNODES", 1)
-
-
-class Stop(Exception):
-    """Stop with a message for the user and an exit code."""
-
-    def __init__(self, message, code=2):
-        super().__init__(message)
-        self.code = code
 
 
 # ---------------------------------------------------------------------------------------------------- hardware
@@ -132,8 +124,8 @@ def torchrun_prefix(nproc, nnodes):
         return ["torchrun", "--standalone", f"--nproc_per_node={nproc}"]
     missing = [name for name in ("NODE_RANK", "MASTER_ADDR") if env(name) is None]
     if missing:
-        raise Stop(f"NNODES={nnodes} also needs {' and '.join(missing)}: set NODE_RANK=0..{nnodes - 1} (0 on the node "
-                   f"at MASTER_ADDR) and MASTER_ADDR=<address of node 0 reachable from every node>")
+        raise Exit(f"NNODES={nnodes} also needs {' and '.join(missing)}: set NODE_RANK=0..{nnodes - 1} (0 on the node "
+                   f"at MASTER_ADDR) and MASTER_ADDR=<address of node 0 reachable from every node>", code=2)
     node_rank = env_int("NODE_RANK", None, low=0, high=nnodes - 1, why=f" (this node's index of NNODES={nnodes})")
     port = env_int("MASTER_PORT", 29500, high=65535, why=" (a TCP port free on node 0)")
     return ["torchrun", f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={env('MASTER_ADDR')}",
@@ -151,15 +143,15 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
     if given & {"gradient_accumulation_steps", "total_batch_size"}:
         return {}, ["batch geometry set by your flags: the table's effective batch is not enforced"]
     if sequences % world:
-        raise Stop(f"the table's effective batch of {sequences} sequences does not split over {world} processes; "
-                   f"pass --device_batch_size and --gradient_accumulation_steps yourself")
+        raise Exit(f"the table's effective batch of {sequences} sequences does not split over {world} processes; "
+                   f"pass --device_batch_size and --gradient_accumulation_steps yourself", code=2)
     per_rank = sequences // world
     args = parse_args(argv, world_size=world, check_hardware=False)
     if "device_batch_size" in given:
         b = args.device_batch_size
         if per_rank % b:
-            raise Stop(f"--device_batch_size={b} does not divide the {per_rank} sequences each process needs per step "
-                       f"(the table's {sequences} over {world} processes); pick a divisor of {per_rank}")
+            raise Exit(f"--device_batch_size={b} does not divide the {per_rank} sequences each process needs per step "
+                       f"(the table's {sequences} over {world} processes); pick a divisor of {per_rank}", code=2)
         return {"gradient_accumulation_steps": per_rank // b}, [
             f"accumulation {accum} -> {per_rank // b} keeps the table's {sequences} sequences at your device batch {b}"]
     config = model_config(args, vocab_size)
@@ -167,7 +159,7 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
     b, why = fit_device_batch(args, per_rank, max_batch=batch, memory_at=(memory_bytes, "the launcher's budget"),
                               allow_checkpointing="activation_checkpointing" not in given)
     if b is None:
-        raise Stop(f"{why} (with activation checkpointing); lower DEPTH, --max_seq_len or --n_sup_train")
+        raise Exit(f"{why} (with activation checkpointing); lower DEPTH, --max_seq_len or --n_sup_train", code=2)
     flags, notes = {"device_batch_size": b, "gradient_accumulation_steps": per_rank // b}, []
     if args.model_config["activation_checkpointing"] and not config.activation_checkpointing:
         flags["activation_checkpointing"] = "true"
@@ -438,7 +430,7 @@ def check_criteria(summary, phase):
 def read_summary(model_tag):
     path = summary_path(os.path.join(get_base_dir(), "base_checkpoints", model_tag))
     if not os.path.exists(path):
-        raise Stop(f"no {path}: the run {model_tag} has not finished (train it with its scripts/train_*.sh)", code=1)
+        raise Exit(f"no {path}: the run {model_tag} has not finished (train it with its scripts/train_*.sh)", code=1)
     with open(path) as f:
         return json.load(f)
 
@@ -467,17 +459,17 @@ def run(cmd):
     checkpoint), then so does the script, with 128 + the signal number."""
     rc, received = lifecycle.run_child(cmd)
     if received:
-        raise Stop(f"stopped by {received.name} during {shlex.join(cmd[:4])} ...; run the same command again to "
+        raise Exit(f"stopped by {received.name} during {shlex.join(cmd[:4])} ...; run the same command again to "
                    f"continue where it stopped", code=128 + received.value)
     if rc:
-        raise Stop(f"{shlex.join(cmd[:4])} ... failed with exit code {rc}", code=rc)
+        raise Exit(f"{shlex.join(cmd[:4])} ... failed with exit code {rc}", code=rc)
 
 
 def train(key, phase, extra):
     nproc = processes(key)[0]
     device_type = env("DEVICE_TYPE", "cuda")
     if env("DATASET", "fineweb") not in ("fineweb", "builtin"):
-        raise Stop(f"DATASET={env('DATASET')!r}: use fineweb (the default) or builtin")
+        raise Exit(f"DATASET={env('DATASET')!r}: use fineweb (the default) or builtin", code=2)
     gpus = detect_gpus() if device_type == "cuda" else []
     vocab = tokenizer_vocab()
     have_tokenizer = vocab is not None
@@ -504,14 +496,14 @@ def train(key, phase, extra):
         print("DRY_RUN=1: nothing was run" + (" (the preflight above would stop a real run)" if problems else ""))
         return 0
     if problems and not env_flag("FORCE"):
-        raise Stop("preflight failed, nothing was run or downloaded:\n  " + "\n  ".join(problems) +
-                   "\nFix it as above, or set FORCE=1 to go on anyway.")
+        raise Exit("preflight failed, nothing was run or downloaded:\n  " + "\n  ".join(problems) +
+                   "\nFix it as above, or set FORCE=1 to go on anyway.", code=2)
     nnodes, prepared = processes(key)[1], {"dataset": env("DATASET", "fineweb"), "shards": PHASES[phase]["shards"]}
     waited = multinode.prepare_on_node0(lambda: prepare(phase, data, have_tokenizer, vocab), prepared, nnodes,
                                         env_int("NODE_RANK", 0, low=0),
                                         env_int(multinode.WAIT_ENV, multinode.DEFAULT_WAIT_S))
     if waited:
-        raise Stop(waited, code=1)
+        raise Exit(waited, code=1)
     run(cmd)
     if env("NODE_RANK", "0") == "0":  # node 0 ran rank 0, which wrote the summary
         print(criteria_report(args.model_tag, phase)[0])
@@ -551,7 +543,7 @@ def detect(gpus_wanted):
         key = "8xH100"
     if key not in HARDWARE or HARDWARE[key]["gpus"] != gpus_wanted:
         rows = ", ".join(k for k, v in HARDWARE.items() if v["gpus"] == gpus_wanted)
-        raise Stop(f"found {key or describe(detect_gpus())}; this needs one of {rows} (HARDWARE= overrides the "
+        raise Exit(f"found {key or describe(detect_gpus())}; this needs one of {rows} (HARDWARE= overrides the "
                    f"detection); for other hardware use the scripts/train_*.sh with NPROC=", code=1)
     print(key)
     return 0
@@ -599,9 +591,9 @@ def main(argv=None):
         if args.command == "detect":
             return detect(args.gpus)
         return report(args.runs, args.out)
-    except Stop as e:
+    except Exit as e:
         print(f"launch: {e}", file=sys.stderr, flush=True)
-        return e.code
+        return e.exit_code
     except KeyboardInterrupt:
         print("launch: interrupted", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT

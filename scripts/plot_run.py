@@ -18,7 +18,7 @@ import os
 import sys
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat.cli import ArgumentParser
+from nanochat.cli import ArgumentParser, Exit
 from nanochat.health import smooth
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import MetricsError, read_metrics
@@ -147,7 +147,7 @@ def figure(run_dir):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("plot_run: matplotlib is not installed; pip install -e '.[plot]' (or pip install matplotlib)")
+        raise Exit("plot_run: matplotlib is not installed; pip install -e '.[plot]' (or pip install matplotlib)")
     records = read_metrics(run_dir)
     train, evals = records["train"], records["eval"]
     if not train:
@@ -193,7 +193,7 @@ def main(argv=None):
     try:
         print(f"plot: {plot(run_dir, args.out or os.path.join(run_dir, 'training.png'))}")
     except MetricsError as e:
-        raise SystemExit(f"plot_run: {e}")
+        raise Exit(f"plot_run: {e}")
 
 
 if __name__ == "__main__":

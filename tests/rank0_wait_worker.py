@@ -55,7 +55,7 @@ def steps(backup_url):
     print(f"rank {rank}: saved steps {ckpt.list_steps('slow')}", flush=True)
     run_on_rank0(lambda: move_to_backup("slow", 1, backup_url), rank)
     ckpt.Backup.restore = slowly(ckpt.Backup.restore)
-    step = ckpt.load_resume_point("slow", "latest", rank, backup_url)[0]
+    step = ckpt.load_resume_point("slow", "latest", rank, backup_url).step
     print(f"rank {rank}: resumed from step {step}", flush=True)
     compute_cleanup(together=True)
 

@@ -41,8 +41,8 @@ LOSS = [
     ("--max_seq_len=100000", "--max_seq_len=100000 is longer than the 32-token context"),
 ]
 LAUNCH = [
-    ({"VOCAB_SIZE": "10"}, "VOCAB_SIZE='10' must be an integer >= 265"),
-    ({"VOCAB_SIZE": "lots"}, "VOCAB_SIZE='lots' must be an integer >= 265"),
+    ({"VOCAB_SIZE": "10"}, "VOCAB_SIZE='10' must be an integer from 265 to 1048576"),
+    ({"VOCAB_SIZE": "lots"}, "VOCAB_SIZE='lots' must be an integer from 265 to 1048576"),
     ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"}, "NODE_RANK='2' must be an integer from 0 to 1"),
     ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "abc"},
      "MASTER_PORT='abc' must be an integer from 1 to 65535"),

@@ -65,7 +65,7 @@ def test_rng_is_restored_when_the_run_is_on_a_non_cpu_device(base):
     expected = (torch.rand(4), random.random())
     torch.manual_seed(123), random.seed(123)  # anything else
     point = ckpt.load_resume_point("rng", "latest", rank=0)
-    model = ckpt.build_model(point[1]["model_config"], torch.device("meta"))
+    model = ckpt.build_model(point.meta["model_config"], torch.device("meta"))
     ckpt.restore(point, model, model.setup_optimizers())
     assert torch.equal(torch.rand(4), expected[0]) and random.random() == expected[1]
 

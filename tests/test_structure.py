@@ -5,7 +5,6 @@ import ast
 import glob
 import os
 
-import pytest
 
 from tests.helpers import ROOT
 
