@@ -105,3 +105,16 @@ def stderr_capture(monkeypatch, terminal):
 
 def shard_texts(path):
     return pq.read_table(path, columns=["text"]).column("text").to_pylist()
+
+
+def launcher_in_process(monkeypatch, base_dir, gpu_name):
+    """scripts.launch in this process on a stand-in node of 8 such GPUs, with the commands it would run recorded
+    (returned) instead of run, and the caller's launch environment cleared."""
+    from scripts import launch
+    for name in OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    monkeypatch.setattr(launch, "detect_gpus", lambda: [(gpu_name, 80e9)] * 8)
+    ran = []
+    monkeypatch.setattr(launch, "run", ran.append)
+    return ran

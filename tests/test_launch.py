@@ -15,7 +15,7 @@ import pytest
 from scripts import launch
 from tests import processes
 from nanochat.train_config import parse_args
-from tests.helpers import OVERRIDES, ROOT
+from tests.helpers import OVERRIDES, ROOT, launcher_in_process
 
 # The issue's table, written out again so the test does not check the launcher against itself:
 # script -> (GPUs, phase -> (batch per GPU, accumulation))
@@ -161,12 +161,7 @@ def test_preflight_predicts_oom_with_the_fix(tmp_path):
 
 def test_force_goes_on_past_a_failed_preflight(tmp_path, monkeypatch, capsys):
     """In process, with the commands recorded instead of run: FORCE=1 reaches data, tokenizer and torchrun."""
-    for name in OVERRIDES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
-    monkeypatch.setattr(launch, "detect_gpus", lambda: [("NVIDIA A100-SXM4-80GB", 80e9)] * 8)
-    ran = []
-    monkeypatch.setattr(launch, "run", ran.append)
+    ran = launcher_in_process(monkeypatch, tmp_path, "NVIDIA A100-SXM4-80GB")
     assert launch.main(["train", "8xH100", "fast"]) == 2 and not ran
     monkeypatch.setenv("FORCE", "1")
     assert launch.main(["train", "8xH100", "fast"]) == 1  # the recorded torchrun wrote no summary.json

@@ -15,7 +15,7 @@ import torch
 from nanochat import multinode, preflight
 from scripts import launch
 from tests import processes
-from tests.test_launch import OVERRIDES
+from tests.helpers import OVERRIDES, launcher_in_process
 
 PIP_FIX = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu124"
 BUILD_FIX = "apt-get install build-essential python3-dev"
@@ -143,13 +143,7 @@ def test_this_machine_without_a_gpu_gets_one_line():
 @pytest.fixture
 def launch_env(tmp_path, monkeypatch):
     """scripts.launch in process on an 8xH100 node (stand-in), with the commands it would run recorded."""
-    for name in OVERRIDES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
-    monkeypatch.setattr(launch, "detect_gpus", lambda: [("NVIDIA H100 80GB HBM3", 80e9)] * 8)
-    ran = []
-    monkeypatch.setattr(launch, "run", ran.append)
-    return ran
+    return launcher_in_process(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3")
 
 
 def test_the_launcher_stops_on_a_cuda_problem_before_any_download(launch_env, monkeypatch, capsys):
