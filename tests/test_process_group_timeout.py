@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from nanochat import common
 from tests import processes
-from tests.test_base_train import ROOT, TINY, ckpt_dir
+from tests.helpers import ROOT, TINY, ckpt_dir
 
 TIMEOUT_S = "5"  # the process group's; rank 0's slow steps take 3x as long
 HANG = 240  # seconds: far above what the runs take here, so only a hang reaches it
