@@ -116,3 +116,32 @@ def test_flags_budgets_and_save_cadence():
     control.signals.received = signal.SIGTERM
     flags = control.agree(torch.device("cpu"))
     assert control.stop_reason(flags) == "SIGTERM received (rank 0)" and control.exit_code(flags) == 143
+
+
+def test_the_allocator_gets_expandable_segments_unless_the_user_set_one(monkeypatch):
+    from nanochat.lifecycle import configure_cuda_allocator
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    configure_cuda_allocator()
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    configure_cuda_allocator()
+    assert "PYTORCH_ALLOC_CONF" not in os.environ
+
+
+def test_the_garbage_collector_is_frozen_after_the_first_step_and_collected_by_hand(monkeypatch):
+    import gc
+    from nanochat import lifecycle
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda: collected.append(1) or 0)
+    try:
+        lifecycle.tame_garbage_collector(first_step=True, step=1)
+        assert not gc.isenabled() and gc.get_freeze_count() > 0 and collected == [1]
+        lifecycle.tame_garbage_collector(first_step=False, step=2)
+        assert collected == [1]
+        lifecycle.tame_garbage_collector(first_step=False, step=lifecycle.GC_EVERY_STEPS)
+        assert collected == [1, 1]
+    finally:
+        gc.unfreeze()
+        gc.enable()
