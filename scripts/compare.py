@@ -164,6 +164,14 @@ def matched_plain(trm, vocab_size, world_size, by):
 def plan(args, vocab_size, world_size):
     """Every run of the comparison with its parameters, FLOPs per token, iterations, tokens and training FLOPs."""
     runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
+    given = {f.split("=")[0] for f in underscore_flags(args.shared)}
+    if not given & {"--total_batch_size", "--gradient_accumulation_steps", "--device_batch_size"}:
+        # base_train's automatic batch depends on the model: pin one batch, the reference total in the smallest
+        # device batch that fits every config, so all of them see the same tokens in the same order
+        args.shared = args.shared + [f"--total_batch_size={train_config.B_REF}"]
+        runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
+        args.shared.append(f"--device_batch_size={min(r['args'].device_batch_size for r in runs)}")
+        runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
     data_order = {r["name"]: {**batch_geometry(r["args"]), "seed": r["args"].seed} for r in runs}
     if len({json.dumps(v, sort_keys=True) for v in data_order.values()}) > 1:  # the batches depend on exactly these
         raise Exit("compare: every config must see the same tokens in the same order, so batch flags and "

@@ -181,3 +181,11 @@ def test_bad_input_exits_with_a_clear_message(base_dir, tmp_path, argv, message,
     assert exit_info.value.code not in (0, None)
     assert message in str(exit_info.value.code) + capsys.readouterr().err
     assert not os.path.exists(tmp_path / "results")
+
+
+def test_without_batch_flags_every_config_gets_one_pinned_batch():
+    # base_train's automatic batch grows with the model; a comparison must feed every config the same batches
+    runs = plan("--mode=params", "--config", "plain=--n_loops=0 --n_sup_train=1", "--config",
+                "trm=--n_loops=2 --n_sup_train=4", "--device_type=cuda", "--", "--depth=4", "--device_memory_gb=80")
+    geometries = {json.dumps(compare.batch_geometry(r["args"]), sort_keys=True) for r in runs}
+    assert len(geometries) == 1 and runs[0]["args"].total_batch_size == 524288
