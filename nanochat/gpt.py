@@ -187,8 +187,14 @@ def backward(tensors, grads=None):
         torch.autograd.backward(tensors, grads)
 
 
+def refinement(values):
+    """(first - last) / first: the fraction of the first draft's loss that the later steps removed (per-step losses,
+    a list or a tensor: no branch on the values, so a tensor's costs no host sync)."""
+    return (values[0] - values[-1]) / values[0]
+
+
 def loss_aux(step_losses):
-    return {"step_losses": step_losses, "refinement": (step_losses[0] - step_losses[-1]) / step_losses[0]}
+    return {"step_losses": step_losses, "refinement": refinement(step_losses)}
 
 
 STATE_DIAGNOSTICS = ("rms_y", "rms_z", "rms_update", "cos_update_y")

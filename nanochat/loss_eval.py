@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from nanochat import gpt
 from nanochat.common import RankFailure, distributed, print0, progress_bar, raise_if_any_rank_failed, reduce_with_flags
 
 
@@ -18,8 +19,9 @@ def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None):
     rank returns the same numbers; a failure on any rank raises RankFailure on every rank, naming rank and cause.
     """
     n = n_sup or model.config.n_sup_train  # what model(x, y) runs when n_sup is None
-    # nats of each step, bytes, then the state diagnostics (4 per step)
-    sums = torch.zeros(n + 1 + 4 * n, dtype=torch.float64, device=token_bytes.device)
+    # nats of each step, bytes, then the state diagnostics (gpt.STATE_DIAGNOSTICS per step)
+    width = len(gpt.STATE_DIAGNOSTICS)
+    sums = torch.zeros(n + 1 + width * n, dtype=torch.float64, device=token_bytes.device)
     error = None
     try:
         batches = batches() if callable(batches) else batches
@@ -40,7 +42,7 @@ def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None):
     raise_if_any_rank_failed(error, "evaluation", failed)
     nats, nbytes = sums[:n], sums[n]
     world = torch.distributed.get_world_size() if distributed() else 1
-    state = (sums[n + 1:] / world).view(n, 4).tolist()
+    state = (sums[n + 1:] / world).view(n, width).tolist()
     return [(v / (math.log(2) * nbytes)).item() for v in nats], state
 
 
@@ -52,8 +54,8 @@ def format_state(state):
 
 
 def refinement(values):
-    """(first - last) / first: the fraction of the first draft's loss that the later steps removed."""
-    return (values[0] - values[-1]) / values[0] if values and values[0] else 0.0
+    """gpt.refinement of a list of per-step numbers, 0 for none (or a first value of 0)."""
+    return gpt.refinement(values) if values and values[0] else 0.0
 
 
 def format_steps(values, digits=4, names=False):
