@@ -29,6 +29,7 @@ import json
 import os
 import socket
 import sys
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -119,6 +120,25 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
+@dataclass
+class Run:
+    """One config of the comparison: its flags and parsed base_train arguments, its model on the meta device and
+    counts; plan() fills in the budget (iterations, tokens, training FLOPs) and the base_train command and tag."""
+    name: str
+    flags: list
+    args: argparse.Namespace
+    model: object
+    parameters: int
+    flops_per_token: float
+    tokens_per_step: int
+    matches: str | None = None  # params mode: the TRM config this plain model matches
+    iterations: int | None = None
+    tokens: int | None = None
+    train_flops: float | None = None
+    train_argv: list | None = None
+    tag: str | None = None
+
+
 def base_args(name, flags, world_size):
     """base_train's parsed arguments for one config; bad flags exit naming the config."""
     try:
@@ -134,30 +154,29 @@ def is_trm(args):
 def make_run(name, flags, shared, vocab_size, world_size):
     args = base_args(name, shared + flags, world_size)
     model = meta_model(model_config(args, vocab_size))
-    return {"name": name, "flags": shared + flags, "args": args, "model": model, "parameters": model.num_params(),
-            "flops_per_token": model.estimate_flops(), "tokens_per_step": args.total_batch_size}
+    return Run(name, shared + flags, args, model, model.num_params(), model.estimate_flops(), args.total_batch_size)
 
 
 def matched_plain(trm, vocab_size, world_size, by):
     """The plain model of the TRM's width (depth) with more layers (heads) whose FLOPs per token come closest."""
-    c, target = trm["args"].model_config, trm["flops_per_token"]
+    c, target = trm.args.model_config, trm.flops_per_token
     head_dim, group = c["n_embd"] // c["n_head"], c["n_head"] // c["n_kv_head"]
     best = None
     for k in range(1, 1024):  # wider = more heads of the same size, keeping the GQA grouping
         depth, kv_heads = (k, c["n_kv_head"]) if by == "depth" else (c["n_layer"], k)
         geometry = [f"--depth={depth}", f"--n_embd={kv_heads * group * head_dim}", f"--n_head={kv_heads * group}",
                     f"--n_kv_head={kv_heads}"]
-        run = make_run(f"plain_{by[0]}{k}", trm["flags"] + geometry + ["--n_loops=0", "--n_sup_train=1",
+        run = make_run(f"plain_{by[0]}{k}", trm.flags + geometry + ["--n_loops=0", "--n_sup_train=1",
                                                                        "--T_recursion=1"], [], vocab_size, world_size)
-        if best is None or abs(run["flops_per_token"] - target) < abs(best["flops_per_token"] - target):
+        if best is None or abs(run.flops_per_token - target) < abs(best.flops_per_token - target):
             best = run
-        if run["flops_per_token"] >= target:
+        if run.flops_per_token >= target:
             break
-    if abs(best["flops_per_token"] / target - 1) > 0.1:
-        raise Exit(f"compare: no plain model within 10% of {trm['name']}'s {target:.3e} FLOPs per token by "
-                         f"{by} (closest {best['flops_per_token']:.3e}); try --match_by="
+    if abs(best.flops_per_token / target - 1) > 0.1:
+        raise Exit(f"compare: no plain model within 10% of {trm.name}'s {target:.3e} FLOPs per token by "
+                         f"{by} (closest {best.flops_per_token:.3e}); try --match_by="
                          f"{'width' if by == 'depth' else 'depth'}")
-    best["matches"] = trm["name"]
+    best.matches = trm.name
     return best
 
 
@@ -170,53 +189,53 @@ def plan(args, vocab_size, world_size):
         # device batch that fits every config, so all of them see the same tokens in the same order
         args.shared = args.shared + [f"--total_batch_size={train_config.B_REF}"]
         runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
-        args.shared.append(f"--device_batch_size={min(r['args'].device_batch_size for r in runs)}")
+        args.shared.append(f"--device_batch_size={min(r.args.device_batch_size for r in runs)}")
         runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
-    data_order = {r["name"]: {**batch_geometry(r["args"]), "seed": r["args"].seed} for r in runs}
+    data_order = {r.name: {**batch_geometry(r.args), "seed": r.args.seed} for r in runs}
     if len({json.dumps(v, sort_keys=True) for v in data_order.values()}) > 1:  # the batches depend on exactly these
         raise Exit("compare: every config must see the same tokens in the same order, so batch flags and "
                          "--seed belong after the second `--`, not in a config: " +
                          "; ".join(f"{name} {v}" for name, v in data_order.items()))
     if args.mode == "params":
-        trms = [r for r in runs if is_trm(r["args"])]
+        trms = [r for r in runs if is_trm(r.args)]
         if not trms:
             raise Exit("compare: --mode=params needs at least one TRM config to match")
         matched = {}
         for trm in trms:
             run = matched_plain(trm, vocab_size, world_size, args.match_by)
-            matched.setdefault(run["name"], run)
+            matched.setdefault(run.name, run)
         runs += matched.values()
     target = None
     if args.mode == "flops":
-        target = args.target_flops or args.num_iterations * max(r["flops_per_token"] * r["tokens_per_step"]
+        target = args.target_flops or args.num_iterations * max(r.flops_per_token * r.tokens_per_step
                                                                 for r in runs)
     for r in runs:
-        r["args"].num_iterations, r["args"].target_flops = (None, target) if target else (args.num_iterations, None)
-        r["iterations"] = num_iterations_for(r["args"], r["model"])[0]
-        r["tokens"] = r["iterations"] * r["tokens_per_step"]
-        r["train_flops"] = r["tokens"] * r["flops_per_token"]
-        eval_every = max(1, r["iterations"] // args.evals)
-        r["train_argv"] = r["flags"] + [f"--num_iterations={r['iterations']}", f"--eval_every={eval_every}",
+        r.args.num_iterations, r.args.target_flops = (None, target) if target else (args.num_iterations, None)
+        r.iterations = num_iterations_for(r.args, r.model)[0]
+        r.tokens = r.iterations * r.tokens_per_step
+        r.train_flops = r.tokens * r.flops_per_token
+        eval_every = max(1, r.iterations // args.evals)
+        r.train_argv = r.flags + [f"--num_iterations={r.iterations}", f"--eval_every={eval_every}",
                                         "--save_every_minutes=5", "--keep_last=1", f"--device_type={args.device_type}"]
         # the tag names the exact training, so a changed config never resumes another's checkpoints
-        r["tag"] = f"compare_{r['name']}_{hashlib.sha1(' '.join(r['train_argv']).encode()).hexdigest()[:8]}"
+        r.tag = f"compare_{r.name}_{hashlib.sha1(' '.join(r.train_argv).encode()).hexdigest()[:8]}"
     return runs
 
 
 # ---------------------------------------------------------------------------------------------------- one run
 def train(run, world_size):
-    argv = run["train_argv"] + [f"--model_tag={run['tag']}"]
-    steps = ckpt.list_steps(run["tag"])
-    if steps and steps[-1] == run["iterations"]:
-        print0(f"{run['name']}: training already finished, evaluating")
+    argv = run.train_argv + [f"--model_tag={run.tag}"]
+    steps = ckpt.list_steps(run.tag)
+    if steps and steps[-1] == run.iterations:
+        print0(f"{run.name}: training already finished, evaluating")
         return
     # an interrupted config resumes; one stopped before its first save starts over (its partial files moved aside)
     rc, received = run_base_train(argv + (["--resume"] if steps else ["--overwrite"]))
     if received:
-        raise Exit(f"compare: stopped by {received.name} during {run['name']}; run the same command again to "
+        raise Exit(f"compare: stopped by {received.name} during {run.name}; run the same command again to "
                          f"continue where it stopped")
     if rc:
-        raise Exit(f"compare: {run['name']}: base_train failed with exit code {rc} (its message is above)")
+        raise Exit(f"compare: {run.name}: base_train failed with exit code {rc} (its message is above)")
 
 
 def run_base_train(argv):
@@ -239,33 +258,33 @@ def free_port():
 
 def inference_sweep(run, max_sup, device, rank, world_size):
     """Validation bpb after each of 1 .. max_sup supervision steps (a model's step s never depends on later steps)."""
-    model, tokenizer, _ = ckpt.load_model(run["tag"], run["iterations"], device, n_sup_train=max_sup)
-    args = run["args"]
+    model, tokenizer, _ = ckpt.load_model(run.tag, run.iterations, device, n_sup_train=max_sup)
+    args = run.args
     from nanochat.tokenizer import get_token_bytes
     bpb, state = validation_bpb(model, tokenizer, args, device, rank, world_size, get_token_bytes(device=device))
     if bpb is None:
-        raise Exit(f"compare: {run['name']}: the inference evaluation failed (see the warning above)")
-    return [{"n_sup": k + 1, "flops_per_token": run["model"].estimate_flops(n_sup=k + 1, backward=False),
+        raise Exit(f"compare: {run.name}: the inference evaluation failed (see the warning above)")
+    return [{"n_sup": k + 1, "flops_per_token": run.model.estimate_flops(n_sup=k + 1, backward=False),
              "val_bpb": b, **dict(zip(STATE_DIAGNOSTICS, row))} for k, (b, row) in enumerate(zip(bpb, state))]
 
 
 def result(run, inference):
     """The numbers of one finished run, from its metrics.jsonl and summary.json."""
-    run_dir = ckpt.model_dir(run["tag"])
+    run_dir = ckpt.model_dir(run.tag)
     records = read_metrics(run_dir)
     train_records, evals = records["train"], records["eval"]
     with open(summary_path(run_dir)) as f:
         summary = json.load(f)
     tail = train_records[-max(1, len(train_records) // 10):]  # last 10% of training batches, smoothed
     final = evals[-1]["val_bpb"]
-    flops_per_step = run["flops_per_token"] * run["tokens_per_step"]
-    return {"name": run["name"], "tag": run["tag"], "flags": run["flags"], "matches": run.get("matches"),
-            "model_config": run["args"].model_config, "parameters": run["parameters"],
-            "flops_per_token": run["flops_per_token"], "iterations": run["iterations"], "tokens": run["tokens"],
-            "train_flops": run["train_flops"], "wall_time_s": summary["wall_time_s"],
+    flops_per_step = run.flops_per_token * run.tokens_per_step
+    return {"name": run.name, "tag": run.tag, "flags": run.flags, "matches": run.matches,
+            "model_config": run.args.model_config, "parameters": run.parameters,
+            "flops_per_token": run.flops_per_token, "iterations": run.iterations, "tokens": run.tokens,
+            "train_flops": run.train_flops, "wall_time_s": summary["wall_time_s"],
             "val_bpb": final, "final_bpb": final[-1], "val_refinement": evals[-1]["val_refinement"],
             "train_refinement": sum(r["refinement"] for r in tail) / len(tail),
-            "evals": [{"step": e["step"], "tokens": e["step"] * run["tokens_per_step"],
+            "evals": [{"step": e["step"], "tokens": e["step"] * run.tokens_per_step,
                        "train_flops": e["step"] * flops_per_step, "final_bpb": e["val_bpb"][-1]} for e in evals],
             "inference": inference}
 
@@ -374,30 +393,30 @@ def main(argv=None):
     if os.path.exists(path):
         with open(path) as f:
             done = {r["tag"]: r for r in json.load(f)["runs"]}
-    print0(f"compare ({args.mode} mode): {len(runs)} runs, {sum(r['train_flops'] for r in runs):.3e} training FLOPs")
+    print0(f"compare ({args.mode} mode): {len(runs)} runs, {sum(r.train_flops for r in runs):.3e} training FLOPs")
     for r in runs:
-        print0(f"  {r['name']:22s} {r['parameters']:>12,} params  {r['flops_per_token']:.3e} FLOPs/token  "
-               f"{r['iterations']:>6} steps  {human(r['tokens']):>7} tokens  {r['train_flops']:.3e} FLOPs"
-               + ("  (done)" if r["tag"] in done else ""))
+        print0(f"  {r.name:22s} {r.parameters:>12,} params  {r.flops_per_token:.3e} FLOPs/token  "
+               f"{r.iterations:>6} steps  {human(r.tokens):>7} tokens  {r.train_flops:.3e} FLOPs"
+               + ("  (done)" if r.tag in done else ""))
     os.makedirs(args.out, exist_ok=True)
     report = {"mode": args.mode, "command": " ".join(["python -m scripts.compare"] + args.argv),
               "date": datetime.date.today().isoformat(), "device": f"{world_size} x {args.device_type}",
               "wall_time_s": 0.0, "max_inference_sup": 1, "runs": []}
     for i, run in enumerate(runs):
-        if run["tag"] in done:
-            print0(f"[{i + 1}/{len(runs)}] {run['name']}: finished in an earlier invocation, skipping")
-            report["runs"].append(done[run["tag"]])
+        if run.tag in done:
+            print0(f"[{i + 1}/{len(runs)}] {run.name}: finished in an earlier invocation, skipping")
+            report["runs"].append(done[run.tag])
         else:
-            print0(f"[{i + 1}/{len(runs)}] {run['name']}: training {run['iterations']} steps ({run['tag']})")
+            print0(f"[{i + 1}/{len(runs)}] {run.name}: training {run.iterations} steps ({run.tag})")
             train(run, world_size)
-            n_sup = run["args"].model_config["n_sup_train"]
-            max_sup = n_sup * args.inference_factor if is_trm(run["args"]) else 1  # a plain stack is no refiner
-            print0(f"[{i + 1}/{len(runs)}] {run['name']}: validation bpb for 1..{max_sup} supervision steps")
+            n_sup = run.args.model_config["n_sup_train"]
+            max_sup = n_sup * args.inference_factor if is_trm(run.args) else 1  # a plain stack is no refiner
+            print0(f"[{i + 1}/{len(runs)}] {run.name}: validation bpb for 1..{max_sup} supervision steps")
             report["runs"].append(result(run, inference_sweep(run, max_sup, device, rank, world_size)))
         report["wall_time_s"] = sum(r["wall_time_s"] for r in report["runs"])
         report["max_inference_sup"] = max(len(r["inference"]) for r in report["runs"])
         if rank == 0:  # after every run, with the later runs an earlier invocation finished: a rerun skips them all
-            later = [done[r["tag"]] for r in runs[i + 1:] if r["tag"] in done]
+            later = [done[r.tag] for r in runs[i + 1:] if r.tag in done]
             write_report({**report, "runs": report["runs"] + later}, args.out)
     print0(table(report))
     print0(f"results: {os.path.abspath(args.out)}")

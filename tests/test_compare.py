@@ -36,18 +36,18 @@ def test_equal_flops_iterations_spend_the_same_flops_within_one_step(budget):
                 "--max_seq_len=128", "--device_batch_size=4", "--gradient_accumulation_steps=1")
     recursion = {"plain": (0, 1, 1), "trm": (1, 2, 1), "deep": (2, 4, 1), "sweeps": (1, 3, 2)}
     for r in runs:  # each config's own recursion-aware estimate, not a plain model's
-        n_loops, n_sup, sweeps = recursion[r["name"]]
+        n_loops, n_sup, sweeps = recursion[r.name]
         model = GPT(GPTConfig(sequence_len=128, vocab_size=4096, n_layer=2, n_embd=64, n_head=1, n_kv_head=1,
                               n_loops=n_loops, n_sup_train=n_sup, T_recursion=sweeps))
-        assert r["flops_per_token"] == model.estimate_flops()
-        assert r["train_flops"] == r["iterations"] * r["tokens_per_step"] * r["flops_per_token"]
+        assert r.flops_per_token == model.estimate_flops()
+        assert r.train_flops == r.iterations * r.tokens_per_step * r.flops_per_token
     for a, b in itertools.combinations(runs, 2):
-        one_step = max(r["flops_per_token"] * r["tokens_per_step"] for r in (a, b))
-        assert abs(a["train_flops"] - b["train_flops"]) <= one_step, (a["name"], b["name"])
-    by_name = {r["name"]: r for r in runs}
-    assert by_name["plain"]["iterations"] > by_name["trm"]["iterations"] > by_name["deep"]["iterations"]
+        one_step = max(r.flops_per_token * r.tokens_per_step for r in (a, b))
+        assert abs(a.train_flops - b.train_flops) <= one_step, (a.name, b.name)
+    by_name = {r.name: r for r in runs}
+    assert by_name["plain"].iterations > by_name["trm"].iterations > by_name["deep"].iterations
     if budget == ["--num_iterations=20"]:  # the costliest config gets exactly the steps asked for
-        assert max(runs, key=lambda r: r["flops_per_token"])["iterations"] == 20
+        assert max(runs, key=lambda r: r.flops_per_token).iterations == 20
 
 
 @pytest.mark.parametrize("by", ["depth", "width"])
@@ -55,17 +55,17 @@ def test_params_mode_matches_plain_flops_within_ten_percent(by):
     runs = plan("--mode=params", f"--match_by={by}", "--num_iterations=7",
                 "--config", "plain=--n_loops=0 --n_sup_train=1", "--config", "trm=--n_loops=2 --n_sup_train=4",
                 "--", "--depth=2", "--n_embd=128", "--n_head=2", "--gradient_accumulation_steps=1")
-    by_name = {r["name"]: r for r in runs}
-    matched = [r for r in runs if r.get("matches")]
-    assert len(matched) == 1 and matched[0]["matches"] == "trm"
+    by_name = {r.name: r for r in runs}
+    matched = [r for r in runs if r.matches]
+    assert len(matched) == 1 and matched[0].matches == "trm"
     plain, trm = matched[0], by_name["trm"]
-    assert abs(plain["flops_per_token"] / trm["flops_per_token"] - 1) <= 0.1
-    assert plain["args"].model_config["n_loops"] == 0 and plain["args"].model_config["n_sup_train"] == 1
+    assert abs(plain.flops_per_token / trm.flops_per_token - 1) <= 0.1
+    assert plain.args.model_config["n_loops"] == 0 and plain.args.model_config["n_sup_train"] == 1
     grown, kept = ("n_layer", "n_embd") if by == "depth" else ("n_embd", "n_layer")
-    assert plain["args"].model_config[grown] > trm["args"].model_config[grown]
-    assert plain["args"].model_config[kept] == trm["args"].model_config[kept]
-    assert plain["parameters"] > by_name["plain"]["parameters"] == trm["parameters"]
-    assert {r["iterations"] for r in runs} == {7}  # equal tokens
+    assert plain.args.model_config[grown] > trm.args.model_config[grown]
+    assert plain.args.model_config[kept] == trm.args.model_config[kept]
+    assert plain.parameters > by_name["plain"].parameters == trm.parameters
+    assert {r.iterations for r in runs} == {7}  # equal tokens
 
 
 def read(path):
@@ -187,5 +187,5 @@ def test_without_batch_flags_every_config_gets_one_pinned_batch():
     # base_train's automatic batch grows with the model; a comparison must feed every config the same batches
     runs = plan("--mode=params", "--config", "plain=--n_loops=0 --n_sup_train=1", "--config",
                 "trm=--n_loops=2 --n_sup_train=4", "--device_type=cuda", "--", "--depth=4", "--device_memory_gb=80")
-    geometries = {json.dumps(compare.batch_geometry(r["args"]), sort_keys=True) for r in runs}
-    assert len(geometries) == 1 and runs[0]["args"].total_batch_size == 524288
+    geometries = {json.dumps(compare.batch_geometry(r.args), sort_keys=True) for r in runs}
+    assert len(geometries) == 1 and runs[0].args.total_batch_size == 524288
