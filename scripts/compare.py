@@ -139,10 +139,10 @@ class Run:
     tag: str | None = None
 
 
-def base_args(name, flags, world_size):
+def base_args(name, flags, world_size, vocab_size):
     """base_train's parsed arguments for one config; bad flags exit naming the config."""
     try:
-        return train_config.parse_args(flags, world_size=world_size, check_hardware=False)
+        return train_config.parse_args(flags, world_size=world_size, check_hardware=False, vocab_size=vocab_size)
     except SystemExit as e:
         raise Exit(f"compare: config {name}: {e}")
 
@@ -152,7 +152,7 @@ def is_trm(args):
 
 
 def make_run(name, flags, shared, vocab_size, world_size):
-    args = base_args(name, shared + flags, world_size)
+    args = base_args(name, shared + flags, world_size, vocab_size)
     model = meta_model(model_config(args, vocab_size))
     return Run(name, shared + flags, args, model, model.num_params(), model.estimate_flops(), args.total_batch_size)
 

@@ -146,7 +146,7 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
         raise Exit(f"the table's effective batch of {sequences} sequences does not split over {world} processes; "
                    f"pass --device_batch_size and --gradient_accumulation_steps yourself", code=2)
     per_rank = sequences // world
-    args = parse_args(argv, world_size=world, check_hardware=False)
+    args = parse_args(argv, world_size=world, check_hardware=False, vocab_size=vocab_size)
     if "device_batch_size" in given:
         b = args.device_batch_size
         if per_rank % b:
@@ -192,7 +192,8 @@ def compose(key, phase, extra, vocab_size, memory_bytes):
     table = {k: v for k, v in table.items() if k not in given}  # the user's flag wins, and is printed once
     fitted, notes = fit_batch(row, phase, nproc * nnodes, given, as_flags(table) + extra, vocab_size, memory_bytes)
     argv = as_flags({**table, **fitted}) + list(extra)
-    args = parse_args(argv, world_size=nproc * nnodes, check_hardware=False)  # base_train's own validation
+    # base_train's own validation
+    args = parse_args(argv, world_size=nproc * nnodes, check_hardware=False, vocab_size=vocab_size)
     return prefix + ["-m", "scripts.base_train", "--"] + argv, args, notes
 
 
