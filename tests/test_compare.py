@@ -4,11 +4,13 @@ import itertools
 import json
 import os
 import shutil
+import subprocess
 
 import pytest
 
 from nanochat.gpt import GPT, GPTConfig
 from scripts import compare
+from tests import processes
 
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=128",
         "--sample_tokens=2", "--device_type=cpu",
@@ -22,6 +24,16 @@ def base_dir(base_dir, monkeypatch):
     """The shared tiny corpus (tests/conftest.py) as NANOCHAT_BASE_DIR, for compare and the base_train it starts."""
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     return base_dir
+
+
+@pytest.fixture(autouse=True)
+def children_time_out(monkeypatch):
+    """compare's base_train children get a hard timeout here: a hang fails the test instead of stalling CI."""
+    def run_child(cmd, env=None):
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, text=True)
+        return processes.finish(proc, timeout=300).returncode, None
+
+    monkeypatch.setattr(compare.lifecycle, "run_child", run_child)
 
 
 def plan(*argv):
