@@ -375,8 +375,13 @@ def device_memory(args):
         return int(args.device_memory_gb * 1e9), "--device_memory_gb"
     if args.device_type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    return free_ram_per_process(args.world_size)
+
+
+def free_ram_per_process(processes):
+    """(bytes, where from): the machine's free RAM shared by the processes, the memory of a CPU run."""
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return available // args.world_size, f"free RAM / {args.world_size} processes"
+    return available // processes, f"{available / 1e9:.0f} GB free RAM / {processes} processes"
 
 
 def keeps_ema(args):

@@ -39,8 +39,8 @@ from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import summary_path
 from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS
-from nanochat.train_config import (PLANNER_MFU, batch_geometry, fit_device_batch, keeps_ema, meta_model, model_config,
-                                   parse_args)
+from nanochat.train_config import (PLANNER_MFU, batch_geometry, fit_device_batch, free_ram_per_process, keeps_ema,
+                                   meta_model, model_config, parse_args)
 
 # The guides' table: GPUs per node, GPU model, its memory (GB), the node's $/hour, and per phase the device batch,
 # gradient accumulation and the guide's seconds per step (low, high).
@@ -219,8 +219,7 @@ def hardware_problem(key, phase, gpus):
 def memory_budget(key, device_type, gpus, nproc):
     """(bytes per device, where the number comes from)."""
     if device_type != "cuda":
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return avail // nproc, f"{avail / 1e9:.0f} GB free RAM / {nproc} processes"
+        return free_ram_per_process(nproc)
     if gpus:
         return min(b for _, b in gpus), f"{gpus[0][0]}, detected"
     gb = HARDWARE[key]["gb"]
