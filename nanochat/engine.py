@@ -50,7 +50,17 @@ class KVCache:
     def attend(self, slot, q, k, v):
         """Append this forward's k, v to the slot and attend q causally over everything the slot holds."""
         T = q.size(2)
-        end = self.pos + T
+        keys, values = self.store(slot, k, v)
+        gqa = q.size(1) != k.size(1)
+        if self.pads is None and self.pos == 0:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+        if self.pads is None and T == 1:
+            return F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)  # a new last token sees all
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(T, q.device), enable_gqa=gqa)
+
+    def store(self, slot, k, v):
+        """The slot's keys and values so far, this forward's appended (into buffers allocated once, at max_len)."""
+        end = self.pos + k.size(2)
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; this forward would need {end}")
         if self.k[slot] is None:
@@ -58,13 +68,7 @@ class KVCache:
             self.k[slot], self.v[slot] = k.new_empty(shape), v.new_empty(shape)
         self.k[slot][:, :, self.pos:end] = k
         self.v[slot][:, :, self.pos:end] = v
-        keys, values = self.k[slot][:, :, :end], self.v[slot][:, :, :end]
-        gqa = q.size(1) != k.size(1)
-        if self.pads is None and self.pos == 0:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
-        if self.pads is None and T == 1:
-            return F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)  # a new last token sees all
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(T, q.device), enable_gqa=gqa)
+        return self.k[slot][:, :, :end], self.v[slot][:, :, :end]
 
     def mask(self, T, device):
         """(B, 1, T, pos+T) bool: causal, padding hidden; a padding query sees itself so its softmax is defined."""

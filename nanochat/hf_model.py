@@ -7,6 +7,9 @@ weights are GPT's own state dict under "model.", so new fields and parameters of
 
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
     model(input_ids, n_sup=2).logits      # the last of 2 supervision steps (default: n_sup_inference)
+
+generate keeps keys and values in a transformers Cache with one layer per attention slot of the recursion
+(n_sup * T_recursion * n_layer * (n_loops+1)): each visit of a block sees its own inputs, so it has its own keys.
 """
 
 from dataclasses import fields
@@ -14,9 +17,11 @@ from dataclasses import fields
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers import DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .engine import KVCache
 from .gpt import GPT, GPTConfig
 
 if int(transformers.__version__.split(".")[0]) < 5:  # 4.x leaves the rotary tables on the meta device
@@ -32,6 +37,19 @@ class NanochatTRMConfig(PretrainedConfig):
 
     def gpt_config(self):
         return GPTConfig(**{f.name: getattr(self, f.name) for f in fields(GPTConfig) if hasattr(self, f.name)})
+
+
+class SlotCache(KVCache):
+    """The engine's cached attention, with each slot's keys and values kept in one layer of a transformers Cache."""
+
+    def __init__(self, cache, num_slots):
+        super().__init__(num_slots, batch_size=None, max_len=None)
+        # generate builds its cache with one layer per physical block; the recursion visits each several times
+        cache.layers.extend(DynamicLayer() for _ in range(num_slots - len(cache.layers)))
+        self.cache, self.pos = cache, cache.get_seq_length()
+
+    def store(self, slot, k, v):
+        return self.cache.update(k, v, slot)
 
 
 class NanochatTRMForCausalLM(PreTrainedModel, GenerationMixin):
@@ -50,17 +68,24 @@ class NanochatTRMForCausalLM(PreTrainedModel, GenerationMixin):
         if module is self.model:
             module.init_weights()  # also computes the rotary tables, which are not saved
 
-    def forward(self, input_ids, labels=None, n_sup=None, attention_mask=None, **kwargs):
-        """Logits of the last of n_sup supervision steps; with labels, their next-token cross-entropy."""
+    def forward(self, input_ids, labels=None, n_sup=None, attention_mask=None, past_key_values=None, use_cache=None,
+                **kwargs):
+        """Logits of the last of n_sup supervision steps; with labels, their next-token cross-entropy. With a
+        past_key_values Cache (or use_cache=True, which starts one), input_ids continue the tokens it holds."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("padding is not supported: pass prompts of equal length (e.g. one at a time), "
                              "without masked positions")
-        logits = self.model(input_ids, n_sup=n_sup)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        n_sup = n_sup or self.model.config.n_sup_inference
+        slots = None if past_key_values is None else SlotCache(past_key_values, self.model.num_attention_slots(n_sup))
+        logits = self.model(input_ids, n_sup=n_sup, kv_cache=slots)
         loss = None
         if labels is not None:  # labels are input_ids, shifted here (the transformers convention)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
 
-    def prepare_inputs_for_generation(self, input_ids, n_sup=None, **kwargs):
-        # no KV cache: every generated token re-runs the whole sequence through the recursion
-        return {"input_ids": input_ids, "n_sup": n_sup}
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, n_sup=None, **kwargs):
+        if past_key_values is not None:  # only the tokens the cache does not hold yet
+            input_ids = input_ids[:, past_key_values.get_seq_length():]
+        return {"input_ids": input_ids, "past_key_values": past_key_values, "n_sup": n_sup}

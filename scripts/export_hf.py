@@ -69,8 +69,7 @@ def hf_model(model, tokenizer):
         wrapper = NanochatTRMForCausalLM(config)
     wrapper.model = model
     stops = [tokenizer.encode_special(name) for name in STOP_TOKENS]
-    wrapper.generation_config = GenerationConfig(bos_token_id=stops[0], eos_token_id=stops, pad_token_id=stops[0],
-                                                 use_cache=False)
+    wrapper.generation_config = GenerationConfig(bos_token_id=stops[0], eos_token_id=stops, pad_token_id=stops[0])
     return wrapper
 
 

@@ -1,0 +1,69 @@
+"""The exported model's KV cache: one transformers Cache layer per attention slot of the recursion, computing the
+logits and the greedy text of the uncached forward."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from nanochat.gpt import STATE_UPDATES, GPTConfig
+from scripts import export_hf
+from tests.helpers import random_model
+from tests.tiny_checkpoint import tiny_checkpoint
+
+ATOL = 1e-4
+# the recursion's shapes that change the slot layout: loops per visit, sweeps per step, and the state update rules
+SHAPES = [dict(n_loops=0), dict(n_loops=1), dict(n_loops=2, T_recursion=2),
+          *[dict(n_loops=1, T_recursion=2, state_update=update) for update in STATE_UPDATES if update != "residual"]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)[2]
+
+
+def exported(tokenizer, directory, **options):
+    """A random-weight model (every logit depends on every slot) exported and loaded back through transformers."""
+    config = GPTConfig(sequence_len=16, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2,
+                       n_embd=32, n_sup_train=3, **options)
+    model = random_model(config, every_weight=True)
+    meta = {"step": 1, "model_config": config.to_dict(), "val_bpb": None}
+    export_hf.write_export(model, tokenizer, meta, "random", str(directory))
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+
+
+@pytest.mark.parametrize("options", SHAPES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@torch.no_grad()
+def test_cached_logits_equal_the_full_forward_at_every_position_and_step(options, tokenizer, tmp_path):
+    hf = exported(tokenizer, tmp_path / "out", **options)
+    idx = torch.randint(0, hf.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(0))
+    for n_sup in range(1, hf.config.n_sup_inference + 1):
+        full = hf(input_ids=idx, n_sup=n_sup).logits
+        assert full.std() > 0.3  # random weights: a wrong slot cannot match by accident
+        cache = DynamicCache()
+        pieces = [hf(input_ids=idx[:, a:b], n_sup=n_sup, past_key_values=cache).logits
+                  for a, b in [(0, 6), (6, 7), (7, 8), (8, 12), (12, 13), (13, 14)]]  # a prefill, then 1 and 4 at a time
+        assert len(cache.layers) == hf.model.num_attention_slots(n_sup) and cache.get_seq_length() == 14
+        assert (torch.cat(pieces, dim=1) - full).abs().max() <= ATOL, f"n_sup={n_sup}"
+
+
+@pytest.mark.parametrize("options", SHAPES[:3], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@torch.no_grad()
+def test_cached_generate_equals_uncached_generate(options, tokenizer, tmp_path):
+    hf = exported(tokenizer, tmp_path / "out", **options)
+    prompt = torch.randint(0, hf.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    for n_sup in (1, hf.config.n_sup_inference):
+        kwargs = dict(max_new_tokens=10, do_sample=False, n_sup=n_sup, eos_token_id=None,
+                      return_dict_in_generate=True)
+        cached = hf.generate(prompt, use_cache=True, **kwargs)
+        uncached = hf.generate(prompt, use_cache=False, **kwargs)
+        assert cached.sequences.shape == (2, 15) and torch.equal(cached.sequences, uncached.sequences)
+        assert len(cached.past_key_values.layers) == hf.model.num_attention_slots(n_sup)  # the cache was used
+        assert uncached.past_key_values is None
+
+
+@torch.no_grad()
+def test_the_export_generates_with_a_cache_by_default(tokenizer, tmp_path):
+    hf = exported(tokenizer, tmp_path / "out", n_loops=1)
+    out = hf.generate(torch.tensor([[tokenizer.get_bos_token_id(), 5, 6]]), max_new_tokens=4, do_sample=False,
+                      eos_token_id=None, return_dict_in_generate=True)
+    assert out.past_key_values.get_seq_length() == 3 + 4 - 1  # the last token is returned, never fed back
