@@ -4,15 +4,22 @@ Serve a checkpoint over OpenAI's completions API (FastAPI + uvicorn), on localho
 pip install -e '.[serve]'
 python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrency 2
 
-POST /v1/completions  OpenAI's completions request: model (default: the served one), prompt (a string or a list),
-                      max_tokens (16), temperature (1), top_p, n, stop (a string or up to 4), seed, stream,
-                      stream_options.include_usage, user; extras: top_k, n_sup (supervision steps, 1..n_sup_inference,
-                      default all). echo, best_of, logprobs, suffix, logit_bias, frequency_penalty and
-                      presence_penalty are accepted at their defaults only: another value would change the answer in a
-                      way this server does not implement. Any other field is a 400, as at OpenAI.
-                      -> {id, object: "text_completion", created, model, choices: [{text, index, logprobs: null,
+POST /v1/completions  OpenAI's completions request: model (default: the served one), prompt (a string, a list of
+                      strings, a list of token ids, or a list of token-id lists: a string gets <|bos|> first, token
+                      ids are used as given), max_tokens (16; 0 with echo scores the prompt only), temperature (1),
+                      top_p, n, stop (a string or up to 4), seed, stream, stream_options.include_usage, user, echo
+                      (the prompt's text and, with logprobs, its tokens before the completion's), logprobs (0..20:
+                      each token's log-probability and the top ones, not with stream); extras: top_k, n_sup
+                      (supervision steps, 1..n_sup_inference, default all: the log-probabilities are that step's).
+                      best_of, suffix, logit_bias, frequency_penalty and presence_penalty are accepted at their
+                      defaults only: another value would change the answer in a way this server does not implement.
+                      Any other field is a 400, as at OpenAI.
+                      -> {id, object: "text_completion", created, model, choices: [{text, index, logprobs,
                       finish_reason: "stop"|"length"}], usage: {prompt_tokens, completion_tokens, total_tokens}};
-                      with stream, server-sent events of the same shape, one per piece of text, then data: [DONE].
+                      logprobs: null, or {tokens, token_logprobs (null for the first prompt token), top_logprobs
+                      (the likeliest tokens and the chosen one), text_offset}; a completion the model ended lists its
+                      end token last. With stream, server-sent events of the same shape, one per piece of text, then
+                      data: [DONE].
 GET  /v1/models       the served model, named by its model tag
 GET  /health          status, step, limits and generations running
 
@@ -31,6 +38,8 @@ import threading
 import time
 import uuid
 
+import torch
+import torch.nn.functional as F
 
 try:
     import uvicorn
@@ -50,9 +59,10 @@ from nanochat.train_config import autocast_for, default_dtype
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOPS = 4  # as at OpenAI
+MAX_LOGPROBS = 20  # as vLLM's default; OpenAI's is 5
+PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists, none of them empty"
 # OpenAI's fields this server does not implement, and the values at which they change nothing
-NEUTRAL = {"echo": False, "best_of": 1, "logprobs": None, "suffix": "", "logit_bias": {}, "frequency_penalty": 0.0,
-           "presence_penalty": 0.0}
+NEUTRAL = {"best_of": 1, "suffix": "", "logit_bias": {}, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
 class StreamOptions(BaseModel):
@@ -64,8 +74,8 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # a typo'd field or "5" for 5 is an error, as at OpenAI
 
     model: str | None = None
-    prompt: str | list[str]
-    max_tokens: int | None = Field(None, ge=1)  # None: 16, or the server's limit if lower
+    prompt: object  # four forms, told apart (and refused in one sentence) by split_prompt
+    max_tokens: int | None = Field(None, ge=0)  # None: 16, or the server's limit if lower
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=1)
@@ -78,7 +88,7 @@ class CompletionRequest(BaseModel):
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: nothing to do with it here
     echo: bool = False
     best_of: int = 1
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str = ""
     logit_bias: dict[str, float] = {}
     frequency_penalty: float = 0.0
@@ -116,6 +126,8 @@ async def read_body(request):
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "request body nests too deeply to parse; a completions request nests 3 levels") from None
 
 
 def parse_request(obj):
@@ -127,25 +139,53 @@ def parse_request(obj):
         raise APIError(400, problems, param) from None
 
 
+def is_token_ids(value):
+    return isinstance(value, list) and len(value) > 0 and all(type(t) is int for t in value)  # bool is not an id
+
+
+def split_prompt(prompt):
+    """OpenAI's prompt forms -> a list of prompts, each a string or a list of token ids; an APIError if malformed."""
+    if isinstance(prompt, str) or is_token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or
+                                                all(is_token_ids(p) for p in prompt)):
+        return prompt
+    raise APIError(400, f"prompt must be {PROMPT_FORMS}", "prompt")
+
+
+def token_offsets(token_bytes):
+    """Where each token starts in the text the tokens decode to, in characters (counting a UTF-8 character at its
+    first byte: a token that starts inside a character starts where that character does)."""
+    offsets, chars = [], 0
+    for piece in token_bytes:
+        starts_inside = len(piece) > 0 and 0x80 <= piece[0] < 0xC0
+        offsets.append(max(0, chars - starts_inside))
+        chars += sum(not 0x80 <= b < 0xC0 for b in piece)
+    return offsets
+
+
 def partial_stop(text, stops):
     """Length of the longest end of text that begins a stop string: held back until it is known not to be one."""
     return max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
 
 
 class Choice:
-    """One completion's text as its tokens come, cut before the first stop string."""
+    """One completion's text as its tokens come, cut before the first stop string or the model's end token."""
 
-    def __init__(self, tokenizer, stops):
-        self.tokenizer, self.stops = tokenizer, stops
+    def __init__(self, tokenizer, stops, end_tokens=()):
+        self.tokenizer, self.stops, self.end_tokens = tokenizer, stops, end_tokens
         self.tokens, self.text, self.finish_reason = [], "", None  # text: what has been handed out
+        self.end_token = None  # the end token the model chose, if it chose one: not text, but scored
 
     def add(self, token, last):
-        """The next token (None: the model ended the text); returns the text that became final."""
-        if token is not None:
+        """The next token; returns the text that became final."""
+        if token in self.end_tokens:
+            self.end_token = token
+        else:
             self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens)
         cut = min((i for i in (text.find(stop) for stop in self.stops) if i >= 0), default=None)
-        if cut is not None or token is None:
+        if cut is not None or self.end_token is not None:
             return self.finish("stop", text[:cut])
         if last:
             return self.finish("length", text)
@@ -159,18 +199,30 @@ class Choice:
 
 
 class Job:
-    """One request's rows (each prompt n times), generated by a worker thread that stops when cancelled is set."""
+    """One request's rows (each prompt n times), generated by a worker thread that stops when cancelled is set;
+    score(row, choice), if given, is each choice's logprobs, computed by the worker once generation is over; echo:
+    each choice's text begins with its prompt's."""
 
-    def __init__(self, prompts, rows, choices, columns, max_tokens, include_usage):
+    def __init__(self, prompts, rows, choices, columns, max_tokens, include_usage, score=None, echo=False):
         self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         self.prompts, self.rows, self.choices, self.columns = prompts, rows, choices, columns
-        self.max_tokens, self.include_usage = max_tokens, include_usage
+        self.max_tokens, self.include_usage, self.score, self.echo = max_tokens, include_usage, score, echo
         self.cancelled = threading.Event()
         self.queue = asyncio.Queue()  # (index, piece, finish_reason) for streaming; None when the worker ends
         self.worker = None
+        self.logprobs = [None] * len(choices)
+        if max_tokens == 0:  # the prompt is scored, nothing generated
+            for choice in choices:
+                choice.finish("length", "")
 
     def run(self, emit):
-        """Worker thread: every row token by token, until each choice is finished or the job is cancelled."""
+        """Worker thread: generate, then score what was generated."""
+        self.generate(emit)
+        if self.score is not None and not self.cancelled.is_set():
+            self.logprobs = [self.score(row, choice) for row, choice in zip(self.rows, self.choices)]
+
+    def generate(self, emit):
+        """Every row token by token, until each choice is finished or the job is cancelled."""
         try:
             for step, column in enumerate(self.columns):
                 if self.cancelled.is_set():
@@ -208,6 +260,7 @@ class Server:
         self.config = engine.model.config
         self.max_concurrency, self.max_batch = max_concurrency, max_batch
         self.max_tokens_limit = max_tokens_limit or self.config.sequence_len
+        self.vocab_size = min(self.config.vocab_size, engine.tokenizer.get_vocab_size())  # ids both can read
         if self.config.sequence_len + self.max_tokens_limit > engine.model.rotary_seq_len:
             raise ValueError(f"max_tokens_limit={self.max_tokens_limit}: a full-context prompt plus that many tokens "
                              f"exceeds the model's {engine.model.rotary_seq_len} positions")
@@ -234,21 +287,28 @@ class Server:
                                     f"send {json.dumps(neutral)}", name)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options needs stream: true", "stream_options")
+        if req.stream and (req.echo or req.logprobs is not None):
+            raise APIError(400, "echo and logprobs are not supported with stream: true here; send stream: false",
+                           "echo" if req.echo else "logprobs")
         req.stop = [req.stop] if isinstance(req.stop, str) else req.stop
         if len(req.stop) > MAX_STOPS or "" in req.stop:
             raise APIError(400, f"stop: up to {MAX_STOPS} non-empty strings", "stop")
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if not prompts:
-            raise APIError(400, "prompt: give a string or a non-empty list of strings", "prompt")
-        ids = [self.engine.encode_prompt(prompt) for prompt in prompts]
+        ids = [self.engine.encode_prompt(p) if isinstance(p, str) else p for p in split_prompt(req.prompt)]
+        bad = next((t for p in ids for t in p if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt: token id {bad} is not in the model's vocabulary (0 to "
+                                f"{self.vocab_size - 1})", "prompt")
         longest = max(len(p) for p in ids)
         if longest > self.config.sequence_len:
-            raise APIError(400, f"prompt is {longest} tokens (with <|bos|>); the model's context is "
-                                f"{self.config.sequence_len} tokens", "prompt")
+            raise APIError(400, f"prompt is {longest} tokens (a string's count includes <|bos|>); the model's context "
+                                f"is {self.config.sequence_len} tokens", "prompt")
         if len(ids) * req.n > self.max_batch:
             raise APIError(400, f"{len(ids)} prompt(s) x n={req.n} completions exceeds this server's limit of "
                                 f"{self.max_batch} (--max_batch)", "n")
-        req.max_tokens = req.max_tokens or min(16, self.max_tokens_limit)
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens=0 generates nothing; send echo: true with it to score the prompt, or "
+                                "max_tokens >= 1", "max_tokens")
+        req.max_tokens = min(16, self.max_tokens_limit) if req.max_tokens is None else req.max_tokens
         if req.max_tokens > self.max_tokens_limit:
             raise APIError(400, f"max_tokens={req.max_tokens} exceeds this server's limit of "
                                 f"{self.max_tokens_limit}", "max_tokens")
@@ -273,11 +333,16 @@ class Server:
     def start(self, req, prompts):
         """Take a slot and start the request's generation in a worker thread; the slot is freed when it ends."""
         rows = [ids for ids in prompts for _ in range(req.n)]  # choice index = prompt index * n + j, as at OpenAI
+        # the end tokens are Choice's to spot, so that logprobs can score the one the model chose
         columns = self.engine.generate(rows, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                       top_p=req.top_p, n_sup=req.n_sup, seed=req.seed)  # checks its arguments now
-        choices = [Choice(self.engine.tokenizer, req.stop) for _ in rows]
+                                       top_p=req.top_p, n_sup=req.n_sup, seed=req.seed, stop_tokens=())
+        end_tokens = self.engine.stop_tokens()
+        choices = [Choice(self.engine.tokenizer, req.stop, end_tokens) for _ in rows]
+        score = None
+        if req.logprobs is not None:
+            score = lambda prompt, choice: self.logprobs(prompt, choice, req.logprobs, req.echo, req.n_sup)
         job = Job(prompts, rows, choices, columns, req.max_tokens,
-                  req.stream_options is not None and req.stream_options.include_usage)
+                  req.stream_options is not None and req.stream_options.include_usage, score, req.echo)
         loop = asyncio.get_running_loop()
         emit = (lambda item: loop.call_soon_threadsafe(job.queue.put_nowait, item)) if req.stream else (lambda _: None)
         job.worker = asyncio.ensure_future(run_in_threadpool(job.run, emit))
@@ -285,13 +350,52 @@ class Server:
         job.worker.add_done_callback(lambda _: job.queue.put_nowait(None))
         return job
 
+    def next_token_logprobs(self, ids, n_sup):
+        """(len(ids), V) float32: log-probabilities of the token after each prefix of ids, at step n_sup."""
+        with torch.inference_mode(), self.engine.autocast():
+            logits = self.engine.model(torch.tensor([ids], device=self.engine.device), n_sup=n_sup)[0]
+        return F.log_softmax(logits.float(), dim=-1).cpu()
+
+    def logprobs(self, prompt, choice, top, echo, n_sup):
+        """OpenAI's logprobs of a choice: its tokens (the prompt's first if echo), each one's log-probability, the
+        top likeliest tokens with the chosen one, and where each starts in the text (echo: from the prompt's)."""
+        token_bytes = self.engine.tokenizer.enc.decode_single_token_bytes
+        name = lambda token: token_bytes(token).decode("utf-8", errors="replace")
+        ids = prompt + self.scored_completion(choice)
+        lp = self.next_token_logprobs(ids, n_sup)
+        token_logprobs, top_logprobs = [], []
+        for t in range(0 if echo else len(prompt), len(ids)):
+            if t == 0:  # nothing before the first token to predict it from
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            values, indices = lp[t - 1].topk(top)
+            token_logprobs.append(lp[t - 1, ids[t]].item())
+            top_logprobs.append({**{name(i): v for i, v in zip(indices.tolist(), values.tolist())},
+                                 name(ids[t]): token_logprobs[-1]})
+        first = len(ids) - len(token_logprobs)
+        return {"tokens": [name(t) for t in ids[first:]], "token_logprobs": token_logprobs,
+                "top_logprobs": top_logprobs, "text_offset": token_offsets(map(token_bytes, ids))[first:]}
+
+    def scored_completion(self, choice):
+        """The completion tokens that made the choice's text (a stop string may cut the last ones off), and the end
+        token the model chose, if it chose one."""
+        if choice.end_token is not None:
+            return choice.tokens + [choice.end_token]
+        if choice.text == self.engine.tokenizer.decode(choice.tokens):
+            return choice.tokens
+        offsets = token_offsets(map(self.engine.tokenizer.enc.decode_single_token_bytes, choice.tokens))
+        return [t for t, offset in zip(choice.tokens, offsets) if offset < len(choice.text)]
+
     def chunk(self, job, choices, usage=None):
         return {"id": job.id, "object": "text_completion", "created": job.created, "model": self.model_id,
                 "choices": choices, "usage": usage}
 
     def completion(self, job):
-        choices = [{"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
-                   for i, c in enumerate(job.choices)]
+        tokenizer = self.engine.tokenizer
+        choices = [{"text": (tokenizer.decode(prompt) if job.echo else "") + c.text, "index": i, "logprobs": logprobs,
+                    "finish_reason": c.finish_reason}
+                   for i, (prompt, c, logprobs) in enumerate(zip(job.rows, job.choices, job.logprobs))]
         return self.chunk(job, choices, job.usage())
 
     async def events(self, job):

@@ -13,6 +13,8 @@ import time
 import httpx
 import openai
 import pytest
+import torch
+import torch.nn.functional as F
 import uvicorn
 
 from nanochat.engine import Engine
@@ -158,19 +160,144 @@ def test_fields_openai_accepts_are_accepted_at_their_defaults(client, trained):
     assert r.choices[0].text == greedy(trained, "the cat", 4)
 
 
+# ---------------------------------------------------------------- token-id prompts, echo and logprobs
+
+def log_softmax(trained, ids, n_sup):
+    """The model's own log-probabilities of the token after each prefix of ids."""
+    with torch.no_grad():
+        return F.log_softmax(trained[1](torch.tensor([ids]), n_sup=n_sup)[0], dim=-1)
+
+
+def greedy_ids(trained, prompt, max_tokens, n_sup=None):
+    _, model, tokenizer = trained
+    return Engine(model, tokenizer).generate_batch([prompt], max_tokens=max_tokens, temperature=0.0, n_sup=n_sup)[0]
+
+
+def test_token_id_prompts_are_used_as_given(client, trained):
+    tokenizer = trained[2]
+    ids = tokenizer.encode("the cat sat", prepend="<|bos|>")
+    r = client.completions.create(model=MODEL_TAG, prompt=ids, max_tokens=8, temperature=0)
+    assert r.choices[0].text == greedy(trained, "the cat sat", 8) and r.usage.prompt_tokens == len(ids)
+    bare = tokenizer.encode("the dog")  # no <|bos|>: the client's ids are the model's input, nothing added
+    r = client.completions.create(model=MODEL_TAG, prompt=[ids, bare], max_tokens=6, temperature=0)
+    assert [c.text for c in r.choices] == [tokenizer.decode(greedy_ids(trained, p, 6)) for p in (ids, bare)]
+    assert r.usage.prompt_tokens == len(ids) + len(bare)
+
+
+def check_logprobs(trained, logprobs, ids, first, n_sup, top):
+    """logprobs (OpenAI's shape) scores ids[first:] as the model does at step n_sup, with the top `top` others."""
+    tokenizer = trained[2]
+    expected = log_softmax(trained, ids, n_sup)
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in ids[first:]]
+    assert logprobs.text_offset == [len(tokenizer.decode(ids[:t])) for t in range(first, len(ids))]
+    for t, (got, alternatives) in enumerate(zip(logprobs.token_logprobs, logprobs.top_logprobs), start=first):
+        if t == 0:
+            assert got is None and alternatives is None
+            continue
+        assert abs(got - expected[t - 1, ids[t]].item()) < 1e-4
+        values, indices = expected[t - 1].topk(top)
+        likeliest = {tokenizer.decode([i]): v for i, v in zip(indices.tolist(), values.tolist())}
+        assert set(alternatives) == {*likeliest, tokenizer.decode([ids[t]])}
+        assert all(abs(alternatives[name] - v) < 1e-4 for name, v in likeliest.items())
+
+
+@pytest.mark.parametrize("n_sup", [1, 3])
+def test_echo_with_logprobs_scores_prompt_and_completion_as_the_model(client, trained, n_sup):
+    tokenizer = trained[2]
+    prompts = [tokenizer.encode("the cat sat on", prepend="<|bos|>"), tokenizer.encode("the dog sat on the log.")]
+    r = client.completions.create(model=MODEL_TAG, prompt=prompts, max_tokens=4, temperature=0, echo=True,
+                                  logprobs=3, extra_body={"n_sup": n_sup})
+    for prompt, choice in zip(prompts, r.choices):
+        completion = greedy_ids(trained, prompt, 4, n_sup)
+        assert choice.text == tokenizer.decode(prompt) + tokenizer.decode(completion)
+        check_logprobs(trained, choice.logprobs, prompt + completion, 0, n_sup, top=3)
+    assert r.choices[1].logprobs.token_logprobs[0] is None and r.choices[1].logprobs.tokens[0] == "the"
+
+
+def test_the_supervision_step_changes_the_scores(client, trained):
+    ids = trained[2].encode("the cat sat on the mat.", prepend="<|bos|>")
+    scores = [client.completions.create(model=MODEL_TAG, prompt=ids, max_tokens=0, echo=True, logprobs=0,
+                                        extra_body={"n_sup": n_sup}).choices[0].logprobs.token_logprobs[1:]
+              for n_sup in (1, 3)]
+    assert max(abs(a - b) for a, b in zip(*scores)) > 1e-3  # so the tests above tell the steps apart
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_only(client, trained):
+    """What lm-eval's loglikelihood requests send: a batch of token-id prompts, echo, max_tokens 0 or 1."""
+    tokenizer = trained[2]
+    prompts = [tokenizer.encode("the cat sat", prepend="<|bos|>"), tokenizer.encode(" on the mat.")]
+    r = client.completions.create(model=MODEL_TAG, prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+    assert [c.text for c in r.choices] == [tokenizer.decode(p) for p in prompts]
+    assert [c.finish_reason for c in r.choices] == ["length", "length"] and r.usage.completion_tokens == 0
+    for prompt, choice in zip(prompts, r.choices):
+        check_logprobs(trained, choice.logprobs, prompt, 0, None, top=1)
+    echoed = client.completions.create(model=MODEL_TAG, prompt=prompts[0], max_tokens=0, echo=True)
+    assert echoed.choices[0].text == tokenizer.decode(prompts[0]) and echoed.choices[0].logprobs is None
+
+
+def test_logprobs_without_echo_score_the_completion(client, trained):
+    tokenizer = trained[2]
+    prompt = tokenizer.encode("the dog sat", prepend="<|bos|>")
+    r = client.completions.create(model=MODEL_TAG, prompt="the dog sat", max_tokens=5, temperature=0, logprobs=2)
+    completion = greedy_ids(trained, prompt, 5)
+    assert r.choices[0].text == tokenizer.decode(completion)
+    check_logprobs(trained, r.choices[0].logprobs, prompt + completion, len(prompt), None, top=2)
+    assert r.choices[0].logprobs.text_offset[0] == len(tokenizer.decode(prompt))  # offsets count from the prompt's
+
+
+def test_logprobs_stop_where_a_stop_string_cuts_the_text(client, trained):
+    full = greedy(trained, "the cat", 10)
+    r = client.completions.create(model=MODEL_TAG, prompt="the cat", max_tokens=10, temperature=0, logprobs=1,
+                                  stop=" the")
+    choice = r.choices[0]
+    assert choice.text == full[:full.index(" the")] and choice.finish_reason == "stop"
+    assert "".join(choice.logprobs.tokens) == choice.text
+
+
+def test_the_end_token_the_model_chose_is_scored_but_not_text(trained):
+    _, model, tokenizer = trained
+    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    bos = tokenizer.get_bos_token_id()
+    choice = serve.Choice(tokenizer, stops=[], end_tokens={bos})
+    pieces = [choice.add(token, last=False) for token in tokenizer.encode(" sat on") + [bos]]
+    assert "".join(pieces) == choice.text == " sat on" and choice.finish_reason == "stop"
+    prompt = tokenizer.encode("the cat", prepend="<|bos|>")
+    logprobs = server.logprobs(prompt, choice, top=1, echo=False, n_sup=2)
+    ids = prompt + tokenizer.encode(" sat on") + [bos]
+    assert logprobs["tokens"][-1] == "<|bos|>" and logprobs["text_offset"][-1] == len(tokenizer.decode(ids[:-1]))
+    assert abs(logprobs["token_logprobs"][-1] - log_softmax(trained, ids, 2)[-2, bos].item()) < 1e-4
+
+
+def test_text_offsets_count_characters_split_across_tokens(trained):
+    tokenizer = trained[2]
+    text = "a \u20ac! caf\u00e9"
+    pieces = [tokenizer.enc.decode_single_token_bytes(t) for t in tokenizer.encode(text)]
+    char_of_byte = [i for i, ch in enumerate(text) for _ in ch.encode()]
+    starts = [sum(map(len, pieces[:t])) for t in range(len(pieces))]
+    assert serve.token_offsets(pieces) == [char_of_byte[b] for b in starts]
+    assert serve.token_offsets(pieces)[2:5] == [2, 2, 2]  # the euro sign's three bytes are three tokens
+
+
 BAD_REQUESTS = [
     (dict(temperature=3), "temperature: Input should be less than or equal to 2"),
     (dict(top_p=1.5), "top_p: Input should be less than or equal to 1"),
-    (dict(max_tokens=0), "max_tokens: Input should be greater than or equal to 1"),
+    (dict(max_tokens=-1), "max_tokens: Input should be greater than or equal to 0"),
+    (dict(max_tokens=0), "max_tokens=0 generates nothing; send echo: true with it to score the prompt"),
     (dict(max_tokens=10 ** 6), "exceeds this server's limit of 32"),
     (dict(n=0), "n: Input should be greater than or equal to 1"),
     (dict(n=9), "exceeds this server's limit of 8 (--max_batch)"),
     (dict(prompt="the cat " * 40), "the model's context is 32 tokens"),
-    (dict(prompt=[]), "non-empty list of strings"),
-    (dict(prompt=[1, 2, 3]), "prompt.str: Input should be a valid string"),
+    (dict(prompt=[3, 99999]), "prompt: token id 99999 is not in the model's vocabulary (0 to 281)"),
+    (dict(prompt=[[3], [-1]]), "prompt: token id -1 is not in the model's vocabulary"),
+    (dict(prompt=[3] * 33), "prompt is 33 tokens"),
+    *[(dict(prompt=bad), "prompt must be a string, a list of strings, a list of token ids, or a list of token-id "
+                         "lists, none of them empty") for bad in ([], [[]], [1, "a"], ["a", [1]], [1.0], [True], 3,
+                                                                  {"text": "the"}, [[[1]]])],
     (dict(stop=["a", "b", "c", "d", "e"]), "stop: up to 4 non-empty strings"),
-    (dict(echo=True), "echo=True is not supported by this server"),
-    (dict(logprobs=2), "logprobs=2 is not supported by this server"),
+    (dict(logprobs=21), "logprobs: Input should be less than or equal to 20"),
+    (dict(logprobs=-1), "logprobs: Input should be greater than or equal to 0"),
+    (dict(logprobs=1, stream=True), "echo and logprobs are not supported with stream: true here"),
+    (dict(best_of=2), "best_of=2 is not supported by this server"),
     (dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported by this server"),
     (dict(stream_options={"include_usage": True}), "stream_options needs stream: true"),
     (dict(extra_body={"temprature": 0.5}), "temprature: Extra inputs are not permitted"),
@@ -201,10 +328,14 @@ def test_an_unknown_model_is_a_404(client):
     (b'{"prompt": "the"', 400, "not valid JSON"),
     (b"x" * (serve.MAX_BODY_BYTES + 1), 413, "exceeds"),
     (b"[1, 2]", 400, "valid dictionary"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "request body nests too deeply to parse"),
+    (b'{"prompt": "the", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nests too deeply"),
 ])
 def test_a_malformed_body_gets_an_openai_error(url, body, status, message):
     r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == status and message in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert post(url, {"prompt": "the", "max_tokens": 1}).status_code == 200  # and the server keeps serving
 
 
 def test_an_unknown_path_is_a_404_in_openais_error_shape(url):
