@@ -1,6 +1,7 @@
 """Tests for the OpenAI-compatible server: the official openai client against the real server on 127.0.0.1."""
 
 import contextlib
+import json
 import os
 import select
 import signal
@@ -276,6 +277,53 @@ def test_text_offsets_count_characters_split_across_tokens(trained):
     starts = [sum(map(len, pieces[:t])) for t in range(len(pieces))]
     assert serve.token_offsets(pieces) == [char_of_byte[b] for b in starts]
     assert serve.token_offsets(pieces)[2:5] == [2, 2, 2]  # the euro sign's three bytes are three tokens
+
+
+MC_TASK = """task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+"""
+MC_DOCS = [{"context": "the cat sat on the", "choices": ["mat.", "log.", "dog"], "label": 0},
+           {"context": "the dog sat", "choices": ["on the log.", "the cat"], "label": 0}]
+
+
+def test_lm_evals_local_completions_scores_a_task_as_the_model(url, trained, tmp_path, monkeypatch):
+    """lm-eval's OpenAI-completions backend, token ids and echo as it sends them, on a multiple-choice task file."""
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is the optional [eval] extra: pip install -e '.[eval]'")
+    from lm_eval.tasks import TaskManager
+    from scripts.export_hf import hf_tokenizer
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    _, model, tokenizer = trained
+    data = tmp_path / "tiny_mc.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in MC_DOCS))
+    (tmp_path / "tiny_mc.yaml").write_text(MC_TASK.format(data=data))
+    hf_tokenizer(tokenizer, model.config.sequence_len).save_pretrained(tmp_path / "tokenizer")
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args={"base_url": f"{url}/v1/completions", "model": MODEL_TAG, "tokenizer": str(tmp_path / "tokenizer"),
+                    "tokenizer_backend": "huggingface", "add_bos_token": True, "max_length": 32, "batch_size": 2,
+                    "max_retries": 1},
+        log_samples=True)
+    samples = sorted(results["samples"]["tiny_mc"], key=lambda sample: sample["doc_id"])
+    bos = tokenizer.get_bos_token_id()
+    for doc, sample in zip(MC_DOCS, samples):
+        for choice, ((loglikelihood, _),) in zip(doc["choices"], sample["resps"]):
+            context = [bos] + tokenizer.encode(doc["context"])
+            ids = [bos] + tokenizer.encode(doc["context"] + " " + choice)  # lm-eval's default target_delimiter
+            expected = log_softmax(trained, ids, None)
+            by_hand = sum(expected[t - 1, ids[t]].item() for t in range(len(context), len(ids)))
+            assert abs(loglikelihood - by_hand) < 1e-4, (doc["context"], choice)
+    assert results["results"]["tiny_mc"]["acc,none"] == 1.0  # the tiny model knows its one sentence
 
 
 BAD_REQUESTS = [
