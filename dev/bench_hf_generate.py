@@ -31,7 +31,8 @@ def parse_args():
     parser.add_argument("--n_head", type=int, default=4)
     parser.add_argument("--n_loops", type=int, default=2)
     parser.add_argument("--n_sup", type=int, default=4)
-    parser.add_argument("--vocab_size", type=int, default=1024, help="at most: the BPE tokenizer trained for the export stops when its text has no more pairs")
+    parser.add_argument("--vocab_size", type=int, default=1024,
+                        help="at most: the tokenizer trained for the export stops when its text has no pairs left")
     parser.add_argument("--lengths", default="64,256", help="comma-separated total sequence lengths")
     parser.add_argument("--new_tokens", type=int, default=16, help="tokens generated per length")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

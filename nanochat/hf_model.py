@@ -1,9 +1,10 @@
 """
 The TRM GPT as a Hugging Face transformers model: what `scripts/export_hf.py` writes and `trust_remote_code` runs.
 
-The export copies this file and nanochat/gpt.py side by side (transformers copies every file a remote-code module
-imports relatively), so the recursion exists once, in gpt.py. Every GPTConfig field is a key of config.json and the
-weights are GPT's own state dict under "model.", so new fields and parameters of gpt.py need no change here.
+The export copies this file, nanochat/gpt.py and nanochat/engine.py side by side (transformers copies every file a
+remote-code module imports relatively), so the recursion exists once, in gpt.py, and cached attention once, in
+engine.py. Every GPTConfig field is a key of config.json and the weights are GPT's own state dict under "model.", so
+new fields and parameters of gpt.py need no change here.
 
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
     model(input_ids, n_sup=2).logits      # the last of 2 supervision steps (default: n_sup_inference)

@@ -4,8 +4,8 @@ Export a checkpoint as a Hugging Face transformers model directory.
 python -m scripts.export_hf --model_tag d12 --step best --out d12-hf
 
 DIR then holds model.safetensors, config.json (every GPTConfig field, and auto_map), generation_config.json,
-hf_model.py + gpt.py (the model code, run with trust_remote_code=True), tokenizer.json + tokenizer_config.json and
-a README.md model card. It loads with
+hf_model.py + gpt.py + engine.py (the model code, run with trust_remote_code=True), tokenizer.json +
+tokenizer_config.json and a README.md model card. It loads with
 
     model = AutoModelForCausalLM.from_pretrained("d12-hf", trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained("d12-hf", trust_remote_code=True)  # it reads config.json too

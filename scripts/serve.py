@@ -335,7 +335,8 @@ class Server:
         rows = [ids for ids in prompts for _ in range(req.n)]  # choice index = prompt index * n + j, as at OpenAI
         # the end tokens are Choice's to spot, so that logprobs can score the one the model chose
         columns = self.engine.generate(rows, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                       top_p=req.top_p, n_sup=req.n_sup, seed=req.seed, stop_tokens=())
+                                       top_p=req.top_p, n_sup=req.n_sup, seed=req.seed,
+                                       stop_tokens=())  # checks its arguments now
         end_tokens = self.engine.stop_tokens()
         choices = [Choice(self.engine.tokenizer, req.stop, end_tokens) for _ in rows]
         score = None

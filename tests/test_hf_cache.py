@@ -40,8 +40,8 @@ def test_cached_logits_equal_the_full_forward_at_every_position_and_step(options
         full = hf(input_ids=idx, n_sup=n_sup).logits
         assert full.std() > 0.3  # random weights: a wrong slot cannot match by accident
         cache = DynamicCache()
-        pieces = [hf(input_ids=idx[:, a:b], n_sup=n_sup, past_key_values=cache).logits
-                  for a, b in [(0, 6), (6, 7), (7, 8), (8, 12), (12, 13), (13, 14)]]  # a prefill, then 1 and 4 at a time
+        spans = [(0, 6), (6, 7), (7, 8), (8, 12), (12, 13), (13, 14)]  # a prefill, then 1 and 4 tokens at a time
+        pieces = [hf(input_ids=idx[:, a:b], n_sup=n_sup, past_key_values=cache).logits for a, b in spans]
         assert len(cache.layers) == hf.model.num_attention_slots(n_sup) and cache.get_seq_length() == 14
         assert (torch.cat(pieces, dim=1) - full).abs().max() <= ATOL, f"n_sup={n_sup}"
 
