@@ -298,11 +298,11 @@ MC_DOCS = [{"context": "the cat sat on the", "choices": ["mat.", "log.", "dog"],
 
 def test_lm_evals_local_completions_scores_a_task_as_the_model(url, trained, tmp_path, monkeypatch):
     """lm-eval's OpenAI-completions backend, token ids and echo as it sends them, on a multiple-choice task file."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # read when datasets is first imported: the task file is local
     lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is the optional [eval] extra: pip install -e '.[eval]'")
     from lm_eval.tasks import TaskManager
     from scripts.export_hf import hf_tokenizer
 
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     _, model, tokenizer = trained
     data = tmp_path / "tiny_mc.jsonl"
     data.write_text("".join(json.dumps(doc) + "\n" for doc in MC_DOCS))
