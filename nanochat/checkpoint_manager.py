@@ -29,8 +29,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from nanochat.common import (RankFailure, describe_error, fsync_dir, get_base_dir, print0, raise_if_any_rank_failed,
-                             run_on_rank0)
+from nanochat.common import (RankFailure, describe_error, fsync_dir, get_base_dir, get_dist_info, print0,
+                             raise_if_any_rank_failed, run_on_rank0)
 from nanochat.gpt import GPT, GPTConfig
 
 WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
@@ -388,27 +388,59 @@ class ResumePoint(NamedTuple):
     train_weights: dict | None
 
 
-def load_resume_point(model_tag, which, rank, backup_url=None):
-    """The ResumePoint to resume from, agreed by every rank.
+def process_count_problem(model_tag, step, meta, world_size):
+    """Why a run of world_size processes cannot continue this checkpoint (None when it can): each process saved its
+    own share of the optimizer state (ZeRO-1) and its own data positions, so only the saving process count fits."""
+    geometry = meta.get("batch_geometry", {})
+    saved = geometry.get("world_size")
+    if saved in (None, world_size):  # None: it predates the record, and resume_differences names what differs
+        return None
+    launch = "python -m scripts.base_train" if saved == 1 else \
+        f"torchrun --nproc_per_node={saved} -m scripts.base_train --"
+    return (f"checkpoint step {step} of {model_tag!r} was written by {processes(saved)} and this run has "
+            f"{world_size}; each process saved its own optimizer shard and data position, so resume it on {saved}: "
+            f"{launch} <the same flags> --resume (--device_batch_size={geometry.get('device_batch_size')} "
+            f"--gradient_accumulation_steps={geometry.get('grad_accum')}, as saved), or train on {world_size} under "
+            f"a new --model_tag")
+
+
+def processes(n):
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _agreed(work, what):
+    """work()'s result on every rank, or RankFailure on every rank when it raised CheckpointError on any."""
+    error, result = None, None
+    try:
+        result = work()
+    except CheckpointError as e:
+        error = e
+    raise_if_any_rank_failed(error, what)
+    return result
+
+
+def load_resume_point(model_tag, which, rank, backup_url=None, world_size=None):
+    """The ResumePoint to resume from, agreed by every rank of world_size (default: this process group's).
 
     which: 'latest' or a step. An empty local directory is first filled from the backup. With 'latest', a checkpoint
-    that fails to load on any rank is skipped, with the reason, for the next newest."""
+    that fails to load on any rank is skipped, with the reason, for the next newest. A checkpoint written by another
+    process count is refused (CheckpointError), never skipped: it is intact, only this launch does not fit it."""
+    world_size = world_size or get_dist_info()[3]
     if backup_url and not list_steps(model_tag):  # rank 0 downloads; the others wait without nearing the timeout
         error = run_on_rank0(lambda: Backup.location(backup_url, model_tag).restore(which), rank)
         raise_if_any_rank_failed(error, f"restoring {model_tag} from the backup {backup_url}")
     newest = resolve_step(model_tag, which)
     candidates = [s for s in reversed(list_steps(model_tag)) if s <= newest] if which in (None, "latest") else [newest]
     for step in candidates:
-        error, point = None, None
+        what = f"loading checkpoint step {step}"
         try:
-            point = ResumePoint(step, read_meta(model_tag, step), load_model_weights(model_tag, step, "cpu"),
-                                load_rank_state(model_tag, step, rank),
-                                load_model_weights(model_tag, step, "cpu", TRAIN_WEIGHTS))
-        except CheckpointError as e:
-            error = e
-        try:
-            raise_if_any_rank_failed(error, f"loading checkpoint step {step}")
-            return point
+            meta = _agreed(lambda: read_meta(model_tag, step), what)
+            problem = process_count_problem(model_tag, step, meta, world_size)
+            if problem:  # before any rank file is opened: a missing rank_R.pt here means no fault
+                raise CheckpointError(problem)
+            return _agreed(lambda: ResumePoint(step, meta, load_model_weights(model_tag, step, "cpu"),
+                                               load_rank_state(model_tag, step, rank),
+                                               load_model_weights(model_tag, step, "cpu", TRAIN_WEIGHTS)), what)
         except RankFailure as failure:
             print0(f"WARNING: skipping checkpoint step {step} of {model_tag}: {failure}")
     raise CheckpointError(f"no loadable checkpoint of {model_tag!r} (tried steps {candidates}, see the warnings "

@@ -257,7 +257,7 @@ def start_or_resume(args, model_config, tokenizer, rank):
                 raise_if_any_rank_failed(error, "moving the previous run aside")
             return None
         which = args.resume_from_step if args.resume_from_step is not None else "latest"
-        point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir)
+        point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir, args.world_size)
         step, meta = point.step, point.meta
         ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {args.model_tag} step {step}")
     except (ckpt.CheckpointError, RankFailure) as e:
