@@ -175,6 +175,49 @@ def check_tokenizer(meta, tokenizer, what):
                               f"it was trained with, or train a new model (a new --model_tag) with this one")
 
 
+def shards(n):
+    return f"{n} shard" if n == 1 else f"{n} shards"
+
+
+def check_data(meta, corpus, allow_change, what):
+    """Refuse to continue a checkpoint on other data than it was trained on (a shard replaced, added or removed,
+    another NANOCHAT_DATA_DIR); corpus: dataset.corpus_identity(). allow_change warns instead."""
+    saved = meta.get("data")
+    if saved is None:
+        print0(f"note: {what} records no data fingerprint (it predates them), so nothing checks that {corpus['dir']} "
+               f"holds the data it was trained on")
+        return
+    if saved["fingerprint"] == corpus["fingerprint"]:
+        return
+    change = (f"{what} was trained on data {saved['fingerprint']} ({shards(saved['shards'])} in {saved['dir']}), "
+              f"but this run's data is {corpus['fingerprint']} ({shards(corpus['shards'])} in {corpus['dir']})")
+    if not allow_change:
+        raise CheckpointError(f"{change}: a shard was replaced, added or removed, or NANOCHAT_DATA_DIR points "
+                              f"elsewhere; restore the data it was trained on, or pass --allow_data_change to go on "
+                              f"with this data")
+    print0(f"WARNING: --allow_data_change: {change}; going on with this data")
+
+
+def check_data_positions(point, args, rank, tokenizer):
+    """Refuse, on every rank, a checkpoint whose data positions the current shards do not hold: one line before
+    anything is written, rather than the loader's traceback after 'resumed'. Opens this process's train loaders
+    at their saved positions, as base_train does, so the loader's own rule decides."""
+    from nanochat.dataloader import DataLoader
+    from nanochat.dataset import DatasetError
+    from nanochat.train_config import data_ranks
+    error = None
+    try:
+        for state, data_rank in zip(point.rank_state["loaders"], data_ranks(args, rank)):
+            DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", rank=data_rank,
+                       world_size=args.world_size * args.grad_accum, resume_state=state)
+    except ValueError as e:
+        error = CheckpointError(f"the data position saved in step {point.step} is not in the current data ({e}); "
+                                f"restore the data it was trained on, or start a new --model_tag")
+    except DatasetError as e:  # every rank must learn of it
+        error = e
+    raise_if_any_rank_failed(error, "checking the data positions")
+
+
 # ---------------------------------------------------------------------------------------------------- saving
 def rng_state():
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
