@@ -218,6 +218,27 @@ def check_data_positions(point, args, rank, tokenizer):
     raise_if_any_rank_failed(error, "checking the data positions")
 
 
+def report_schedule_change(point, schedule, horizon_source):
+    """Say, in one line, how this run's learning-rate schedule differs from the checkpoint's (nothing when it does
+    not): resuming with a longer horizon is how a run is extended, but it moves the warmdown and so the lr.
+    schedule: (num_iterations, warmup_steps, warmdown_ratio, final_lr_frac), train_config.lr_multiplier's arguments."""
+    from nanochat.train_config import lr_multiplier
+    config = point.meta.get("train_config", {})
+    saved = (point.meta.get("num_iterations"), point.meta.get("warmup_steps"), config.get("warmdown_ratio"),
+             config.get("final_lr_frac"))
+    names = ("horizon {} -> {} steps ({})", "warmup {} -> {} steps", "warmdown ratio {} -> {}",
+             "final lr fraction {} -> {}")
+    changes = [name.format(old, new, horizon_source) for name, old, new in zip(names, saved, schedule)
+               if old is not None and old != new]  # None: a checkpoint that predates the record
+    if not changes:
+        return
+    new_lrm = lr_multiplier(point.step, *schedule)
+    old_lrm = f"{lr_multiplier(point.step, *saved):.2f}" if None not in saved else "unrecorded"
+    keep = f" (--num_iterations={saved[0]} keeps the checkpoint's horizon)" if saved[0] != schedule[0] else ""
+    print0(f"resuming with another learning-rate schedule: {', '.join(changes)}; the lr multiplier of step "
+           f"{point.step + 1}: {old_lrm} -> {new_lrm:.2f}{keep}")
+
+
 # ---------------------------------------------------------------------------------------------------- saving
 def rng_state():
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),

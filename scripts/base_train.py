@@ -64,6 +64,9 @@ def train(args):
     flops_per_token = model.estimate_flops()
     peak_flops = gpu_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     print_config(args, num_iterations, horizon_source, model, tokens_per_step)
+    if resume:
+        ckpt.report_schedule_change(resume, (num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac),
+                                    horizon_source)
     no_room = ckpt.disk_room_problem(args.model_tag, ckpt.checkpoint_bytes(model), args.keep_last)
     if no_room:
         raise Exit(no_room)
@@ -106,6 +109,7 @@ def train(args):
             meta = {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
                     "train_config": {k: v for k, v in vars(args).items() if k not in ("model_config", "config_sources")},
                     "batch_geometry": batch_geometry(args), "num_iterations": num_iterations,
+                    "warmup_steps": warmup_steps,
                     "tokenizer_fingerprint": tokenizer.fingerprint(), "data": corpus,
                     "val_bpb": val_bpb if last_eval_step == step else None, "elapsed_seconds": elapsed(),
                     "cost": control.cost(), "dataloader": consumed[0]}

@@ -146,3 +146,40 @@ def test_a_saved_position_missing_from_the_data_is_one_line_before_anything(base
     assert len(err.strip().splitlines()) == 1
     assert f"{position['shard']} row group {position['row_group']}" in err and "not in the current data" in err
     assert tree(base) == before
+
+
+# ---------------------------------------------------------------------------------------------------- the schedule
+def test_extending_a_finished_run_says_how_the_schedule_changes(base, capsys):
+    assert train(*FLAGS, "--num_iterations=10", "--model_tag=longer") == 0
+    capsys.readouterr()
+    assert train(*FLAGS, "--num_iterations=20", "--model_tag=longer", "--resume") == 0
+    out = capsys.readouterr().out.splitlines()
+    changed = [line for line in out if line.startswith("resuming with another learning-rate schedule")]
+    # by hand: the last 20% warm down linearly, so step 11 (index 10) had 0 of 10 steps left, and has 10 of 20 now
+    assert changed == ["resuming with another learning-rate schedule: horizon 10 -> 20 steps (--num_iterations); the "
+                       "lr multiplier of step 11: 0.00 -> 1.00 (--num_iterations=10 keeps the checkpoint's horizon)"]
+    assert any(line.startswith("step 00011/20") and "lrm 1.00" in line for line in out)
+    assert train(*FLAGS, "--num_iterations=20", "--model_tag=longer", "--resume") == 0  # the same schedule
+    assert "learning-rate schedule" not in capsys.readouterr().out
+
+
+def point(step, meta):
+    from nanochat.checkpoint_manager import ResumePoint
+    return ResumePoint(step, meta, weights=None, rank_state=None, train_weights=None)
+
+
+def test_a_changed_warmdown_or_an_unrecorded_warmup_is_reported(capsys):
+    from nanochat.checkpoint_manager import report_schedule_change
+    saved = {"num_iterations": 100, "warmup_steps": 1, "train_config": {"warmdown_ratio": 0.2, "final_lr_frac": 0.0}}
+    report_schedule_change(point(60, saved), (100, 1, 0.5, 0.0), "--num_iterations")
+    # by hand: step index 60 is before a 20-step warmdown (1.0) and 10 steps into a 50-step one (40/50 = 0.8)
+    assert capsys.readouterr().out == (
+        "resuming with another learning-rate schedule: warmdown ratio 0.2 -> 0.5; the lr multiplier of step 61: "
+        "1.00 -> 0.80\n")
+    report_schedule_change(point(60, saved), (100, 1, 0.2, 0.0), "--num_iterations")
+    assert capsys.readouterr().out == ""
+    del saved["warmup_steps"]  # a checkpoint from before the record: its multiplier is not known
+    report_schedule_change(point(60, saved), (200, 1, 0.2, 0.0), "--target_param_data_ratio=20")
+    assert capsys.readouterr().out == (
+        "resuming with another learning-rate schedule: horizon 100 -> 200 steps (--target_param_data_ratio=20); the "
+        "lr multiplier of step 61: unrecorded -> 1.00 (--num_iterations=100 keeps the checkpoint's horizon)\n")
