@@ -29,8 +29,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from nanochat.common import (RankFailure, describe_error, fsync_dir, get_base_dir, print0, raise_if_any_rank_failed,
-                             run_on_rank0)
+from nanochat.common import (RankFailure, describe_error, fsync_dir, get_base_dir, get_dist_info, print0,
+                             raise_if_any_rank_failed, run_on_rank0)
 from nanochat.gpt import GPT, GPTConfig
 
 WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
@@ -173,6 +173,70 @@ def check_tokenizer(meta, tokenizer, what):
         raise CheckpointError(f"{what} was trained with tokenizer {saved}, but {tokenizer_dir()} holds tokenizer "
                               f"{current} (retrained since?), so token ids would mean other text: restore the tokenizer "
                               f"it was trained with, or train a new model (a new --model_tag) with this one")
+
+
+def shards(n):
+    return f"{n} shard" if n == 1 else f"{n} shards"
+
+
+def check_data(meta, corpus, allow_change, what):
+    """Refuse to continue a checkpoint on other data than it was trained on (a shard replaced, added or removed,
+    another NANOCHAT_DATA_DIR); corpus: dataset.corpus_identity(). allow_change warns instead."""
+    saved = meta.get("data")
+    if saved is None:
+        print0(f"note: {what} records no data fingerprint (it predates them), so nothing checks that {corpus['dir']} "
+               f"holds the data it was trained on")
+        return
+    if saved["fingerprint"] == corpus["fingerprint"]:
+        return
+    change = (f"{what} was trained on data {saved['fingerprint']} ({shards(saved['shards'])} in {saved['dir']}), "
+              f"but this run's data is {corpus['fingerprint']} ({shards(corpus['shards'])} in {corpus['dir']})")
+    if not allow_change:
+        raise CheckpointError(f"{change}: a shard was replaced, added or removed, or NANOCHAT_DATA_DIR points "
+                              f"elsewhere; restore the data it was trained on, or pass --allow_data_change to go on "
+                              f"with this data")
+    print0(f"WARNING: --allow_data_change: {change}; going on with this data")
+
+
+def check_data_positions(point, args, rank, tokenizer):
+    """Refuse, on every rank, a checkpoint whose data positions the current shards do not hold: one line before
+    anything is written, rather than the loader's traceback after 'resumed'. Opens this process's train loaders
+    at their saved positions, as base_train does, so the loader's own rule decides."""
+    from nanochat.dataloader import DataLoader
+    from nanochat.dataset import DatasetError
+    from nanochat.train_config import data_ranks
+    error = None
+    try:
+        for state, data_rank in zip(point.rank_state["loaders"], data_ranks(args, rank)):
+            DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", rank=data_rank,
+                       world_size=args.world_size * args.grad_accum, resume_state=state)
+    except ValueError as e:
+        error = CheckpointError(f"the data position saved in step {point.step} is not in the current data ({e}); "
+                                f"restore the data it was trained on, or start a new --model_tag")
+    except DatasetError as e:  # every rank must learn of it
+        error = e
+    raise_if_any_rank_failed(error, "checking the data positions")
+
+
+def report_schedule_change(point, schedule, horizon_source):
+    """Say, in one line, how this run's learning-rate schedule differs from the checkpoint's (nothing when it does
+    not): resuming with a longer horizon is how a run is extended, but it moves the warmdown and so the lr.
+    schedule: (num_iterations, warmup_steps, warmdown_ratio, final_lr_frac), train_config.lr_multiplier's arguments."""
+    from nanochat.train_config import lr_multiplier
+    config = point.meta.get("train_config", {})
+    saved = (point.meta.get("num_iterations"), point.meta.get("warmup_steps"), config.get("warmdown_ratio"),
+             config.get("final_lr_frac"))
+    names = ("horizon {} -> {} steps ({})", "warmup {} -> {} steps", "warmdown ratio {} -> {}",
+             "final lr fraction {} -> {}")
+    changes = [name.format(old, new, horizon_source) for name, old, new in zip(names, saved, schedule)
+               if old is not None and old != new]  # None: a checkpoint that predates the record
+    if not changes:
+        return
+    new_lrm = lr_multiplier(point.step, *schedule)
+    old_lrm = f"{lr_multiplier(point.step, *saved):.2f}" if None not in saved else "unrecorded"
+    keep = f" (--num_iterations={saved[0]} keeps the checkpoint's horizon)" if saved[0] != schedule[0] else ""
+    print0(f"resuming with another learning-rate schedule: {', '.join(changes)}; the lr multiplier of step "
+           f"{point.step + 1}: {old_lrm} -> {new_lrm:.2f}{keep}")
 
 
 # ---------------------------------------------------------------------------------------------------- saving
@@ -388,27 +452,59 @@ class ResumePoint(NamedTuple):
     train_weights: dict | None
 
 
-def load_resume_point(model_tag, which, rank, backup_url=None):
-    """The ResumePoint to resume from, agreed by every rank.
+def process_count_problem(model_tag, step, meta, world_size):
+    """Why a run of world_size processes cannot continue this checkpoint (None when it can): each process saved its
+    own share of the optimizer state (ZeRO-1) and its own data positions, so only the saving process count fits."""
+    geometry = meta.get("batch_geometry", {})
+    saved = geometry.get("world_size")
+    if saved in (None, world_size):  # None: it predates the record, and resume_differences names what differs
+        return None
+    launch = "python -m scripts.base_train" if saved == 1 else \
+        f"torchrun --nproc_per_node={saved} -m scripts.base_train --"
+    return (f"checkpoint step {step} of {model_tag!r} was written by {processes(saved)} and this run has "
+            f"{world_size}; each process saved its own optimizer shard and data position, so resume it on {saved}: "
+            f"{launch} <the same flags> --resume (--device_batch_size={geometry.get('device_batch_size')} "
+            f"--gradient_accumulation_steps={geometry.get('grad_accum')}, as saved), or train on {world_size} under "
+            f"a new --model_tag")
+
+
+def processes(n):
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _agreed(work, what):
+    """work()'s result on every rank, or RankFailure on every rank when it raised CheckpointError on any."""
+    error, result = None, None
+    try:
+        result = work()
+    except CheckpointError as e:
+        error = e
+    raise_if_any_rank_failed(error, what)
+    return result
+
+
+def load_resume_point(model_tag, which, rank, backup_url=None, world_size=None):
+    """The ResumePoint to resume from, agreed by every rank of world_size (default: this process group's).
 
     which: 'latest' or a step. An empty local directory is first filled from the backup. With 'latest', a checkpoint
-    that fails to load on any rank is skipped, with the reason, for the next newest."""
+    that fails to load on any rank is skipped, with the reason, for the next newest. A checkpoint written by another
+    process count is refused (CheckpointError), never skipped: it is intact, only this launch does not fit it."""
+    world_size = world_size or get_dist_info()[3]
     if backup_url and not list_steps(model_tag):  # rank 0 downloads; the others wait without nearing the timeout
         error = run_on_rank0(lambda: Backup.location(backup_url, model_tag).restore(which), rank)
         raise_if_any_rank_failed(error, f"restoring {model_tag} from the backup {backup_url}")
     newest = resolve_step(model_tag, which)
     candidates = [s for s in reversed(list_steps(model_tag)) if s <= newest] if which in (None, "latest") else [newest]
     for step in candidates:
-        error, point = None, None
+        what = f"loading checkpoint step {step}"
         try:
-            point = ResumePoint(step, read_meta(model_tag, step), load_model_weights(model_tag, step, "cpu"),
-                                load_rank_state(model_tag, step, rank),
-                                load_model_weights(model_tag, step, "cpu", TRAIN_WEIGHTS))
-        except CheckpointError as e:
-            error = e
-        try:
-            raise_if_any_rank_failed(error, f"loading checkpoint step {step}")
-            return point
+            meta = _agreed(lambda: read_meta(model_tag, step), what)
+            problem = process_count_problem(model_tag, step, meta, world_size)
+            if problem:  # before any rank file is opened: a missing rank_R.pt here means no fault
+                raise CheckpointError(problem)
+            return _agreed(lambda: ResumePoint(step, meta, load_model_weights(model_tag, step, "cpu"),
+                                               load_rank_state(model_tag, step, rank),
+                                               load_model_weights(model_tag, step, "cpu", TRAIN_WEIGHTS)), what)
         except RankFailure as failure:
             print0(f"WARNING: skipping checkpoint step {step} of {model_tag}: {failure}")
     raise CheckpointError(f"no loadable checkpoint of {model_tag!r} (tried steps {candidates}, see the warnings "

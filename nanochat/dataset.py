@@ -23,6 +23,7 @@ Environment:
 
 import argparse
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -116,6 +117,17 @@ def iter_documents(split, data_dir=None):
     for path in parquets_for_split(split, data_dir):
         for group in range(len(row_group_sizes(path))):
             yield from read_texts(path, group)
+
+
+def corpus_identity(data_dir=None):
+    """What identifies the corpus, from parquet footers only (no text is read): a short hash of every shard's name,
+    size and documents per row group, with the directory and the shard count; a copy of the same files elsewhere
+    hashes the same."""
+    directory = resolve_dir(data_dir)
+    paths = list_parquet_files(directory)
+    shards = [[os.path.basename(path), os.path.getsize(path), row_group_sizes(path)] for path in paths]
+    fingerprint = hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:12]
+    return {"fingerprint": fingerprint, "dir": os.path.abspath(directory), "shards": len(paths)}
 
 
 def is_readable_shard(path):

@@ -171,6 +171,9 @@ def build_parser():
     resume.add_argument("--resume_from_step", type=int, default=None, help="continue from this checkpoint step")
     resume.add_argument("--overwrite", type=str2bool, nargs="?", const=True, default=False,
                         help="start over on a tag that holds a run: the old run is moved to <tag>.replaced-<date>/")
+    resume.add_argument("--allow_data_change", type=str2bool, nargs="?", const=True, default=False,
+                        help="--resume even when the data differs from the checkpoint's (its fingerprint of shard "
+                             "names, sizes and row groups): a warning instead of a refusal")
     return p
 
 

@@ -51,7 +51,7 @@ def train(args):
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
     tokenizer = get_tokenizer()
     model_config = {**args.model_config, "vocab_size": tokenizer.get_vocab_size()}
-    resume = start_or_resume(args, model_config, tokenizer, rank)
+    resume, corpus = start_or_resume(args, model_config, tokenizer, rank)
 
     model = ckpt.build_model(model_config, device)
     model.train()
@@ -64,6 +64,9 @@ def train(args):
     flops_per_token = model.estimate_flops()
     peak_flops = gpu_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     print_config(args, num_iterations, horizon_source, model, tokens_per_step)
+    if resume:
+        ckpt.report_schedule_change(resume, (num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac),
+                                    horizon_source)
     no_room = ckpt.disk_room_problem(args.model_tag, ckpt.checkpoint_bytes(model), args.keep_last)
     if no_room:
         raise Exit(no_room)
@@ -106,7 +109,8 @@ def train(args):
             meta = {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
                     "train_config": {k: v for k, v in vars(args).items() if k not in ("model_config", "config_sources")},
                     "batch_geometry": batch_geometry(args), "num_iterations": num_iterations,
-                    "tokenizer_fingerprint": tokenizer.fingerprint(),
+                    "warmup_steps": warmup_steps,
+                    "tokenizer_fingerprint": tokenizer.fingerprint(), "data": corpus,
                     "val_bpb": val_bpb if last_eval_step == step else None, "elapsed_seconds": elapsed(),
                     "cost": control.cost(), "dataloader": consumed[0]}
             try:
@@ -239,10 +243,13 @@ def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
 
 
 def start_or_resume(args, model_config, tokenizer, rank):
-    """The resume point (step, meta, weights, rank state), checked against this run; or None for a fresh run, on a tag
-    that holds no other run (--overwrite moves one aside). Every check passes before anything is written."""
+    """(the resume point (step, meta, weights, rank state), checked against this run, or None for a fresh run, on a
+    tag that holds no other run (--overwrite moves one aside); the data's identity). Every check passes before
+    anything is written."""
+    from nanochat.dataset import DatasetError, corpus_identity
     resuming = args.resume or args.resume_from_step is not None
     try:
+        corpus = corpus_identity()
         if args.backup_dir:
             ckpt.Backup.location(args.backup_dir, args.model_tag)  # a bad URL stops here, not after the first save
         if not resuming:
@@ -255,19 +262,21 @@ def start_or_resume(args, model_config, tokenizer, rank):
                     except OSError as e:
                         error = e
                 raise_if_any_rank_failed(error, "moving the previous run aside")
-            return None
+            return None, corpus
         which = args.resume_from_step if args.resume_from_step is not None else "latest"
-        point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir)
+        point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir, args.world_size)
         step, meta = point.step, point.meta
         ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {args.model_tag} step {step}")
-    except (ckpt.CheckpointError, RankFailure) as e:
+        ckpt.check_data(meta, corpus, args.allow_data_change, f"checkpoint {args.model_tag} step {step}")
+        diffs = ckpt.resume_differences(meta, model_config, batch_geometry(args))
+        if diffs:
+            raise Exit(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
+                       f"different configuration:\n  " + "\n  ".join(diffs) +
+                       "\nPass the checkpoint's values, or start a new run with another --model_tag.")
+        ckpt.check_data_positions(point, args, rank, tokenizer)  # the loaders' geometry matches by now
+    except (ckpt.CheckpointError, RankFailure, DatasetError) as e:
         raise Exit(f"cannot {'resume' if resuming else 'start'}: {e}")
-    diffs = ckpt.resume_differences(meta, model_config, batch_geometry(args))
-    if diffs:
-        raise Exit(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
-                              f"different configuration:\n  " + "\n  ".join(diffs) +
-                              "\nPass the checkpoint's values, or start a new run with another --model_tag.")
-    return point
+    return point, corpus
 
 
 class StepStats(NamedTuple):

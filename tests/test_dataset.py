@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 
 import pyarrow as pa
@@ -214,3 +215,28 @@ def test_bad_hf_import_gives_one_line_and_writes_nothing(case, hf_saved, monkeyp
     assert err.startswith("error: ") and len(err.splitlines()) == 1
     assert re.search(message, err), err
     assert not os.path.exists(dataset.data_dir())
+
+
+# -----------------------------------------------------------------------------
+# The corpus' identity, recorded in checkpoints
+
+def test_the_corpus_identity_reads_footers_only_and_changes_with_any_shard(tmp_path, monkeypatch):
+    from tests.conftest import make_corpus
+    make_corpus(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+
+    def no_text(*args, **kwargs):
+        raise AssertionError("the identity must come from the footers, not the text")
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", no_text)
+    monkeypatch.setattr(pq.ParquetFile, "read", no_text)
+    monkeypatch.setattr(pq, "read_table", no_text)
+    a = dataset.corpus_identity(str(tmp_path / "a"))
+    assert a["shards"] == 3 and a["dir"] == str(tmp_path / "a") and re.fullmatch(r"[0-9a-f]{12}", a["fingerprint"])
+    assert dataset.corpus_identity(str(tmp_path / "copy"))["fingerprint"] == a["fingerprint"]  # the files, not where
+    monkeypatch.undo()
+    replaced = tmp_path / "copy" / "shard_00001.parquet"
+    pq.write_table(pa.table({"text": [t.upper() + "!" for t in shard_texts(replaced)]}), replaced)
+    assert dataset.corpus_identity(str(tmp_path / "copy"))["fingerprint"] != a["fingerprint"]
+    make_corpus(tmp_path / "more", num_shards=4)
+    assert dataset.corpus_identity(str(tmp_path / "more"))["fingerprint"] != a["fingerprint"]
