@@ -217,29 +217,29 @@ def write_failure(error):
     for code, (reason, advice) in WRITE_FAILURES.items():
         if getattr(error, "errno", None) == code or os.strerror(code) in str(error):
             return reason, advice
-    if isinstance(error, OSError):
+    if isinstance(error, OSError):  # another errno (EIO, ENAMETOOLONG, ...): the system's words
         return error.strerror or describe_error(error), "fix the cause"
     return None
 
 
-def write_error(path, error, then=""):
-    """The WriteError for error while writing path; then: the caller's rest of the advice (", or pick another
-    --out", ", then resume")."""
-    reason, advice = write_failure(error) or (describe_error(error), "fix the cause")
-    failure = WriteError(f"cannot write {path}: {reason}; {advice}{then}")
+def write_error(path, error, rest=""):
+    """The WriteError for a failed write (write_failure(error) is not None) of path; rest: the caller's end of the
+    advice (", or pick another --out", ", then resume")."""
+    reason, advice = write_failure(error)
+    failure = WriteError(f"cannot write {path}: {reason}; {advice}{rest}")
     failure.errno = getattr(error, "errno", None)
     return failure
 
 
 @contextlib.contextmanager
-def writing(path, then=""):
+def writing(path, rest=""):
     """Turn an OSError raised inside into write_error(path, ...)."""
     try:
         yield
     except WriteError:
         raise
     except OSError as e:
-        raise write_error(path, e, then) from e
+        raise write_error(path, e, rest) from e
 
 
 @contextlib.contextmanager
@@ -258,13 +258,13 @@ def temporary_path(path):
     return f"{path}.tmp{os.getpid()}"
 
 
-def atomic_write_bytes(path, data, then=""):
+def atomic_write_bytes(path, data, rest=""):
     """Write to a temporary file beside `path`, fsync, rename: a crash leaves the old file or the new one, never half.
     A failure removes the temporary file and raises WriteError; those of killed writers of path go first."""
     remove_stale_temporaries(glob.escape(path))
     tmp = temporary_path(path)
     try:
-        with writing(path, then):
+        with writing(path, rest):
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -277,21 +277,22 @@ def atomic_write_bytes(path, data, then=""):
         raise
 
 
-def save_figure(fig, path, dpi, then=""):
+def save_figure(fig, path, dpi, rest=""):
     """A matplotlib figure as a PNG file, written atomically."""
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=dpi)
-    atomic_write_bytes(path, png.getvalue(), then)
+    atomic_write_bytes(path, png.getvalue(), rest)
 
 
-def check_writable(directory, then=""):
+def check_writable(directory):
     """Raise WriteError unless files can be created in directory (or, before it exists, in the nearest parent it will
     be made in), so a run learns it before it spends anything. A trial file, not os.access: root passes every
     permission check, and only a write meets a read-only mount as the real writes would."""
+    directory = os.path.abspath(directory)
     while not os.path.isdir(directory):
         directory = os.path.dirname(directory)
     probe = temporary_path(os.path.join(directory, "write_check"))
-    with writing(directory, then):
+    with writing(directory):
         with open(probe, "wb"):
             pass
         os.remove(probe)

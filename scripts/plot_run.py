@@ -179,7 +179,7 @@ def plot(run_dir, out_path):
     fig = figure(run_dir)
     import matplotlib.pyplot as plt  # figure() has checked that matplotlib is there
     try:
-        save_figure(fig, out_path, dpi=100, then=", or pick another --out")
+        save_figure(fig, out_path, dpi=100, rest=", or pick another --out")
     finally:
         plt.close(fig)
     return out_path

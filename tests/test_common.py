@@ -107,6 +107,8 @@ def test_an_atomic_write_first_removes_what_a_killed_writer_of_the_same_file_lef
 
 def test_check_writable_refuses_a_read_only_directory_and_leaves_nothing(tmp_path, monkeypatch):
     check_writable(str(tmp_path / "run" / "not yet made"))  # checks the parent it will be made in
+    monkeypatch.chdir(tmp_path)
+    check_writable(os.path.join("relative", "base"))  # NANOCHAT_BASE_DIR may be relative
     assert os.listdir(tmp_path) == []
     fail_writes(monkeypatch, tmp_path, READ_ONLY)
     with pytest.raises(WriteError, match=f"cannot write {tmp_path}: read-only file system"):
