@@ -30,7 +30,7 @@ from nanochat.common import (RankFailure, WriteError, atomic_write_bytes, check_
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
 from nanochat.loss_eval import refinement, validation_bpb
-from nanochat.metrics import MetricsError, MetricsLog, format_duration, write_summary
+from nanochat.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
 from nanochat.muon import Muon
 from nanochat.optim import clipped_step, reduce_gradients
 from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
@@ -344,7 +344,7 @@ def update_checkpoint_bpb(model_tag, step, val_bpb):
     with open(path) as f:
         meta = json.load(f)
     meta["val_bpb"] = val_bpb
-    atomic_write_bytes(path, json.dumps(meta, indent=2).encode())
+    atomic_write_bytes(path, json.dumps(meta, indent=2).encode(), RESUME_HINT)
 
 
 def main(argv=None):
