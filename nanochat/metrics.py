@@ -7,6 +7,7 @@ summary.json and report.md are rebuilt from metrics.jsonl, so they cover the who
 """
 
 import datetime
+import glob
 import json
 import math
 import os
@@ -14,11 +15,13 @@ import statistics
 import subprocess
 import sys
 
-from nanochat.common import atomic_write_bytes, print0
+from nanochat.common import atomic_write_bytes, print0, remove_stale_temporaries, writing
 from nanochat.health import LossSmoother, smooth
 from nanochat.loss_eval import format_steps, refinement
 
 COMPILE_STEPS = 10  # the first steps of a process compile and warm up: left out of the mean step time
+# What to do once a failed write of the run's record is fixed: the checkpoints are written apart from it
+RESUME_HINT = ", then run the same command with --resume (the checkpoints saved so far are intact)"
 
 
 class MetricsError(ValueError):
@@ -170,16 +173,19 @@ class MetricsLog:
         self.smoother, self.step_times, self.prior_step_time = LossSmoother(), [], None
         if not self.enabled:
             return
+        run_files = os.path.join(glob.escape(run_dir), "*")
+        remove_stale_temporaries(run_files, os.path.join(run_files, "*"))  # a step's meta.json is rewritten too
         if resume_step is not None and os.path.exists(self.path):  # drop what the run logged past its checkpoint
             kept = [r for r in read_records(self.path) if r["step"] <= resume_step]
-            atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+            atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode(), RESUME_HINT)
             train = [r for r in kept if r["kind"] == "train"]
             for r in train:
                 self.smoother.update(r["step_losses"])
             times = [r["dt"] for r in train[COMPILE_STEPS:]]
             self.prior_step_time = statistics.mean(times) if times else None
         elif resume_step is None and os.path.exists(self.path):
-            os.remove(self.path)
+            with writing(self.path, RESUME_HINT):
+                os.remove(self.path)
         if args.run != "dummy":
             self.sinks.append(open_optional("wandb", lambda: WandbSink(args)))
         if args.tensorboard is not None:
@@ -197,7 +203,7 @@ class MetricsLog:
                 record = {**record, **self.read_gpus()}
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
+        with writing(self.path, RESUME_HINT), open(self.path, "a") as f:
             f.write(json.dumps(json_safe(record)) + "\n")
         for sink in list(self.sinks):
             try:
@@ -279,9 +285,9 @@ def write_summary(run_dir, args, step, seconds, price_per_hour, model, tokenizer
     """summary.json for the launch scripts' success check, report.md for people; both from metrics.jsonl."""
     records = read_metrics(run_dir)
     summary = summarize(records, args.model_tag, step, seconds, price_per_hour, model, tokenizer_fingerprint)
-    atomic_write_bytes(summary_path(run_dir), json.dumps(summary, indent=2, allow_nan=False).encode())
+    atomic_write_bytes(summary_path(run_dir), json.dumps(summary, indent=2, allow_nan=False).encode(), RESUME_HINT)
     report = report_markdown(summary, records, args, model)
-    atomic_write_bytes(os.path.join(run_dir, "report.md"), report.encode())
+    atomic_write_bytes(os.path.join(run_dir, "report.md"), report.encode(), RESUME_HINT)
     print0(f"report: {os.path.join(run_dir, 'report.md')}")
     return summary
 

@@ -14,7 +14,7 @@ import sys
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
-                             print0)
+                             exit_on_write_error, print0)
 from nanochat.loss_eval import evaluate_bpb, format_state, format_steps, refinement
 from nanochat.train_config import SAMPLE_PROMPTS, autocast_for, default_dtype
 
@@ -87,7 +87,9 @@ def main(argv=None):
         for prompt, completion in zip(SAMPLE_PROMPTS, completions):
             print0(f"sample: {prompt!r} -> {completion!r}")
         path = os.path.join(ckpt.model_dir(model_tag), f"base_loss_step{meta['step']:06d}.json")
-        atomic_write_bytes(path, json.dumps(results, indent=2).encode())
+        with exit_on_write_error("base_loss"):
+            atomic_write_bytes(path, json.dumps(results, indent=2).encode(),
+                               ", then run base_loss again to save the results printed above")
         print0(f"results: {path}")
     compute_cleanup()
     return results

@@ -25,12 +25,12 @@ import torch
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
 from nanochat.cli import Exit
-from nanochat.common import (RankFailure, atomic_write_bytes, compute_cleanup, compute_init, gpu_peak_flops, print0,
-                             raise_if_any_rank_failed, run_on_rank0)
+from nanochat.common import (RankFailure, WriteError, atomic_write_bytes, check_writable, compute_cleanup, compute_init,
+                             gpu_peak_flops, print0, raise_if_any_rank_failed, run_on_rank0)
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
 from nanochat.loss_eval import refinement, validation_bpb
-from nanochat.metrics import MetricsError, MetricsLog, format_duration, write_summary
+from nanochat.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
 from nanochat.muon import Muon
 from nanochat.optim import clipped_step, reduce_gradients
 from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
@@ -41,6 +41,7 @@ from nanochat.weight_average import WeightAverage
 
 # ---------------------------------------------------------------------------------------------------- the run
 def train(args):
+    check_writable(ckpt.model_dir(args.model_tag))  # a read-only run directory stops here, before anything is spent
     ddp, rank, local_rank, world_size, device = compute_init(args.device_type, args.seed)
     if ddp and world_size != args.world_size:
         raise Exit(f"internal: parsed for {args.world_size} processes, running {world_size}")
@@ -352,7 +353,7 @@ def update_checkpoint_bpb(model_tag, step, val_bpb):
     with open(path) as f:
         meta = json.load(f)
     meta["val_bpb"] = val_bpb
-    atomic_write_bytes(path, json.dumps(meta, indent=2).encode())
+    atomic_write_bytes(path, json.dumps(meta, indent=2).encode(), RESUME_HINT)
 
 
 def main(argv=None):
@@ -363,7 +364,7 @@ def main(argv=None):
     lifecycle.configure_cuda_allocator()
     try:
         train(args)
-    except (Exit, MetricsError) as e:
+    except (Exit, MetricsError, WriteError) as e:
         print(f"base_train: {e}", file=sys.stderr, flush=True)
         compute_cleanup()
         sys.exit(getattr(e, "exit_code", 1))

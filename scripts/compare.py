@@ -38,7 +38,7 @@ from nanochat import lifecycle
 from nanochat.cli import Exit, OneLineErrors, underscore_flags
 from nanochat import train_config
 from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init, distributed,
-                             get_dist_info, print0)
+                             exit_on_write_error, get_dist_info, print0, save_figure)
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.loss_eval import format_steps, validation_bpb
 from nanochat.metrics import read_metrics, summary_path
@@ -368,8 +368,7 @@ def finish(fig, axes, path):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
+    save_figure(fig, path, dpi=110)
 
 
 def write_report(report, out):
@@ -417,7 +416,8 @@ def main(argv=None):
         report["max_inference_sup"] = max(len(r["inference"]) for r in report["runs"])
         if rank == 0:  # after every run, with the later runs an earlier invocation finished: a rerun skips them all
             later = [done[r.tag] for r in runs[i + 1:] if r.tag in done]
-            write_report({**report, "runs": report["runs"] + later}, args.out)
+            with exit_on_write_error("compare"):
+                write_report({**report, "runs": report["runs"] + later}, args.out)
     print0(table(report))
     print0(f"results: {os.path.abspath(args.out)}")
     compute_cleanup()

@@ -16,6 +16,7 @@ temporary directory and renamed into place; an existing non-empty DIR is only re
 it holds an earlier export.
 """
 
+import glob
 import json
 import os
 import shutil
@@ -25,6 +26,8 @@ import torch
 
 from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
 from nanochat.cli import ArgumentParser
+from nanochat.common import (exit_on_write_error, remove_stale_temporaries, temporary_path, write_error, write_failure,
+                             writing)
 
 try:
     from tokenizers import processors
@@ -37,6 +40,8 @@ except ImportError as e:  # transformers missing, or older than 5
     sys.exit(f"error: {reason}; install it with: pip install -e '.[hf]'")
 from nanochat.engine import STOP_TOKENS
 from nanochat.tokenizer import SPECIAL_TOKENS
+
+ANOTHER_OUT = ", or pick another --out"  # the rest of a failed write's advice
 
 NanochatTRMConfig.register_for_auto_class()  # writes auto_map into config.json and copies the code into DIR
 NanochatTRMForCausalLM.register_for_auto_class("AutoModelForCausalLM")
@@ -122,8 +127,10 @@ def check_out(out, force):
 
 
 def write_export(model, tokenizer, meta, model_tag, out):
-    """Everything into out.tmpPID, then renamed into place: DIR is the old export or the new one, never half."""
-    tmp, old = f"{out}.tmp{os.getpid()}", f"{out}.old{os.getpid()}"
+    """Everything into out.tmpPID, then renamed into place: DIR is the old export or the new one, never half. A failed
+    write removes out.tmpPID and raises WriteError; those of killed exports go first."""
+    remove_stale_temporaries(glob.escape(out))
+    tmp, old = temporary_path(out), f"{out}.old{os.getpid()}"
     from transformers.utils import logging as hf_logging
     if not sys.stderr.isatty():  # transformers' own progress bar would fill log files, as ours never do
         hf_logging.disable_progress_bar()
@@ -132,12 +139,15 @@ def write_export(model, tokenizer, meta, model_tag, out):
         hf_tokenizer(tokenizer, model.config.sequence_len).save_pretrained(tmp)
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(model_card(model_tag, meta, os.path.basename(out)))
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and write_failure(e):  # safetensors' and tokenizers' own errors included
+            raise write_error(out, e, ANOTHER_OUT) from e
         raise
-    if os.path.exists(out):
-        os.rename(out, old)
-    os.rename(tmp, out)
+    with writing(out, ANOTHER_OUT):
+        if os.path.exists(out):
+            os.rename(out, old)
+        os.rename(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -164,7 +174,8 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write_export(model, tokenizer, meta, model_tag, args.out)
+    with exit_on_write_error("export_hf"):
+        write_export(model, tokenizer, meta, model_tag, args.out)
     print(f"exported {model_tag} step {meta['step']} ({model.num_params():,} parameters) to {args.out}\n"
           f"load it with AutoModelForCausalLM.from_pretrained({args.out!r}, trust_remote_code=True)")
     return 0

@@ -19,6 +19,7 @@ import sys
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import ArgumentParser, Exit
+from nanochat.common import exit_on_write_error, save_figure
 from nanochat.health import smooth
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import MetricsError, read_metrics
@@ -177,10 +178,10 @@ def figure(run_dir):
 def plot(run_dir, out_path):
     fig = figure(run_dir)
     import matplotlib.pyplot as plt  # figure() has checked that matplotlib is there
-    tmp = out_path + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out_path)
+    try:
+        save_figure(fig, out_path, dpi=100, rest=", or pick another --out")
+    finally:
+        plt.close(fig)
     return out_path
 
 
@@ -191,7 +192,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     run_dir = args.run if os.path.isdir(args.run) else ckpt.model_dir(args.run)
     try:
-        print(f"plot: {plot(run_dir, args.out or os.path.join(run_dir, 'training.png'))}")
+        with exit_on_write_error("plot_run"):
+            print(f"plot: {plot(run_dir, args.out or os.path.join(run_dir, 'training.png'))}")
     except MetricsError as e:
         raise Exit(f"plot_run: {e}")
 

@@ -201,3 +201,18 @@ def test_without_batch_flags_every_config_gets_one_pinned_batch():
                 "trm=--n_loops=2 --n_sup_train=4", "--device_type=cuda", "--", "--depth=4", "--device_memory_gb=80")
     geometries = {json.dumps(compare.batch_geometry(r.args), sort_keys=True) for r in runs}
     assert len(geometries) == 1 and runs[0].args.total_batch_size == 524288
+
+
+def test_a_figure_that_cannot_be_written_is_a_write_error_naming_it_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from nanochat.common import WriteError
+    from tests.unwritable import READ_ONLY, fail_writes
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], label="a run")
+    fail_writes(monkeypatch, tmp_path, READ_ONLY)
+    with pytest.raises(WriteError, match=f"cannot write {tmp_path}/bpb.png: read-only file system"):
+        compare.finish(fig, [ax], str(tmp_path / "bpb.png"))
+    plt.close(fig)
+    assert os.listdir(tmp_path) == []  # no temporary file

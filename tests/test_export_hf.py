@@ -18,6 +18,7 @@ from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
 from scripts import export_hf
 from tests.helpers import ROOT, random_model
 from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
+from tests.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line
 
 ATOL = 1e-4
 SAMPLE = ("def refine(y, z):\n    return y + z  # 平方根 √2 ≈ 1.414\n\n\tclass Ünïcödé: pass\r\n"
@@ -200,3 +201,39 @@ def test_the_export_log_has_no_progress_bars_off_a_terminal(base_dir, tmp_path, 
     assert export_hf.main(["--model_tag", MODEL_TAG, "--out", str(tmp_path / "quiet-hf")]) == 0
     out, err = capsys.readouterr()
     assert "exported" in out and "\r" not in out + err and "it/s" not in out + err
+
+
+def full_disk_for_safetensors(mp):
+    """What safetensors raises when the disk fills up under it (seen on a full tmpfs): its own type, not an OSError."""
+    from safetensors import SafetensorError
+
+    def save_file(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    mp.setattr("transformers.modeling_utils.safe_save_file", save_file)
+
+
+@pytest.mark.parametrize("code", [FULL, READ_ONLY], ids=["full", "read-only"])
+def test_an_export_that_cannot_be_written_is_one_line_exit_5_and_leaves_nothing(base_dir, tmp_path, capsys, code):
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
+        if code == FULL:
+            full_disk_for_safetensors(mp)
+        else:
+            fail_writes(mp, tmp_path, code)
+        export_hf.main(["--model_tag", MODEL_TAG, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 5 and one_line(err)
+    reason = "no space left on device; free space on that disk" if code == FULL else "read-only file system"
+    assert err.startswith(f"export_hf: cannot write {out}: {reason}") and err.endswith(", or pick another --out\n")
+    assert os.listdir(tmp_path) == []  # no out.tmpPID
+
+
+def test_the_next_export_removes_what_a_killed_export_left_and_only_that(base_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    killed, running = tmp_path / f"out.tmp{dead_pid()}", tmp_path / f"out.tmp{os.getppid()}"
+    for half in (killed, running):
+        half.mkdir()
+        (half / "model.safetensors").write_bytes(b"half written")
+    assert export_hf.main(["--model_tag", MODEL_TAG, "--out", str(out)]) == 0
+    assert f"removed 1 temporary file(s) left by stopped processes: {killed}" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == ["out", running.name]

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from scripts import plot_run
+from tests.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line, temporaries
 
 STEPS, EVAL_EVERY = 200, 25
 GAPS = [0.0, -0.03, -0.04]  # what supervision steps 1 and 2 gain over the draft, under ~0.3 nats of batch noise
@@ -86,3 +87,22 @@ def test_a_plain_model_without_evaluations_still_plots(tmp_path):
 def test_no_metrics_is_one_clear_line(tmp_path):
     with pytest.raises(SystemExit, match="plot_run: no metrics.jsonl in"):
         plot_run.main([str(tmp_path)])
+
+
+@pytest.mark.parametrize("code", [FULL, READ_ONLY], ids=["full", "read-only"])
+def test_a_plot_that_cannot_be_written_is_one_line_exit_5_and_the_next_plot_cleans_up(run_dir, capsys, code):
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().rsplit("\n", 1)[0] + "\n")  # without the torn line and its warning
+    (run_dir / "training.png").write_bytes(b"the previous plot")
+    stale = run_dir / f"training.png.tmp{dead_pid()}"  # left by a plot_run that was killed
+    stale.write_bytes(b"")
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as stop:
+        fail_writes(mp, run_dir, code, "training.png")
+        plot_run.main([str(run_dir)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 5 and one_line(err)
+    assert err.startswith(f"plot_run: cannot write {run_dir}/training.png: ") and err.endswith(", or pick another --out\n")
+    assert (run_dir / "training.png").read_bytes() == b"the previous plot"
+    assert temporaries(str(run_dir)) == []  # this plot's own temporary file and the killed one's
+    plot_run.main([str(run_dir)])
+    assert (run_dir / "training.png").read_bytes()[:4] == b"\x89PNG"
