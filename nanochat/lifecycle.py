@@ -13,17 +13,20 @@ finishes the step in progress, saves a checkpoint and exits with 128 + the signa
 seconds (forwarded copies) count as one; a signal after that exits at once, without saving.
 """
 
+import fcntl
 import gc
 import os
 import shlex
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 
 import torch
 
-from nanochat.common import reduce_with_flags
+from nanochat.common import RankFailure, raise_if_any_rank_failed, reduce_with_flags
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_WINDOW_S = 5.0  # forwarded copies of one signal arrive within milliseconds; a person pressing Ctrl-C again, later
@@ -51,6 +54,79 @@ class StopSignals:
         elif time.monotonic() - self.first_at > REPEAT_WINDOW_S:
             signal.signal(signum, signal.SIG_DFL)  # asked twice: exit now, as the default handler would
             os.kill(os.getpid(), signum)
+
+
+RUN_LOCK = "run.lock"  # in the run directory; not a trace of a previous run (checkpoint_manager.previous_run)
+
+
+class RunLockError(Exception):
+    """The run directory is held by another live run, or cannot be locked; the message says what to do."""
+
+
+class RunLock:
+    """One run per run directory: an exclusive flock on <directory>/run.lock, taken by rank 0 before the run touches
+    anything there and held until the run ends. The kernel releases it when the process dies in any way (SIGKILL
+    included), so a lock is never stale; the file's text (PID, host, start time) only names the holder.
+
+    Two stages, so a run refused by its own checks writes nothing: hold_existing() locks the lock file a previous
+    run left, without writing (a live holder refuses us before we read its checkpoints); claim(), once the checks
+    passed, creates the directory and the file if needed and writes this process into it. Both are collectives: every
+    rank calls them and every rank raises when rank 0 could not lock."""
+
+    def __init__(self, directory, active):
+        self.directory, self.active, self.file = directory, active, None
+        self.path = os.path.join(directory, RUN_LOCK)
+
+    def hold_existing(self):
+        self.agree(lambda: os.path.exists(self.path) and self.lock(open(self.path, "r+")))
+
+    def claim(self):
+        self.agree(self.lock_and_sign)
+
+    def release(self):
+        if self.file:
+            self.file.close()  # closing the last descriptor drops the flock
+            self.file = None
+
+    def agree(self, work):
+        error = None
+        if self.active:
+            try:
+                work()
+            except (RunLockError, OSError) as e:
+                error = e if isinstance(e, RunLockError) else RunLockError(
+                    f"cannot lock {self.path} ({type(e).__name__}: {e}); check that the directory is writable")
+        try:
+            raise_if_any_rank_failed(error, "locking the run directory")
+        except RankFailure:
+            if error:  # rank 0 says it in its own words; the others name rank 0 and the cause
+                raise error from None
+            raise
+
+    def lock(self, file):
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "a process that has not signed it yet"
+            file.close()
+            raise RunLockError(f"{self.directory} is in use by another run ({holder}): wait for it to end or stop it, "
+                               f"or choose another --model_tag; --overwrite never moves a run in progress") from None
+        self.release()  # a lock on a file that --overwrite moved aside with its directory
+        self.file = file
+
+    def lock_and_sign(self):
+        os.makedirs(self.directory, exist_ok=True)
+        file = open(self.path, "a+")
+        if self.file and os.path.samestat(os.fstat(file.fileno()), os.fstat(self.file.fileno())):
+            file.close()  # already ours: a second flock through another descriptor would wait for ourselves
+        else:
+            self.lock(file)
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"PID {os.getpid()} on host {socket.gethostname()}, since "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+        self.file.flush()
 
 
 class RunControl:

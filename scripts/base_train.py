@@ -51,7 +51,8 @@ def train(args):
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
     tokenizer = get_tokenizer()
     model_config = {**args.model_config, "vocab_size": tokenizer.get_vocab_size()}
-    resume = start_or_resume(args, model_config, tokenizer, rank)
+    run_lock = lifecycle.RunLock(ckpt.model_dir(args.model_tag), active=rank == 0)  # held until the run ends
+    resume = start_or_resume(args, model_config, tokenizer, rank, run_lock)
 
     model = ckpt.build_model(model_config, device)
     model.train()
@@ -219,6 +220,7 @@ def train(args):
         metrics.close()
         if args.backup_dir:  # every rank: the others wait in short collectives while rank 0's uploads drain
             run_on_rank0(backup.close if backup else None, rank)
+    run_lock.release()  # on any other way out, the process's end releases it
     if control.exit_code(flags):
         raise Exit(f"stopped at step {step} by {stop}: the checkpoint is saved; continue with the same "
                               f"command and --resume", code=control.exit_code(flags))
@@ -238,11 +240,13 @@ def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
     print0(f"horizon: {num_iterations} steps ({horizon_source}), {num_iterations * tokens_per_step:,} tokens")
 
 
-def start_or_resume(args, model_config, tokenizer, rank):
+def start_or_resume(args, model_config, tokenizer, rank, run_lock):
     """The resume point (step, meta, weights, rank state), checked against this run; or None for a fresh run, on a tag
-    that holds no other run (--overwrite moves one aside). Every check passes before anything is written."""
+    that holds no other run (--overwrite moves one aside). A live run on the tag refuses us first; every check passes
+    before anything is written, and then the run directory is ours (run_lock) until the run ends."""
     resuming = args.resume or args.resume_from_step is not None
     try:
+        run_lock.hold_existing()
         if args.backup_dir:
             ckpt.Backup.location(args.backup_dir, args.model_tag)  # a bad URL stops here, not after the first save
         if not resuming:
@@ -255,18 +259,25 @@ def start_or_resume(args, model_config, tokenizer, rank):
                     except OSError as e:
                         error = e
                 raise_if_any_rank_failed(error, "moving the previous run aside")
+            run_lock.claim()
             return None
+        if args.backup_dir:
+            run_lock.claim()  # restoring from the backup writes into the directory
         which = args.resume_from_step if args.resume_from_step is not None else "latest"
         point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir)
         step, meta = point.step, point.meta
         ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {args.model_tag} step {step}")
-    except (ckpt.CheckpointError, RankFailure) as e:
+    except (ckpt.CheckpointError, RankFailure, lifecycle.RunLockError) as e:
         raise Exit(f"cannot {'resume' if resuming else 'start'}: {e}")
     diffs = ckpt.resume_differences(meta, model_config, batch_geometry(args))
     if diffs:
         raise Exit(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
                               f"different configuration:\n  " + "\n  ".join(diffs) +
                               "\nPass the checkpoint's values, or start a new run with another --model_tag.")
+    try:
+        run_lock.claim()
+    except (RankFailure, lifecycle.RunLockError) as e:
+        raise Exit(f"cannot resume: {e}")
     return point
 
 

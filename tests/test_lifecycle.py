@@ -4,15 +4,17 @@ handler and the budget clock."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from nanochat import lifecycle
-from tests.helpers import ROOT, TINY, ckpt_dir, finish, read_until, weights
+from tests.helpers import ROOT, TINY, ckpt_dir, finish, read_until, tree, weights
 
 FLAGS = TINY + ["--eval_every=0", "--keep_last=0"]
 
@@ -145,3 +147,57 @@ def test_the_garbage_collector_is_frozen_after_the_first_step_and_collected_by_h
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+# ---------------------------------------------------------------------------------------------------- one run per tag
+def one_process(base_dir, *flags):
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    return subprocess.Popen([sys.executable, "-m", "scripts.base_train", *flags], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_second_run_on_a_live_tag_refuses_and_a_killed_run_leaves_no_lock(base_dir):
+    flags = [*FLAGS, "--num_iterations=100000", "--save_every=2", "--model_tag=busy"]
+    first = one_process(base_dir, *flags)
+    read_until(first, "saved checkpoint")
+    os.kill(first.pid, signal.SIGSTOP)  # holds the lock but writes nothing while the others try
+    try:
+        before = tree(ckpt_dir(base_dir, "busy"))
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            rc, out = finish(one_process(base_dir, *flags, *extra))
+            assert rc != 0 and f"is in use by another run (PID {first.pid} on host {socket.gethostname()}" in out, out
+            assert "--overwrite never moves a run in progress" in out and "Traceback" not in out
+            assert tree(ckpt_dir(base_dir, "busy")) == before
+        assert not [d for d in os.listdir(os.path.dirname(ckpt_dir(base_dir, "busy"))) if ".replaced-" in d]
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    rc, out = finish(one_process(base_dir, *flags, "--resume", "--max_hours=0.0000001"))
+    assert rc == 0 and "resumed busy from step" in out, out[-3000:]
+
+
+def test_a_locked_tag_refuses_both_ranks_under_torchrun(base_dir, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    held = lifecycle.RunLock(ckpt_dir(base_dir, "held2"), active=True)
+    held.claim()
+    try:
+        rc, out = finish(base_train(base_dir, *FLAGS, "--num_iterations=2", "--model_tag=held2"))
+    finally:
+        held.release()
+    assert rc != 0 and f"in use by another run (PID {os.getpid()} on host" in out, out[-3000:]
+    assert "locking the run directory failed on rank 0" in out  # rank 1 was told, and left too
+    assert os.listdir(ckpt_dir(base_dir, "held2")) == ["run.lock"]
+
+
+def test_the_lock_is_one_holders_and_free_after_release(tmp_path):
+    first, second = (lifecycle.RunLock(str(tmp_path / "run"), active=True) for _ in range(2))
+    second.hold_existing()  # nothing there yet: nothing to hold, nothing written
+    assert not os.path.exists(tmp_path / "run")
+    first.claim()
+    first.claim()  # again, as after the checks: still ours
+    with pytest.raises(lifecycle.RunLockError, match=f"PID {os.getpid()} on host"):
+        second.hold_existing()
+    first.release()
+    second.claim()
+    assert open(tmp_path / "run" / "run.lock").read().startswith(f"PID {os.getpid()} on host")
+    second.release()
