@@ -161,3 +161,39 @@ class DataLoader:
             return (inputs.pin_memory().to(self.device, non_blocking=True),
                     targets.pin_memory().to(self.device, non_blocking=True))
         return inputs.to(self.device), targets.to(self.device)
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+def evaluation_size(num_tokens, B, T, world_size):
+    """(rows, batches per rank) of an evaluation of num_tokens: num_tokens rounded down to whole rows of T tokens
+    (at least one row), in batches of B, dealt out to world_size ranks (every rank runs the same number)."""
+    rows = max(1, num_tokens // T)
+    return rows, math.ceil(math.ceil(rows / B) / world_size)
+
+
+@functools.lru_cache(maxsize=2)  # base_train evaluates the same rows at every evaluation: tokenized once
+def evaluation_rows(tokenizer, B, T, split, num_tokens, rank, world_size, data_dir=None):
+    """(inputs, targets), int32 of shape (batches, B, T): this rank's share of an evaluation that depends only on the
+    split, num_tokens, B and T, not on world_size.
+
+    The rows are the first evaluation_size(...)[0] rows of the split's one-process stream (what DataLoader yields on
+    one process, row after row), cut into batches of B in order; rank r takes batches r, r + W, r + 2W, ... Rows past
+    the last (a short last batch, a rank with one batch fewer) are padding with ignored targets (-1), which
+    evaluate_bpb counts as nothing. Every rank reads the stream up to its last row."""
+    rows, steps = evaluation_size(num_tokens, B, T, world_size)
+    stream = DataLoader(tokenizer, 1, T, split, rank=0, world_size=1, data_dir=data_dir)
+    inputs = torch.zeros(steps, B, T, dtype=torch.int32)
+    targets = torch.full((steps, B, T), -1, dtype=torch.int32)
+    for row in range(min(rows, (steps * world_size - world_size + rank + 1) * B)):  # up to this rank's last batch
+        window = stream.next_window()
+        batch, slot = divmod(row, B)
+        if batch % world_size == rank:
+            inputs[batch // world_size, slot], targets[batch // world_size, slot] = window[:-1], window[1:]
+    return inputs, targets
+
+
+def evaluation_batches(tokenizer, B, T, split, num_tokens, rank, world_size, device="cpu", data_dir=None):
+    """This rank's evaluation batches (x, y) on device, evaluation_size(...)[1] of them (see evaluation_rows)."""
+    inputs, targets = evaluation_rows(tokenizer, B, T, split, num_tokens, rank, world_size, data_dir)
+    for x, y in zip(inputs, targets):
+        yield x.long().to(device), y.long().to(device)

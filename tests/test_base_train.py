@@ -15,14 +15,14 @@ from tests import processes
 from tests.helpers import ROOT, TINY, TINY_SHAPE, ckpt_dir, parsed, tree, weights
 
 
-def run(base_dir, *flags, torchrun=False, check=True):
+def run(base_dir, *flags, torchrun=False, check=True, script="scripts.base_train"):
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
                 if torchrun else [sys.executable])
-    proc = processes.run(launcher + ["-m", "scripts.base_train"] + (["--"] if torchrun else []) + list(flags),
+    proc = processes.run(launcher + ["-m", script] + (["--"] if torchrun else []) + list(flags),
                          timeout=300, cwd=ROOT, env=env)
     if check and proc.returncode != 0:
-        raise AssertionError(f"base_train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
@@ -82,17 +82,32 @@ ckpt.save_checkpoint("midsave", 4, model, [], {**meta}, {"loaders": []})
 
 
 def test_two_gloo_processes_match_one_process_with_double_accumulation(base_dir):
-    flags = TINY + ["--num_iterations=4", "--eval_every=0", "--grad_clip=0.5"]
+    # 5 validation rows of 2 per batch: on 2 processes rank 0 evaluates batches 0 and 2, rank 1 batch 1 and padding
+    flags = TINY + ["--num_iterations=4", "--grad_clip=0.5", "--eval_tokens=160"]
     run(base_dir, *flags, "--gradient_accumulation_steps=1", "--model_tag=ddp2", torchrun=True)
     run(base_dir, *flags, "--gradient_accumulation_steps=2", "--model_tag=single2")
 
-    def train_losses(tag):
+    def records(tag, kind, key):
         with open(os.path.join(ckpt_dir(base_dir, tag), "metrics.jsonl")) as f:
-            return [r["step_losses"] for r in map(json.loads, f) if r["kind"] == "train"]
+            return torch.tensor([r[key] for r in map(json.loads, f) if r["kind"] == kind], dtype=torch.float64)
 
-    assert torch.allclose(torch.tensor(train_losses("ddp2")), torch.tensor(train_losses("single2")), atol=1e-5)
+    assert torch.allclose(records("ddp2", "train", "step_losses"), records("single2", "train", "step_losses"), atol=1e-5)
     a, b = weights(base_dir, "ddp2", 4), weights(base_dir, "single2", 4)
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    # the training-time evaluation reads the same rows on 1 and 2 processes: at step 0 (the same weights) the same
+    # bpb to float tolerance, at step 4 as close as the weights
+    ddp_bpb, single_bpb = records("ddp2", "eval", "val_bpb"), records("single2", "eval", "val_bpb")
+    assert torch.allclose(ddp_bpb[0], single_bpb[0], rtol=1e-9, atol=0)
+    assert torch.allclose(ddp_bpb[1], single_bpb[1], atol=1e-5)
+    # base_loss of one checkpoint: the same numbers on 1 and 2 processes (3 rows of train and of val)
+    results = []
+    for torchrun in (False, True):
+        run(base_dir, "--model_tag=single2", "--split_tokens=100", "--device_batch_size=2", "--device_type=cpu",
+            "--sample_tokens=1", torchrun=torchrun, script="scripts.base_loss")
+        with open(os.path.join(ckpt_dir(base_dir, "single2"), "base_loss_step000004.json")) as f:
+            results.append(json.load(f))
+    for key in ("train_bpb", "val_bpb", "train_state", "val_state"):
+        assert torch.allclose(torch.tensor(results[0][key]), torch.tensor(results[1][key]), rtol=1e-9, atol=0), key
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -2,6 +2,7 @@
 restartable validation, unreadable shards, batches equal to a plain reference, memory flat in the number of loaders."""
 
 import json
+import math
 import os
 import random
 import re
@@ -12,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat.dataloader import DataLoader
+from nanochat.dataloader import DataLoader, evaluation_rows, evaluation_size
 from nanochat.dataset import DatasetError, import_corpus
 from nanochat.tokenizer import RustBPETokenizer
 from tests import processes
@@ -301,3 +302,22 @@ def test_resident_memory_is_flat_in_the_number_of_loaders(tmp_path, corpus):
     corpus[1].save(str(tmp_path / "base" / "tokenizer"))
     four, sixty_four = (resident_mb_with_loaders(tmp_path / "base", n) for n in (4, 64))
     assert sixty_four - four < MEMORY_TOLERANCE_MB, f"4 loaders: {four:.1f} MB, 64 loaders: {sixty_four:.1f} MB"
+
+
+@pytest.mark.parametrize("num_tokens", [T * 11, T * 11 + T - 1, T])  # 11 rows (a short last batch), rounded, 1 row
+def test_an_evaluation_reads_the_same_rows_on_any_number_of_processes(corpus, num_tokens):
+    directory, tokenizer = corpus
+    rows = max(1, num_tokens // T)
+    reference = make_loader(corpus, "val", rank=0, world_size=1)  # the one-process evaluation: B rows at a time
+    windows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in (next(reference) for _ in range(rows))])[:rows]
+    for world_size in (1, 2, 3, 8):
+        steps = math.ceil(math.ceil(rows / B) / world_size)
+        assert evaluation_size(num_tokens, B, T, world_size) == (rows, steps)
+        by_batch = {}  # global batch index -> rows
+        for rank in range(world_size):
+            inputs, targets = evaluation_rows(tokenizer, B, T, "val", num_tokens, rank, world_size, directory)
+            assert inputs.shape == targets.shape == (steps, B, T)
+            by_batch.update({i * world_size + rank: (x, y) for i, (x, y) in enumerate(zip(inputs, targets))})
+        x, y = (torch.cat([by_batch[g][k] for g in sorted(by_batch)]) for k in (0, 1))
+        assert torch.equal(x[:rows], windows[:, :-1].int()) and torch.equal(y[:rows], windows[:, 1:].int())
+        assert (y[rows:] == -1).all()  # padding: ignored targets, which evaluate_bpb counts as nothing
