@@ -9,7 +9,8 @@ send it into the save barrier while the others start the next step's collectives
 
 Signals: torchrun forwards a SIGTERM/SIGINT sent to the launcher to every worker and SIGKILLs them
 --shutdown_timeout seconds later (default 30); schedulers (SLURM, systemd) signal every process of the job. The run
-finishes the step in progress, saves a checkpoint and exits with 128 + the signal number. Repeats within a few
+says so at once, finishes the step or the evaluation batch in progress (evaluations check the flag after every batch,
+samples after every token), saves a checkpoint and exits with 128 + the signal number. Repeats within a few
 seconds (forwarded copies) count as one; a signal after that exits at once, without saving.
 """
 
@@ -51,6 +52,7 @@ class StopSignals:
     def handle(self, signum, frame):
         if self.received is None:
             self.received, self.first_at = signal.Signals(signum), time.monotonic()
+            acknowledge(self.received)
         elif time.monotonic() - self.first_at > REPEAT_WINDOW_S:
             signal.signal(signum, signal.SIG_DFL)  # asked twice: exit now, as the default handler would
             os.kill(os.getpid(), signum)
@@ -127,6 +129,16 @@ class RunLock:
         self.file.write(f"PID {os.getpid()} on host {socket.gethostname()}, since "
                         f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
         self.file.flush()
+
+
+def acknowledge(sig):
+    """Say at once that a stop signal arrived (rank 0 only: every rank gets torchrun's copy). os.write, not print: the
+    handler may run in the middle of another print."""
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            os.write(sys.stderr.fileno(), f"{sig.name} received: finishing the current batch, then saving\n".encode())
+        except (OSError, ValueError):  # no usable stderr: the agreed stop line still follows
+            pass
 
 
 class RunControl:

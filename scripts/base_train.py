@@ -29,7 +29,7 @@ from nanochat.common import (RankFailure, atomic_write_bytes, compute_cleanup, c
                              raise_if_any_rank_failed, run_on_rank0)
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
-from nanochat.loss_eval import refinement, validation_bpb
+from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
 from nanochat.metrics import MetricsError, MetricsLog, format_duration, write_summary
 from nanochat.muon import Muon
 from nanochat.optim import clipped_step, reduce_gradients
@@ -102,6 +102,7 @@ def train(args):
     with lifecycle.StopSignals() as signals:
         control = lifecycle.RunControl(args, prior_seconds, price_per_hour, signals)
         elapsed = control.elapsed
+        stop_asked = lambda: signals.received is not None  # noqa: E731 - this rank's view; the loops agree on it
 
         def save(step):
             meta = {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
@@ -120,10 +121,15 @@ def train(args):
             print0(f"saved checkpoint {path}")
 
         def evaluate_and_sample(step, due):
-            """Validation bpb (recorded in the checkpoint just saved, if any) and samples, each when due."""
+            """Validation bpb (recorded in the checkpoint just saved, if any) and samples, each when due. False when
+            a signal stopped the evaluation (every rank stopped it at the same batch)."""
             nonlocal val_bpb, last_eval_step
             if due or (args.eval_every and step % args.eval_every == 0):
-                val_bpb, val_state = validation_bpb(published, tokenizer, args, device, rank, world_size, token_bytes)
+                try:
+                    val_bpb, val_state = validation_bpb(published, tokenizer, args, device, rank, world_size,
+                                                        token_bytes, stop=stop_asked)
+                except EvaluationStopped:
+                    return False
                 if val_bpb:
                     last_eval_step = step
                     metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb,
@@ -131,7 +137,9 @@ def train(args):
                     if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
                         update_checkpoint_bpb(args.model_tag, step, val_bpb)
             if rank == 0 and (due or (args.sample_every and step % args.sample_every == 0)):
-                run_samples(published, tokenizer, args, metrics, step)
+                # rank 0 alone: a signal that cuts the samples short is agreed at the next step's reduction
+                run_samples(published, tokenizer, args, metrics, step, stop_asked)
+            return True
 
         def optimizer_step(step):
             """Forward and backward over the micro-batches, one all_reduce (the step's one host sync, which also
@@ -184,6 +192,11 @@ def train(args):
             metrics.log(record)
             print0(metrics.format_step(record, num_iterations))
 
+        def save_due(step, stop, flags):
+            steps_due = bool(args.save_every) and step % args.save_every == 0
+            return (step > start_step and (step == num_iterations or bool(stop) or bool(flags["save_time"]) or steps_due)
+                    ) or (bool(stop) and resume is None)
+
         # ---- the run: at each step boundary save, evaluate and sample when due; stop, or train one more step
         step, flags = start_step, control.agree(device)  # a budget spent or a signal before the first step
         while True:
@@ -191,14 +204,18 @@ def train(args):
             stop = control.stop_reason(flags)  # agreed by every rank: a signal or a budget, raised on any of them
             if stop:
                 print0(f"{stop} at step {step}: saving and stopping")
-            steps_due = args.save_every and step % args.save_every == 0
-            save_due = (step > start_step and (last_step or stop or flags["save_time"] or steps_due)) or (
-                stop and resume is None)
-            if save_due:
+            saved = save_due(step, stop, flags)
+            if saved:
                 save(step)  # before evaluation, so a failing eval can never cost the checkpoint
-            if not flags["signal"]:  # after a signal, only the checkpoint: the grace period is short
-                evaluate_and_sample(step, due=last_step or stop)
-            if rank == 0 and save_due:
+            # after a signal, only the checkpoint: the grace period is short
+            if not flags["signal"] and not evaluate_and_sample(step, due=last_step or bool(stop)):
+                flags = control.agree(device)  # the signal that stopped the evaluation, as every rank saw it
+                stop = control.stop_reason(flags)
+                print0(f"{stop} during the evaluation at step {step}: saving and stopping")
+                if not saved and save_due(step, stop, flags):
+                    save(step)
+                    saved = True
+            if rank == 0 and saved:
                 removed = ckpt.prune_checkpoints(args.model_tag, args.keep_last)
                 if removed:
                     print0(f"pruned checkpoints at steps {removed} (keeping the last {args.keep_last} and the best)")
@@ -215,7 +232,7 @@ def train(args):
             lifecycle.tame_garbage_collector(first_step=step == start_step + 1, step=step)
             log_step(step, stats, lrm, dt)
 
-        if rank == 0:
+        if rank == 0 and step > 0:  # a fresh run stopped before its first step has nothing to summarize
             write_summary(run_dir, args, step, elapsed(), price_per_hour, model, tokenizer.fingerprint())
         metrics.close()
         if args.backup_dir:  # every rank: the others wait in short collectives while rank 0's uploads drain
@@ -334,12 +351,22 @@ def oom_message(args):
                ", or --detach_between_steps (one supervision step's activations alive at a time)") + ".")
 
 
-def run_samples(model, tokenizer, args, metrics, step):
+def run_samples(model, tokenizer, args, metrics, step, stop):
+    """Greedy completions of SAMPLE_PROMPTS, printed and logged; abandoned, token by token, once stop() is true."""
     try:
         from nanochat.engine import Engine
         model.eval()
         engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, args.dtype))
-        completions = engine.complete(SAMPLE_PROMPTS, max_tokens=args.sample_tokens, temperature=0)
+        outputs = [[] for _ in SAMPLE_PROMPTS]
+        for column in engine.generate([engine.encode_prompt(p) for p in SAMPLE_PROMPTS], max_tokens=args.sample_tokens,
+                                      temperature=0):
+            if stop():
+                print0("samples abandoned: a stop signal arrived")
+                return
+            for output, token in zip(outputs, column):
+                if token is not None:
+                    output.append(token)
+        completions = [tokenizer.decode(ids) for ids in outputs]
         for prompt, completion in zip(SAMPLE_PROMPTS, completions):
             print0(f"sample: {prompt!r} -> {completion!r}")
         metrics.log({"kind": "sample", "step": step, "samples": list(zip(SAMPLE_PROMPTS, completions))})

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat.dataloader import DataLoader, evaluation_rows, evaluation_size
+from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_cache, evaluation_size
 from nanochat.dataset import DatasetError, import_corpus
 from nanochat.tokenizer import RustBPETokenizer
 from tests import processes
@@ -315,9 +315,22 @@ def test_an_evaluation_reads_the_same_rows_on_any_number_of_processes(corpus, nu
         assert evaluation_size(num_tokens, B, T, world_size) == (rows, steps)
         by_batch = {}  # global batch index -> rows
         for rank in range(world_size):
-            inputs, targets = evaluation_rows(tokenizer, B, T, "val", num_tokens, rank, world_size, directory)
-            assert inputs.shape == targets.shape == (steps, B, T)
-            by_batch.update({i * world_size + rank: (x, y) for i, (x, y) in enumerate(zip(inputs, targets))})
+            batches = list(evaluation_batches(tokenizer, B, T, "val", num_tokens, rank, world_size, data_dir=directory))
+            assert len(batches) == steps and all(x.shape == y.shape == (B, T) for x, y in batches)
+            by_batch.update({i * world_size + rank: batch for i, batch in enumerate(batches)})
         x, y = (torch.cat([by_batch[g][k] for g in sorted(by_batch)]) for k in (0, 1))
-        assert torch.equal(x[:rows], windows[:, :-1].int()) and torch.equal(y[:rows], windows[:, 1:].int())
+        assert torch.equal(x[:rows], windows[:, :-1]) and torch.equal(y[:rows], windows[:, 1:])
         assert (y[rows:] == -1).all()  # padding: ignored targets, which evaluate_bpb counts as nothing
+
+
+def test_an_evaluation_read_in_full_is_kept_and_one_stopped_early_is_not(corpus, monkeypatch):
+    directory, tokenizer = corpus
+    args = (tokenizer, B, T, "val", 5 * B * T, 0, 1)
+    evaluation_cache.clear()
+    partial = evaluation_batches(*args, data_dir=directory)
+    next(partial)
+    assert not evaluation_cache  # stopped after one batch of five: nothing kept
+    first = list(evaluation_batches(*args, data_dir=directory))
+    monkeypatch.setattr(DataLoader, "next_window", None)  # a second evaluation reads nothing
+    second = list(evaluation_batches(*args, data_dir=directory))
+    assert len(first) == 5 and all(torch.equal(a, b) for pair in zip(first, second) for a, b in zip(*pair))

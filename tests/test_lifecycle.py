@@ -201,3 +201,26 @@ def test_the_lock_is_one_holders_and_free_after_release(tmp_path):
     second.claim()
     assert open(tmp_path / "run" / "run.lock").read().startswith(f"PID {os.getpid()} on host")
     second.release()
+
+
+# ---------------------------------------------------------------------------------------------------- signals in evaluation
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_during_an_evaluation_saves_the_step_and_exits_at_once(base_dir, processes):
+    tag = f"evalterm{processes}"
+    # every evaluation takes ~10 s here (300,000 tokens), a training step milliseconds
+    flags = [*FLAGS, "--num_iterations=50", "--eval_every=4", "--eval_tokens=300000", "--save_every=0",
+             "--save_every_minutes=0", f"--model_tag={tag}"]
+    proc = base_train(base_dir, *flags) if processes == 2 else one_process(base_dir, *flags)
+    assert "validation bpb per step" in read_until(proc, "step 00004/")  # step 0's evaluation, in full
+    time.sleep(2)  # into the evaluation at step 4
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    rc, out = finish(proc)
+    took = time.time() - t0
+    assert "SIGTERM received: finishing the current batch, then saving" in out, out[-3000:]
+    assert "during the evaluation at step 4: saving and stopping" in out, out[-3000:]
+    assert out.count("stopped at step 4 by SIGTERM received") == processes  # every rank exited on its own
+    assert "validation bpb per step" not in out  # step 4's evaluation was abandoned
+    assert checkpoints(base_dir, tag) == [4]
+    assert processes == 2 or rc == 143
+    assert took < 30, took  # inside torchrun's 30 s before it SIGKILLs; in practice one batch and a save
