@@ -200,6 +200,40 @@ class RunControl:
         return 128 + (self.signals.received or signal.SIGTERM).value
 
 
+class EarlyStop:
+    """--early_stop=K: stop after K evaluations in a row whose final supervision step's validation bpb did not beat
+    the best so far. Every rank gets the same reduced bpb, so every rank decides alike, with no collective.
+
+    Its state travels in every checkpoint (state()), so a resumed run counts on exactly: the evaluation of the resume
+    step, repeated by the resumed run, is not counted twice (last_step)."""
+
+    def __init__(self, patience, state=None, best_recorded=None):
+        """state: a checkpoint's state(); else best_recorded, (step, bpb) of the tag's best checkpoint, or None."""
+        self.patience = patience
+        state = state or {"best": best_recorded, "stale": 0, "last_step": None}
+        self.best, self.stale, self.last_step = state["best"], state["stale"], state["last_step"]
+
+    def state(self):
+        return {"best": self.best, "stale": self.stale, "last_step": self.last_step}
+
+    def record(self, step, bpb):
+        """One evaluation's final-step bpb."""
+        if self.last_step is not None and step <= self.last_step:
+            return  # already counted before a resume
+        self.last_step = step
+        if self.best is None or bpb < self.best[1]:
+            self.best, self.stale = (step, bpb), 0
+        else:
+            self.stale += 1
+
+    def reason(self):
+        """Why the run stops early, in words, or None."""
+        if not self.patience or self.stale < self.patience:
+            return None
+        return (f"early stop (--early_stop={self.patience}): the validation bpb has not beaten {self.best[1]:.4f} (step "
+                f"{self.best[0]}) for {self.stale} evaluation{'s' * (self.stale != 1)} in a row")
+
+
 def run_child(cmd, env=None):
     """Run cmd in a session of its own and pass it every SIGINT/SIGTERM this process gets (a Ctrl-C reaches only this
     process, so the child sees each signal once and can save before it stops). Returns (exit code, the first signal

@@ -144,6 +144,9 @@ def build_parser():
     output.add_argument("--eval_tokens", type=int, default=10 * 524288,
                         help="validation tokens per eval, rounded down to whole rows of --max_seq_len (the same rows "
                              "on any number of processes)")
+    output.add_argument("--early_stop", type=int, default=0, metavar="K",
+                        help="stop (saved, exit 0) after K evaluations in a row whose final supervision step's "
+                             "validation bpb did not beat the best of the run (0 = off)")
     output.add_argument("--sample_every", type=int, default=2000, help="steps between samples (0 = end only)")
     output.add_argument("--sample_tokens", type=int, default=16, help="tokens generated per sample prompt")
     output.add_argument("--save_every", type=int, default=0, help="steps between checkpoints (0 = end only)")
@@ -232,7 +235,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     for name in ("n_embd", "n_head", "n_kv_head", "max_seq_len", "sample_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be >= 1")
-    for name in ("eval_every", "sample_every", "save_every", "save_every_minutes", "keep_last", "matrix_lr",
+    for name in ("eval_every", "early_stop", "sample_every", "save_every", "save_every_minutes", "keep_last", "matrix_lr",
                  "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip", "gpu_hourly_price"):
         if getattr(args, name) is not None and not getattr(args, name) >= 0:
             parser.error(f"--{name}={getattr(args, name)} must be >= 0 (see --help for what 0 means)")

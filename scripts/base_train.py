@@ -103,6 +103,7 @@ def train(args):
         control = lifecycle.RunControl(args, prior_seconds, price_per_hour, signals)
         elapsed = control.elapsed
         stop_asked = lambda: signals.received is not None  # noqa: E731 - this rank's view; the loops agree on it
+        early_stop = early_stop_for(args, resume)
 
         def save(step):
             meta = {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
@@ -110,6 +111,7 @@ def train(args):
                     "batch_geometry": batch_geometry(args), "num_iterations": num_iterations,
                     "tokenizer_fingerprint": tokenizer.fingerprint(),
                     "val_bpb": val_bpb if last_eval_step == step else None, "elapsed_seconds": elapsed(),
+                    "early_stop": early_stop.state(),
                     "cost": control.cost(), "dataloader": consumed[0]}
             try:
                 path = ckpt.save_checkpoint(args.model_tag, step, published, optimizers, meta,
@@ -132,6 +134,7 @@ def train(args):
                     return False
                 if val_bpb:
                     last_eval_step = step
+                    early_stop.record(step, val_bpb[-1])
                     metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb,
                                  "val_refinement": refinement(val_bpb), "state": val_state})
                     if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
@@ -207,11 +210,16 @@ def train(args):
             saved = save_due(step, stop, flags)
             if saved:
                 save(step)  # before evaluation, so a failing eval can never cost the checkpoint
-            # after a signal, only the checkpoint: the grace period is short
-            if not flags["signal"] and not evaluate_and_sample(step, due=last_step or bool(stop)):
-                flags = control.agree(device)  # the signal that stopped the evaluation, as every rank saw it
-                stop = control.stop_reason(flags)
-                print0(f"{stop} during the evaluation at step {step}: saving and stopping")
+            late_stop = None  # a reason to stop that the evaluation brings: a signal during it, or early stopping
+            if not flags["signal"]:  # after a signal, only the checkpoint: the grace period is short
+                if not evaluate_and_sample(step, due=last_step or bool(stop)):
+                    flags = control.agree(device)  # the signal that stopped the evaluation, as every rank saw it
+                    late_stop = f"{control.stop_reason(flags)} during the evaluation"
+                elif not (stop or last_step):
+                    late_stop = early_stop.reason()
+            if late_stop:
+                stop = late_stop
+                print0(f"{stop} at step {step}: saving and stopping")
                 if not saved and save_due(step, stop, flags):
                     save(step)
                     saved = True
@@ -296,6 +304,18 @@ def start_or_resume(args, model_config, tokenizer, rank, run_lock):
     except (RankFailure, lifecycle.RunLockError) as e:
         raise Exit(f"cannot resume: {e}")
     return point
+
+
+def early_stop_for(args, resume):
+    """--early_stop's counter: continued from the checkpoint resumed (older checkpoints: from the tag's best recorded
+    validation bpb, counting anew)."""
+    if resume is None:
+        return lifecycle.EarlyStop(args.early_stop)
+    if resume.meta.get("early_stop"):
+        return lifecycle.EarlyStop(args.early_stop, resume.meta["early_stop"])
+    recorded = ckpt.readable_bpb(args.model_tag)
+    best = ckpt.best_of(recorded)
+    return lifecycle.EarlyStop(args.early_stop, best_recorded=None if best is None else (best, recorded[best]))
 
 
 class StepStats(NamedTuple):

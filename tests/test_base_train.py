@@ -349,3 +349,23 @@ def test_wandb_run_comes_from_the_environment(monkeypatch):
     assert parsed(TINY_SHAPE + ["--run=from_flag"])["run"] == "from_flag"
     monkeypatch.delenv("WANDB_RUN")
     assert parsed(TINY_SHAPE)["run"] == "dummy"
+
+
+# the learning rates at 0: the weights never move, so no evaluation after the first beats it
+STILL = ["--matrix_lr=0", "--embedding_lr=0", "--unembedding_lr=0"]
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_early_stop_after_k_evaluations_without_improvement(base_dir, torchrun):
+    tag = f"early{int(torchrun)}"
+    flags = TINY + STILL + ["--num_iterations=20", "--eval_every=1", "--save_every=0", f"--model_tag={tag}"]
+    out = run(base_dir, *flags, "--early_stop=2", torchrun=torchrun).stdout  # exit code 0: run() checks it
+    stop = [line for line in out.splitlines() if line.startswith("early stop (--early_stop=2): ")]
+    assert len(stop) == 1 and stop[0].endswith("(step 0) for 2 evaluations in a row at step 2: saving and stopping")
+    assert [d for d in os.listdir(ckpt_dir(base_dir, tag)) if d.startswith("step_")] == ["step_000002"]
+    assert meta(base_dir, tag, 2)["val_bpb"]  # saved after its evaluation, which it records
+    with open(os.path.join(ckpt_dir(base_dir, tag), "summary.json")) as f:
+        assert json.load(f)["step"] == 2
+    if not torchrun:  # resumed with more patience: step 2's evaluation is not counted twice, step 3's is the third
+        out = run(base_dir, *flags, "--early_stop=3", "--resume").stdout
+        assert "(step 0) for 3 evaluations in a row at step 3: saving and stopping" in out, out[-2000:]

@@ -224,3 +224,21 @@ def test_sigterm_during_an_evaluation_saves_the_step_and_exits_at_once(base_dir,
     assert checkpoints(base_dir, tag) == [4]
     assert processes == 2 or rc == 143
     assert took < 30, took  # inside torchrun's 30 s before it SIGKILLs; in practice one batch and a save
+
+
+# ---------------------------------------------------------------------------------------------------- early stopping
+def test_early_stop_counts_evaluations_without_a_new_best_and_resumes_its_count():
+    early = lifecycle.EarlyStop(2)
+    for step, bpb in ((0, 3.0), (1, 2.5), (2, 2.5), (3, 2.6)):  # a tie is no improvement
+        assert early.reason() is None
+        early.record(step, bpb)
+    assert early.reason() == ("early stop (--early_stop=2): the validation bpb has not beaten 2.5000 (step 1) for 2 "
+                              "evaluations in a row")
+    resumed = lifecycle.EarlyStop(3, early.state())
+    resumed.record(3, 2.6)  # the resume step's evaluation again: counted once already
+    assert resumed.reason() is None and resumed.stale == 2
+    resumed.record(4, 2.4)
+    assert resumed.stale == 0 and resumed.best == (4, 2.4)
+    off = lifecycle.EarlyStop(0, best_recorded=(7, 1.0))  # from an older checkpoint's recorded bpb
+    off.record(8, 1.5)
+    assert off.stale == 1 and off.reason() is None
