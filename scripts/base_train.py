@@ -39,6 +39,9 @@ from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry,
 from nanochat.weight_average import WeightAverage
 
 
+DATA_DAMAGED = 6  # exit code: a training shard became unreadable (3: NaN, 4: out of memory, 5: no space for a save)
+
+
 # ---------------------------------------------------------------------------------------------------- the run
 def train(args):
     ddp, rank, local_rank, world_size, device = compute_init(args.device_type, args.seed)
@@ -47,7 +50,7 @@ def train(args):
     missing = data_problem()
     if missing:
         raise Exit(missing)
-    from nanochat.dataloader import DataLoader
+    from nanochat.dataset import DatasetError
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
     tokenizer = get_tokenizer()
     model_config = {**args.model_config, "vocab_size": tokenizer.get_vocab_size()}
@@ -82,11 +85,9 @@ def train(args):
         print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
     if args.compile:
         model.compile_layer_visits()
-    loaders = [DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
-                          rank=data_rank, world_size=world_size * args.grad_accum, resume_state=loader_states[j])
-               for j, data_rank in enumerate(data_ranks(args, rank))]
+    loaders, prefetched = open_training_data(args, tokenizer, device, rank, world_size, loader_states,
+                                             first_batch=start_step < num_iterations)
     consumed = [loader.state_dict() for loader in loaders]  # the loaders' positions after the last trained batch
-    prefetched = next(loaders[0]) if start_step < num_iterations else None
     token_bytes = get_token_bytes(device=device)
     run_dir = ckpt.model_dir(args.model_tag)
     os.makedirs(run_dir, exist_ok=True)
@@ -144,25 +145,41 @@ def train(args):
                 run_samples(published, tokenizer, args, metrics, step, stop_asked)
             return True
 
-        def optimizer_step(step):
-            """Forward and backward over the micro-batches, one all_reduce (the step's one host sync, which also
-            carries every rank's stop/save flags), then the update. Returns (StepStats, flags, lr multiplier)."""
-            nonlocal consumed, prefetched
-            n_sup = model.train_depth(step)
-            sums = torch.zeros(StepStats.size(n_sup), device=device)
+        def accumulate(step, n_sup, sums):
+            """Forward and backward over the step's micro-batches into sums, then read the next step's first batch
+            (tokenized while the device still works on this one). Returns the loaders' positions after the step's
+            batches (what a checkpoint resumes from) and None; or None and the DatasetError that stopped it."""
+            nonlocal prefetched
             try:
                 for j, loader in enumerate(loaders):
                     x, y = prefetched if j == 0 else next(loader)
                     with autocast_for(args.device_type, args.dtype):
                         loss, aux = model.forward_backward(x, y, loss_scale=1 / args.grad_accum, n_sup=n_sup)
                     sums += StepStats.pack(loss, aux)
-                # the next step's first batch, tokenized while the device still works on this one
-                consumed = [loader.state_dict() for loader in loaders]  # what a checkpoint resumes from
+                after = [loader.state_dict() for loader in loaders]
                 prefetched = next(loaders[0]) if step + 1 < num_iterations else None
-                sq_grad_norm = reduce_gradients(optimizers)
+                return after, None
+            except DatasetError as e:  # told to every rank by the step's reduction: no rank waits for this one
+                return None, e
+
+        def optimizer_step(step):
+            """Forward and backward over the micro-batches, one all_reduce (the step's one host sync, which also
+            carries every rank's stop/save/data flags), then the update. Returns (StepStats, flags, lr multiplier).
+            Training data unreadable on any rank raises RankFailure on every rank, before the update."""
+            nonlocal consumed
+            n_sup = model.train_depth(step)
+            sums = torch.zeros(StepStats.size(n_sup), device=device)
+            try:
+                after, data_error = accumulate(step, n_sup, sums)
+                sq_grad_norm = reduce_gradients(optimizers)  # on every rank, data or not: the collectives pair up
             except torch.OutOfMemoryError:
                 raise Exit(oom_message(args), code=4)
-            values, flags = control.reduce(torch.cat([sums / (args.grad_accum * world_size), sq_grad_norm.view(1)]))
+            values, flags = control.reduce(torch.cat([sums / (args.grad_accum * world_size), sq_grad_norm.view(1)]),
+                                           data_failed=data_error is not None)
+            if flags["data"]:
+                model.zero_grad(set_to_none=True)
+                raise_if_any_rank_failed(data_error, "reading the training data", flags["data"])
+            consumed = after
             stats = StepStats.unpack(values, n_sup)
             if not all(math.isfinite(v) for v in stats.losses + [stats.total]):
                 path = os.path.join(run_dir, f"nan_diagnostic_step{step:06d}.json")
@@ -232,7 +249,13 @@ def train(args):
             if last_step or stop:
                 break
             t0 = time.time()
-            stats, flags, lrm = optimizer_step(step)
+            try:
+                stats, flags, lrm = optimizer_step(step)
+            except RankFailure as e:  # the training data: nothing of this step was applied
+                if not saved and not (resume and step == start_step):
+                    save(step)
+                raise Exit(f"{e}. Stopped at step {step}, whose checkpoint is saved: repair the data as above, then "
+                           "run the same command with --resume", code=DATA_DAMAGED)
             # no device sync for the clock: the optimizer's kernels still running now are waited for by the next
             # step's sync, so in a steady state dt is a whole step
             dt = time.time() - t0
@@ -253,6 +276,26 @@ def train(args):
 
 
 # ---------------------------------------------------------------------------------------------------- its stages
+def open_training_data(args, tokenizer, device, rank, world_size, loader_states, first_batch):
+    """This process's training loaders (one per accumulation step, at their resume positions) and the first batch;
+    data unreadable on any rank stops every rank with one line."""
+    from nanochat.dataloader import DataLoader
+    from nanochat.dataset import DatasetError
+    loaders, prefetched, error = [], None, None
+    try:
+        loaders = [DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
+                              rank=data_rank, world_size=world_size * args.grad_accum, resume_state=loader_states[j])
+                   for j, data_rank in enumerate(data_ranks(args, rank))]
+        prefetched = next(loaders[0]) if first_batch else None
+    except DatasetError as e:
+        error = e
+    try:
+        raise_if_any_rank_failed(error, "reading the training data")
+    except RankFailure as e:
+        raise Exit(str(e), code=DATA_DAMAGED)
+    return loaders, prefetched
+
+
 def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
     print0(f"model config ({args.model_tag}):")
     for name, value in model.config.to_dict().items():

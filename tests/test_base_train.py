@@ -3,6 +3,7 @@ and the batch geometry its parser derives."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -369,3 +370,29 @@ def test_early_stop_after_k_evaluations_without_improvement(base_dir, torchrun):
     if not torchrun:  # resumed with more patience: step 2's evaluation is not counted twice, step 3's is the third
         out = run(base_dir, *flags, "--early_stop=3", "--resume").stdout
         assert "(step 0) for 3 evaluations in a row at step 3: saving and stopping" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_a_shard_damaged_mid_run_saves_the_last_step_and_stops_with_one_line(base_dir, tmp_path, torchrun):
+    own = tmp_path / "base"  # this run's own corpus, damaged below
+    for name in ("base_data", "tokenizer"):
+        shutil.copytree(os.path.join(base_dir, name), own / name)
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(own), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else \
+        [sys.executable]
+    proc = subprocess.Popen([*launcher, "-m", "scripts.base_train", *(["--"] if torchrun else []), *TINY,
+                             "--num_iterations=1000", "--eval_every=0", "--save_every=0", "--model_tag=damaged"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    processes.read_until(proc, "step 00002/", timeout=300)
+    shard = own / "base_data" / "shard_00001.parquet"  # the second training shard: read some 30-60 steps later
+    shard.write_bytes(shard.read_bytes()[:100])
+    out = processes.finish(proc, timeout=300).stdout
+    assert proc.returncode == (1 if torchrun else 6), out[-3000:]  # torchrun's own code when a worker failed
+    lines = [line for line in out.splitlines() if line.startswith("base_train: reading the training data failed")]
+    assert len(lines) == (2 if torchrun else 1), out[-3000:]  # every rank, in one line each
+    assert "shard_00001.parquet: unreadable shard" in lines[0] and "download it again" in lines[0]  # no manifest
+    stopped = int(lines[0].split("Stopped at step ")[1].split(",")[0])
+    assert stopped > 2 and [d for d in os.listdir(own / "base_checkpoints" / "damaged") if d.startswith("step_")] == [
+        f"step_{stopped:06d}"]
+    # no worker's traceback; torchrun reports a failed worker with one of its own (ChildFailedError)
+    assert out.count("Traceback") == (1 if torchrun else 0) and (not torchrun or "ChildFailedError" in out), out[-3000:]

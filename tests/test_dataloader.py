@@ -334,3 +334,33 @@ def test_an_evaluation_read_in_full_is_kept_and_one_stopped_early_is_not(corpus,
     monkeypatch.setattr(DataLoader, "next_window", None)  # a second evaluation reads nothing
     second = list(evaluation_batches(*args, data_dir=directory))
     assert len(first) == 5 and all(torch.equal(a, b) for pair in zip(first, second) for a, b in zip(*pair))
+
+
+def test_the_advice_for_a_damaged_shard_fits_the_corpus(tmp_path, corpus):
+    """A shard damaged under a running loader: the message says how to rebuild this corpus (imported, built-in) or,
+    for a downloaded one (no manifest, or FineWeb's), to download it again."""
+    import shutil
+    from nanochat.dataset import MANIFEST, list_parquet_files, read_source, write_source
+    directory = tmp_path / "data"
+    shutil.copytree(corpus[0], directory)
+    imported = read_source(str(directory))
+    assert imported.startswith("import: ")
+    for source, advice in ((imported, f"python -m nanochat.dataset --from {imported[len('import: '):]}"),
+                           ("builtin: Python 3.11.0 standard library", "python -m nanochat.dataset --builtin"),
+                           ("download: karpathy/fineweb-edu-100b-shuffle", "delete it and download it again"),
+                           (None, "delete it and download it again")):
+        if source:
+            write_source(str(directory), source)
+        else:
+            os.remove(directory / MANIFEST)
+        loader = make_loader((str(directory), corpus[1]), rank=0, world_size=1)
+        shard = list_parquet_files(str(directory))[0]
+        good = open(shard, "rb").read()
+        open(shard, "wb").write(good[:100])  # damaged after the loader planned its reading
+        with pytest.raises(DatasetError, match="unreadable shard") as e:
+            for _ in range(100):
+                next(loader)
+        open(shard, "wb").write(good)
+        assert advice in str(e.value) and ("--builtin" in str(e.value)) == ("builtin" in advice), str(e.value)
+        if source and not source.startswith("download"):
+            assert f"delete the .parquet files in {directory}" in str(e.value)

@@ -109,11 +109,12 @@ def test_flags_budgets_and_save_cadence():
     args = SimpleNamespace(max_hours=1.0, max_cost=None, save_every_minutes=30)
     control = lifecycle.RunControl(args, prior_seconds=3599.0, price_per_hour=0, signals=lifecycle.StopSignals())
     values, flags = control.reduce(torch.tensor([1.0, 2.0]))
-    assert values == [1.0, 2.0] and flags == {"signal": [], "budget": [], "save_time": []}
+    assert values == [1.0, 2.0] and flags == {"signal": [], "budget": [], "save_time": [], "data": []}
     control.prior_seconds = 3600.0  # the hour is spent, counting the run's time before its resume
     control.last_save -= 31 * 60
     flags = control.agree(torch.device("cpu"))
-    assert flags == {"signal": [], "budget": [0], "save_time": [0]}
+    assert flags == {"signal": [], "budget": [0], "save_time": [0], "data": []}
+    assert control.reduce(torch.zeros(0), data_failed=True)[1]["data"] == [0]
     assert control.stop_reason(flags) == "budget spent (--max_hours=1.0)" and control.exit_code(flags) == 0
     control.signals.received = signal.SIGTERM
     flags = control.agree(torch.device("cpu"))
