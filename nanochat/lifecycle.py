@@ -100,10 +100,8 @@ class RunLock:
                     f"cannot lock {self.path} ({type(e).__name__}: {e}); check that the directory is writable")
         try:
             raise_if_any_rank_failed(error, "locking the run directory")
-        except RankFailure:
-            if error:  # rank 0 says it in its own words; the others name rank 0 and the cause
-                raise error from None
-            raise
+        except RankFailure as failure:  # rank 0 says it in its own words; the others name rank 0 and the cause
+            raise error or RunLockError(str(failure)) from None
 
     def lock(self, file):
         try:

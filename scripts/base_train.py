@@ -90,7 +90,10 @@ def train(args):
     consumed = [loader.state_dict() for loader in loaders]  # the loaders' positions after the last trained batch
     token_bytes = get_token_bytes(device=device)
     run_dir = ckpt.model_dir(args.model_tag)
-    os.makedirs(run_dir, exist_ok=True)
+    try:
+        run_lock.claim()  # every check passed: from here the run directory is ours, until the run ends
+    except lifecycle.RunLockError as e:
+        raise Exit(f"cannot {'resume' if resume else 'start'}: {e}")
     if rank == 0:
         ckpt.remove_partial_saves(args.model_tag)
     metrics = MetricsLog(run_dir, args, rank, start_step if resume else None)
@@ -103,8 +106,10 @@ def train(args):
     with lifecycle.StopSignals() as signals:
         control = lifecycle.RunControl(args, prior_seconds, price_per_hour, signals)
         elapsed = control.elapsed
-        stop_asked = lambda: signals.received is not None  # noqa: E731 - this rank's view; the loops agree on it
         early_stop = early_stop_for(args, resume)
+
+        def stop_asked():
+            return signals.received is not None  # this rank's view: evaluation agrees on it batch by batch
 
         def save(step):
             meta = {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
@@ -310,8 +315,8 @@ def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
 
 def start_or_resume(args, model_config, tokenizer, rank, run_lock):
     """The resume point (step, meta, weights, rank state), checked against this run; or None for a fresh run, on a tag
-    that holds no other run (--overwrite moves one aside). A live run on the tag refuses us first; every check passes
-    before anything is written, and then the run directory is ours (run_lock) until the run ends."""
+    that holds no other run (--overwrite moves one aside). A live run on the tag refuses us first (run_lock holds the
+    tag's lock from here); every check passes before anything is written."""
     resuming = args.resume or args.resume_from_step is not None
     try:
         run_lock.hold_existing()
@@ -327,7 +332,6 @@ def start_or_resume(args, model_config, tokenizer, rank, run_lock):
                     except OSError as e:
                         error = e
                 raise_if_any_rank_failed(error, "moving the previous run aside")
-            run_lock.claim()
             return None
         if args.backup_dir:
             run_lock.claim()  # restoring from the backup writes into the directory
@@ -342,10 +346,6 @@ def start_or_resume(args, model_config, tokenizer, rank, run_lock):
         raise Exit(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
                               f"different configuration:\n  " + "\n  ".join(diffs) +
                               "\nPass the checkpoint's values, or start a new run with another --model_tag.")
-    try:
-        run_lock.claim()
-    except (RankFailure, lifecycle.RunLockError) as e:
-        raise Exit(f"cannot resume: {e}")
     return point
 
 
