@@ -32,6 +32,7 @@ import torch
 from nanochat.common import (RankFailure, describe_error, fsync_dir, get_base_dir, get_dist_info, print0,
                              raise_if_any_rank_failed, run_on_rank0)
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.lifecycle import RUN_LOCK
 
 WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
 TRAIN_WEIGHTS = "train_weights.safetensors"  # with --ema_decay: model.safetensors holds the EMA, this what trains on
@@ -382,7 +383,7 @@ def prune_checkpoints(model_tag, keep_last):
 def previous_run(model_tag):
     """What a previous run left in the tag's directory, in words, or None when there is nothing."""
     directory = model_dir(model_tag)
-    entries = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    entries = sorted(set(os.listdir(directory)) - {RUN_LOCK}) if os.path.isdir(directory) else []
     if not entries:
         return None
     steps = list_steps(model_tag)

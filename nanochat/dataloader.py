@@ -161,3 +161,51 @@ class DataLoader:
             return (inputs.pin_memory().to(self.device, non_blocking=True),
                     targets.pin_memory().to(self.device, non_blocking=True))
         return inputs.to(self.device), targets.to(self.device)
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+def evaluation_size(num_tokens, B, T, world_size):
+    """(rows, batches per rank) of an evaluation of num_tokens: num_tokens rounded down to whole rows of T tokens
+    (at least one row), in batches of B, dealt out to world_size ranks (every rank runs the same number)."""
+    rows = max(1, num_tokens // T)
+    return rows, math.ceil(math.ceil(rows / B) / world_size)
+
+
+EVALUATIONS_CACHED = 2
+# this rank's rows of the evaluations read in full, by their arguments: base_train evaluates the same rows every time
+evaluation_cache = {}
+
+
+def evaluation_batches(tokenizer, B, T, split, num_tokens, rank, world_size, device="cpu", data_dir=None):
+    """This rank's evaluation batches (x, y) on device, evaluation_size(...)[1] of them; the evaluated rows depend on
+    the split, num_tokens, B and T, not on world_size.
+
+    The rows are the first evaluation_size(...)[0] rows of the split's one-process stream (what DataLoader yields on
+    one process, row after row), cut into batches of B in order; rank r takes batches r, r + W, r + 2W, ... Rows past
+    the last (a short last batch, a rank with one batch fewer) are padding with ignored targets (-1), which
+    evaluate_bpb counts as nothing. Every rank reads the stream up to its last row, batch by batch (an evaluation
+    stopped early has read no more than it used), and keeps the rows of an evaluation read in full."""
+    key = (tokenizer, B, T, split, num_tokens, rank, world_size, data_dir)
+    for x, y in evaluation_cache.get(key) or read_evaluation_rows(key):
+        yield x.long().to(device), y.long().to(device)
+
+
+def read_evaluation_rows(key):
+    """evaluation_batches' batches as int32, read from the stream; cached when the last one is read."""
+    tokenizer, B, T, split, num_tokens, rank, world_size, data_dir = key
+    rows, steps = evaluation_size(num_tokens, B, T, world_size)
+    stream, read, batches = DataLoader(tokenizer, 1, T, split, rank=0, world_size=1, data_dir=data_dir), 0, []
+    for i in range(steps):
+        first = (i * world_size + rank) * B
+        x, y = torch.zeros(B, T, dtype=torch.int32), torch.full((B, T), -1, dtype=torch.int32)
+        for slot in range(max(0, min(B, rows - first))):
+            for _ in range(first + slot - read):  # the other ranks' rows
+                stream.next_window()
+            window, read = stream.next_window(), first + slot + 1
+            x[slot], y[slot] = window[:-1], window[1:]
+        batches.append((x, y))
+        if i == steps - 1:  # before the last yield: a reader asks for exactly `steps` batches
+            evaluation_cache[key] = batches
+            while len(evaluation_cache) > EVALUATIONS_CACHED:
+                evaluation_cache.pop(next(iter(evaluation_cache)))
+        yield x, y

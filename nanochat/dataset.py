@@ -90,9 +90,19 @@ def parquets_for_split(split, data_dir=None):
 
 
 def unreadable_shard(path, error):
-    return DatasetError(f"{path}: unreadable shard ({type(error).__name__}: {error}); delete it and download it again "
-                        "(python -m nanochat.dataset -n N fetches missing shards), or rebuild an imported corpus "
-                        "into an empty directory")
+    return DatasetError(f"{path}: unreadable shard ({type(error).__name__}: {error}); "
+                        f"{rebuild_advice(os.path.dirname(path))}")
+
+
+def rebuild_advice(directory):
+    """How to make the corpus in directory whole again, by where it came from (its manifest)."""
+    source = read_source(directory) or ""
+    command = ("--builtin" if source.startswith("builtin:") else
+               "--from " + " ".join(source[len("import:"):].strip().split(", ")) if source.startswith("import:") else None)
+    if command:
+        return (f"rebuild the corpus: delete the .parquet files in {directory}, then run "
+                f"python -m nanochat.dataset {command}")
+    return "delete it and download it again (python -m nanochat.dataset -n N fetches missing shards)"
 
 
 def row_group_sizes(path):

@@ -9,25 +9,29 @@ send it into the save barrier while the others start the next step's collectives
 
 Signals: torchrun forwards a SIGTERM/SIGINT sent to the launcher to every worker and SIGKILLs them
 --shutdown_timeout seconds later (default 30); schedulers (SLURM, systemd) signal every process of the job. The run
-finishes the step in progress, saves a checkpoint and exits with 128 + the signal number. Repeats within a few
+says so at once, finishes the step or the evaluation batch in progress (evaluations check the flag after every batch,
+samples after every token), saves a checkpoint and exits with 128 + the signal number. Repeats within a few
 seconds (forwarded copies) count as one; a signal after that exits at once, without saving.
 """
 
+import fcntl
 import gc
 import os
 import shlex
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 
 import torch
 
-from nanochat.common import reduce_with_flags
+from nanochat.common import RankFailure, raise_if_any_rank_failed, reduce_with_flags
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_WINDOW_S = 5.0  # forwarded copies of one signal arrive within milliseconds; a person pressing Ctrl-C again, later
-FLAGS = ("signal", "budget", "save_time")
+FLAGS = ("signal", "budget", "save_time", "data")  # data: this step's training data could not be read
 
 
 class StopSignals:
@@ -48,9 +52,91 @@ class StopSignals:
     def handle(self, signum, frame):
         if self.received is None:
             self.received, self.first_at = signal.Signals(signum), time.monotonic()
+            acknowledge(self.received)
         elif time.monotonic() - self.first_at > REPEAT_WINDOW_S:
             signal.signal(signum, signal.SIG_DFL)  # asked twice: exit now, as the default handler would
             os.kill(os.getpid(), signum)
+
+
+RUN_LOCK = "run.lock"  # in the run directory; not a trace of a previous run (checkpoint_manager.previous_run)
+
+
+class RunLockError(Exception):
+    """The run directory is held by another live run, or cannot be locked; the message says what to do."""
+
+
+class RunLock:
+    """One run per run directory: an exclusive flock on <directory>/run.lock, taken by rank 0 before the run touches
+    anything there and held until the run ends. The kernel releases it when the process dies in any way (SIGKILL
+    included), so a lock is never stale; the file's text (PID, host, start time) only names the holder.
+
+    Two stages, so a run refused by its own checks writes nothing: hold_existing() locks the lock file a previous
+    run left, without writing (a live holder refuses us before we read its checkpoints); claim(), once the checks
+    passed, creates the directory and the file if needed and writes this process into it. Both are collectives: every
+    rank calls them and every rank raises when rank 0 could not lock."""
+
+    def __init__(self, directory, active):
+        self.directory, self.active, self.file = directory, active, None
+        self.path = os.path.join(directory, RUN_LOCK)
+
+    def hold_existing(self):
+        self.agree(lambda: os.path.exists(self.path) and self.lock(open(self.path, "r+")))
+
+    def claim(self):
+        self.agree(self.lock_and_sign)
+
+    def release(self):
+        if self.file:
+            self.file.close()  # closing the last descriptor drops the flock
+            self.file = None
+
+    def agree(self, work):
+        error = None
+        if self.active:
+            try:
+                work()
+            except (RunLockError, OSError) as e:
+                error = e if isinstance(e, RunLockError) else RunLockError(
+                    f"cannot lock {self.path} ({type(e).__name__}: {e}); check that the directory is writable")
+        try:
+            raise_if_any_rank_failed(error, "locking the run directory")
+        except RankFailure as failure:  # rank 0 says it in its own words; the others name rank 0 and the cause
+            raise error or RunLockError(str(failure)) from None
+
+    def lock(self, file):
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "a process that has not signed it yet"
+            file.close()
+            raise RunLockError(f"{self.directory} is in use by another run ({holder}): wait for it to end or stop it, "
+                               f"or choose another --model_tag; --overwrite never moves a run in progress") from None
+        self.release()  # a lock on a file that --overwrite moved aside with its directory
+        self.file = file
+
+    def lock_and_sign(self):
+        os.makedirs(self.directory, exist_ok=True)
+        file = open(self.path, "a+")
+        if self.file and os.path.samestat(os.fstat(file.fileno()), os.fstat(self.file.fileno())):
+            file.close()  # already ours: a second flock through another descriptor would wait for ourselves
+        else:
+            self.lock(file)
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"PID {os.getpid()} on host {socket.gethostname()}, since "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+        self.file.flush()
+
+
+def acknowledge(sig):
+    """Say at once that a stop signal arrived (rank 0 only: every rank gets torchrun's copy). os.write, not print: the
+    handler may run in the middle of another print."""
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            os.write(sys.stderr.fileno(), f"{sig.name} received: finishing the current batch, then saving\n".encode())
+        except (OSError, ValueError):  # no usable stderr: the agreed stop line still follows
+            pass
 
 
 class RunControl:
@@ -78,16 +164,16 @@ class RunControl:
     def saved(self):
         self.last_save = time.time()
 
-    def local_flags(self):
+    def local_flags(self, data_failed):
         minutes = self.args.save_every_minutes
         return [self.signals.received is not None, self.budget_spent() is not None,
-                bool(minutes) and time.time() - self.last_save >= minutes * 60]
+                bool(minutes) and time.time() - self.last_save >= minutes * 60, data_failed]
 
-    def reduce(self, values):
+    def reduce(self, values, data_failed=False):
         """The sum over ranks of every rank's `values` (a 1-D tensor, e.g. the step's losses) as floats, and the agreed
-        flags: {'signal' | 'budget' | 'save_time': ranks that raised it}. One all_reduce and one host read; call it on
-        every rank."""
-        summed, raised = reduce_with_flags(values.float(), self.local_flags(), to_host=True)
+        flags: {'signal' | 'budget' | 'save_time' | 'data': ranks that raised it}. One all_reduce and one host read;
+        call it on every rank."""
+        summed, raised = reduce_with_flags(values.float(), self.local_flags(data_failed), to_host=True)
         return summed, dict(zip(FLAGS, raised))
 
     def agree(self, device):
@@ -110,6 +196,40 @@ class RunControl:
         if not flags["signal"]:
             return 0
         return 128 + (self.signals.received or signal.SIGTERM).value
+
+
+class EarlyStop:
+    """--early_stop=K: stop after K evaluations in a row whose final supervision step's validation bpb did not beat
+    the best so far. Every rank gets the same reduced bpb, so every rank decides alike, with no collective.
+
+    Its state travels in every checkpoint (state()), so a resumed run counts on exactly: the evaluation of the resume
+    step, repeated by the resumed run, is not counted twice (last_step)."""
+
+    def __init__(self, patience, state=None, best_recorded=None):
+        """state: a checkpoint's state(); else best_recorded, (step, bpb) of the tag's best checkpoint, or None."""
+        self.patience = patience
+        state = state or {"best": best_recorded, "stale": 0, "last_step": None}
+        self.best, self.stale, self.last_step = state["best"], state["stale"], state["last_step"]
+
+    def state(self):
+        return {"best": self.best, "stale": self.stale, "last_step": self.last_step}
+
+    def record(self, step, bpb):
+        """One evaluation's final-step bpb."""
+        if self.last_step is not None and step <= self.last_step:
+            return  # already counted before a resume
+        self.last_step = step
+        if self.best is None or bpb < self.best[1]:
+            self.best, self.stale = (step, bpb), 0
+        else:
+            self.stale += 1
+
+    def reason(self):
+        """Why the run stops early, in words, or None."""
+        if not self.patience or self.stale < self.patience:
+            return None
+        return (f"early stop (--early_stop={self.patience}): the validation bpb has not beaten {self.best[1]:.4f} (step "
+                f"{self.best[0]}) for {self.stale} evaluation{'s' * (self.stale != 1)} in a row")
 
 
 def run_child(cmd, env=None):

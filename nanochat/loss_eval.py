@@ -8,41 +8,55 @@ from nanochat import gpt
 from nanochat.common import RankFailure, distributed, print0, progress_bar, raise_if_any_rank_failed, reduce_with_flags
 
 
+class EvaluationStopped(Exception):
+    """A stop was asked for (a signal) during an evaluation; raised on every rank together."""
+
+
 @torch.no_grad()
-def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None):
+def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None, stop=None):
     """(bpb, state): per supervision step, sum of per-token nats over sum of bytes of the target tokens, in bits;
-    and the recursion's state diagnostics per step (gpt.STATE_DIAGNOSTICS) on the first batch, as lists.
+    and the recursion's state diagnostics per step (gpt.STATE_DIAGNOSTICS) on rank 0's first batch, as lists.
 
     Special tokens have byte length 0 and are left out of both sums; targets of -1 (ignored) likewise.
     batches: an iterator of (x, y), or a function returning one (called inside the failure guard, so a loader that
     cannot start on one rank counts as that rank's failure). Under DDP the sums are reduced across ranks, so every
     rank returns the same numbers; a failure on any rank raises RankFailure on every rank, naming rank and cause.
+    stop: a function saying whether this rank was asked to stop; after every batch the ranks agree on it (one small
+    all_reduce, none on one process), and a stop on any rank raises EvaluationStopped on every rank.
     """
     n = n_sup or model.config.n_sup_train  # what model(x, y) runs when n_sup is None
     # nats of each step, bytes, then the state diagnostics (gpt.STATE_DIAGNOSTICS per step)
     width = len(gpt.STATE_DIAGNOSTICS)
     sums = torch.zeros(n + 1 + width * n, dtype=torch.float64, device=token_bytes.device)
-    error = None
-    try:
-        batches = batches() if callable(batches) else batches
-        for i in progress_bar(range(steps), desc="evaluating", delay=3, leave=False):
+    diagnosing = not distributed() or torch.distributed.get_rank() == 0
+    error, failed, stopped = None, [], []
+    for i in progress_bar(range(steps), desc="evaluating", delay=3, leave=False):
+        try:
+            if i == 0:
+                batches = batches() if callable(batches) else batches
             x, y = next(batches)
             with autocast or torch.autocast(x.device.type, enabled=False):
                 losses = model(x, y, n_sup=n_sup, loss_reduction="none")  # (N, B, T)
-                if i == 0:
+                if i == 0 and diagnosing:
                     sums[n + 1:] = model.diagnose(x, n).flatten()
             valid = y >= 0
             num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
             counted = num_bytes > 0
             sums[:n] += (losses.double() * counted).sum(dim=(1, 2))
             sums[n] += num_bytes.sum()
-    except Exception as e:  # noqa: BLE001 - reported below on every rank, so no rank waits for this one
-        error = e
-    sums, (failed,) = reduce_with_flags(sums, [error is not None])  # the one collective, success or not
+        except Exception as e:  # noqa: BLE001 - reported below on every rank, so no rank waits for this one
+            error = e
+        if stop is not None:
+            _, (failed, stopped) = reduce_with_flags(sums.new_zeros(0), [error is not None, stop()])
+        if failed or stopped or (stop is None and error is not None):
+            break
+    if not (failed or stopped):
+        sums, (failed,) = reduce_with_flags(sums, [error is not None])  # the one collective, success or not
     raise_if_any_rank_failed(error, "evaluation", failed)
+    if stopped:
+        raise EvaluationStopped()
     nats, nbytes = sums[:n], sums[n]
-    world = torch.distributed.get_world_size() if distributed() else 1
-    state = (sums[n + 1:] / world).view(n, width).tolist()
+    state = sums[n + 1:].view(n, width).tolist()  # rank 0's alone: the others added zeros
     return [(v / (math.log(2) * nbytes)).item() for v in nats], state
 
 
@@ -65,17 +79,19 @@ def format_steps(values, digits=4, names=False):
     return parts[0] + "".join(f" {sign} {part}" for sign, part in zip(signs, parts[1:])) if parts else ""
 
 
-def validation_bpb(model, tokenizer, args, device, rank, world_size, token_bytes):
+def validation_bpb(model, tokenizer, args, device, rank, world_size, token_bytes, stop=None):
     """Validation bpb per supervision step of a training run's model (args: its parsed flags), and the state
-    diagnostics; printed. A failure on any rank is reported and skipped by every rank together: (None, None)."""
-    from nanochat.dataloader import DataLoader
+    diagnostics; printed. The same --eval_tokens rows on any number of processes (dataloader.evaluation_rows).
+    A failure on any rank is reported and skipped by every rank together: (None, None). stop: as evaluate_bpb."""
+    from nanochat.dataloader import evaluation_batches, evaluation_size
     from nanochat.train_config import autocast_for
+    B, T = args.device_batch_size, args.max_seq_len
     try:
         model.eval()
-        steps = args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size)
-        bpb, state = evaluate_bpb(model, lambda: DataLoader(tokenizer, args.device_batch_size, args.max_seq_len,
-                                                            "val", device=device, rank=rank, world_size=world_size),
-                                  steps, token_bytes, autocast=autocast_for(args.device_type, args.dtype))
+        bpb, state = evaluate_bpb(model, lambda: evaluation_batches(tokenizer, B, T, "val", args.eval_tokens, rank,
+                                                                    world_size, device),
+                                  evaluation_size(args.eval_tokens, B, T, world_size)[1], token_bytes,
+                                  autocast=autocast_for(args.device_type, args.dtype), stop=stop)
         print0(f"validation bpb per step: {format_steps(bpb)} | refinement "
                f"{100 * refinement(bpb):.1f}%")
         if model.config.n_loops:  # a plain GPT has no recursion: its residual stream's numbers would mislead

@@ -141,7 +141,12 @@ def build_parser():
     runtime.add_argument("--seed", type=int, default=42)
     output = p.add_argument_group("evaluation and output")
     output.add_argument("--eval_every", type=int, default=250, help="steps between validation evals (0 = end only)")
-    output.add_argument("--eval_tokens", type=int, default=10 * 524288, help="validation tokens per eval")
+    output.add_argument("--eval_tokens", type=int, default=10 * 524288,
+                        help="validation tokens per eval, rounded down to whole rows of --max_seq_len (the same rows "
+                             "on any number of processes)")
+    output.add_argument("--early_stop", type=int, default=0, metavar="K",
+                        help="stop (saved, exit 0) after K evaluations in a row whose final supervision step's "
+                             "validation bpb did not beat the best of the run (0 = off)")
     output.add_argument("--sample_every", type=int, default=2000, help="steps between samples (0 = end only)")
     output.add_argument("--sample_tokens", type=int, default=16, help="tokens generated per sample prompt")
     output.add_argument("--save_every", type=int, default=0, help="steps between checkpoints (0 = end only)")
@@ -233,7 +238,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     for name in ("n_embd", "n_head", "n_kv_head", "max_seq_len", "sample_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be >= 1")
-    for name in ("eval_every", "sample_every", "save_every", "save_every_minutes", "keep_last", "matrix_lr",
+    for name in ("eval_every", "early_stop", "sample_every", "save_every", "save_every_minutes", "keep_last", "matrix_lr",
                  "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip", "gpu_hourly_price"):
         if getattr(args, name) is not None and not getattr(args, name) >= 0:
             parser.error(f"--{name}={getattr(args, name)} must be >= 0 (see --help for what 0 means)")
@@ -267,10 +272,9 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     resolve_batch(parser, args)
     if args.num_iterations is not None and args.num_iterations < 1:
         parser.error(f"--num_iterations={args.num_iterations} must be >= 1")
-    tokens_per_micro = args.device_batch_size * args.max_seq_len * world_size
-    if args.eval_tokens < tokens_per_micro:
-        parser.error(f"--eval_tokens={args.eval_tokens} is less than one validation batch ({tokens_per_micro} "
-                     f"tokens = processes x device_batch_size x max_seq_len); raise it or lower the batch")
+    if args.eval_tokens < args.max_seq_len:
+        parser.error(f"--eval_tokens={args.eval_tokens} is less than one validation row (--max_seq_len="
+                     f"{args.max_seq_len} tokens); raise it")
     if args.max_cost is not None and not args.gpu_hourly_price:
         parser.error("--max_cost needs --gpu_hourly_price to know what an hour costs")
     for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):

@@ -26,7 +26,9 @@ def parse_args(argv=None):
     p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
     p.add_argument("--device_batch_size", type=int, default=8)
     p.add_argument("--max_seq_len", type=int, default=None, help="default: the model's sequence_len")
-    p.add_argument("--split_tokens", type=int, default=2 * 524288, help="tokens evaluated per split")
+    p.add_argument("--split_tokens", type=int, default=2 * 524288,
+                   help="tokens evaluated per split, rounded down to whole rows of --max_seq_len (the same rows on any "
+                        "number of processes)")
     p.add_argument("--n_sup", type=int, default=None,
                    help="supervision steps to run (default: n_sup_inference); more than were trained is allowed")
     p.add_argument("--device_type", default="")
@@ -44,7 +46,7 @@ def main(argv=None):
     args = parse_args(argv)
     device_type = args.device_type or autodetect_device_type()
     ddp, rank, _, world_size, device = compute_init(device_type)
-    from nanochat.dataloader import DataLoader
+    from nanochat.dataloader import evaluation_batches, evaluation_size
     from nanochat.tokenizer import get_token_bytes
     try:
         model_tag = args.model_tag or ckpt.latest_model_tag()
@@ -60,17 +62,18 @@ def main(argv=None):
                          f"context the model was trained with; use at most {model.config.sequence_len}")
     if n_sup > model.config.n_sup_train:
         print0(f"note: {n_sup} supervision steps, past the {model.config.n_sup_train} the model was trained with")
-    steps = max(1, args.split_tokens // (args.device_batch_size * T * world_size))
+    B = args.device_batch_size
+    rows, steps = evaluation_size(args.split_tokens, B, T, world_size)  # the same rows on any number of processes
     dtype = args.dtype or default_dtype(device_type)
     autocast = autocast_for(device_type, dtype)
     print0(f"evaluating {model_tag} step {meta['step']} with {n_sup} supervision steps on "
-           f"{steps * args.device_batch_size * T * world_size:,} tokens per split")
+           f"{rows * T:,} tokens per split")
     results = {"model_tag": model_tag, "step": meta["step"], "n_sup": n_sup}
     token_bytes = get_token_bytes(device=device)
     for split in ("train", "val"):
         try:
-            bpb, state = evaluate_bpb(model, lambda: DataLoader(tokenizer, args.device_batch_size, T, split,
-                                                                device=device, rank=rank, world_size=world_size),
+            bpb, state = evaluate_bpb(model, lambda: evaluation_batches(tokenizer, B, T, split, args.split_tokens, rank,
+                                                                        world_size, device),
                                       steps, token_bytes, n_sup=n_sup, autocast=autocast)
         except RankFailure as e:
             raise Exit(f"base_loss: {e}")

@@ -29,7 +29,7 @@ from nanochat.common import (RankFailure, WriteError, atomic_write_bytes, check_
                              gpu_peak_flops, print0, raise_if_any_rank_failed, run_on_rank0)
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
-from nanochat.loss_eval import refinement, validation_bpb
+from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
 from nanochat.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
 from nanochat.muon import Muon
 from nanochat.optim import clipped_step, reduce_gradients
@@ -37,6 +37,9 @@ from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry,
                                    ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args,
                                    plan_lines)
 from nanochat.weight_average import WeightAverage
+
+
+DATA_DAMAGED = 6  # exit code: a training shard became unreadable (3: NaN, 4: out of memory, 5: no space for a save)
 
 
 # ---------------------------------------------------------------------------------------------------- the run
@@ -48,11 +51,12 @@ def train(args):
     missing = data_problem()
     if missing:
         raise Exit(missing)
-    from nanochat.dataloader import DataLoader
+    from nanochat.dataset import DatasetError
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
     tokenizer = get_tokenizer()
     model_config = {**args.model_config, "vocab_size": tokenizer.get_vocab_size()}
-    resume, corpus = start_or_resume(args, model_config, tokenizer, rank)
+    run_lock = lifecycle.RunLock(ckpt.model_dir(args.model_tag), active=rank == 0)  # held until the run ends
+    resume, corpus = start_or_resume(args, model_config, tokenizer, rank, run_lock)
 
     model = ckpt.build_model(model_config, device)
     model.train()
@@ -85,14 +89,15 @@ def train(args):
         print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
     if args.compile:
         model.compile_layer_visits()
-    loaders = [DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
-                          rank=data_rank, world_size=world_size * args.grad_accum, resume_state=loader_states[j])
-               for j, data_rank in enumerate(data_ranks(args, rank))]
+    loaders, prefetched = open_training_data(args, tokenizer, device, rank, world_size, loader_states,
+                                             first_batch=start_step < num_iterations)
     consumed = [loader.state_dict() for loader in loaders]  # the loaders' positions after the last trained batch
-    prefetched = next(loaders[0]) if start_step < num_iterations else None
     token_bytes = get_token_bytes(device=device)
     run_dir = ckpt.model_dir(args.model_tag)
-    os.makedirs(run_dir, exist_ok=True)
+    try:
+        run_lock.claim()  # every check passed: from here the run directory is ours, until the run ends
+    except lifecycle.RunLockError as e:
+        raise Exit(f"cannot {'resume' if resume else 'start'}: {e}")
     if rank == 0:
         ckpt.remove_partial_saves(args.model_tag)
     metrics = MetricsLog(run_dir, args, rank, start_step if resume else None)
@@ -105,6 +110,10 @@ def train(args):
     with lifecycle.StopSignals() as signals:
         control = lifecycle.RunControl(args, prior_seconds, price_per_hour, signals)
         elapsed = control.elapsed
+        early_stop = early_stop_for(args, resume)
+
+        def stop_asked():
+            return signals.received is not None  # this rank's view: evaluation agrees on it batch by batch
 
         def save(step):
             meta = {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
@@ -113,6 +122,7 @@ def train(args):
                     "warmup_steps": warmup_steps,
                     "tokenizer_fingerprint": tokenizer.fingerprint(), "data": corpus,
                     "val_bpb": val_bpb if last_eval_step == step else None, "elapsed_seconds": elapsed(),
+                    "early_stop": early_stop.state(),
                     "cost": control.cost(), "dataloader": consumed[0]}
             try:
                 path = ckpt.save_checkpoint(args.model_tag, step, published, optimizers, meta,
@@ -124,38 +134,62 @@ def train(args):
             print0(f"saved checkpoint {path}")
 
         def evaluate_and_sample(step, due):
-            """Validation bpb (recorded in the checkpoint just saved, if any) and samples, each when due."""
+            """Validation bpb (recorded in the checkpoint just saved, if any) and samples, each when due. False when
+            a signal stopped the evaluation (every rank stopped it at the same batch)."""
             nonlocal val_bpb, last_eval_step
             if due or (args.eval_every and step % args.eval_every == 0):
-                val_bpb, val_state = validation_bpb(published, tokenizer, args, device, rank, world_size, token_bytes)
+                try:
+                    val_bpb, val_state = validation_bpb(published, tokenizer, args, device, rank, world_size,
+                                                        token_bytes, stop=stop_asked)
+                except EvaluationStopped:
+                    return False
                 if val_bpb:
                     last_eval_step = step
+                    early_stop.record(step, val_bpb[-1])
                     metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb,
                                  "val_refinement": refinement(val_bpb), "state": val_state})
                     if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
                         update_checkpoint_bpb(args.model_tag, step, val_bpb)
             if rank == 0 and (due or (args.sample_every and step % args.sample_every == 0)):
-                run_samples(published, tokenizer, args, metrics, step)
+                # rank 0 alone: a signal that cuts the samples short is agreed at the next step's reduction
+                run_samples(published, tokenizer, args, metrics, step, stop_asked)
+            return True
 
-        def optimizer_step(step):
-            """Forward and backward over the micro-batches, one all_reduce (the step's one host sync, which also
-            carries every rank's stop/save flags), then the update. Returns (StepStats, flags, lr multiplier)."""
-            nonlocal consumed, prefetched
-            n_sup = model.train_depth(step)
-            sums = torch.zeros(StepStats.size(n_sup), device=device)
+        def accumulate(step, n_sup, sums):
+            """Forward and backward over the step's micro-batches into sums, then read the next step's first batch
+            (tokenized while the device still works on this one). Returns the loaders' positions after the step's
+            batches (what a checkpoint resumes from) and None; or None and the DatasetError that stopped it."""
+            nonlocal prefetched
             try:
                 for j, loader in enumerate(loaders):
                     x, y = prefetched if j == 0 else next(loader)
                     with autocast_for(args.device_type, args.dtype):
                         loss, aux = model.forward_backward(x, y, loss_scale=1 / args.grad_accum, n_sup=n_sup)
                     sums += StepStats.pack(loss, aux)
-                # the next step's first batch, tokenized while the device still works on this one
-                consumed = [loader.state_dict() for loader in loaders]  # what a checkpoint resumes from
+                after = [loader.state_dict() for loader in loaders]
                 prefetched = next(loaders[0]) if step + 1 < num_iterations else None
-                sq_grad_norm = reduce_gradients(optimizers)
+                return after, None
+            except DatasetError as e:  # told to every rank by the step's reduction: no rank waits for this one
+                return None, e
+
+        def optimizer_step(step):
+            """Forward and backward over the micro-batches, one all_reduce (the step's one host sync, which also
+            carries every rank's stop/save/data flags), then the update. Returns (StepStats, flags, lr multiplier).
+            Training data unreadable on any rank raises RankFailure on every rank, before the update."""
+            nonlocal consumed
+            n_sup = model.train_depth(step)
+            sums = torch.zeros(StepStats.size(n_sup), device=device)
+            try:
+                after, data_error = accumulate(step, n_sup, sums)
+                sq_grad_norm = reduce_gradients(optimizers)  # on every rank, data or not: the collectives pair up
             except torch.OutOfMemoryError:
                 raise Exit(oom_message(args), code=4)
-            values, flags = control.reduce(torch.cat([sums / (args.grad_accum * world_size), sq_grad_norm.view(1)]))
+            values, flags = control.reduce(torch.cat([sums / (args.grad_accum * world_size), sq_grad_norm.view(1)]),
+                                           data_failed=data_error is not None)
+            if flags["data"]:
+                model.zero_grad(set_to_none=True)
+                raise_if_any_rank_failed(data_error, "reading the training data", flags["data"])
+            consumed = after
             stats = StepStats.unpack(values, n_sup)
             if not all(math.isfinite(v) for v in stats.losses + [stats.total]):
                 path = os.path.join(run_dir, f"nan_diagnostic_step{step:06d}.json")
@@ -188,6 +222,11 @@ def train(args):
             metrics.log(record)
             print0(metrics.format_step(record, num_iterations))
 
+        def save_due(step, stop, flags):
+            steps_due = bool(args.save_every) and step % args.save_every == 0
+            return (step > start_step and (step == num_iterations or bool(stop) or bool(flags["save_time"]) or steps_due)
+                    ) or (bool(stop) and resume is None)
+
         # ---- the run: at each step boundary save, evaluate and sample when due; stop, or train one more step
         step, flags = start_step, control.agree(device)  # a budget spent or a signal before the first step
         while True:
@@ -195,14 +234,23 @@ def train(args):
             stop = control.stop_reason(flags)  # agreed by every rank: a signal or a budget, raised on any of them
             if stop:
                 print0(f"{stop} at step {step}: saving and stopping")
-            steps_due = args.save_every and step % args.save_every == 0
-            save_due = (step > start_step and (last_step or stop or flags["save_time"] or steps_due)) or (
-                stop and resume is None)
-            if save_due:
+            saved = save_due(step, stop, flags)
+            if saved:
                 save(step)  # before evaluation, so a failing eval can never cost the checkpoint
+            late_stop = None  # a reason to stop that the evaluation brings: a signal during it, or early stopping
             if not flags["signal"]:  # after a signal, only the checkpoint: the grace period is short
-                evaluate_and_sample(step, due=last_step or stop)
-            if rank == 0 and save_due:
+                if not evaluate_and_sample(step, due=last_step or bool(stop)):
+                    flags = control.agree(device)  # the signal that stopped the evaluation, as every rank saw it
+                    late_stop = f"{control.stop_reason(flags)} during the evaluation"
+                elif not (stop or last_step):
+                    late_stop = early_stop.reason()
+            if late_stop:
+                stop = late_stop
+                print0(f"{stop} at step {step}: saving and stopping")
+                if not saved and save_due(step, stop, flags):
+                    save(step)
+                    saved = True
+            if rank == 0 and saved:
                 removed = ckpt.prune_checkpoints(args.model_tag, args.keep_last)
                 if removed:
                     print0(f"pruned checkpoints at steps {removed} (keeping the last {args.keep_last} and the best)")
@@ -211,7 +259,13 @@ def train(args):
             if last_step or stop:
                 break
             t0 = time.time()
-            stats, flags, lrm = optimizer_step(step)
+            try:
+                stats, flags, lrm = optimizer_step(step)
+            except RankFailure as e:  # the training data: nothing of this step was applied
+                if not saved and not (resume and step == start_step):
+                    save(step)
+                raise Exit(f"{e}. Stopped at step {step}, whose checkpoint is saved: repair the data as above, then "
+                           "run the same command with --resume", code=DATA_DAMAGED)
             # no device sync for the clock: the optimizer's kernels still running now are waited for by the next
             # step's sync, so in a steady state dt is a whole step
             dt = time.time() - t0
@@ -219,11 +273,12 @@ def train(args):
             lifecycle.tame_garbage_collector(first_step=step == start_step + 1, step=step)
             log_step(step, stats, lrm, dt)
 
-        if rank == 0:
+        if rank == 0 and step > 0:  # a fresh run stopped before its first step has nothing to summarize
             write_summary(run_dir, args, step, elapsed(), price_per_hour, model, tokenizer.fingerprint())
         metrics.close()
         if args.backup_dir:  # every rank: the others wait in short collectives while rank 0's uploads drain
             run_on_rank0(backup.close if backup else None, rank)
+    run_lock.release()  # on any other way out, the process's end releases it
     if control.exit_code(flags):
         raise Exit(f"stopped at step {step} by {stop}: the checkpoint is saved; continue with the same "
                               f"command and --resume", code=control.exit_code(flags))
@@ -231,6 +286,26 @@ def train(args):
 
 
 # ---------------------------------------------------------------------------------------------------- its stages
+def open_training_data(args, tokenizer, device, rank, world_size, loader_states, first_batch):
+    """This process's training loaders (one per accumulation step, at their resume positions) and the first batch;
+    data unreadable on any rank stops every rank with one line."""
+    from nanochat.dataloader import DataLoader
+    from nanochat.dataset import DatasetError
+    loaders, prefetched, error = [], None, None
+    try:
+        loaders = [DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
+                              rank=data_rank, world_size=world_size * args.grad_accum, resume_state=loader_states[j])
+                   for j, data_rank in enumerate(data_ranks(args, rank))]
+        prefetched = next(loaders[0]) if first_batch else None
+    except DatasetError as e:
+        error = e
+    try:
+        raise_if_any_rank_failed(error, "reading the training data")
+    except RankFailure as e:
+        raise Exit(str(e), code=DATA_DAMAGED)
+    return loaders, prefetched
+
+
 def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
     print0(f"model config ({args.model_tag}):")
     for name, value in model.config.to_dict().items():
@@ -243,13 +318,14 @@ def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
     print0(f"horizon: {num_iterations} steps ({horizon_source}), {num_iterations * tokens_per_step:,} tokens")
 
 
-def start_or_resume(args, model_config, tokenizer, rank):
+def start_or_resume(args, model_config, tokenizer, rank, run_lock):
     """(the resume point (step, meta, weights, rank state), checked against this run, or None for a fresh run, on a
-    tag that holds no other run (--overwrite moves one aside); the data's identity). Every check passes before
-    anything is written."""
+    tag that holds no other run (--overwrite moves one aside); the data's identity). A live run on the tag refuses us
+    first (run_lock holds the tag's lock from here); every check passes before anything is written."""
     from nanochat.dataset import DatasetError, corpus_identity
     resuming = args.resume or args.resume_from_step is not None
     try:
+        run_lock.hold_existing()
         corpus = corpus_identity()
         if args.backup_dir:
             ckpt.Backup.location(args.backup_dir, args.model_tag)  # a bad URL stops here, not after the first save
@@ -264,6 +340,8 @@ def start_or_resume(args, model_config, tokenizer, rank):
                         error = e
                 raise_if_any_rank_failed(error, "moving the previous run aside")
             return None, corpus
+        if args.backup_dir:
+            run_lock.claim()  # restoring from the backup writes into the directory
         which = args.resume_from_step if args.resume_from_step is not None else "latest"
         point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir, args.world_size)
         step, meta = point.step, point.meta
@@ -275,9 +353,21 @@ def start_or_resume(args, model_config, tokenizer, rank):
                        f"different configuration:\n  " + "\n  ".join(diffs) +
                        "\nPass the checkpoint's values, or start a new run with another --model_tag.")
         ckpt.check_data_positions(point, args, rank, tokenizer)  # the loaders' geometry matches by now
-    except (ckpt.CheckpointError, RankFailure, DatasetError) as e:
+    except (ckpt.CheckpointError, RankFailure, DatasetError, lifecycle.RunLockError) as e:
         raise Exit(f"cannot {'resume' if resuming else 'start'}: {e}")
     return point, corpus
+
+
+def early_stop_for(args, resume):
+    """--early_stop's counter: continued from the checkpoint resumed (older checkpoints: from the tag's best recorded
+    validation bpb, counting anew)."""
+    if resume is None:
+        return lifecycle.EarlyStop(args.early_stop)
+    if resume.meta.get("early_stop"):
+        return lifecycle.EarlyStop(args.early_stop, resume.meta["early_stop"])
+    recorded = ckpt.readable_bpb(args.model_tag)
+    best = ckpt.best_of(recorded)
+    return lifecycle.EarlyStop(args.early_stop, best_recorded=None if best is None else (best, recorded[best]))
 
 
 class StepStats(NamedTuple):
@@ -333,12 +423,22 @@ def oom_message(args):
                ", or --detach_between_steps (one supervision step's activations alive at a time)") + ".")
 
 
-def run_samples(model, tokenizer, args, metrics, step):
+def run_samples(model, tokenizer, args, metrics, step, stop):
+    """Greedy completions of SAMPLE_PROMPTS, printed and logged; abandoned, token by token, once stop() is true."""
     try:
         from nanochat.engine import Engine
         model.eval()
         engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, args.dtype))
-        completions = engine.complete(SAMPLE_PROMPTS, max_tokens=args.sample_tokens, temperature=0)
+        outputs = [[] for _ in SAMPLE_PROMPTS]
+        for column in engine.generate([engine.encode_prompt(p) for p in SAMPLE_PROMPTS], max_tokens=args.sample_tokens,
+                                      temperature=0):
+            if stop():
+                print0("samples abandoned: a stop signal arrived")
+                return
+            for output, token in zip(outputs, column):
+                if token is not None:
+                    output.append(token)
+        completions = [tokenizer.decode(ids) for ids in outputs]
         for prompt, completion in zip(SAMPLE_PROMPTS, completions):
             print0(f"sample: {prompt!r} -> {completion!r}")
         metrics.log({"kind": "sample", "step": step, "samples": list(zip(SAMPLE_PROMPTS, completions))})

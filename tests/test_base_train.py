@@ -3,6 +3,7 @@ and the batch geometry its parser derives."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,14 +16,14 @@ from tests import processes
 from tests.helpers import ROOT, TINY, TINY_SHAPE, ckpt_dir, parsed, tree, weights
 
 
-def run(base_dir, *flags, torchrun=False, check=True):
+def run(base_dir, *flags, torchrun=False, check=True, script="scripts.base_train"):
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
                 if torchrun else [sys.executable])
-    proc = processes.run(launcher + ["-m", "scripts.base_train"] + (["--"] if torchrun else []) + list(flags),
+    proc = processes.run(launcher + ["-m", script] + (["--"] if torchrun else []) + list(flags),
                          timeout=300, cwd=ROOT, env=env)
     if check and proc.returncode != 0:
-        raise AssertionError(f"base_train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
@@ -82,17 +83,32 @@ ckpt.save_checkpoint("midsave", 4, model, [], {**meta}, {"loaders": []})
 
 
 def test_two_gloo_processes_match_one_process_with_double_accumulation(base_dir):
-    flags = TINY + ["--num_iterations=4", "--eval_every=0", "--grad_clip=0.5"]
+    # 5 validation rows of 2 per batch: on 2 processes rank 0 evaluates batches 0 and 2, rank 1 batch 1 and padding
+    flags = TINY + ["--num_iterations=4", "--grad_clip=0.5", "--eval_tokens=160"]
     run(base_dir, *flags, "--gradient_accumulation_steps=1", "--model_tag=ddp2", torchrun=True)
     run(base_dir, *flags, "--gradient_accumulation_steps=2", "--model_tag=single2")
 
-    def train_losses(tag):
+    def records(tag, kind, key):
         with open(os.path.join(ckpt_dir(base_dir, tag), "metrics.jsonl")) as f:
-            return [r["step_losses"] for r in map(json.loads, f) if r["kind"] == "train"]
+            return torch.tensor([r[key] for r in map(json.loads, f) if r["kind"] == kind], dtype=torch.float64)
 
-    assert torch.allclose(torch.tensor(train_losses("ddp2")), torch.tensor(train_losses("single2")), atol=1e-5)
+    assert torch.allclose(records("ddp2", "train", "step_losses"), records("single2", "train", "step_losses"), atol=1e-5)
     a, b = weights(base_dir, "ddp2", 4), weights(base_dir, "single2", 4)
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    # the training-time evaluation reads the same rows on 1 and 2 processes: at step 0 (the same weights) the same
+    # bpb to float tolerance, at step 4 as close as the weights
+    ddp_bpb, single_bpb = records("ddp2", "eval", "val_bpb"), records("single2", "eval", "val_bpb")
+    assert torch.allclose(ddp_bpb[0], single_bpb[0], rtol=1e-9, atol=0)
+    assert torch.allclose(ddp_bpb[1], single_bpb[1], atol=1e-5)
+    # base_loss of one checkpoint: the same numbers on 1 and 2 processes (3 rows of train and of val)
+    results = []
+    for torchrun in (False, True):
+        run(base_dir, "--model_tag=single2", "--split_tokens=100", "--device_batch_size=2", "--device_type=cpu",
+            "--sample_tokens=1", torchrun=torchrun, script="scripts.base_loss")
+        with open(os.path.join(ckpt_dir(base_dir, "single2"), "base_loss_step000004.json")) as f:
+            results.append(json.load(f))
+    for key in ("train_bpb", "val_bpb", "train_state", "val_state"):
+        assert torch.allclose(torch.tensor(results[0][key]), torch.tensor(results[1][key]), rtol=1e-9, atol=0), key
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -334,3 +350,49 @@ def test_wandb_run_comes_from_the_environment(monkeypatch):
     assert parsed(TINY_SHAPE + ["--run=from_flag"])["run"] == "from_flag"
     monkeypatch.delenv("WANDB_RUN")
     assert parsed(TINY_SHAPE)["run"] == "dummy"
+
+
+# the learning rates at 0: the weights never move, so no evaluation after the first beats it
+STILL = ["--matrix_lr=0", "--embedding_lr=0", "--unembedding_lr=0"]
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_early_stop_after_k_evaluations_without_improvement(base_dir, torchrun):
+    tag = f"early{int(torchrun)}"
+    flags = TINY + STILL + ["--num_iterations=20", "--eval_every=1", "--save_every=0", f"--model_tag={tag}"]
+    out = run(base_dir, *flags, "--early_stop=2", torchrun=torchrun).stdout  # exit code 0: run() checks it
+    stop = [line for line in out.splitlines() if line.startswith("early stop (--early_stop=2): ")]
+    assert len(stop) == 1 and stop[0].endswith("(step 0) for 2 evaluations in a row at step 2: saving and stopping")
+    assert [d for d in os.listdir(ckpt_dir(base_dir, tag)) if d.startswith("step_")] == ["step_000002"]
+    assert meta(base_dir, tag, 2)["val_bpb"]  # saved after its evaluation, which it records
+    with open(os.path.join(ckpt_dir(base_dir, tag), "summary.json")) as f:
+        assert json.load(f)["step"] == 2
+    if not torchrun:  # resumed with more patience: step 2's evaluation is not counted twice, step 3's is the third
+        out = run(base_dir, *flags, "--early_stop=3", "--resume").stdout
+        assert "(step 0) for 3 evaluations in a row at step 3: saving and stopping" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_a_shard_damaged_mid_run_saves_the_last_step_and_stops_with_one_line(base_dir, tmp_path, torchrun):
+    own = tmp_path / "base"  # this run's own corpus, damaged below
+    for name in ("base_data", "tokenizer"):
+        shutil.copytree(os.path.join(base_dir, name), own / name)
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(own), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else \
+        [sys.executable]
+    proc = subprocess.Popen([*launcher, "-m", "scripts.base_train", *(["--"] if torchrun else []), *TINY,
+                             "--num_iterations=1000", "--eval_every=0", "--save_every=0", "--model_tag=damaged"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    processes.read_until(proc, "step 00002/", timeout=300)
+    shard = own / "base_data" / "shard_00001.parquet"  # the second training shard: read some 30-60 steps later
+    shard.write_bytes(shard.read_bytes()[:100])
+    out = processes.finish(proc, timeout=300).stdout
+    assert proc.returncode == (1 if torchrun else 6), out[-3000:]  # torchrun's own code when a worker failed
+    lines = [line for line in out.splitlines() if line.startswith("base_train: reading the training data failed")]
+    assert len(lines) == (2 if torchrun else 1), out[-3000:]  # every rank, in one line each
+    assert "shard_00001.parquet: unreadable shard" in lines[0] and "download it again" in lines[0]  # no manifest
+    stopped = int(lines[0].split("Stopped at step ")[1].split(",")[0])
+    assert stopped > 2 and [d for d in os.listdir(own / "base_checkpoints" / "damaged") if d.startswith("step_")] == [
+        f"step_{stopped:06d}"]
+    # no worker's traceback; torchrun reports a failed worker with one of its own (ChildFailedError)
+    assert out.count("Traceback") == (1 if torchrun else 0) and (not torchrun or "ChildFailedError" in out), out[-3000:]

@@ -2,6 +2,7 @@
 restartable validation, unreadable shards, batches equal to a plain reference, memory flat in the number of loaders."""
 
 import json
+import math
 import os
 import random
 import re
@@ -12,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat.dataloader import DataLoader
+from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_cache, evaluation_size
 from nanochat.dataset import DatasetError, import_corpus
 from nanochat.tokenizer import RustBPETokenizer
 from tests import processes
@@ -301,3 +302,65 @@ def test_resident_memory_is_flat_in_the_number_of_loaders(tmp_path, corpus):
     corpus[1].save(str(tmp_path / "base" / "tokenizer"))
     four, sixty_four = (resident_mb_with_loaders(tmp_path / "base", n) for n in (4, 64))
     assert sixty_four - four < MEMORY_TOLERANCE_MB, f"4 loaders: {four:.1f} MB, 64 loaders: {sixty_four:.1f} MB"
+
+
+@pytest.mark.parametrize("num_tokens", [T * 11, T * 11 + T - 1, T])  # 11 rows (a short last batch), rounded, 1 row
+def test_an_evaluation_reads_the_same_rows_on_any_number_of_processes(corpus, num_tokens):
+    directory, tokenizer = corpus
+    rows = max(1, num_tokens // T)
+    reference = make_loader(corpus, "val", rank=0, world_size=1)  # the one-process evaluation: B rows at a time
+    windows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in (next(reference) for _ in range(rows))])[:rows]
+    for world_size in (1, 2, 3, 8):
+        steps = math.ceil(math.ceil(rows / B) / world_size)
+        assert evaluation_size(num_tokens, B, T, world_size) == (rows, steps)
+        by_batch = {}  # global batch index -> rows
+        for rank in range(world_size):
+            batches = list(evaluation_batches(tokenizer, B, T, "val", num_tokens, rank, world_size, data_dir=directory))
+            assert len(batches) == steps and all(x.shape == y.shape == (B, T) for x, y in batches)
+            by_batch.update({i * world_size + rank: batch for i, batch in enumerate(batches)})
+        x, y = (torch.cat([by_batch[g][k] for g in sorted(by_batch)]) for k in (0, 1))
+        assert torch.equal(x[:rows], windows[:, :-1]) and torch.equal(y[:rows], windows[:, 1:])
+        assert (y[rows:] == -1).all()  # padding: ignored targets, which evaluate_bpb counts as nothing
+
+
+def test_an_evaluation_read_in_full_is_kept_and_one_stopped_early_is_not(corpus, monkeypatch):
+    directory, tokenizer = corpus
+    args = (tokenizer, B, T, "val", 5 * B * T, 0, 1)
+    evaluation_cache.clear()
+    partial = evaluation_batches(*args, data_dir=directory)
+    next(partial)
+    assert not evaluation_cache  # stopped after one batch of five: nothing kept
+    first = list(evaluation_batches(*args, data_dir=directory))
+    monkeypatch.setattr(DataLoader, "next_window", None)  # a second evaluation reads nothing
+    second = list(evaluation_batches(*args, data_dir=directory))
+    assert len(first) == 5 and all(torch.equal(a, b) for pair in zip(first, second) for a, b in zip(*pair))
+
+
+def test_the_advice_for_a_damaged_shard_fits_the_corpus(tmp_path, corpus):
+    """A shard damaged under a running loader: the message says how to rebuild this corpus (imported, built-in) or,
+    for a downloaded one (no manifest, or FineWeb's), to download it again."""
+    import shutil
+    from nanochat.dataset import MANIFEST, list_parquet_files, read_source, write_source
+    directory = tmp_path / "data"
+    shutil.copytree(corpus[0], directory)
+    imported = read_source(str(directory))
+    assert imported.startswith("import: ")
+    for source, advice in ((imported, f"python -m nanochat.dataset --from {imported[len('import: '):]}"),
+                           ("builtin: Python 3.11.0 standard library", "python -m nanochat.dataset --builtin"),
+                           ("download: karpathy/fineweb-edu-100b-shuffle", "delete it and download it again"),
+                           (None, "delete it and download it again")):
+        if source:
+            write_source(str(directory), source)
+        else:
+            os.remove(directory / MANIFEST)
+        loader = make_loader((str(directory), corpus[1]), rank=0, world_size=1)
+        shard = list_parquet_files(str(directory))[0]
+        good = open(shard, "rb").read()
+        open(shard, "wb").write(good[:100])  # damaged after the loader planned its reading
+        with pytest.raises(DatasetError, match="unreadable shard") as e:
+            for _ in range(100):
+                next(loader)
+        open(shard, "wb").write(good)
+        assert advice in str(e.value) and ("--builtin" in str(e.value)) == ("builtin" in advice), str(e.value)
+        if source and not source.startswith("download"):
+            assert f"delete the .parquet files in {directory}" in str(e.value)

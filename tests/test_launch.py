@@ -281,3 +281,16 @@ def test_plan_continues_a_run_or_says_why_it_cannot(tmp_path, monkeypatch, capsy
     assert "8xH100_fast holds checkpoints (steps 200) of a different run" in problem
     assert "n_layer: checkpoint 2 vs this run 1" in problem and "--overwrite" in problem
     assert "--resume" not in torchrun_command(out)[1]
+
+
+def test_an_early_stop_is_a_success_for_the_launcher(base_dir, monkeypatch, capfd):
+    """The launcher runs base_train and then checks its summary: a run that stopped early (its validation stopped
+    improving: learning rates 0) exits 0 and has a summary, so the launcher goes on to the criteria."""
+    from tests.helpers import TINY
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    launch.run([sys.executable, "-m", "scripts.base_train", *TINY, "--matrix_lr=0", "--embedding_lr=0",
+                "--unembedding_lr=0", "--num_iterations=20", "--eval_every=1", "--early_stop=1", "--model_tag=early"])
+    assert "early stop (--early_stop=1)" in capfd.readouterr().out  # and no Exit: the launcher saw exit code 0
+    text, _ = launch.criteria_report("early", "fast")
+    assert "results: early (step 1) ===" in text

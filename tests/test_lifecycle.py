@@ -4,15 +4,17 @@ handler and the budget clock."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from nanochat import lifecycle
-from tests.helpers import ROOT, TINY, ckpt_dir, finish, read_until, weights
+from tests.helpers import ROOT, TINY, ckpt_dir, finish, read_until, tree, weights
 
 FLAGS = TINY + ["--eval_every=0", "--keep_last=0"]
 
@@ -69,7 +71,8 @@ def test_sigterm_to_torchrun_saves_exits_and_resumes_bit_identically(base_dir):
     proc.send_signal(signal.SIGTERM)
     rc, out = finish(proc)
     stopped = time.time() - t0
-    line = next((l for l in out.splitlines() if "SIGTERM received" in l), None)
+    assert "SIGTERM received: finishing the current batch, then saving" in out  # at once, from the handler
+    line = next((l for l in out.splitlines() if "SIGTERM received (rank" in l), None)
     assert line and line.endswith(": saving and stopping"), out[-3000:]
     at = int(line.split("at step ")[1].split(":")[0])
     assert 3 <= at < 8 and checkpoints(base_dir, "term") == [at], out[-3000:]
@@ -107,11 +110,12 @@ def test_flags_budgets_and_save_cadence():
     args = SimpleNamespace(max_hours=1.0, max_cost=None, save_every_minutes=30)
     control = lifecycle.RunControl(args, prior_seconds=3599.0, price_per_hour=0, signals=lifecycle.StopSignals())
     values, flags = control.reduce(torch.tensor([1.0, 2.0]))
-    assert values == [1.0, 2.0] and flags == {"signal": [], "budget": [], "save_time": []}
+    assert values == [1.0, 2.0] and flags == {"signal": [], "budget": [], "save_time": [], "data": []}
     control.prior_seconds = 3600.0  # the hour is spent, counting the run's time before its resume
     control.last_save -= 31 * 60
     flags = control.agree(torch.device("cpu"))
-    assert flags == {"signal": [], "budget": [0], "save_time": [0]}
+    assert flags == {"signal": [], "budget": [0], "save_time": [0], "data": []}
+    assert control.reduce(torch.zeros(0), data_failed=True)[1]["data"] == [0]
     assert control.stop_reason(flags) == "budget spent (--max_hours=1.0)" and control.exit_code(flags) == 0
     control.signals.received = signal.SIGTERM
     flags = control.agree(torch.device("cpu"))
@@ -145,3 +149,98 @@ def test_the_garbage_collector_is_frozen_after_the_first_step_and_collected_by_h
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+# ---------------------------------------------------------------------------------------------------- one run per tag
+def one_process(base_dir, *flags):
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    return subprocess.Popen([sys.executable, "-m", "scripts.base_train", *flags], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_second_run_on_a_live_tag_refuses_and_a_killed_run_leaves_no_lock(base_dir):
+    flags = [*FLAGS, "--num_iterations=100000", "--save_every=2", "--model_tag=busy"]
+    first = one_process(base_dir, *flags)
+    read_until(first, "saved checkpoint")
+    os.kill(first.pid, signal.SIGSTOP)  # holds the lock but writes nothing while the others try
+    try:
+        before = tree(ckpt_dir(base_dir, "busy"))
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            rc, out = finish(one_process(base_dir, *flags, *extra))
+            assert rc != 0 and f"is in use by another run (PID {first.pid} on host {socket.gethostname()}" in out, out
+            assert "--overwrite never moves a run in progress" in out and "Traceback" not in out
+            assert tree(ckpt_dir(base_dir, "busy")) == before
+        assert not [d for d in os.listdir(os.path.dirname(ckpt_dir(base_dir, "busy"))) if ".replaced-" in d]
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    rc, out = finish(one_process(base_dir, *flags, "--resume", "--max_hours=0.0000001"))
+    assert rc == 0 and "resumed busy from step" in out, out[-3000:]
+
+
+def test_a_locked_tag_refuses_both_ranks_under_torchrun(base_dir, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    held = lifecycle.RunLock(ckpt_dir(base_dir, "held2"), active=True)
+    held.claim()
+    try:
+        rc, out = finish(base_train(base_dir, *FLAGS, "--num_iterations=2", "--model_tag=held2"))
+    finally:
+        held.release()
+    assert rc != 0 and f"in use by another run (PID {os.getpid()} on host" in out, out[-3000:]
+    assert "locking the run directory failed on rank 0" in out  # rank 1 was told, and left too
+    assert os.listdir(ckpt_dir(base_dir, "held2")) == ["run.lock"]
+
+
+def test_the_lock_is_one_holders_and_free_after_release(tmp_path):
+    first, second = (lifecycle.RunLock(str(tmp_path / "run"), active=True) for _ in range(2))
+    second.hold_existing()  # nothing there yet: nothing to hold, nothing written
+    assert not os.path.exists(tmp_path / "run")
+    first.claim()
+    first.claim()  # again, as after the checks: still ours
+    with pytest.raises(lifecycle.RunLockError, match=f"PID {os.getpid()} on host"):
+        second.hold_existing()
+    first.release()
+    second.claim()
+    assert open(tmp_path / "run" / "run.lock").read().startswith(f"PID {os.getpid()} on host")
+    second.release()
+
+
+# ---------------------------------------------------------------------------------------------------- signals in evaluation
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_during_an_evaluation_saves_the_step_and_exits_at_once(base_dir, processes):
+    tag = f"evalterm{processes}"
+    # every evaluation takes ~10 s here (300,000 tokens), a training step milliseconds
+    flags = [*FLAGS, "--num_iterations=50", "--eval_every=4", "--eval_tokens=300000", "--save_every=0",
+             "--save_every_minutes=0", f"--model_tag={tag}"]
+    proc = base_train(base_dir, *flags) if processes == 2 else one_process(base_dir, *flags)
+    assert "validation bpb per step" in read_until(proc, "step 00004/")  # step 0's evaluation, in full
+    time.sleep(2)  # into the evaluation at step 4
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    rc, out = finish(proc)
+    took = time.time() - t0
+    assert "SIGTERM received: finishing the current batch, then saving" in out, out[-3000:]
+    assert "during the evaluation at step 4: saving and stopping" in out, out[-3000:]
+    assert out.count("stopped at step 4 by SIGTERM received") == processes  # every rank exited on its own
+    assert "validation bpb per step" not in out  # step 4's evaluation was abandoned
+    assert checkpoints(base_dir, tag) == [4]
+    assert processes == 2 or rc == 143
+    assert took < 30, took  # inside torchrun's 30 s before it SIGKILLs; in practice one batch and a save
+
+
+# ---------------------------------------------------------------------------------------------------- early stopping
+def test_early_stop_counts_evaluations_without_a_new_best_and_resumes_its_count():
+    early = lifecycle.EarlyStop(2)
+    for step, bpb in ((0, 3.0), (1, 2.5), (2, 2.5), (3, 2.6)):  # a tie is no improvement
+        assert early.reason() is None
+        early.record(step, bpb)
+    assert early.reason() == ("early stop (--early_stop=2): the validation bpb has not beaten 2.5000 (step 1) for 2 "
+                              "evaluations in a row")
+    resumed = lifecycle.EarlyStop(3, early.state())
+    resumed.record(3, 2.6)  # the resume step's evaluation again: counted once already
+    assert resumed.reason() is None and resumed.stale == 2
+    resumed.record(4, 2.4)
+    assert resumed.stale == 0 and resumed.best == (4, 2.4)
+    off = lifecycle.EarlyStop(0, best_recorded=(7, 1.0))  # from an older checkpoint's recorded bpb
+    off.record(8, 1.5)
+    assert off.stale == 1 and off.reason() is None

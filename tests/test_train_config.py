@@ -76,3 +76,16 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
         assert any(line.startswith(heading) for line in proc.stdout.splitlines()), heading
     assert "device batch" in proc.stdout and "s per step" in proc.stdout and "$" in proc.stdout
     assert not base.exists()
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--early_stop=-1", "--early_stop=-1 must be >= 0"),
+    # the evaluation is cut into rows of --max_seq_len, whatever the number of processes
+    ("--eval_tokens=31", "--eval_tokens=31 is less than one validation row (--max_seq_len=32 tokens); raise it"),
+])
+def test_early_stop_and_eval_tokens_are_checked(flag, message, capsys):
+    shape = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2"]
+    with pytest.raises(SystemExit) as e:
+        parse([*shape, flag])
+    assert e.value.code != 0 and message in capsys.readouterr().err + str(e.value.code)
+    assert parse([*shape, "--eval_tokens=32"]).eval_tokens == 32  # one row: enough on 8 processes too
