@@ -171,13 +171,9 @@ class Engine:
 
     def check_halt(self, halt):
         """None (every token runs n_sup steps), a gpt.Halting or its 'RULE:THRESHOLD' string -> None or a Halting."""
-        if halt is None or isinstance(halt, Halting):
-            halting = halt
-        else:
-            halting = Halting.parse(halt)
-        if halting is not None and halting.rule == "head" and not self.model.config.halt_head:
-            raise ValueError(f"halt={halting}: this model has no halting head (GPTConfig.halt_head); use kl or rms")
-        return halting
+        if halt is None:
+            return None
+        return self.model.check_halting(halt if isinstance(halt, Halting) else Halting.parse(halt))
 
     def stop_tokens(self):
         """The ids of STOP_TOKENS this tokenizer has."""

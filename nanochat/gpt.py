@@ -560,9 +560,7 @@ class GPT(nn.Module):
         a whole sequence; from the step after a position halts, it gives that position's keys and values from the
         step it halted at. Rows all halted skip the remaining steps (the cache repeats their last step's keys)."""
         n_sup = n_sup or self.config.n_sup_inference
-        score = HALTING_RULES[halting.rule]
-        if halting.rule == "head" and not self.config.halt_head:
-            raise ValueError("halting rule 'head' needs a model with a halting head (GPTConfig.halt_head=True)")
+        score = HALTING_RULES[self.check_halting(halting).rule]
         x = norm(self.transformer.wte(idx))
         halted = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
         steps = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)
@@ -580,6 +578,13 @@ class GPT(nn.Module):
             kv_cache.hold(halted, self.slots_per_step())
         kv_cache.advance(idx.size(1))
         return self.head(kept), steps
+
+    def check_halting(self, halting):
+        """halting, if this model can run it (rule 'head' needs a halting head); a ValueError otherwise."""
+        if halting.rule == "head" and not self.config.halt_head:
+            raise ValueError(f"halting rule {halting}: this model has no halting head (GPTConfig.halt_head); "
+                             f"use kl or rms")
+        return halting
 
     def halt_probability(self, y):
         return torch.sigmoid(self.halt_head(norm(y)).float()).squeeze(-1)

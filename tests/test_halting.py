@@ -206,3 +206,57 @@ def test_flops_count_the_halting_head():
     # training: per step, the per-token losses' extra lm_head forward (2*V*C) and the head's forward and weight grads
     assert head.estimate_flops() - plain.estimate_flops() == N * (2 * V * C + 4 * C)
     assert head.estimate_flops(backward=False) - plain.estimate_flops(backward=False) == N * 2 * C
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+def test_evaluation_with_halting_spans_step_one_to_every_step():
+    """Threshold 0 scores what evaluate_bpb scores at the last step, infinity its first step; mean steps N and 1;
+    in between, the mean steps of the tokens that count, from the test's own reference forward."""
+    from nanochat.loss_eval import evaluate_bpb, evaluate_bpb_halting
+    model = random_model()
+    V = model.config.vocab_size
+    token_bytes = torch.arange(V) % 3  # a third of the ids are 'specials' (0 bytes) and left out
+    batches = [(tokens(2, 8, seed=s), tokens(2, 8, seed=s + 10)) for s in range(2)]
+    per_step, _ = evaluate_bpb(model, iter(batches), 2, token_bytes, n_sup=N)
+    bpb, mean = evaluate_bpb_halting(model, iter(batches), 2, token_bytes, Halting.parse("kl:0"))
+    assert mean == N and bpb == pytest.approx(per_step[-1], abs=1e-6)
+    bpb, mean = evaluate_bpb_halting(model, iter(batches), 2, token_bytes, Halting.parse("kl:inf"))
+    assert mean == 1 and bpb == pytest.approx(per_step[0], abs=1e-6)
+    _, mean = evaluate_bpb_halting(model, iter(batches), 2, token_bytes, Halting.parse("kl:0.05"))
+    counted = [(token_bytes[y] > 0, reference(model, x, "kl:0.05")[1]) for x, y in batches]
+    expected = sum(steps[c].sum().item() for c, steps in counted) / sum(c.sum().item() for c, _ in counted)
+    assert 1 < mean < N and mean == pytest.approx(expected)
+
+
+@pytest.fixture(scope="module")
+def trained_with_head(base_dir):
+    from scripts import base_train
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", base_dir)
+        base_train.main(helpers.TINY + ["--n_sup_train=3", "--num_iterations=1", "--eval_every=0",
+                                        "--model_tag=halt"])
+    return base_dir
+
+
+def test_base_loss_halt_prints_the_halting_line_and_saves_it(trained_with_head, monkeypatch, capsys):
+    from scripts import base_loss
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_with_head)
+    results = base_loss.main(["--model_tag=halt", "--device_type=cpu", "--device_batch_size=2", "--split_tokens=128",
+                              "--sample_tokens=2", "--halt=rms:inf"])
+    assert "val halting rms:inf: bpb " in capsys.readouterr().out
+    assert results["val_halting"]["mean_steps"] == 1 and results["val_halting"]["n_sup"] == 3
+    assert results["val_halting"]["bpb"] == pytest.approx(results["val_bpb"][0], abs=1e-6)
+
+
+@pytest.mark.parametrize("flag, message", [("--halt=kl", "halting rule 'kl': write RULE:THRESHOLD"),
+                                           ("--halt=head:0.5", "has no halting head")])
+def test_base_loss_bad_halt_is_one_line(trained_with_head, monkeypatch, capsys, flag, message):
+    from scripts import base_loss
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_with_head)
+    before = helpers.tree(trained_with_head)
+    with pytest.raises(SystemExit) as exit_info:
+        base_loss.main(["--model_tag=halt", "--device_type=cpu", "--device_batch_size=2", "--split_tokens=128", flag])
+    code = exit_info.value.code
+    lines = [code] if isinstance(code, str) else [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert code not in (0, None) and len(lines) == 1 and message in lines[0], lines
+    assert helpers.tree(trained_with_head) == before
