@@ -237,7 +237,8 @@ class Draft:
 def kl_score(model, previous, current):
     """KL(p_s || p_{s-1}) per position in nats: Huginn's training-free exit rule."""
     log_p, log_q = F.log_softmax(current.logits, dim=-1), F.log_softmax(previous.logits, dim=-1)
-    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+    # clamped: rounding can dip below 0 on two equal distributions, and threshold 0 must never halt
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp(min=0)
 
 
 def rms_score(model, previous, current):

@@ -2,6 +2,7 @@
 and the learned halting head."""
 
 import functools
+import os
 
 import pytest
 import torch
@@ -260,3 +261,19 @@ def test_base_loss_bad_halt_is_one_line(trained_with_head, monkeypatch, capsys, 
     lines = [code] if isinstance(code, str) else [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert code not in (0, None) and len(lines) == 1 and message in lines[0], lines
     assert helpers.tree(trained_with_head) == before
+
+
+def test_halting_curve_writes_the_table_and_the_plot(trained_with_head, monkeypatch, tmp_path):
+    from dev import halting_curve
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_with_head)
+    monkeypatch.setitem(halting_curve.THRESHOLDS, "kl", [0.0, float("inf")])
+    out = str(tmp_path / "curve")
+    rows = halting_curve.main(["--model_tag=halt", "--device_type=cpu", "--device_batch_size=2",
+                               "--split_tokens=128", "--rules=kl,head", f"--out={out}"])
+    fixed = [r for r in rows if r[0] == "fixed"]
+    assert [r[2] for r in fixed] == [1.0, 2.0, 3.0] and [r[0] for r in rows[3:]] == ["kl", "kl"]  # no head: skipped
+    # threshold 0 is the fixed last step, infinity the fixed first
+    assert rows[3][2:] == pytest.approx((3.0, fixed[-1][3])) and rows[4][2:] == pytest.approx((1.0, fixed[0][3]))
+    with open(out + ".md") as f:
+        assert f.read().count("\n| ") == 1 + 5  # the header, then a row per point
+    assert os.path.getsize(out + ".png") > 1000
