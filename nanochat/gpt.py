@@ -63,6 +63,10 @@ class GPTConfig:
     activation_checkpointing: bool = False  # recompute each layer visit in backward instead of storing it
     # a learned halting head sigmoid(Linear(norm(y))), trained alongside on a detached y (see halt_head_loss)
     halt_head: bool = False
+    # plain blocks that run once before the recursion (on the embedding, giving x) and after it (on the answer y,
+    # before the head: at every supervision step whose logits are asked for); middle looping (Saunshi et al.)
+    n_prelude: int = 0
+    n_coda: int = 0
     # The guides tell users to edit these two lines between phases (aggressive -> extreme): keep them plain literals.
     supervision_weight_base: float = 5.0
     improvement_reward_scale: float = 1.0
@@ -72,7 +76,7 @@ class GPTConfig:
             self.n_sup_inference = self.n_sup_train
         for name, minimum in [("sequence_len", 1), ("vocab_size", 1), ("n_layer", 1), ("n_head", 1),
                               ("n_kv_head", 1), ("n_embd", 1), ("n_loops", 0), ("T_recursion", 1),
-                              ("n_sup_train", 1), ("n_sup_inference", 1)]:
+                              ("n_sup_train", 1), ("n_sup_inference", 1), ("n_prelude", 0), ("n_coda", 0)]:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"GPTConfig.{name}={value!r}: must be an integer >= {minimum}")
@@ -388,11 +392,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One ordinary pre-norm transformer block B(u) = u + D(u)."""
 
-    def __init__(self, config):
+    def __init__(self, config, recursive=True):
         super().__init__()
         self.attn = CausalSelfAttention(config)
         self.mlp = MLP(config)
-        if config.n_loops and config.state_update == "decay":  # per-channel decay logits of z and of y
+        if recursive and config.n_loops and config.state_update == "decay":  # per-channel decay logits of z and of y
             self.retain_z = nn.Parameter(torch.empty(config.n_embd))
             self.retain_y = nn.Parameter(torch.empty(config.n_embd))
 
@@ -427,6 +431,9 @@ class GPT(nn.Module):
             "wte": nn.Embedding(config.vocab_size, config.n_embd),
             "h": nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
         })
+        for name, count in (("prelude", config.n_prelude), ("coda", config.n_coda)):
+            if count:  # only when present: a model without them keeps its state dict's keys
+                self.transformer[name] = nn.ModuleList([Block(config, recursive=False) for _ in range(count)])
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.halt_head:
             self.halt_head = nn.Linear(config.n_embd, 1)
@@ -447,7 +454,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=1.0)
         # zero the output projections: every block starts as the identity, and the head predicts uniform
         nn.init.zeros_(self.lm_head.weight)
-        for block in self.transformer.h:
+        for block in self.blocks():
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
             if hasattr(block, "retain_y"):
@@ -466,14 +473,46 @@ class GPT(nn.Module):
         freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
         return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
 
+    def blocks(self):
+        """Every Block: the recursion's, then the prelude's and the coda's."""
+        return [block for name, blocks in self.transformer.items() if name != "wte" for block in blocks]
+
     # ---------------------------------------------------------------- the recursion
     def num_attention_slots(self, n_sup):
-        """How many attention applications one forward makes: the KV cache needs one slot for each."""
-        c = self.config
-        return n_sup * c.T_recursion * c.n_layer * (c.n_loops + 1)
+        """How many attention applications one forward makes: the KV cache needs one slot for each. Slots: the
+        prelude's, then the recursion's, step by step, then the coda's."""
+        return self.config.n_prelude + n_sup * self.slots_per_step() + self.config.n_coda
 
     def slots_per_step(self):
-        return self.num_attention_slots(1)
+        c = self.config
+        return c.T_recursion * c.n_layer * (c.n_loops + 1)
+
+    def rotary(self, T, kv_cache=None):
+        """(cos, sin) at this forward's T positions, which follow the tokens the cache holds."""
+        T0 = kv_cache.pos if kv_cache is not None else 0
+        if T0 + T > self.cos.size(1):
+            raise ValueError(f"sequence of {T0 + T} tokens exceeds the rotary table ({self.cos.size(1)})")
+        return self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
+
+    def embed(self, idx, kv_cache=None):
+        """The recursion's input x = norm(wte(idx)), through the prelude blocks if any (once per forward)."""
+        x = norm(self.transformer.wte(idx))
+        if not self.config.n_prelude:
+            return x
+        cos_sin = self.rotary(idx.size(1), kv_cache)
+        for slot, block in enumerate(self.transformer.prelude):
+            x = block(x, cos_sin, kv_cache, slot)
+        return norm(x)  # the answer starts as x: at RMS 1, as without a prelude
+
+    def apply_coda(self, y, kv_cache=None, n_sup=1):
+        """The answer y through the coda blocks if any, before the head (cached in the last slots of n_sup steps)."""
+        if not self.config.n_coda:
+            return y
+        cos_sin = self.rotary(y.size(1), kv_cache)
+        first = self.num_attention_slots(n_sup) - self.config.n_coda
+        for i, block in enumerate(self.transformer.coda):
+            y = block(y, cos_sin, kv_cache, first + i)
+        return y
 
     def compile_layer_visits(self, backend="inductor"):
         """Regional torch.compile: one compiled layer visit serves every layer, loop, sweep and supervision step, so
@@ -502,16 +541,12 @@ class GPT(nn.Module):
     def refine(self, idx, n_sup, kv_cache=None, x=None):
         """Yield the states (y, z) after each of n_sup supervision steps (x: the embedded input, if precomputed)."""
         c = self.config
-        B, T = idx.shape
-        T0 = kv_cache.pos if kv_cache is not None else 0
-        if T0 + T > self.cos.size(1):
-            raise ValueError(f"sequence of {T0 + T} tokens exceeds the rotary table ({self.cos.size(1)})")
-        cos_sin = self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
-        x = norm(self.transformer.wte(idx)) if x is None else x
+        cos_sin = self.rotary(idx.size(1), kv_cache)
+        x = self.embed(idx, kv_cache) if x is None else x
         y = x
         z = torch.zeros_like(x) if c.n_loops else None
         slots_per_sweep = c.n_layer * (c.n_loops + 1)  # a plain block (n_loops=0) attends once
-        slot = 0
+        slot = c.n_prelude
         for _ in range(n_sup):
             for sweep in range(c.T_recursion):
                 with torch.set_grad_enabled(torch.is_grad_enabled() and sweep == c.T_recursion - 1):
@@ -526,6 +561,7 @@ class GPT(nn.Module):
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
     def step_loss(self, y, targets, reduction="mean"):
+        y = self.apply_coda(y)
         if reduction == "mean" and torch.is_grad_enabled():  # training: never the whole batch's logits at once
             chunk = getattr(self, "_compiled_head_chunk", head_chunk_loss_and_grads)
             return ChunkedHeadLoss.apply(norm(y).flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk)
@@ -543,11 +579,13 @@ class GPT(nn.Module):
         """
         c = self.config
         if targets is None:
-            for y, _ in self.refine(idx, n_sup or c.n_sup_inference, kv_cache):
+            n_sup = n_sup or c.n_sup_inference
+            for y, _ in self.refine(idx, n_sup, kv_cache):
                 pass
+            logits = self.head(self.apply_coda(y, kv_cache, n_sup))
             if kv_cache is not None:
                 kv_cache.advance(idx.size(1))
-            return self.head(y)
+            return logits
         step_losses = [self.step_loss(y, targets, loss_reduction) for y, _ in self.refine(idx, n_sup or c.n_sup_train)]
         if loss_reduction == "none":
             return torch.stack(step_losses)
@@ -562,7 +600,7 @@ class GPT(nn.Module):
         step it halted at. Rows all halted skip the remaining steps (the cache repeats their last step's keys)."""
         n_sup = n_sup or self.config.n_sup_inference
         score = HALTING_RULES[self.check_halting(halting).rule]
-        x = norm(self.transformer.wte(idx))
+        x = self.embed(idx, kv_cache)
         halted = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
         steps = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)
         kept, previous = x, Draft(self, x)
@@ -572,19 +610,24 @@ class GPT(nn.Module):
             current = Draft(self, y)
             halted = halted | (score(self, previous, current) < halting.threshold)
             previous = current
+            per_step, prelude = self.slots_per_step(), self.config.n_prelude
             if halted.all() and s < n_sup:
-                per_step = self.slots_per_step()
-                kv_cache.repeat_step(s * per_step, n_sup * per_step, per_step, idx.size(1))
+                kv_cache.repeat_step(prelude + s * per_step, prelude + n_sup * per_step, per_step, idx.size(1))
                 break
-            kv_cache.hold(halted, self.slots_per_step())
+            kv_cache.hold(halted, per_step)
+        kv_cache.hold(None, None)  # the coda runs once, on every position's kept answer
+        logits = self.head(self.apply_coda(kept, kv_cache, n_sup))
         kv_cache.advance(idx.size(1))
-        return self.head(kept), steps
+        return logits, steps
 
     def check_halting(self, halting):
         """halting, if this model can run it (rule 'head' needs a halting head); a ValueError otherwise."""
         if halting.rule == "head" and not self.config.halt_head:
             raise ValueError(f"halting rule {halting}: this model has no halting head (GPTConfig.halt_head); "
                              f"use kl or rms")
+        if halting.rule == "kl" and self.config.n_coda:
+            raise ValueError(f"halting rule {halting} compares every step's logits, which with a coda would run the "
+                             f"coda at every step; use rms or head")
         return halting
 
     def halt_probability(self, y):
@@ -593,7 +636,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def token_losses(self, y, targets):
         """Per-token cross-entropy (targets -1 give 0) of y's logits, HEAD_CHUNK_ELEMENTS logits at a time."""
-        h, t = y.flatten(0, -2), targets.flatten()
+        h, t = self.apply_coda(y).flatten(0, -2), targets.flatten()
         rows = max(1, HEAD_CHUNK_ELEMENTS // self.config.vocab_size)
         return torch.cat([F.cross_entropy(self.head(h[i:i + rows]), t[i:i + rows], ignore_index=-1, reduction="none")
                           for i in range(0, h.size(0), rows)]).view(targets.shape)
@@ -622,7 +665,7 @@ class GPT(nn.Module):
         c = self.config
         n_sup = n_sup or c.n_sup_train
         weights = supervision_weights(n_sup, c.supervision_weight_base)
-        x = norm(self.transformer.wte(idx))
+        x = self.embed(idx)
         x_leaf = x.detach().requires_grad_()  # every step reads x: collect its gradient, backprop into wte once
         step_losses, diagnostics, pending = [], [], []  # pending: (y_s, d loss / d y_s) of the trunk, not yet run
         previous = x_leaf.detach()
@@ -657,7 +700,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def diagnose(self, idx, n_sup=None):
         """state_diagnostics of every supervision step on a batch, (n_sup, 4): to see whether the recursion settles."""
-        previous, rows = norm(self.transformer.wte(idx)), []
+        previous, rows = self.embed(idx), []
         for y, z in self.refine(idx, n_sup or self.config.n_sup_inference, x=previous):
             rows.append(state_diagnostics(previous, y, z))
             previous = y
@@ -681,7 +724,9 @@ class GPT(nn.Module):
 
         Counts every block application (with and without gradient, every loop, sweep and supervision step) at
         2 FLOPs per weight forward and 4 backward, plus attention (nanochat's 12*h*q*t per layer, full context),
-        plus the lm_head of every supervision step, plus the halting head (if any) of every step.
+        plus the lm_head of every supervision step, plus the halting head (if any) of every step. The prelude runs
+        once; the coda runs once at inference (on the last step's answer) but at every step in training, whose loss
+        reads every step's logits.
         Activation-checkpoint recomputation is not counted: MFU reports model FLOPs, so turning recomputation on
         shows up honestly as lower MFU.
         """
@@ -698,7 +743,10 @@ class GPT(nn.Module):
             # weight gradients only; counted at every step although the last step has no next one to learn from
             halt = 2 * self.halt_head.weight.numel()
             per_step += 2 * self.lm_head.weight.numel() + 2 * halt if backward else halt
-        return n_sup * per_step
+        coda = c.n_coda * forward_app
+        if backward:
+            per_step += grad_mult * coda + (coda if c.halt_head else 0)  # + the per-token losses' coda forward
+        return n_sup * per_step + grad_mult * c.n_prelude * forward_app + (0 if backward else coda)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
@@ -713,8 +761,9 @@ class GPT(nn.Module):
         AdamW, DistAdamW, Muon, DistMuon = adamw.AdamW, adamw.DistAdamW, muon.Muon, muon.DistMuon
 
         ddp = importlib.import_module("nanochat.common").distributed()
-        matrix_params = [p for p in self.transformer.h.parameters() if p.ndim == 2]
-        scalar_params = [p for p in self.transformer.h.parameters() if p.ndim < 2]  # Muon orthogonalises matrices only
+        trunk = [p for block in self.blocks() for p in block.parameters()]
+        matrix_params = [p for p in trunk if p.ndim == 2]
+        scalar_params = [p for p in trunk if p.ndim < 2]  # Muon orthogonalises matrices only
         dmodel_lr_scale = (self.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768
         adam_groups = [
             dict(params=list(self.lm_head.parameters()), lr=unembedding_lr * dmodel_lr_scale),
