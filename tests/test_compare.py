@@ -201,3 +201,11 @@ def test_without_batch_flags_every_config_gets_one_pinned_batch():
                 "trm=--n_loops=2 --n_sup_train=4", "--device_type=cuda", "--", "--depth=4", "--device_memory_gb=80")
     geometries = {json.dumps(compare.batch_geometry(r.args), sort_keys=True) for r in runs}
     assert len(geometries) == 1 and runs[0].args.total_batch_size == 524288
+
+
+def test_the_recipe_grid_holds_the_parameters_equal_and_builds_prelude_and_coda():
+    runs = plan("--mode=tokens", "--grid=recipe", "--num_iterations=3")
+    assert {r.parameters for r in runs} == {runs[0].parameters}  # four unique blocks each
+    core = next(r for r in runs if r.name == "trm2_pc_fullgrad_sampled")
+    c = core.model.config
+    assert (c.n_layer, c.n_prelude, c.n_coda, c.detach_between_steps, c.sample_n_sup) == (2, 1, 1, False, True)
