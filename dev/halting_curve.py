@@ -12,7 +12,6 @@ distance from it at equal mean steps, and the fixed n_sup = N row is the same nu
 """
 
 import os
-import sys
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import ArgumentParser, Exit
@@ -119,4 +118,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()

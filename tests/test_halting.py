@@ -230,7 +230,7 @@ def test_evaluation_with_halting_spans_step_one_to_every_step():
 
 
 @pytest.fixture(scope="module")
-def trained_with_head(base_dir):
+def trained_tiny(base_dir):
     from scripts import base_train
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", base_dir)
@@ -239,9 +239,9 @@ def trained_with_head(base_dir):
     return base_dir
 
 
-def test_base_loss_halt_prints_the_halting_line_and_saves_it(trained_with_head, monkeypatch, capsys):
+def test_base_loss_halt_prints_the_halting_line_and_saves_it(trained_tiny, monkeypatch, capsys):
     from scripts import base_loss
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_with_head)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_tiny)
     results = base_loss.main(["--model_tag=halt", "--device_type=cpu", "--device_batch_size=2", "--split_tokens=128",
                               "--sample_tokens=2", "--halt=rms:inf"])
     assert "val halting rms:inf: bpb " in capsys.readouterr().out
@@ -251,21 +251,33 @@ def test_base_loss_halt_prints_the_halting_line_and_saves_it(trained_with_head, 
 
 @pytest.mark.parametrize("flag, message", [("--halt=kl", "halting rule 'kl': write RULE:THRESHOLD"),
                                            ("--halt=head:0.5", "has no halting head")])
-def test_base_loss_bad_halt_is_one_line(trained_with_head, monkeypatch, capsys, flag, message):
+def test_base_loss_bad_halt_is_one_line(trained_tiny, monkeypatch, capsys, flag, message):
     from scripts import base_loss
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_with_head)
-    before = helpers.tree(trained_with_head)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_tiny)
+    before = helpers.tree(trained_tiny)
     with pytest.raises(SystemExit) as exit_info:
         base_loss.main(["--model_tag=halt", "--device_type=cpu", "--device_batch_size=2", "--split_tokens=128", flag])
     code = exit_info.value.code
     lines = [code] if isinstance(code, str) else [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert code not in (0, None) and len(lines) == 1 and message in lines[0], lines
-    assert helpers.tree(trained_with_head) == before
+    assert helpers.tree(trained_tiny) == before
 
 
-def test_halting_curve_writes_the_table_and_the_plot(trained_with_head, monkeypatch, tmp_path):
+def test_base_train_with_halt_head_trains_the_head(trained_tiny, monkeypatch):
+    """A tiny base_train run with --halt_head: the checkpoint has a head, and training moved it off its init."""
+    from nanochat.checkpoint_manager import load_model
+    from scripts import base_train
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_tiny)
+    base_train.main(helpers.TINY + ["--n_sup_train=3", "--num_iterations=2", "--eval_every=0", "--halt_head",
+                                    "--model_tag=head"])
+    model, _, _ = load_model("head", "latest", "cpu")
+    assert model.config.halt_head and model.halt_head.bias.item() != HALT_BIAS_INIT
+    assert model.halt_head.weight.abs().sum() > 0
+
+
+def test_halting_curve_writes_the_table_and_the_plot(trained_tiny, monkeypatch, tmp_path):
     from dev import halting_curve
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_with_head)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_tiny)
     monkeypatch.setitem(halting_curve.THRESHOLDS, "kl", [0.0, float("inf")])
     out = str(tmp_path / "curve")
     rows = halting_curve.main(["--model_tag=halt", "--device_type=cpu", "--device_batch_size=2",

@@ -62,6 +62,8 @@ def test_forward_backward_gives_the_gradients_of_the_total_and_every_block_learn
     assert_same_grads(model, stepwise)
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+    state = model.diagnose(batch[0])  # the state diagnostics start from the prelude's x
+    assert state.shape == (3, 4) and torch.isfinite(state).all() and state[0, 2] > 0
 
 
 def test_prelude_and_coda_matrices_go_to_muon():
