@@ -17,6 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .gpt import Halting
+
 # <|bos|> starts the next document, so a base model 'ends' by emitting it; chat models also end a turn
 STOP_TOKENS = ("<|bos|>", "<|assistant_end|>")
 
@@ -46,6 +48,8 @@ class KVCache:
         self.v = [None] * num_slots
         self.pos = 0  # tokens already cached (padding included); the model rotates new tokens from here
         self._mask = None  # one attention mask serves every slot of a forward
+        self.halted = None  # (B, T) bool: this forward's positions that halted (GPT.forward_halting); see hold
+        self.slots_per_step = None
 
     def attend(self, slot, q, k, v):
         """Append this forward's k, v to the slot and attend q causally over everything the slot holds."""
@@ -63,12 +67,34 @@ class KVCache:
         end = self.pos + k.size(2)
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; this forward would need {end}")
-        if self.k[slot] is None:
-            shape = (self.batch_size, k.size(1), self.max_len, k.size(3))
-            self.k[slot], self.v[slot] = k.new_empty(shape), v.new_empty(shape)
+        self.allocate(slot, k, v)
+        if self.halted is not None:  # a halted position's keys and values stay those of the step it halted at
+            held, earlier = self.halted[:, None, :, None], slot - self.slots_per_step
+            k = torch.where(held, self.k[earlier][:, :, self.pos:end], k)
+            v = torch.where(held, self.v[earlier][:, :, self.pos:end], v)
         self.k[slot][:, :, self.pos:end] = k
         self.v[slot][:, :, self.pos:end] = v
         return self.k[slot][:, :, :end], self.v[slot][:, :, :end]
+
+    def allocate(self, slot, k, v):
+        if self.k[slot] is None:
+            shape = (self.batch_size, k.size(1), self.max_len, k.size(3))
+            self.k[slot], self.v[slot] = k.new_empty(shape), v.new_empty(shape)
+
+    def hold(self, halted, slots_per_step):
+        """From the next supervision step of this forward on, positions where halted (B, T) is True store the keys
+        and values they stored slots_per_step slots earlier, i.e. those of the step they halted at."""
+        self.halted, self.slots_per_step = halted, slots_per_step
+
+    def repeat_step(self, start, stop, slots_per_step, T):
+        """Fill slots start..stop-1 for this forward's T positions with the keys and values of the slot one step
+        earlier: the steps that every position of the forward skipped."""
+        now = slice(self.pos, self.pos + T)
+        for slot in range(start, stop):
+            source = slot - slots_per_step
+            self.allocate(slot, self.k[source], self.v[source])
+            self.k[slot][:, :, now] = self.k[source][:, :, now]
+            self.v[slot][:, :, now] = self.v[source][:, :, now]
 
     def mask(self, T, device):
         """(B, 1, T, pos+T) bool: causal, padding hidden; a padding query sees itself so its softmax is defined."""
@@ -85,6 +111,7 @@ class KVCache:
     def advance(self, T):
         self.pos += T
         self._mask = None
+        self.halted = None
 
 
 def left_pad(prompts, pad_id=0):
@@ -129,7 +156,7 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, autocast=contextlib.nullcontext):
         self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
-        self.stats = {}  # timings of the last generation: prefill/decode tokens and seconds
+        self.stats = {}  # timings of the last generation: prefill/decode tokens and seconds; "steps" under halting
 
     @property
     def device(self):
@@ -141,6 +168,12 @@ class Engine:
         if not isinstance(n_sup, int) or not 1 <= n_sup <= most:
             raise ValueError(f"n_sup={n_sup!r}: must be an integer from 1 to the model's n_sup_inference={most}")
         return n_sup
+
+    def check_halt(self, halt):
+        """None (every token runs n_sup steps), a gpt.Halting or its 'RULE:THRESHOLD' string -> None or a Halting."""
+        if halt is None:
+            return None
+        return self.model.check_halting(halt if isinstance(halt, Halting) else Halting.parse(halt))
 
     def stop_tokens(self):
         """The ids of STOP_TOKENS this tokenizer has."""
@@ -156,14 +189,17 @@ class Engine:
         return KVCache(self.model.num_attention_slots(n_sup), batch_size, max_len, pads)
 
     def generate(self, prompts, max_tokens=64, temperature=1.0, top_k=None, n_sup=None, seed=None, stop_tokens=None,
-                 top_p=None):
+                 top_p=None, halt=None):
         """Stream tokens: an iterator of one list per step holding each row's new token, or None once it stopped.
 
         prompts: token-id lists of any lengths. Rows stop at a stop token (not yielded) or after max_tokens.
         seed: a private generator, so the same call samples the same tokens whatever else uses torch's RNG.
+        halt: per-token adaptive halting within n_sup steps (see check_halt); stats["steps"] then holds, per row, the
+        steps run by the position that predicted each yielded token.
         Arguments are checked here, before the first token is asked for.
         """
         n_sup = self.check_n_sup(n_sup)
+        halting = self.check_halt(halt)
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens!r}: must be an integer >= 0")
         if not temperature >= 0:
@@ -182,18 +218,25 @@ class Engine:
         stops = self.stop_tokens() if stop_tokens is None else set(stop_tokens)
         rng = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         return self._decode(idx, pads, [len(p) for p in prompts], max_tokens, temperature, top_k, top_p, n_sup, rng,
-                            stops)
+                            stops, halting)
+
+    def _last_logits(self, idx, cache, n_sup, halting):
+        """The last position's logits (B, V) of a forward that extends the cache, and (B,) steps it ran."""
+        with self.autocast():
+            if halting is None:
+                return self.model(idx, kv_cache=cache, n_sup=n_sup)[:, -1], None
+            logits, steps = self.model.forward_halting(idx, halting, cache, n_sup=n_sup)
+            return logits[:, -1], steps[:, -1]
 
     @torch.inference_mode()
-    def _decode(self, idx, pads, lengths, max_tokens, temperature, top_k, top_p, n_sup, rng, stops):
+    def _decode(self, idx, pads, lengths, max_tokens, temperature, top_k, top_p, n_sup, rng, stops, halting=None):
         """Prefill all rows in one forward, then feed each sampled token back one at a time."""
         if max_tokens == 0:
             return
         B = idx.size(0)
         cache = self.new_cache(B, idx.size(1) + max_tokens, n_sup, pads)
         t0 = time.perf_counter()
-        with self.autocast():
-            logits = self.model(idx.to(self.device), kv_cache=cache, n_sup=n_sup)[:, -1]
+        logits, steps = self._last_logits(idx.to(self.device), cache, n_sup, halting)
         done = [False] * B
         for step in range(max_tokens):
             tokens = sample_next(logits, temperature, top_k, top_p, rng)
@@ -201,16 +244,20 @@ class Engine:
             if step == 0:
                 self.stats = {"prefill_tokens": sum(lengths), "prefill_s": time.perf_counter() - t0,
                               "decode_tokens": 0, "decode_s": 0.0}
+                if halting:
+                    self.stats["steps"] = [[] for _ in column]
             else:
                 self.stats["decode_tokens"] += B
                 self.stats["decode_s"] += time.perf_counter() - t0
             done = [d or t in stops for d, t in zip(done, column)]
+            for row in range(B) if halting else ():
+                if not done[row]:
+                    self.stats["steps"][row].append(int(steps[row]))
             yield [None if d else t for d, t in zip(done, column)]
             if all(done) or step == max_tokens - 1:
                 return
             t0 = time.perf_counter()
-            with self.autocast():
-                logits = self.model(tokens[:, None], kv_cache=cache, n_sup=n_sup)[:, -1]
+            logits, steps = self._last_logits(tokens[:, None], cache, n_sup, halting)
 
     def generate_batch(self, prompts, **kwargs):
         """Token-id lists in, the generated token-id lists out (stop tokens excluded). kwargs as generate()."""

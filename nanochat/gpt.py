@@ -18,6 +18,7 @@ consume the carried y and z), which is the paper's behaviour. n_loops = 0 is a p
 import importlib
 import math
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 
 import torch
 import torch.nn as nn
@@ -60,6 +61,12 @@ class GPTConfig:
     sample_n_sup: bool = False
     detach_between_steps: bool = True  # carry y, z detached between steps (TRM paper); see forward_backward
     activation_checkpointing: bool = False  # recompute each layer visit in backward instead of storing it
+    # a learned halting head sigmoid(Linear(norm(y))), trained alongside on a detached y (see halt_head_loss)
+    halt_head: bool = False
+    # plain blocks that run once before the recursion (on the embedding, giving x) and after it (on the answer y,
+    # before the head: at every supervision step whose logits are asked for); middle looping (Saunshi et al.)
+    n_prelude: int = 0
+    n_coda: int = 0
     # The guides tell users to edit these two lines between phases (aggressive -> extreme): keep them plain literals.
     supervision_weight_base: float = 5.0
     improvement_reward_scale: float = 1.0
@@ -69,7 +76,7 @@ class GPTConfig:
             self.n_sup_inference = self.n_sup_train
         for name, minimum in [("sequence_len", 1), ("vocab_size", 1), ("n_layer", 1), ("n_head", 1),
                               ("n_kv_head", 1), ("n_embd", 1), ("n_loops", 0), ("T_recursion", 1),
-                              ("n_sup_train", 1), ("n_sup_inference", 1)]:
+                              ("n_sup_train", 1), ("n_sup_inference", 1), ("n_prelude", 0), ("n_coda", 0)]:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"GPTConfig.{name}={value!r}: must be an integer >= {minimum}")
@@ -85,6 +92,8 @@ class GPTConfig:
         if self.n_loops == 0 and self.T_recursion > 1:
             raise ValueError(f"GPTConfig.T_recursion={self.T_recursion} needs n_loops >= 1: a plain block never re-reads "
                              f"the input, so the no-gradient sweeps would cut the embedding off from the loss")
+        if not isinstance(self.halt_head, bool):
+            raise ValueError(f"GPTConfig.halt_head={self.halt_head!r}: must be True or False")
         if self.state_update not in STATE_UPDATES:
             raise ValueError(f"GPTConfig.state_update={self.state_update!r} is unknown; choose one of "
                              f"{tuple(STATE_UPDATES)}")
@@ -211,6 +220,70 @@ def state_diagnostics(previous_y, y, z):
     return torch.stack([rms(y), rms(z) if z is not None else torch.zeros((), device=y.device), rms(update), cos])
 
 
+# ---------------------------------------------------------------------------------------------------- halting
+# Per-token adaptive halting at inference. After each supervision step s a rule scores every position still refining:
+# how much step s changed it, or how likely another step is to pay. A position whose score falls below the threshold
+# halts: it keeps its answer (and so its logits) from step s, and later steps read its keys and values from step s.
+# Step 0 is the input (y_0 = x), so a position can halt after step 1. Threshold 0 never halts (every score is >= 0);
+# an infinite one halts everything after step 1.
+
+class Draft:
+    """One step's answer y, with its logits computed only if a rule reads them."""
+
+    def __init__(self, model, y):
+        self.model, self.y = model, y
+
+    @cached_property
+    def logits(self):
+        return self.model.head(self.y)
+
+
+def kl_score(model, previous, current):
+    """KL(p_s || p_{s-1}) per position in nats: Huginn's training-free exit rule."""
+    log_p, log_q = F.log_softmax(current.logits, dim=-1), F.log_softmax(previous.logits, dim=-1)
+    # clamped: rounding can dip below 0 on two equal distributions, and threshold 0 must never halt
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp(min=0)
+
+
+def rms_score(model, previous, current):
+    """||y_s - y_{s-1}|| / ||y_{s-1}|| per position: the step's relative update, no head needed."""
+    return (current.y - previous.y).float().norm(dim=-1) / previous.y.float().norm(dim=-1)
+
+
+def head_score(model, previous, current):
+    """1 - sigmoid(halt_head(norm(y_s))): the learned probability that another step still lowers this token's loss."""
+    return 1 - model.halt_probability(current.y)
+
+
+HALTING_RULES = {"kl": kl_score, "rms": rms_score, "head": head_score}
+HALT_BIAS_INIT = -5.0  # sigmoid(-5) = 0.007: the head starts never halting, so every step trains first (TRM)
+HALT_MARGIN = 0.005  # nats: a next step 'still pays' for a token when it lowers its loss by more than this (Ouro)
+HALT_LOSS_WEIGHT = 0.1  # the head's BCE in forward_backward; it reads a detached y, so this scales only its own grads
+
+
+@dataclass(frozen=True)
+class Halting:
+    """A halting rule and its threshold: 'kl:0.0005' halts a position once KL(p_s || p_{s-1}) < 0.0005."""
+    rule: str
+    threshold: float
+
+    def __str__(self):
+        return f"{self.rule}:{self.threshold:g}"
+
+    @classmethod
+    def parse(cls, text):
+        """'RULE:THRESHOLD' -> Halting; a ValueError saying what is wrong otherwise."""
+        rule, sep, number = str(text).partition(":")
+        try:
+            threshold = float(number)
+        except ValueError:
+            threshold = None
+        if not sep or rule not in HALTING_RULES or threshold is None or not threshold >= 0:
+            raise ValueError(f"halting rule {text!r}: write RULE:THRESHOLD with RULE one of {', '.join(HALTING_RULES)} "
+                             f"and THRESHOLD a number >= 0 (inf allowed), e.g. kl:0.0005")
+        return cls(rule, threshold)
+
+
 # ---------------------------------------------------------------------------------------------------- the head's loss
 SOFTCAP = 15.0  # logits = SOFTCAP * tanh(lm_head(norm(y)) / SOFTCAP)
 # The training loss runs the head this many logits at a time: a chunk's float32 (rows, vocab) tensors are 256 MB,
@@ -319,11 +392,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One ordinary pre-norm transformer block B(u) = u + D(u)."""
 
-    def __init__(self, config):
+    def __init__(self, config, recursive=True):
         super().__init__()
         self.attn = CausalSelfAttention(config)
         self.mlp = MLP(config)
-        if config.n_loops and config.state_update == "decay":  # per-channel decay logits of z and of y
+        if recursive and config.n_loops and config.state_update == "decay":  # per-channel decay logits of z and of y
             self.retain_z = nn.Parameter(torch.empty(config.n_embd))
             self.retain_y = nn.Parameter(torch.empty(config.n_embd))
 
@@ -358,7 +431,12 @@ class GPT(nn.Module):
             "wte": nn.Embedding(config.vocab_size, config.n_embd),
             "h": nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
         })
+        for name, count in (("prelude", config.n_prelude), ("coda", config.n_coda)):
+            if count:  # only when present: a model without them keeps its state dict's keys
+                self.transformer[name] = nn.ModuleList([Block(config, recursive=False) for _ in range(count)])
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.halt_head:
+            self.halt_head = nn.Linear(config.n_embd, 1)
         # rotary tables for 10x the context, so cached generation can run past sequence_len
         self.rotary_seq_len = config.sequence_len * 10
         cos, sin = self._precompute_rotary(self.rotary_seq_len, config.n_embd // config.n_head)
@@ -376,12 +454,15 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=1.0)
         # zero the output projections: every block starts as the identity, and the head predicts uniform
         nn.init.zeros_(self.lm_head.weight)
-        for block in self.transformer.h:
+        for block in self.blocks():
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
             if hasattr(block, "retain_y"):
                 nn.init.constant_(block.retain_z, DECAY_INIT_LOGIT)
                 nn.init.constant_(block.retain_y, DECAY_INIT_LOGIT)
+        if self.config.halt_head:  # never halting at first: a zero weight leaves the bias alone
+            nn.init.zeros_(self.halt_head.weight)
+            nn.init.constant_(self.halt_head.bias, HALT_BIAS_INIT)
         cos, sin = self._precompute_rotary(self.rotary_seq_len, self.config.n_embd // self.config.n_head)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
@@ -392,11 +473,46 @@ class GPT(nn.Module):
         freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
         return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
 
+    def blocks(self):
+        """Every Block: the recursion's, then the prelude's and the coda's."""
+        return [block for name, blocks in self.transformer.items() if name != "wte" for block in blocks]
+
     # ---------------------------------------------------------------- the recursion
     def num_attention_slots(self, n_sup):
-        """How many attention applications one forward makes: the KV cache needs one slot for each."""
+        """How many attention applications one forward makes: the KV cache needs one slot for each. Slots: the
+        prelude's, then the recursion's, step by step, then the coda's."""
+        return self.config.n_prelude + n_sup * self.slots_per_step() + self.config.n_coda
+
+    def slots_per_step(self):
         c = self.config
-        return n_sup * c.T_recursion * c.n_layer * (c.n_loops + 1)
+        return c.T_recursion * c.n_layer * (c.n_loops + 1)
+
+    def rotary(self, T, kv_cache=None):
+        """(cos, sin) at this forward's T positions, which follow the tokens the cache holds."""
+        T0 = kv_cache.pos if kv_cache is not None else 0
+        if T0 + T > self.cos.size(1):
+            raise ValueError(f"sequence of {T0 + T} tokens exceeds the rotary table ({self.cos.size(1)})")
+        return self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
+
+    def embed(self, idx, kv_cache=None):
+        """The recursion's input x = norm(wte(idx)), through the prelude blocks if any (once per forward)."""
+        x = norm(self.transformer.wte(idx))
+        if not self.config.n_prelude:
+            return x
+        cos_sin = self.rotary(idx.size(1), kv_cache)
+        for slot, block in enumerate(self.transformer.prelude):
+            x = block(x, cos_sin, kv_cache, slot)
+        return norm(x)  # the answer starts as x: at RMS 1, as without a prelude
+
+    def apply_coda(self, y, kv_cache=None, n_sup=1):
+        """The answer y through the coda blocks if any, before the head (cached in the last slots of n_sup steps)."""
+        if not self.config.n_coda:
+            return y
+        cos_sin = self.rotary(y.size(1), kv_cache)
+        first = self.num_attention_slots(n_sup) - self.config.n_coda
+        for i, block in enumerate(self.transformer.coda):
+            y = block(y, cos_sin, kv_cache, first + i)
+        return y
 
     def compile_layer_visits(self, backend="inductor"):
         """Regional torch.compile: one compiled layer visit serves every layer, loop, sweep and supervision step, so
@@ -425,16 +541,12 @@ class GPT(nn.Module):
     def refine(self, idx, n_sup, kv_cache=None, x=None):
         """Yield the states (y, z) after each of n_sup supervision steps (x: the embedded input, if precomputed)."""
         c = self.config
-        B, T = idx.shape
-        T0 = kv_cache.pos if kv_cache is not None else 0
-        if T0 + T > self.cos.size(1):
-            raise ValueError(f"sequence of {T0 + T} tokens exceeds the rotary table ({self.cos.size(1)})")
-        cos_sin = self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
-        x = norm(self.transformer.wte(idx)) if x is None else x
+        cos_sin = self.rotary(idx.size(1), kv_cache)
+        x = self.embed(idx, kv_cache) if x is None else x
         y = x
         z = torch.zeros_like(x) if c.n_loops else None
         slots_per_sweep = c.n_layer * (c.n_loops + 1)  # a plain block (n_loops=0) attends once
-        slot = 0
+        slot = c.n_prelude
         for _ in range(n_sup):
             for sweep in range(c.T_recursion):
                 with torch.set_grad_enabled(torch.is_grad_enabled() and sweep == c.T_recursion - 1):
@@ -449,6 +561,7 @@ class GPT(nn.Module):
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
     def step_loss(self, y, targets, reduction="mean"):
+        y = self.apply_coda(y)
         if reduction == "mean" and torch.is_grad_enabled():  # training: never the whole batch's logits at once
             chunk = getattr(self, "_compiled_head_chunk", head_chunk_loss_and_grads)
             return ChunkedHeadLoss.apply(norm(y).flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk)
@@ -466,16 +579,76 @@ class GPT(nn.Module):
         """
         c = self.config
         if targets is None:
-            for y, _ in self.refine(idx, n_sup or c.n_sup_inference, kv_cache):
+            n_sup = n_sup or c.n_sup_inference
+            for y, _ in self.refine(idx, n_sup, kv_cache):
                 pass
+            logits = self.head(self.apply_coda(y, kv_cache, n_sup))
             if kv_cache is not None:
                 kv_cache.advance(idx.size(1))
-            return self.head(y)
+            return logits
         step_losses = [self.step_loss(y, targets, loss_reduction) for y, _ in self.refine(idx, n_sup or c.n_sup_train)]
         if loss_reduction == "none":
             return torch.stack(step_losses)
         total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
         return total, loss_aux(torch.stack([l.detach() for l in step_losses]))
+
+    @torch.no_grad()
+    def forward_halting(self, idx, halting, kv_cache, n_sup=None):
+        """(logits (B, T, V), steps (B, T)): each position's logits from the step it halted at (see `Halting`) and
+        the number of steps it ran (what decoding it alone would run). kv_cache: an engine KVCache, a fresh one for
+        a whole sequence; from the step after a position halts, it gives that position's keys and values from the
+        step it halted at. Rows all halted skip the remaining steps (the cache repeats their last step's keys)."""
+        n_sup = n_sup or self.config.n_sup_inference
+        score = HALTING_RULES[self.check_halting(halting).rule]
+        x = self.embed(idx, kv_cache)
+        halted = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
+        steps = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)
+        kept, previous = x, Draft(self, x)
+        for s, (y, _) in enumerate(self.refine(idx, n_sup, kv_cache, x=x), start=1):
+            kept = torch.where(halted[..., None], kept, y)
+            steps += ~halted
+            current = Draft(self, y)
+            halted = halted | (score(self, previous, current) < halting.threshold)
+            previous = current
+            per_step, prelude = self.slots_per_step(), self.config.n_prelude
+            if halted.all() and s < n_sup:
+                kv_cache.repeat_step(prelude + s * per_step, prelude + n_sup * per_step, per_step, idx.size(1))
+                break
+            kv_cache.hold(halted, per_step)
+        kv_cache.hold(None, None)  # the coda runs once, on every position's kept answer
+        logits = self.head(self.apply_coda(kept, kv_cache, n_sup))
+        kv_cache.advance(idx.size(1))
+        return logits, steps
+
+    def check_halting(self, halting):
+        """halting, if this model can run it (rule 'head' needs a halting head); a ValueError otherwise."""
+        if halting.rule == "head" and not self.config.halt_head:
+            raise ValueError(f"halting rule {halting}: this model has no halting head (GPTConfig.halt_head); "
+                             f"use kl or rms")
+        if halting.rule == "kl" and self.config.n_coda:
+            raise ValueError(f"halting rule {halting} compares every step's logits, which with a coda would run the "
+                             f"coda at every step; use rms or head")
+        return halting
+
+    def halt_probability(self, y):
+        return torch.sigmoid(self.halt_head(norm(y)).float()).squeeze(-1)
+
+    @torch.no_grad()
+    def token_losses(self, y, targets):
+        """Per-token cross-entropy (targets -1 give 0) of y's logits, HEAD_CHUNK_ELEMENTS logits at a time."""
+        h, t = self.apply_coda(y).flatten(0, -2), targets.flatten()
+        rows = max(1, HEAD_CHUNK_ELEMENTS // self.config.vocab_size)
+        return torch.cat([F.cross_entropy(self.head(h[i:i + rows]), t[i:i + rows], ignore_index=-1, reduction="none")
+                          for i in range(0, h.size(0), rows)]).view(targets.shape)
+
+    def halt_head_loss(self, previous_y, previous_losses, losses, targets):
+        """BCE of the halting head on step s-1's answer (detached: the head learns, the model is untouched) towards
+        'halt', i.e. step s lowered that token's loss by no more than HALT_MARGIN."""
+        halt = (previous_losses - losses <= HALT_MARGIN).float()
+        logits = self.halt_head(norm(previous_y.detach())).float().squeeze(-1)
+        valid = (targets != -1).float()
+        bce = F.binary_cross_entropy_with_logits(logits, halt, reduction="none")
+        return (bce * valid).sum() / valid.sum().clamp(min=1)
 
     def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None):
         """A training micro-step: the loss of model(idx, targets, n_sup=n_sup), backpropagated (scaled by loss_scale).
@@ -486,17 +659,26 @@ class GPT(nn.Module):
         the y_s at the end, or, with detach_between_steps, step by step, so that only one step's activations are
         alive either. The gradients equal those of total.backward(): d total / d loss_s = w_s + c / sg(loss_{s-1}).
         Returns (total, aux) like model(idx, targets), detached, plus aux["state"]: state_diagnostics per step.
+        With a halting head, its BCE (halt_head_loss, weight HALT_LOSS_WEIGHT) is backpropagated too and reported as
+        aux["halt_loss"] (mean over the steps that have a next one); it is not part of total.
         """
         c = self.config
         n_sup = n_sup or c.n_sup_train
         weights = supervision_weights(n_sup, c.supervision_weight_base)
-        x = norm(self.transformer.wte(idx))
+        x = self.embed(idx)
         x_leaf = x.detach().requires_grad_()  # every step reads x: collect its gradient, backprop into wte once
         step_losses, diagnostics, pending = [], [], []  # pending: (y_s, d loss / d y_s) of the trunk, not yet run
         previous = x_leaf.detach()
+        halt_losses, previous_token_losses = [], None
         for s, (y, z) in enumerate(self.refine(idx, n_sup, x=x_leaf)):
             y_leaf = y.detach().requires_grad_()
             loss = self.step_loss(y_leaf, targets)
+            if c.halt_head:
+                token_losses = self.token_losses(y_leaf, targets)
+                if s:
+                    halt_losses.append(self.halt_head_loss(previous, previous_token_losses, token_losses, targets))
+                    backward([halt_losses[-1] * HALT_LOSS_WEIGHT * loss_scale])
+                previous_token_losses = token_losses
             weight = weights[s] + (c.improvement_reward_scale / step_losses[-1] if s else 0.0)
             backward([loss * weight * loss_scale])
             pending.append((y, y_leaf.grad))
@@ -510,12 +692,15 @@ class GPT(nn.Module):
             backward(*zip(*pending))
         backward([x], [x_leaf.grad])
         total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
-        return total, {**loss_aux(torch.stack(step_losses)), "state": torch.stack(diagnostics)}
+        aux = {**loss_aux(torch.stack(step_losses)), "state": torch.stack(diagnostics)}
+        if halt_losses:
+            aux["halt_loss"] = torch.stack(halt_losses).detach().mean()
+        return total, aux
 
     @torch.no_grad()
     def diagnose(self, idx, n_sup=None):
         """state_diagnostics of every supervision step on a batch, (n_sup, 4): to see whether the recursion settles."""
-        previous, rows = norm(self.transformer.wte(idx)), []
+        previous, rows = self.embed(idx), []
         for y, z in self.refine(idx, n_sup or self.config.n_sup_inference, x=previous):
             rows.append(state_diagnostics(previous, y, z))
             previous = y
@@ -539,8 +724,11 @@ class GPT(nn.Module):
 
         Counts every block application (with and without gradient, every loop, sweep and supervision step) at
         2 FLOPs per weight forward and 4 backward, plus attention (nanochat's 12*h*q*t per layer, full context),
-        plus the lm_head of every supervision step. Activation-checkpoint recomputation is not counted: MFU
-        reports model FLOPs, so turning recomputation on shows up honestly as lower MFU.
+        plus the lm_head of every supervision step, plus the halting head (if any) of every step. The prelude runs
+        once; the coda runs once at inference (on the last step's answer) but at every step in training, whose loss
+        reads every step's logits.
+        Activation-checkpoint recomputation is not counted: MFU reports model FLOPs, so turning recomputation on
+        shows up honestly as lower MFU.
         """
         c = self.config
         n_sup = n_sup or (c.n_sup_train if backward else c.n_sup_inference)
@@ -551,7 +739,14 @@ class GPT(nn.Module):
         grad_sweeps, nograd_sweeps = (1, c.T_recursion - 1)
         per_step = applications * forward_app * (grad_mult * grad_sweeps + nograd_sweeps)
         per_step += grad_mult * 2 * self.lm_head.weight.numel()
-        return n_sup * per_step
+        if c.halt_head:  # training it costs per-token losses (one more lm_head forward) and, on a detached y, its
+            # weight gradients only; counted at every step although the last step has no next one to learn from
+            halt = 2 * self.halt_head.weight.numel()
+            per_step += 2 * self.lm_head.weight.numel() + 2 * halt if backward else halt
+        coda = c.n_coda * forward_app
+        if backward:
+            per_step += grad_mult * coda + (coda if c.halt_head else 0)  # + the per-token losses' coda forward
+        return n_sup * per_step + grad_mult * c.n_prelude * forward_app + (0 if backward else coda)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
@@ -566,13 +761,16 @@ class GPT(nn.Module):
         AdamW, DistAdamW, Muon, DistMuon = adamw.AdamW, adamw.DistAdamW, muon.Muon, muon.DistMuon
 
         ddp = importlib.import_module("nanochat.common").distributed()
-        matrix_params = [p for p in self.transformer.h.parameters() if p.ndim == 2]
-        scalar_params = [p for p in self.transformer.h.parameters() if p.ndim < 2]  # Muon orthogonalises matrices only
+        trunk = [p for block in self.blocks() for p in block.parameters()]
+        matrix_params = [p for p in trunk if p.ndim == 2]
+        scalar_params = [p for p in trunk if p.ndim < 2]  # Muon orthogonalises matrices only
         dmodel_lr_scale = (self.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768
         adam_groups = [
             dict(params=list(self.lm_head.parameters()), lr=unembedding_lr * dmodel_lr_scale),
             dict(params=list(self.transformer.wte.parameters()), lr=embedding_lr * dmodel_lr_scale),
         ] + ([dict(params=scalar_params, lr=scalar_lr)] if scalar_params else [])
+        if self.config.halt_head:
+            adam_groups.append(dict(params=list(self.halt_head.parameters()), lr=unembedding_lr * dmodel_lr_scale))
         adam_cls, muon_cls = (DistAdamW, DistMuon) if ddp else (AdamW, Muon)
         adamw = adam_cls(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
         muon = muon_cls(matrix_params, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)

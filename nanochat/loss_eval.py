@@ -102,3 +102,36 @@ def validation_bpb(model, tokenizer, args, device, rank, world_size, token_bytes
         return None, None
     finally:
         model.train()
+
+
+@torch.no_grad()
+def evaluate_bpb_halting(model, batches, steps, token_bytes, halting, n_sup=None, autocast=None):
+    """(bpb, mean_steps) with per-token adaptive halting (gpt.Halting): each token's loss from the logits of the step
+    it halted at, and the supervision steps it ran, averaged over the tokens bpb counts: exactly the steps decoding
+    with halting runs for them. batches, steps, n_sup (default n_sup_inference) and DDP as evaluate_bpb."""
+    from nanochat.engine import KVCache
+    n = n_sup or model.config.n_sup_inference
+    sums = torch.zeros(4, dtype=torch.float64, device=token_bytes.device)  # nats, bytes, steps, tokens
+    error = None
+    try:
+        batches = batches() if callable(batches) else batches
+        for _ in progress_bar(range(steps), desc=f"evaluating {halting}", delay=3, leave=False):
+            x, y = next(batches)
+            cache = KVCache(model.num_attention_slots(n), x.size(0), x.size(1))  # a fresh cache: the whole sequence
+            with autocast or torch.autocast(x.device.type, enabled=False):
+                logits, used = model.forward_halting(x, halting, cache, n_sup=n)
+            losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1,
+                                                       reduction="none").view(y.shape)
+            num_bytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
+            counted = num_bytes > 0
+            sums += torch.stack([(losses.double() * counted).sum(), num_bytes.sum().double(),
+                                 (used * counted).sum().double(), counted.sum().double()])
+    except Exception as e:  # noqa: BLE001 - reported below on every rank, so no rank waits for this one
+        error = e
+    (nats, nbytes, used_steps, tokens), (failed,) = reduce_with_flags(sums, [error is not None], to_host=True)
+    raise_if_any_rank_failed(error, "evaluation with halting", failed)
+    return nats / (math.log(2) * nbytes), used_steps / tokens
+
+
+def format_halting(split, halting, bpb, mean_steps, n_sup):
+    return f"{split} halting {halting}: bpb {bpb:.4f} at mean {mean_steps:.2f} of {n_sup} supervision steps"

@@ -71,24 +71,26 @@ def _head_chunk_bytes(config, tokens):
 def _param_counts(config):
     c = config  # cached on the fields that shape the parameters: fit_micro_batch asks many times
     return _param_counts_cached(c.vocab_size, c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.activation_fn,
-                                c.sequence_len, c.n_loops, c.state_update)
+                                c.sequence_len, c.n_loops, c.state_update, c.n_prelude, c.n_coda, c.halt_head)
 
 
 @functools.lru_cache(maxsize=64)
 def _param_counts_cached(vocab_size, n_layer, n_embd, n_head, n_kv_head, activation_fn, sequence_len, n_loops,
-                         state_update):
+                         state_update, n_prelude, n_coda, halt_head):
     config = GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head,
                        activation_fn=activation_fn, sequence_len=sequence_len, n_loops=n_loops,
-                       state_update=state_update)
+                       state_update=state_update, n_prelude=n_prelude, n_coda=n_coda, halt_head=halt_head)
     with torch.device("meta"):  # shapes only: no memory, no init
         model = GPT(config)
+    trunk = [p for block in model.blocks() for p in block.parameters()]  # the recursion's, prelude's and coda's
     matrix_shapes = {}  # Muon groups its matrices by shape
-    for p in model.transformer.h.parameters():
+    for p in trunk:
         if p.ndim == 2:
             matrix_shapes.setdefault(tuple(p.shape), []).append(p.numel())
-    # AdamW: the embedding, lm_head, and the per-channel decays of state_update="decay"
+    # AdamW: the embedding, lm_head, the per-channel decays of state_update="decay" and the halting head
     adamw = [p.numel() for p in (model.transformer.wte.weight, model.lm_head.weight)]
-    adamw += [p.numel() for p in model.transformer.h.parameters() if p.ndim < 2]
+    adamw += [p.numel() for p in trunk if p.ndim < 2]
+    adamw += [p.numel() for p in model.halt_head.parameters()] if halt_head else []
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return model.num_params(), matrix_shapes, adamw, buffers
 
@@ -122,6 +124,8 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
     else:
         activations = visits * deltas_per_visit * block * tokens
         recompute = 0
+    # the prelude's graph waits for the final backward into the embedding; one step's coda for that step's head
+    activations += (c.n_prelude + c.n_coda) * _block_bytes_per_token(c, dtype) * tokens
     # one head at a time; every step's answer state and its gradient wait for the trunk's backward
     logits = _head_bytes_per_token(c) * tokens + steps_alive * 2 * 4 * c.n_embd * tokens
     transient = max(_head_chunk_bytes(c, tokens), recompute)

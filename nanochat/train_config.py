@@ -24,7 +24,7 @@ from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
 MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "state_update",
                "sample_n_sup", "detach_between_steps", "activation_checkpointing", "supervision_weight_base",
-               "improvement_reward_scale"]
+               "improvement_reward_scale", "halt_head", "n_prelude", "n_coda"]
 SAMPLE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The opposite of hot is", "import os\n"]
 # The compute-optimal batch, as nanochat HEAD derives it: B_REF tokens for the depth-12 reference at its horizon
 # D_REF, and B ~ D^BATCH_EXPONENT for other horizons (Power Lines, arXiv 2505.13738), rounded to a power of 2.
@@ -93,6 +93,10 @@ def build_parser():
                        help="train a random number of supervision steps per batch, 1..2*n_sup_train-1")
     model.add_argument("--detach_between_steps", type=str2bool, nargs="?", const=True, default=None)
     model.add_argument("--activation_checkpointing", type=str2bool, nargs="?", const=True, default=None)
+    model.add_argument("--n_prelude", type=int, default=None, help="plain blocks before the recursion, run once")
+    model.add_argument("--n_coda", type=int, default=None, help="plain blocks after the recursion, before the head")
+    model.add_argument("--halt_head", type=str2bool, nargs="?", const=True, default=None,
+                       help="train a per-token halting head alongside (base_loss/base_sample --halt=head:THRESHOLD)")
     model.add_argument("--preset", default=None, help=f"refinement preset: {', '.join(REFINEMENT_PRESETS)}")
     model.add_argument("--supervision_weight_base", type=float, default=None)
     model.add_argument("--improvement_reward_scale", type=float, default=None)

@@ -4,6 +4,7 @@ Evaluate a checkpoint: train and validation bits per byte for every supervision 
     python -m scripts.base_loss --model_tag=d4
     torchrun --standalone --nproc_per_node=8 -m scripts.base_loss -- --model_tag=d12 --step=best
     python -m scripts.base_loss --model_tag=d4 --n_sup=8     # past the trained steps: do extra steps help or hurt?
+    python -m scripts.base_loss --model_tag=d4 --halt=kl:0.0005   # + validation with per-token adaptive halting
 """
 
 import argparse
@@ -15,7 +16,9 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              exit_on_write_error, print0)
-from nanochat.loss_eval import evaluate_bpb, format_state, format_steps, refinement
+from nanochat.gpt import Halting
+from nanochat.loss_eval import (evaluate_bpb, evaluate_bpb_halting, format_halting, format_state, format_steps,
+                                refinement)
 from nanochat.train_config import SAMPLE_PROMPTS, autocast_for, default_dtype
 
 
@@ -34,12 +37,21 @@ def parse_args(argv=None):
     p.add_argument("--device_type", default="")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     p.add_argument("--sample_tokens", type=int, default=24)
+    p.add_argument("--halt", type=halting_arg, default=None,
+                   help="also evaluate validation with per-token adaptive halting, RULE:THRESHOLD (kl, rms or head)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
     for name in ("device_batch_size", "max_seq_len", "split_tokens", "n_sup", "sample_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name}={getattr(args, name)} must be >= 1")
     return args
+
+
+def halting_arg(text):
+    try:
+        return Halting.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv=None):
@@ -56,6 +68,11 @@ def main(argv=None):
     except ValueError as e:
         raise Exit(f"base_loss: {e}")
     n_sup = model.config.n_sup_inference
+    if args.halt:
+        try:
+            model.check_halting(args.halt)
+        except ValueError as e:
+            raise Exit(f"base_loss: --halt: {e}")
     T = args.max_seq_len or model.config.sequence_len
     if T > model.config.sequence_len:
         raise Exit(f"base_loss: --max_seq_len={T} is longer than the {model.config.sequence_len}-token "
@@ -83,6 +100,9 @@ def main(argv=None):
                f"{100 * refinement(bpb):.1f}%")
         if model.config.n_loops:  # a plain GPT has no recursion to diagnose
             print0(f"{split:5s} recursion state per step: {format_state(state)}")
+    if args.halt:
+        results["val_halting"] = validate_with_halting(args, model, tokenizer, T, steps, token_bytes, autocast,
+                                                       (device, rank, world_size))
     if rank == 0:
         from nanochat.engine import Engine
         engine = Engine(model, tokenizer, autocast=lambda: autocast_for(device_type, dtype))
@@ -96,6 +116,21 @@ def main(argv=None):
         print0(f"results: {path}")
     compute_cleanup()
     return results
+
+
+def validate_with_halting(args, model, tokenizer, T, steps, token_bytes, autocast, placement):
+    """Validation bpb with --halt's per-token halting, printed, and {halting, bpb, mean_steps, n_sup}."""
+    from nanochat.dataloader import evaluation_batches
+    device, rank, world_size = placement
+    n_sup = model.config.n_sup_inference
+    try:
+        bpb, mean_steps = evaluate_bpb_halting(
+            model, lambda: evaluation_batches(tokenizer, args.device_batch_size, T, "val", args.split_tokens, rank,
+                                              world_size, device), steps, token_bytes, args.halt, autocast=autocast)
+    except RankFailure as e:
+        raise Exit(f"base_loss: --halt={args.halt}: {e}")
+    print0(format_halting("val", args.halt, bpb, mean_steps, n_sup))
+    return {"halting": str(args.halt), "bpb": bpb, "mean_steps": mean_steps, "n_sup": n_sup}
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@ Sample completions from a base-model checkpoint.
 
 python -m scripts.base_sample --model_tag d12 --step best --prompt "The capital of France is" --show_steps
 python -m scripts.base_sample --prompts_file prompts.txt --temperature 0 --n_sup 2
+python -m scripts.base_sample --halt kl:0.0005 --show_steps    # per-token adaptive halting, steps of each token
 
 --show_steps prints, under each completion, the greedy continuation after every supervision step: the draft the
 model would commit to if it stopped refining there (a forward with n_sup=s computes exactly the first s steps).
+With --halt (RULE:THRESHOLD, rules kl, rms, head) each token refines until the rule halts it; --show_steps then also
+prints how many supervision steps each generated token used.
 """
 
 import sys
@@ -16,6 +19,7 @@ from nanochat.checkpoint_manager import load_model, step_arg
 from nanochat.cli import ArgumentParser
 from nanochat.common import autodetect_device_type, compute_init, device_available
 from nanochat.engine import Engine, kv_cache_bytes_per_token
+from nanochat.gpt import Halting
 from nanochat.train_config import autocast_for, default_dtype
 
 DEFAULT_PROMPTS = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then"]
@@ -32,7 +36,9 @@ def parse_args(argv=None):
     parser.add_argument("--top_k", type=int, default=50, help="sample from the k likeliest tokens; 0 = all")
     parser.add_argument("--n_sup", type=int, default=None, help="supervision steps, 1..n_sup_inference (default: all)")
     parser.add_argument("--seed", type=int, default=42, help="sampling seed, for reproducible samples")
-    parser.add_argument("--show_steps", action="store_true", help="print the greedy draft after each supervision step")
+    parser.add_argument("--show_steps", action="store_true",
+                        help="print the greedy draft after each supervision step (with --halt: each token's steps)")
+    parser.add_argument("--halt", default=None, help="per-token adaptive halting, RULE:THRESHOLD, e.g. kl:0.0005")
     parser.add_argument("--device_type", default=None, help="cuda|cpu|mps (default: autodetect)")
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
@@ -41,6 +47,11 @@ def parse_args(argv=None):
         parser.error(f"--temperature={args.temperature}: must be >= 0 (0 is greedy)")
     if args.top_k < 0:
         parser.error(f"--top_k={args.top_k}: must be >= 0 (0 = no restriction)")
+    if args.halt is not None:
+        try:
+            args.halt = Halting.parse(args.halt)
+        except ValueError as e:
+            parser.error(f"--halt: {e}")
     args.device_type = args.device_type or autodetect_device_type()
     if not device_available(args.device_type):
         parser.error(f"--device_type={args.device_type} is not available on this machine")
@@ -78,10 +89,12 @@ def main(argv=None):
     n_sup = config.n_sup_inference if args.n_sup is None else args.n_sup
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k or None, seed=args.seed)
     try:
-        completions = engine.complete(args.prompts, n_sup=n_sup, **sampling)
+        generated = engine.generate_batch([engine.encode_prompt(p) for p in args.prompts], n_sup=n_sup,
+                                          halt=args.halt, **sampling)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    completions = [tokenizer.decode(ids) for ids in generated]
     stats = engine.stats
     print(f"model step {meta['step']}: n_layer={config.n_layer} n_embd={config.n_embd} n_loops={config.n_loops} "
           f"T_recursion={config.T_recursion} n_sup={n_sup} (of {config.n_sup_inference})")
@@ -93,6 +106,13 @@ def main(argv=None):
         print(f"\n--- {prompt!r}\n{prompt}{completion}")
         for s, draft in enumerate(drafts, start=1):
             print(f"  step {s}/{n_sup} (greedy): {draft[i]!r}")
+        if args.halt and args.show_steps:
+            print("  steps per token: " + " ".join(f"{tokenizer.decode([t])!r}:{s}"
+                                                   for t, s in zip(generated[i], stats["steps"][i])))
+    if args.halt:
+        used = [s for row in stats["steps"] for s in row]
+        print(f"\nhalting {args.halt}: mean {sum(used) / max(1, len(used)):.2f} of {n_sup} supervision steps per "
+              f"generated token")
     print(f"\nprefill: {rate(stats['prefill_tokens'], stats['prefill_s'])}")
     print(f"decode:  {rate(stats['decode_tokens'], stats['decode_s'])}")
     return 0

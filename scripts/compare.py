@@ -66,7 +66,21 @@ RECURSION_GRID = {
     "trm_detach": "--state_update=trm --detach_between_steps=true --ema_decay=0",
     "trm_detach_ema": "--state_update=trm --detach_between_steps=true --ema_decay=auto",
 }
-GRIDS = {"refinement": DEFAULT_GRID, "recursion": RECURSION_GRID}
+# --grid=recipe: what paid in the looped-LM literature (issue 20), at equal parameters: four unique blocks each, as a
+# plain GPT, as today's TRM, or as a 2-layer recursion between a 1-block prelude and coda; then gradients through
+# every step, sampled depth and the uniform preset added one at a time. --mode=params adds the equal-FLOPs plains.
+RECIPE_CORE = "--depth=2 --n_prelude=1 --n_coda=1 --n_loops=2 --n_sup_train=4"
+RECIPE_GRID = {
+    "plain4": "--depth=4 --n_loops=0 --n_sup_train=1",
+    "trm4": "--depth=4 --n_loops=2 --n_sup_train=4",
+    "trm2_pc": RECIPE_CORE,
+    "trm2_pc_fullgrad": f"{RECIPE_CORE} --detach_between_steps=false",
+    "trm2_pc_fullgrad_sampled": f"{RECIPE_CORE} --detach_between_steps=false --sample_n_sup",
+    "trm2_pc_fullgrad_sampled_uniform": f"{RECIPE_CORE} --detach_between_steps=false --sample_n_sup --preset=uniform",
+    "trm4_fullgrad_sampled_uniform": "--depth=4 --n_loops=2 --n_sup_train=4 --detach_between_steps=false "
+                                     "--sample_n_sup --preset=uniform",
+}
+GRIDS = {"refinement": DEFAULT_GRID, "recursion": RECURSION_GRID, "recipe": RECIPE_GRID}
 # Two layers, as in the TRM paper's tiny network; the default grid took 9 min on 2 shared CPU cores (OMP_NUM_THREADS=1).
 CPU_MODEL = ["--depth=2", "--n_embd=128", "--n_head=2", "--max_seq_len=128", "--device_batch_size=8",
              "--eval_tokens=16384", "--sample_tokens=8", "--gradient_accumulation_steps=1"]
@@ -85,8 +99,9 @@ def parse_args(argv=None):
     p.add_argument("--mode", choices=["tokens", "flops", "params"], default="flops", help="budget mode (see above)")
     p.add_argument("--config", action="append", default=None, metavar='NAME="FLAGS"', help="a config of the grid")
     p.add_argument("--grid", choices=GRIDS, default="refinement",
-                   help="the configs when no --config is given: refinement (does it pay against plain GPTs) or "
-                        "recursion (state updates and training options at equal compute)")
+                   help="the configs when no --config is given: refinement (does it pay against plain GPTs), "
+                        "recursion (state updates and training options at equal compute) or recipe (prelude/coda, "
+                        "full gradients, sampled depth at equal parameters)")
     p.add_argument("--num_iterations", type=int, default=128,
                    help="steps of every config (tokens, params) or of the costliest config (flops)")
     p.add_argument("--target_flops", type=float, default=None, help="flops mode: training FLOPs of every config")

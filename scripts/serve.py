@@ -10,7 +10,9 @@ POST /v1/completions  OpenAI's completions request: model (default: the served o
                       top_p, n, stop (a string or up to 4), seed, stream, stream_options.include_usage, user, echo
                       (the prompt's text and, with logprobs, its tokens before the completion's), logprobs (0..20:
                       each token's log-probability and the top ones, not with stream); extras: top_k, n_sup
-                      (supervision steps, 1..n_sup_inference, default all: the log-probabilities are that step's).
+                      (supervision steps, 1..n_sup_inference, default all: the log-probabilities are that step's;
+                      or per-token adaptive halting within all of them: "auto" (AUTO_HALTING) or a rule
+                      "RULE:THRESHOLD" such as "kl:0.0005", each token's log-probabilities from the step it halted at).
                       best_of, suffix, logit_bias, frequency_penalty and presence_penalty are accepted at their
                       defaults only: another value would change the answer in a way this server does not implement.
                       Any other field is a 400, as at OpenAI.
@@ -62,6 +64,7 @@ MAX_STOPS = 4  # as at OpenAI
 MAX_LOGPROBS = 20  # as vLLM's default; OpenAI's is 5
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists, none of them empty"
 # OpenAI's fields this server does not implement, and the values at which they change nothing
+AUTO_HALTING = "kl:0.0005"  # what n_sup "auto" runs: Huginn's exit threshold on KL(p_s || p_{s-1})
 NEUTRAL = {"best_of": 1, "suffix": "", "logit_bias": {}, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
@@ -84,7 +87,7 @@ class CompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n_sup: int | None = Field(None, ge=1)
+    n_sup: int | str | None = None  # steps, or "auto" / "RULE:THRESHOLD" for per-token halting: see depth
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: nothing to do with it here
     echo: bool = False
     best_of: int = 1
@@ -312,9 +315,20 @@ class Server:
         if req.max_tokens > self.max_tokens_limit:
             raise APIError(400, f"max_tokens={req.max_tokens} exceeds this server's limit of "
                                 f"{self.max_tokens_limit}", "max_tokens")
-        if req.n_sup is not None and req.n_sup > self.config.n_sup_inference:
-            raise APIError(400, f"n_sup={req.n_sup}: must be from 1 to {self.config.n_sup_inference}", "n_sup")
+        self.depth(req.n_sup)
         return ids
+
+    def depth(self, n_sup):
+        """A request's n_sup -> (steps or None for all, gpt.Halting or None), or an APIError saying what is wrong."""
+        most = self.config.n_sup_inference
+        if n_sup is None or isinstance(n_sup, int) and 1 <= n_sup <= most:
+            return n_sup, None
+        if isinstance(n_sup, int):
+            raise APIError(400, f"n_sup={n_sup}: must be from 1 to {most}", "n_sup")
+        try:
+            return None, self.engine.check_halt(AUTO_HALTING if n_sup == "auto" else n_sup)
+        except ValueError as e:
+            raise APIError(400, f"n_sup={n_sup!r}: an integer from 1 to {most}, \"auto\", or {e}", "n_sup") from None
 
     async def acquire(self):
         """Take a generation slot: a free one at once, else wait up to queue_timeout seconds (0: no waiting)."""
@@ -333,15 +347,16 @@ class Server:
     def start(self, req, prompts):
         """Take a slot and start the request's generation in a worker thread; the slot is freed when it ends."""
         rows = [ids for ids in prompts for _ in range(req.n)]  # choice index = prompt index * n + j, as at OpenAI
+        n_sup, halting = self.depth(req.n_sup)
         # the end tokens are Choice's to spot, so that logprobs can score the one the model chose
         columns = self.engine.generate(rows, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                       top_p=req.top_p, n_sup=req.n_sup, seed=req.seed,
+                                       top_p=req.top_p, n_sup=n_sup, seed=req.seed, halt=halting,
                                        stop_tokens=())  # checks its arguments now
         end_tokens = self.engine.stop_tokens()
         choices = [Choice(self.engine.tokenizer, req.stop, end_tokens) for _ in rows]
         score = None
         if req.logprobs is not None:
-            score = lambda prompt, choice: self.logprobs(prompt, choice, req.logprobs, req.echo, req.n_sup)
+            score = lambda prompt, choice: self.logprobs(prompt, choice, req.logprobs, req.echo, n_sup, halting)
         job = Job(prompts, rows, choices, columns, req.max_tokens,
                   req.stream_options is not None and req.stream_options.include_usage, score, req.echo)
         loop = asyncio.get_running_loop()
@@ -351,19 +366,25 @@ class Server:
         job.worker.add_done_callback(lambda _: job.queue.put_nowait(None))
         return job
 
-    def next_token_logprobs(self, ids, n_sup):
-        """(len(ids), V) float32: log-probabilities of the token after each prefix of ids, at step n_sup."""
+    def next_token_logprobs(self, ids, n_sup, halting=None):
+        """(len(ids), V) float32: log-probabilities of the token after each prefix of ids, at step n_sup, or with
+        halting at the step each position halted at (what generation with that halting computes)."""
+        model, idx = self.engine.model, torch.tensor([ids], device=self.engine.device)
         with torch.inference_mode(), self.engine.autocast():
-            logits = self.engine.model(torch.tensor([ids], device=self.engine.device), n_sup=n_sup)[0]
+            if halting is None:
+                logits = model(idx, n_sup=n_sup)[0]
+            else:
+                cache = self.engine.new_cache(1, len(ids), self.config.n_sup_inference)
+                logits = model.forward_halting(idx, halting, cache)[0][0]
         return F.log_softmax(logits.float(), dim=-1).cpu()
 
-    def logprobs(self, prompt, choice, top, echo, n_sup):
+    def logprobs(self, prompt, choice, top, echo, n_sup, halting=None):
         """OpenAI's logprobs of a choice: its tokens (the prompt's first if echo), each one's log-probability, the
         top likeliest tokens with the chosen one, and where each starts in the text (echo: from the prompt's)."""
         token_bytes = self.engine.tokenizer.enc.decode_single_token_bytes
         name = lambda token: token_bytes(token).decode("utf-8", errors="replace")
         ids = prompt + self.scored_completion(choice)
-        lp = self.next_token_logprobs(ids, n_sup)
+        lp = self.next_token_logprobs(ids, n_sup, halting)
         token_logprobs, top_logprobs = [], []
         for t in range(0 if echo else len(prompt), len(ids)):
             if t == 0:  # nothing before the first token to predict it from

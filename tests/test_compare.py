@@ -216,3 +216,11 @@ def test_a_figure_that_cannot_be_written_is_a_write_error_naming_it_and_leaves_n
         compare.finish(fig, [ax], str(tmp_path / "bpb.png"))
     plt.close(fig)
     assert os.listdir(tmp_path) == []  # no temporary file
+
+
+def test_the_recipe_grid_holds_the_parameters_equal_and_builds_prelude_and_coda():
+    runs = plan("--mode=tokens", "--grid=recipe", "--num_iterations=3")
+    assert {r.parameters for r in runs} == {runs[0].parameters}  # four unique blocks each
+    core = next(r for r in runs if r.name == "trm2_pc_fullgrad_sampled")
+    c = core.model.config
+    assert (c.n_layer, c.n_prelude, c.n_coda, c.detach_between_steps, c.sample_n_sup) == (2, 1, 1, False, True)

@@ -321,3 +321,22 @@ def test_sample_cli_reads_prompts_file_and_reports_bad_input(trained, monkeypatc
     with pytest.raises(SystemExit):
         base_sample.main(["--temperature", "-1"])
     assert "--temperature=-1.0: must be >= 0" in capsys.readouterr().err
+
+
+def test_sample_cli_with_halting_shows_each_tokens_steps(trained, monkeypatch, capsys):
+    base_dir, model, tokenizer = trained
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    argv = ["--model_tag", MODEL_TAG, "--prompt", "the cat", "--max_tokens", "5", "--temperature", "0",
+            "--device_type", "cpu"]
+    assert base_sample.main(argv + ["--halt", "rms:inf", "--show_steps"]) == 0
+    out = capsys.readouterr().out
+    # an infinite threshold halts every token after step 1: step 1's greedy tokens, each shown with 1 step
+    engine = Engine(model, tokenizer)
+    step_one = engine.generate_batch([engine.encode_prompt("the cat")], max_tokens=5, temperature=0.0, n_sup=1)[0]
+    assert f"the cat{tokenizer.decode(step_one)}\n" in out
+    shown = out.split("steps per token: ")[1].splitlines()[0]
+    assert shown == " ".join(f"{tokenizer.decode([t])!r}:1" for t in step_one)
+    assert f"halting rms:inf: mean 1.00 of {model.config.n_sup_inference} supervision steps" in out
+    with pytest.raises(SystemExit):
+        base_sample.main(argv + ["--halt", "kl"])
+    assert "--halt: halting rule 'kl': write RULE:THRESHOLD" in capsys.readouterr().err

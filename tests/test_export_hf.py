@@ -32,6 +32,8 @@ CONFIG_OPTIONS = [
     dict(n_loops=1, T_recursion=2),
     *[dict(activation_fn=fn) for fn in ACTIVATIONS],
     *[dict(n_loops=1, T_recursion=2, state_update=update) for update in STATE_UPDATES],
+    dict(n_loops=1, n_prelude=1, n_coda=2, halt_head=True),
+    dict(n_loops=0, n_prelude=2),
 ]
 
 

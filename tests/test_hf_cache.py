@@ -13,7 +13,8 @@ from tests.tiny_checkpoint import tiny_checkpoint
 ATOL = 1e-4
 # the recursion's shapes that change the slot layout: loops per visit, sweeps per step, and the state update rules
 SHAPES = [dict(n_loops=0), dict(n_loops=1), dict(n_loops=2, T_recursion=2),
-          *[dict(n_loops=1, T_recursion=2, state_update=update) for update in STATE_UPDATES if update != "residual"]]
+          *[dict(n_loops=1, T_recursion=2, state_update=update) for update in STATE_UPDATES if update != "residual"],
+          dict(n_loops=1, n_prelude=1, n_coda=2)]
 
 
 @pytest.fixture(scope="module")

@@ -56,8 +56,9 @@ def measured_peak(config, batch, dtype, tmp_path):
     (SMALL.replace(vocab_size=8192, n_embd=64, n_head=1, n_kv_head=1, n_sup_train=4), 4, "float32"),
     (SMALL.replace(state_update="trm", n_sup_train=3), 4, "float32"),
     (SMALL.replace(state_update="decay"), 4, "bfloat16"),
+    (SMALL.replace(n_loops=1, n_prelude=2, n_coda=2), 4, "float32"),
 ], ids=["fp32", "bf16", "detach", "checkpointing", "large-vocab", "plain-swiglu-gqa", "vocab-8k-4-steps", "trm",
-        "decay-bf16"])
+        "decay-bf16", "prelude-coda"])
 def test_estimate_within_25_percent_of_measured_peak(config, batch, dtype, tmp_path):
     estimate = estimate_memory(config, batch, dtype)["total"]
     measured = measured_peak(config, batch, dtype, tmp_path)

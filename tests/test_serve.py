@@ -350,6 +350,11 @@ BAD_REQUESTS = [
     (dict(stream_options={"include_usage": True}), "stream_options needs stream: true"),
     (dict(extra_body={"temprature": 0.5}), "temprature: Extra inputs are not permitted"),
     (dict(extra_body={"n_sup": 99}), "n_sup=99: must be from 1 to 3"),
+    (dict(extra_body={"n_sup": 0}), "n_sup=0: must be from 1 to 3"),
+    (dict(extra_body={"n_sup": "kl"}), "n_sup='kl': an integer from 1 to 3, \"auto\", or halting rule 'kl': write "
+                                       "RULE:THRESHOLD"),
+    (dict(extra_body={"n_sup": "fast:1"}), "halting rule 'fast:1': write RULE:THRESHOLD with RULE one of kl, rms"),
+    (dict(extra_body={"n_sup": "head:0.5"}), "this model has no halting head"),
     (dict(extra_body={"top_k": 0}), "top_k: Input should be greater than or equal to 1"),
     (dict(extra_body={"max_tokens": "5"}), "max_tokens: Input should be a valid integer"),
 ]
@@ -363,6 +368,19 @@ def test_a_bad_request_is_a_400_and_the_server_keeps_serving(client, url, change
     assert e.value.body["param"] in {*change, *change.get("extra_body", {})}
     assert client.completions.create(model=MODEL_TAG, prompt="the", max_tokens=2).choices[0].text
     assert httpx.get(f"{url}/health").json()["running"] == 0  # a rejected request holds no slot
+
+
+def test_n_sup_auto_and_a_rule_halt_per_token(client, trained):
+    r = client.completions.create(model=MODEL_TAG, prompt="the cat sat", max_tokens=8, temperature=0,
+                                  extra_body={"n_sup": "auto"})
+    assert r.choices[0].text == greedy(trained, "the cat sat", 8, halt=serve.AUTO_HALTING)
+    # an infinite threshold halts every token after step 1: step 1's tokens and log-probabilities
+    prompt = trained[2].encode("the dog sat", prepend=trained[2].get_bos_token_id())
+    r = client.completions.create(model=MODEL_TAG, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2,
+                                  extra_body={"n_sup": "rms:inf"})
+    completion = greedy_ids(trained, prompt, 4, n_sup=1)
+    assert not torch.allclose(log_softmax(trained, prompt, 1), log_softmax(trained, prompt, 3), atol=1e-3)
+    check_logprobs(trained, r.choices[0].logprobs, prompt + completion, 0, 1, top=2)
 
 
 def test_an_unknown_model_is_a_404(client):
