@@ -133,16 +133,31 @@ def test_base_eval_writes_accuracy_per_step_to_json_and_report(base_dir, task_di
     assert (run_dir / "report.md").read_text() == report  # the section is replaced, not appended again
 
 
+BASE_EVAL_RESULT = {"model_tag": "t", "step": 10, "n_sup": 2, "n_sup_train": 2, "lm_eval_version": "0.4.13",
+                    "limit": None, "num_fewshot": None,
+                    "tasks": {"piqa": {"acc": [0.5, 0.625], "acc_stderr": [0.1, 0.1]}, "toy": {"ppl": [3.0, 2.0]}}}
+
+
 def test_base_train_keeps_the_downstream_section_when_it_rebuilds_the_report(tmp_path):
     from nanochat import metrics
-    record = {"model_tag": "t", "step": 10, "n_sup": 2, "n_sup_train": 2, "lm_eval_version": "0.4.13",
-              "limit": None, "num_fewshot": None, "tasks": {"piqa": {"acc": [0.5, 0.625], "acc_stderr": [0.1, 0.1]}}}
-    (tmp_path / "base_eval_step000010.json").write_text(json.dumps(record))
+    (tmp_path / "base_eval_step000010.json").write_text(json.dumps(BASE_EVAL_RESULT))
     section = metrics.downstream_section(str(tmp_path))
     assert "| piqa | acc | 0.5000 | 0.6250 |" in section and "stderr" not in section
     (tmp_path / "report.md").write_text("# Run report\n" + section)
     metrics.refresh_downstream_section(str(tmp_path))
     assert (tmp_path / "report.md").read_text() == "# Run report\n" + section
+
+
+def test_plot_run_draws_the_task_accuracies_per_step(tmp_path):
+    from scripts import plot_run
+    records = [{"kind": "train", "step": s, "loss": 2.0, "step_losses": [2.1, 2.0], "refinement": 0.05,
+                "grad_norm": 1.0, "dt": 0.5} for s in (1, 2)] + [{"kind": "eval", "step": 2, "val_bpb": [1.2, 1.1]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert len(plot_run.figure(str(tmp_path)).axes) == 5  # no base_eval result: no second axis
+    (tmp_path / "base_eval_step000010.json").write_text(json.dumps(BASE_EVAL_RESULT))
+    twin = plot_run.figure(str(tmp_path)).axes[-1]
+    [line] = twin.get_lines()  # accuracies only: a perplexity has another scale
+    assert list(line.get_ydata()) == [0.5, 0.625] and line.get_label().startswith("piqa accuracy")
 
 
 def snapshot(path):
