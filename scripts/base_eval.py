@@ -166,7 +166,7 @@ def main(argv=None):
     args = parse_args(argv)
     manager = task_manager(args.tasks, args.include_path)
     device_type = args.device_type or autodetect_device_type()
-    device = torch.device("cuda" if device_type == "cuda" else device_type)
+    device = torch.device(device_type)
     try:
         model_tag = args.model_tag or ckpt.latest_model_tag()
         model, tokenizer, meta = ckpt.load_model(model_tag, args.step, device)
