@@ -147,7 +147,7 @@ def metrics_by_step(per_step):
     for results in per_step:
         for task, values in results["results"].items():
             for key, value in values.items():
-                if key != "alias" and isinstance(value, (int, float)):
+                if "," in key and isinstance(value, (int, float)):  # metric,filter; not alias or sample_len
                     tasks.setdefault(task, {}).setdefault(key.removesuffix(",none"), []).append(value)
     return tasks
 

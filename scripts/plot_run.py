@@ -147,12 +147,12 @@ def plot_downstream(ax, base_evals):
         return
     r = base_evals[-1]
     twin = ax.twinx()
-    for task, metrics in r["tasks"].items():
-        if "acc" in metrics:
-            twin.plot(range(1, len(metrics["acc"]) + 1), metrics["acc"], marker="^", ls="-.",
-                      label=f"{task} accuracy (base_eval, optimizer step {r['step']})")
+    accuracies = {task: metrics["acc"] for task, metrics in r["tasks"].items() if "acc" in metrics}
+    for i, (task, acc) in enumerate(accuracies.items()):
+        twin.plot(range(1, len(acc) + 1), acc, marker="^", ls="-.", color=f"C{(i + 4) % 10}",  # not the bpb lines' colors
+                  label=f"{task} accuracy (base_eval, optimizer step {r['step']})")
     twin.set_ylabel("task accuracy (base_eval)")
-    twin.legend(fontsize=8, loc="upper right")
+    twin.legend(fontsize=8, loc="center right")
 
 
 def figure(run_dir):

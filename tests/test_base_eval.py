@@ -123,6 +123,7 @@ def test_base_eval_writes_accuracy_per_step_to_json_and_report(base_dir, task_di
                 / len(DOCS) for step in hand]
     saved = json.loads((run_dir / f"base_eval_step{results['step']:06d}.json").read_text())
     assert saved["tasks"][TASK]["acc"] == pytest.approx(expected)
+    assert set(saved["tasks"][TASK]) == {"acc", "acc_stderr"}  # metrics only, not lm-eval's alias or sample_len
     assert saved["n_sup"] == 4 and saved["n_sup_train"] == 3 and len(saved["tasks"][TASK]["acc_stderr"]) == 4
     assert "note: 4 supervision steps, past the 3 the model was trained with" in capsys.readouterr().out
     report = (run_dir / "report.md").read_text()
