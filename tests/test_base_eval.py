@@ -8,13 +8,9 @@ import sys
 import pytest
 import torch
 
+from scripts import base_eval
 from tests.helpers import ROOT
 from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
-
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when datasets is first imported: no hub, only local files
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from scripts import base_eval  # noqa: E402  (after the offline switches)
 
 ATOL = 1e-4
 DOCS = [  # a multiple-choice task in the tiny model's world; every prompt fits its 32-token context
@@ -49,9 +45,12 @@ def base_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def offline(tmp_path, monkeypatch):
-    """No network, and the datasets cache in the test's directory (the switches above are read at import time)."""
+    """No network, and the datasets cache in the test's directory. The libraries read the variables once, at import
+    (so for this process their config is patched: setting them at import would turn every later test offline)."""
     import datasets
     import huggingface_hub
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(name, "1")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
