@@ -102,6 +102,24 @@ def test_lm_eval_loglikelihoods_equal_the_models_at_every_step(base_dir, task_di
     assert len({round(h[0][0], 6) for h in hand}) == 4  # the steps differ: a wrong step cannot pass by accident
 
 
+def test_a_context_longer_than_the_model_keeps_its_last_tokens(base_dir):
+    from lm_eval.api.instance import Instance
+
+    from nanochat.checkpoint_manager import load_model
+    model, tokenizer, _ = load_model(MODEL_TAG, "latest")
+    context, continuation = "the cat sat on the mat. " * 12 + "the dog sat on the", " log"
+    ids = tokenizer.encode(context + continuation, prepend="<|bos|>")
+    T, n = model.config.sequence_len, len(tokenizer.encode(continuation))
+    assert len(ids) > 2 * T
+    kept = torch.tensor([ids[-(T + 1):]])  # the model's whole context, ending where the continuation ends
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(kept[:, :-1], n_sup=3)[0].double(), dim=-1)
+    expected = sum(logprobs[i - 1, kept[0, i]].item() for i in range(T + 1 - n, T + 1))
+    request = Instance(request_type="loglikelihood", doc={}, arguments=(context, continuation), idx=0)
+    [(got, _)] = base_eval.NanochatLM(model, tokenizer, n_sup=3).loglikelihood([request])
+    assert got == pytest.approx(expected, abs=ATOL)
+
+
 def test_rolling_loglikelihood_is_the_whole_texts(base_dir):
     from lm_eval.api.instance import Instance
 
