@@ -286,7 +286,7 @@ def write_summary(run_dir, args, step, seconds, price_per_hour, model, tokenizer
     records = read_metrics(run_dir)
     summary = summarize(records, args.model_tag, step, seconds, price_per_hour, model, tokenizer_fingerprint)
     atomic_write_bytes(summary_path(run_dir), json.dumps(summary, indent=2, allow_nan=False).encode(), RESUME_HINT)
-    report = report_markdown(summary, records, args, model)
+    report = report_markdown(summary, records, args, model) + downstream_section(run_dir)
     atomic_write_bytes(os.path.join(run_dir, "report.md"), report.encode(), RESUME_HINT)
     print0(f"report: {os.path.join(run_dir, 'report.md')}")
     return summary
@@ -327,3 +327,43 @@ def report_markdown(summary, records, args, model):
             lines += ["", f"Optimizer step {r['step']}:", ""]
             lines += [f"- {prompt!r} -> {completion!r}" for prompt, completion in r["samples"]]
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- base_eval
+DOWNSTREAM_HEADING = "## Downstream tasks per supervision step (scripts.base_eval)"
+
+
+def read_base_eval(run_dir):
+    """The run's base_eval results (base_eval_step*.json), by optimizer step."""
+    results = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "base_eval_step*.json"))):
+        with open(path) as f:
+            results.append(json.load(f))
+    return results
+
+
+def downstream_section(run_dir):
+    """report.md's last section: a table per evaluated checkpoint, metric by supervision steps run; '' if none."""
+    lines = []
+    for r in read_base_eval(run_dir):
+        lines += ["", f"Checkpoint at optimizer step {r['step']}, trained with {r['n_sup_train']} supervision steps, "
+                  f"lm-eval {r['lm_eval_version']}, limit {r['limit']}, few-shot {r['num_fewshot']}:", "",
+                  "| task | metric | " + " | ".join(f"{s} steps" for s in range(1, r["n_sup"] + 1)) + " |",
+                  "|---|---|" + "---|" * r["n_sup"]]
+        for task, metrics in r["tasks"].items():
+            lines += [f"| {task} | {metric} | " + " | ".join(f"{v:.4f}" for v in values) + " |"
+                      for metric, values in metrics.items() if "stderr" not in metric]
+    return "\n".join(["", DOWNSTREAM_HEADING] + lines) + "\n" if lines else ""
+
+
+def refresh_downstream_section(run_dir):
+    """Rewrite report.md's downstream section from the run's base_eval results (base_train keeps it when it
+    rebuilds the report); returns report.md's path."""
+    path = os.path.join(run_dir, "report.md")
+    try:
+        with open(path) as f:
+            report = f.read().split("\n" + DOWNSTREAM_HEADING)[0]
+    except FileNotFoundError:
+        report = ""
+    atomic_write_bytes(path, (report + downstream_section(run_dir)).encode())
+    return path

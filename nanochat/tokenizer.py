@@ -1,4 +1,5 @@
-"""Byte-level BPE: trained with rustbpe, encoded and decoded with tiktoken.
+"""Byte-level BPE: trained with rustbpe, encoded and decoded with tiktoken. With no merges (byte_level()) every
+byte is its own token: a 265-token vocabulary whose sequences are ~4x longer than BPE's for the same text.
 
 A str holding surrogates (not valid Unicode, so not UTF-8 encodable) is encoded as tiktoken does it: a lone
 surrogate becomes U+FFFD and a high+low pair the character it stands for, and decode(encode(s)) returns that.
@@ -71,6 +72,11 @@ class RustBPETokenizer:
     def from_rustbpe(cls, bpe):
         # the pattern is read back from the trainer, so encoding can only ever split text the way training did
         return cls(bpe.get_pattern(), {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()})
+
+    @classmethod
+    def byte_level(cls):
+        """The 256 bytes and the special tokens, no merges: nothing to learn, so no training text."""
+        return cls(SPLIT_PATTERN, {bytes([b]): b for b in range(256)})
 
     @classmethod
     def train_from_iterator(cls, iterator, vocab_size):

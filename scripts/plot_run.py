@@ -6,7 +6,8 @@ Plot a run so you can see at a glance whether the later supervision steps help:
     bottom row    the same on validation: bits per byte per supervision step (on the scale of the trained model,
                   not the untrained one at optimizer step 0), and each step's gap to step_0
     right         validation bpb against the number of supervision steps run at inference: the last evaluation
-                  in training, and each `python -m scripts.base_loss` result of the run (also past the trained count)
+                  in training, and each `python -m scripts.base_loss` result of the run (also past the trained count);
+                  on a second axis the task accuracies of the latest `python -m scripts.base_eval` result
 
     python -m scripts.plot_run d4                 # a model tag under $NANOCHAT_BASE_DIR/base_checkpoints
     python -m scripts.plot_run path/to/run_dir    # any directory holding metrics.jsonl
@@ -22,7 +23,7 @@ from nanochat.cli import ArgumentParser, Exit
 from nanochat.common import exit_on_write_error, save_figure
 from nanochat.health import smooth
 from nanochat.loss_eval import format_steps
-from nanochat.metrics import MetricsError, read_metrics
+from nanochat.metrics import MetricsError, read_base_eval, read_metrics
 
 
 def smoothing_beta(n):
@@ -141,6 +142,20 @@ def plot_inference(ax, evals, base_losses, n_sup_train, model_tag):
     ax.legend(fontsize=8)
 
 
+def plot_downstream(ax, base_evals):
+    """The latest base_eval's task accuracies per supervision steps run, on a second y axis (none: no axis)."""
+    if not base_evals:
+        return
+    r = base_evals[-1]
+    twin = ax.twinx()
+    accuracies = {task: metrics["acc"] for task, metrics in r["tasks"].items() if "acc" in metrics}
+    for i, (task, acc) in enumerate(accuracies.items()):
+        twin.plot(range(1, len(acc) + 1), acc, marker="^", ls="-.", color=f"C{(i + 4) % 10}",  # not the bpb lines' colors
+                  label=f"{task} accuracy (base_eval, optimizer step {r['step']})")
+    twin.set_ylabel("task accuracy (base_eval)")
+    twin.legend(fontsize=8, loc="center right")
+
+
 def figure(run_dir):
     """The run's figure (matplotlib), five panels: see the top of this file."""
     try:
@@ -165,6 +180,7 @@ def figure(run_dir):
         plot_val_gaps(axes[3], evals)
     trained = len(evals[-1]["val_bpb"]) if evals else len(train[0]["step_losses"])  # evaluations run n_sup_train
     plot_inference(axes[4], evals, read_base_loss(run_dir), trained, model_tag)
+    plot_downstream(axes[4], read_base_eval(run_dir))
     headline = f"{model_tag}: {train[-1]['step']} optimizer steps"
     if evals:
         headline += f"; validation bpb per supervision step at the end: {format_steps(evals[-1]['val_bpb'])}"

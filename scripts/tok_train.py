@@ -1,6 +1,7 @@
-"""Train the BPE tokenizer on the train shards; saved to $NANOCHAT_BASE_DIR/tokenizer.
+"""Train the BPE tokenizer on the train shards (or make the byte-level one); saved to $NANOCHAT_BASE_DIR/tokenizer.
 
     python -m scripts.tok_train --vocab_size 8192 --max_chars 20_000_000
+    python -m scripts.tok_train --byte_level     # 256 byte tokens + the special tokens, no merges, no training
 
 A tokenizer that checkpoints were trained with (their meta.json records its fingerprint) is not replaced unless
 --force is given: retrained, the same token ids would mean other text.
@@ -13,7 +14,10 @@ import time
 from nanochat.cli import ArgumentParser
 from nanochat.common import progress_bar
 from nanochat.dataset import DatasetError, iter_documents, parquets_for_split, row_group_sizes
-from nanochat.tokenizer import RustBPETokenizer, TokenizerError, TokenizerNotFound, check_vocab_size, tokenizer_dir
+from nanochat.tokenizer import (MIN_VOCAB_SIZE, RustBPETokenizer, TokenizerError, TokenizerNotFound, check_vocab_size,
+                                tokenizer_dir)
+
+DEFAULT_VOCAB_SIZE = 65536
 
 
 def capped_documents(max_chars, doc_cap, stats):
@@ -65,15 +69,34 @@ def check_replaceable(force):
 
 
 def check_args(args):
+    if args.byte_level and args.vocab_size is not None:
+        raise TokenizerError(f"--byte_level has a fixed vocabulary ({MIN_VOCAB_SIZE} tokens); drop --vocab_size")
+    if args.byte_level:
+        return
+    args.vocab_size = DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size
     check_vocab_size(args.vocab_size)
     for name in ("max_chars", "doc_cap"):
         if getattr(args, name) < 1:
             raise TokenizerError(f"--{name} must be at least 1, got {getattr(args, name)}")
 
 
+def train(args, stats):
+    tokenizer = RustBPETokenizer.train_from_iterator(capped_documents(args.max_chars, args.doc_cap, stats),
+                                                     args.vocab_size)
+    if tokenizer.get_vocab_size() < args.vocab_size:
+        raise TokenizerError(f"the training text ({stats['chars']:,} chars) yields only "
+                             f"{tokenizer.get_vocab_size():,} tokens, not the {args.vocab_size:,} asked for; "
+                             "train on more text (--max_chars, --doc_cap, more shards) or ask for a smaller "
+                             "--vocab_size. Nothing was saved")
+    return tokenizer
+
+
 def main(argv=None):
     parser = ArgumentParser(description="Train a byte-level BPE tokenizer")
-    parser.add_argument("--vocab_size", type=int, default=65536, help="including the special tokens")
+    parser.add_argument("--vocab_size", type=int, default=None,
+                        help=f"including the special tokens (default {DEFAULT_VOCAB_SIZE})")
+    parser.add_argument("--byte_level", action="store_true",
+                        help="no merges: the 256 bytes are the tokens (sequences ~4x longer than BPE's)")
     parser.add_argument("--max_chars", type=int, default=10_000_000_000, help="train on at most this many chars")
     parser.add_argument("--doc_cap", type=int, default=10_000, help="use at most this many chars of each document")
     parser.add_argument("--force", action="store_true", help="replace a tokenizer that checkpoints depend on")
@@ -81,23 +104,19 @@ def main(argv=None):
     stats = {"chars": 0, "bytes": 0}
     try:
         check_args(args)
-        parquets_for_split("train")  # no shards: say which command makes them before any work starts
+        if not args.byte_level:
+            parquets_for_split("train")  # no shards: say which command makes them before any work starts
         check_replaceable(args.force)
         t0 = time.time()
-        tokenizer = RustBPETokenizer.train_from_iterator(capped_documents(args.max_chars, args.doc_cap, stats),
-                                                         args.vocab_size)
-        if tokenizer.get_vocab_size() < args.vocab_size:
-            raise TokenizerError(f"the training text ({stats['chars']:,} chars) yields only "
-                                 f"{tokenizer.get_vocab_size():,} tokens, not the {args.vocab_size:,} asked for; "
-                                 "train on more text (--max_chars, --doc_cap, more shards) or ask for a smaller "
-                                 "--vocab_size. Nothing was saved")
+        tokenizer = RustBPETokenizer.byte_level() if args.byte_level else train(args, stats)
     except (DatasetError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     seconds = time.time() - t0
     tokenizer.save(tokenizer_dir())
-    print(f"trained on {stats['chars']:,} chars ({stats['bytes'] / 1e6:.1f} MB) in {seconds:.2f}s: "
-          f"{stats['bytes'] / 1e6 / seconds:.2f} MB/s")
+    if not args.byte_level:
+        print(f"trained on {stats['chars']:,} chars ({stats['bytes'] / 1e6:.1f} MB) in {seconds:.2f}s: "
+              f"{stats['bytes'] / 1e6 / seconds:.2f} MB/s")
     print(f"vocab size {tokenizer.get_vocab_size():,}, fingerprint {tokenizer.fingerprint()}, saved to {tokenizer_dir()}")
     return 0
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+import torch.distributed
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.common import (PROCESS_GROUP_TIMEOUT, RankFailure, compute_cleanup, compute_init,
@@ -53,6 +54,7 @@ def steps(backup_url):
     ckpt.save_checkpoint("slow", 1, model, [], {"model_config": model.config.to_dict()}, {"loaders": []}, rank)
     ckpt._write = real_write
     print(f"rank {rank}: saved steps {ckpt.list_steps('slow')}", flush=True)
+    torch.distributed.barrier()  # every rank has listed the save before rank 0 moves it to the backup
     run_on_rank0(lambda: move_to_backup("slow", 1, backup_url), rank)
     ckpt.Backup.restore = slowly(ckpt.Backup.restore)
     step = ckpt.load_resume_point("slow", "latest", rank, backup_url).step

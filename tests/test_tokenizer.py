@@ -277,3 +277,95 @@ def test_tok_train_shows_progress_on_a_terminal_only(terminal, shown, shards, mo
     stderr = stderr_capture(monkeypatch, terminal)
     assert tok_train.main(["--vocab_size", "300"]) == 0
     assert ("documents fed: 100%" in stderr.getvalue()) == shown
+
+
+# -----------------------------------------------------------------------------
+# the byte-level vocabulary: 256 byte tokens, the special tokens, no merges
+
+MIXED = ["日本語のテキスト 한국어 中文", "emoji 🙂👩‍👩‍👧🏳️‍🌈", "combining: e\u0301 a\u0308 n\u0303 Z\u0336\u0335",
+         "def f(x):\n\treturn {'k': [x ** 2 for x in range(10)]}  # ≤ ≠\r\n", "\x00\x7f\u200b\ufeff", ""]
+
+
+@pytest.fixture(scope="session")
+def byte_tok():
+    return RustBPETokenizer.byte_level()
+
+
+@pytest.mark.parametrize("text", MIXED)
+def test_byte_level_ids_are_the_utf8_bytes_and_round_trip(byte_tok, text):
+    ids = byte_tok.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert byte_tok.decode(ids) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200))
+def test_byte_level_round_trip(byte_tok, text):
+    assert byte_tok.decode(byte_tok.encode(text)) == text
+
+
+def test_byte_level_vocab_is_the_bytes_then_the_special_tokens(byte_tok):
+    assert byte_tok.get_vocab_size() == 256 + len(SPECIAL_TOKENS)
+    assert [byte_tok.encode_special(name) for name in SPECIAL_TOKENS] == list(range(256, 256 + len(SPECIAL_TOKENS)))
+    token_bytes = get_token_bytes(tokenizer=byte_tok)
+    assert token_bytes.tolist() == [1] * 256 + [0] * len(SPECIAL_TOKENS)
+
+
+def test_byte_level_bits_per_byte_are_bits_per_token(byte_tok):
+    """A model with every logit equal spends log2(vocab) bits on every token, and here every token is one byte."""
+    import math
+
+    import torch
+
+    from nanochat.gpt import GPT
+    from nanochat.loss_eval import evaluate_bpb
+    from tests.helpers import tiny_config
+    model = GPT(tiny_config(vocab_size=byte_tok.get_vocab_size(), sequence_len=64))
+    model.init_weights()  # zero lm_head: equal logits
+    ids = torch.tensor(byte_tok.encode(" ".join(MIXED), prepend="<|bos|>"))[:65]
+    batches = iter([(ids[None, :-1], ids[None, 1:])])
+    bpb, _ = evaluate_bpb(model, batches, 1, get_token_bytes(tokenizer=byte_tok))
+    assert bpb == pytest.approx([math.log2(byte_tok.get_vocab_size())] * model.config.n_sup_train, abs=1e-6)
+
+
+def test_byte_level_saves_loads_and_has_its_own_fingerprint(byte_tok, tok, tmp_path):
+    byte_tok.save(tmp_path / "tok")
+    loaded = RustBPETokenizer.from_directory(tmp_path / "tok")
+    assert loaded.fingerprint() == byte_tok.fingerprint() != tok.fingerprint()
+    assert loaded.encode(MIXED[1]) == byte_tok.encode(MIXED[1])
+
+
+def test_byte_level_export_gives_autotokenizer_our_ids(byte_tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    from scripts.export_hf import hf_tokenizer
+    hf_tokenizer(byte_tok, model_max_length=64).save_pretrained(tmp_path)
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path)
+    bos = byte_tok.get_bos_token_id()
+    for text in MIXED:
+        assert hf_tok.encode(text, add_special_tokens=False) == byte_tok.encode(text), text
+        assert hf_tok(text).input_ids == [bos] + byte_tok.encode(text)
+        assert hf_tok.decode([bos] + byte_tok.encode(text), skip_special_tokens=True) == text
+    assert hf_tok.convert_tokens_to_ids(SPECIAL_TOKENS) == [byte_tok.encode_special(t) for t in SPECIAL_TOKENS]
+
+
+def test_tok_train_byte_level_needs_no_shards(byte_tok, capsys):
+    assert tok_train.main(["--byte_level"]) == 0
+    assert f"vocab size {byte_tok.get_vocab_size()}, fingerprint {byte_tok.fingerprint()}" in capsys.readouterr().out
+    assert get_tokenizer().fingerprint() == byte_tok.fingerprint()
+
+
+def test_tok_train_byte_level_refuses_a_vocab_size_and_writes_nothing(capsys):
+    before = snapshot_base()
+    assert tok_train.main(["--byte_level", "--vocab_size", "300"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --byte_level has a fixed vocabulary (265 tokens); drop --vocab_size"
+    assert snapshot_base() == before
+
+
+def test_tok_train_byte_level_refuses_to_replace_a_tokenizer_checkpoints_depend_on(tok, capsys):
+    tok.save(tokenizer_dir())
+    fake_checkpoint("d4", 10, tok.fingerprint())
+    assert tok_train.main(["--byte_level"]) == 1
+    assert "is the tokenizer of the checkpoints of d4" in capsys.readouterr().err
+    assert get_tokenizer().fingerprint() == tok.fingerprint()
