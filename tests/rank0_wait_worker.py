@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+
 import torch.distributed
 
 from nanochat import checkpoint_manager as ckpt
