@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from nanochat.common import RankFailure, raise_if_any_rank_failed, reduce_with_flags
+from nanochat.common import RankFailure, WriteError, raise_if_any_rank_failed, reduce_with_flags, writing
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_WINDOW_S = 5.0  # forwarded copies of one signal arrive within milliseconds; a person pressing Ctrl-C again, later
@@ -94,10 +94,10 @@ class RunLock:
         error = None
         if self.active:
             try:
-                work()
-            except (RunLockError, OSError) as e:
-                error = e if isinstance(e, RunLockError) else RunLockError(
-                    f"cannot lock {self.path} ({type(e).__name__}: {e}); check that the directory is writable")
+                with writing(self.path):  # a full disk or a read-only directory: the one-line write failure
+                    work()
+            except (RunLockError, WriteError) as e:
+                error = e
         try:
             raise_if_any_rank_failed(error, "locking the run directory")
         except RankFailure as failure:  # rank 0 says it in its own words; the others name rank 0 and the cause
@@ -117,16 +117,18 @@ class RunLock:
 
     def lock_and_sign(self):
         os.makedirs(self.directory, exist_ok=True)
-        file = open(self.path, "a+")
+        if not os.path.exists(self.path):
+            open(self.path, "a").close()
+        file = open(self.path, "r+")  # not "a+": appending would ignore the seek below
         if self.file and os.path.samestat(os.fstat(file.fileno()), os.fstat(self.file.fileno())):
             file.close()  # already ours: a second flock through another descriptor would wait for ourselves
         else:
             self.lock(file)
-        self.file.seek(0)
-        self.file.truncate()
+        self.file.seek(0)  # written before truncating, so a full disk leaves the previous text as it was
         self.file.write(f"PID {os.getpid()} on host {socket.gethostname()}, since "
                         f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
         self.file.flush()
+        self.file.truncate()
 
 
 def acknowledge(sig):

@@ -200,8 +200,11 @@ def test_the_lock_is_one_holders_and_free_after_release(tmp_path):
     with pytest.raises(lifecycle.RunLockError, match=f"PID {os.getpid()} on host"):
         second.hold_existing()
     first.release()
+    with open(tmp_path / "run" / "run.lock", "w") as f:
+        f.write("a longer signature a previous run left behind, which the next one replaces whole\n" * 3)
     second.claim()
-    assert open(tmp_path / "run" / "run.lock").read().startswith(f"PID {os.getpid()} on host")
+    lines = open(tmp_path / "run" / "run.lock").read().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"PID {os.getpid()} on host")
     second.release()
 
 
