@@ -118,3 +118,27 @@ def launcher_in_process(monkeypatch, base_dir, gpu_name):
     ran = []
     monkeypatch.setattr(launch, "run", ran.append)
     return ran
+
+
+def exit_code(main, *argv):
+    """An entry point's main in this process: its exit code (0 when it returns)."""
+    try:
+        main(list(argv))
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def private_base_dir(base_dir, tmp_path, monkeypatch, copy_data=False):
+    """A NANOCHAT_BASE_DIR of the test's own holding the shared tokenizer and corpus (the shards linked, or copied
+    when the test replaces one), so a test may break things in it."""
+    import shutil
+    copy = tmp_path / "base"
+    shutil.copytree(os.path.join(base_dir, "tokenizer"), copy / "tokenizer")
+    if copy_data:
+        shutil.copytree(os.path.join(base_dir, "base_data"), copy / "base_data")
+    else:
+        os.symlink(os.path.join(base_dir, "base_data"), copy / "base_data")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(copy))
+    monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
+    return str(copy)

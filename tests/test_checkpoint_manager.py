@@ -13,28 +13,18 @@ import torch
 
 from nanochat import checkpoint_manager as ckpt
 from scripts import base_train
-from tests.helpers import TINY, ckpt_dir, tree, weights
+from tests.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree, weights
 
 FLAGS = TINY + ["--eval_every=0", "--save_every=2"]
 
 
 @pytest.fixture
 def base(base_dir, tmp_path, monkeypatch):
-    """A private copy of the shared corpus and tokenizer, as NANOCHAT_BASE_DIR, so tests may break things in it."""
-    copy = tmp_path / "base"
-    shutil.copytree(os.path.join(base_dir, "tokenizer"), copy / "tokenizer")
-    os.symlink(os.path.join(base_dir, "base_data"), copy / "base_data")
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(copy))
-    return str(copy)
+    return private_base_dir(base_dir, tmp_path, monkeypatch)
 
 
 def train(*flags):
-    """base_train.main in this process; returns its exit code (0 when it returns)."""
-    try:
-        base_train.main(list(flags))
-    except SystemExit as e:
-        return e.code
-    return 0
+    return exit_code(base_train.main, *flags)
 
 
 def truncate(path):

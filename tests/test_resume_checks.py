@@ -12,7 +12,7 @@ import pytest
 from nanochat import dataset
 from scripts import base_train
 from tests.conftest import make_corpus
-from tests.helpers import TINY, ckpt_dir, tree
+from tests.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree
 from tests.test_base_train import run
 
 FLAGS = TINY + ["--eval_every=0", "--save_every=1", "--keep_last=0", "--num_iterations=2"]
@@ -47,22 +47,12 @@ def test_resuming_on_another_process_count_refuses_naming_both(base_dir, saved, 
 # ---------------------------------------------------------------------------------------------------- the data
 @pytest.fixture
 def base(base_dir, tmp_path, monkeypatch):
-    """A NANOCHAT_BASE_DIR with the shared tokenizer and a private copy of the shards, which a test may replace."""
-    copy = tmp_path / "base"
-    shutil.copytree(os.path.join(base_dir, "tokenizer"), copy / "tokenizer")
-    shutil.copytree(os.path.join(base_dir, "base_data"), copy / "base_data")
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(copy))
-    monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
-    return str(copy)
+    """A private copy of the shards, which a test may replace."""
+    return private_base_dir(base_dir, tmp_path, monkeypatch, copy_data=True)
 
 
 def train(*flags):
-    """base_train.main in this process; returns its exit code (0 when it returns)."""
-    try:
-        base_train.main(list(flags))
-    except SystemExit as e:
-        return e.code
-    return 0
+    return exit_code(base_train.main, *flags)
 
 
 def read_meta(base, tag, step):

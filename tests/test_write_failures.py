@@ -13,7 +13,7 @@ import pytest
 from nanochat.metrics import MetricsLog
 from scripts import base_loss, base_train
 from tests import processes
-from tests.helpers import ROOT, TINY, ckpt_dir, tree
+from tests.helpers import ROOT, TINY, ckpt_dir, exit_code, private_base_dir, tree
 from tests.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line, temporaries
 
 FLAGS = TINY + ["--num_iterations=4", "--save_every=2"]  # checkpoints at 2 and 4, evaluation at 4
@@ -22,21 +22,10 @@ WHY = {FULL: "no space left on device; free space on that disk", READ_ONLY: "rea
 
 @pytest.fixture
 def base(base_dir, tmp_path, monkeypatch):
-    """A private NANOCHAT_BASE_DIR holding the shared corpus and tokenizer."""
-    copy = tmp_path / "base"
-    shutil.copytree(os.path.join(base_dir, "tokenizer"), copy / "tokenizer")
-    os.symlink(os.path.join(base_dir, "base_data"), copy / "base_data")
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(copy))
-    return str(copy)
+    return private_base_dir(base_dir, tmp_path, monkeypatch)
 
 
-def run(main, *argv):
-    """An entry point's main in this process: its exit code (0 when it returns)."""
-    try:
-        main(list(argv))
-    except SystemExit as e:
-        return e.code
-    return 0
+run = exit_code
 
 
 def break_at(mp, owner, attr, under, code, name, when=lambda *args: True):
