@@ -93,7 +93,7 @@ def main(argv=None):
     args = parse_args(argv)
     device_type = args.device_type or autodetect_device_type()
     _, rank, _, world_size, device = compute_init(device_type)
-    from nanochat.dataloader import DataLoader
+    from nanochat.dataloader import evaluation_batches, evaluation_size
     from nanochat.tokenizer import get_token_bytes
     try:
         model_tag = args.model_tag or ckpt.latest_model_tag()
@@ -102,12 +102,12 @@ def main(argv=None):
         raise Exit(f"halting_curve: {e}")
     rules = [r for r in args.rules if r != "head" or model.config.halt_head]
     T = min(args.max_seq_len or model.config.sequence_len, model.config.sequence_len)
-    steps = max(1, args.split_tokens // (args.device_batch_size * T * world_size))
-    loader = lambda: DataLoader(tokenizer, args.device_batch_size, T, "val", device=device, rank=rank,
-                                world_size=world_size)
+    n_rows, steps = evaluation_size(args.split_tokens, args.device_batch_size, T, world_size)
+    loader = lambda: evaluation_batches(tokenizer, args.device_batch_size, T, "val", args.split_tokens, rank,
+                                        world_size, device)  # the same rows on any number of processes
     autocast = autocast_for(device_type, default_dtype(device_type))
     rows = measure(model, loader, steps, get_token_bytes(device=device), rules, autocast)
-    title = (f"{model_tag} step {meta['step']}: val bpb against mean steps, {steps * args.device_batch_size * T:,} "
+    title = (f"{model_tag} step {meta['step']}: val bpb against mean steps, {n_rows * T:,} "
              f"tokens, n_sup_inference={model.config.n_sup_inference}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".md", "w") as f:

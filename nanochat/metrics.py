@@ -333,10 +333,10 @@ def report_markdown(summary, records, args, model):
 DOWNSTREAM_HEADING = "## Downstream tasks per supervision step (scripts.base_eval)"
 
 
-def read_base_eval(run_dir):
-    """The run's base_eval results (base_eval_step*.json), by optimizer step."""
+def read_results(run_dir, script):
+    """The run's results written by script (base_loss, base_eval: <script>_step*.json), by optimizer step."""
     results = []
-    for path in sorted(glob.glob(os.path.join(run_dir, "base_eval_step*.json"))):
+    for path in sorted(glob.glob(os.path.join(run_dir, f"{script}_step*.json"))):
         with open(path) as f:
             results.append(json.load(f))
     return results
@@ -345,7 +345,7 @@ def read_base_eval(run_dir):
 def downstream_section(run_dir):
     """report.md's last section: a table per evaluated checkpoint, metric by supervision steps run; '' if none."""
     lines = []
-    for r in read_base_eval(run_dir):
+    for r in read_results(run_dir, "base_eval"):
         lines += ["", f"Checkpoint at optimizer step {r['step']}, trained with {r['n_sup_train']} supervision steps, "
                   f"lm-eval {r['lm_eval_version']}, limit {r['limit']}, few-shot {r['num_fewshot']}:", "",
                   "| task | metric | " + " | ".join(f"{s} steps" for s in range(1, r["n_sup"] + 1)) + " |",

@@ -13,8 +13,6 @@ Plot a run so you can see at a glance whether the later supervision steps help:
     python -m scripts.plot_run path/to/run_dir    # any directory holding metrics.jsonl
 """
 
-import glob
-import json
 import os
 import sys
 
@@ -23,7 +21,7 @@ from nanochat.cli import ArgumentParser, Exit
 from nanochat.common import exit_on_write_error, save_figure
 from nanochat.health import smooth
 from nanochat.loss_eval import format_steps
-from nanochat.metrics import MetricsError, read_base_eval, read_metrics
+from nanochat.metrics import MetricsError, read_metrics, read_results
 
 
 def smoothing_beta(n):
@@ -114,15 +112,6 @@ def plot_val_gaps(ax, evals):
     ax.legend(title="supervision step", fontsize=8)
 
 
-def read_base_loss(run_dir):
-    """base_loss results of this run ({"step", "n_sup", "val_bpb": per supervision step}), by optimizer step."""
-    results = []
-    for path in sorted(glob.glob(os.path.join(run_dir, "base_loss_step*.json"))):
-        with open(path) as f:
-            results.append(json.load(f))
-    return results
-
-
 def plot_inference(ax, evals, base_losses, n_sup_train, model_tag):
     if evals:
         final = evals[-1]
@@ -150,7 +139,8 @@ def plot_downstream(ax, base_evals):
     twin = ax.twinx()
     accuracies = {task: metrics["acc"] for task, metrics in r["tasks"].items() if "acc" in metrics}
     for i, (task, acc) in enumerate(accuracies.items()):
-        twin.plot(range(1, len(acc) + 1), acc, marker="^", ls="-.", color=f"C{(i + 4) % 10}",  # not the bpb lines' colors
+        # colours from C4 on: not the bpb lines' colours
+        twin.plot(range(1, len(acc) + 1), acc, marker="^", ls="-.", color=f"C{(i + 4) % 10}",
                   label=f"{task} accuracy (base_eval, optimizer step {r['step']})")
     twin.set_ylabel("task accuracy (base_eval)")
     twin.legend(fontsize=8, loc="center right")
@@ -179,8 +169,8 @@ def figure(run_dir):
         plot_val(axes[2], evals)
         plot_val_gaps(axes[3], evals)
     trained = len(evals[-1]["val_bpb"]) if evals else len(train[0]["step_losses"])  # evaluations run n_sup_train
-    plot_inference(axes[4], evals, read_base_loss(run_dir), trained, model_tag)
-    plot_downstream(axes[4], read_base_eval(run_dir))
+    plot_inference(axes[4], evals, read_results(run_dir, "base_loss"), trained, model_tag)
+    plot_downstream(axes[4], read_results(run_dir, "base_eval"))
     headline = f"{model_tag}: {train[-1]['step']} optimizer steps"
     if evals:
         headline += f"; validation bpb per supervision step at the end: {format_steps(evals[-1]['val_bpb'])}"
