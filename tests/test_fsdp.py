@@ -1,0 +1,51 @@
+"""Fully sharded training (nanochat/sharding.py, base_train --sharding=fsdp) on 2 Gloo ranks against one process."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanochat.muon import Muon
+from tests import fsdp_worker as worker
+from tests import processes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torchrun(*args, timeout=120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = processes.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            str(REPO / "tests" / "fsdp_worker.py"), *map(str, args)], timeout, env=env, cwd=REPO)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+
+
+@pytest.mark.parametrize("config,detach", [("plain", False), ("trm", False), ("trm", True)])
+def test_two_sharded_ranks_train_as_one_process_with_the_same_effective_batch(tmp_path, config, detach):
+    torchrun("train", config, int(detach), tmp_path / "fsdp.pt")
+    got = torch.load(tmp_path / "fsdp.pt")
+    history, state = worker.run_single(config, detach)
+    losses, norms = zip(*history)
+    assert len(losses) == worker.STEPS >= 5
+    assert losses[-1] < losses[0]  # it trains
+    assert any(n > worker.GRAD_CLIP for n in norms)  # and the clipping is exercised
+    assert [l for l, _ in got["history"]] == pytest.approx(losses, rel=1e-5)
+    assert [n for _, n in got["history"]] == pytest.approx(norms, rel=1e-5)
+    for name, value in state.items():
+        torch.testing.assert_close(got["state"][name], value, atol=2e-5, rtol=1e-5, msg=name)
+
+
+def test_muon_on_shards_equals_muon_on_whole_matrices(tmp_path):
+    torchrun("muon", tmp_path / "muon.pt")
+    got = torch.load(tmp_path / "muon.pt")
+    params = worker.toy_matrices()
+    opt = Muon(params, lr=0.02, momentum=0.95, weight_decay=0.1)
+    start = [p.detach().clone() for p in params]
+    for step, sharded in enumerate(got):
+        for p, g in zip(params, worker.toy_grads(step)):
+            p.grad = g
+        opt.step(grad_scale=0.7)
+        for i, (p, q) in enumerate(zip(params, sharded)):
+            torch.testing.assert_close(q, p.detach(), atol=1e-6, rtol=1e-5, msg=f"step {step} matrix {i}")
+    assert all(not torch.equal(p, s) for p, s in zip(params, start))
