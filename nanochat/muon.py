@@ -61,12 +61,17 @@ class Muon(LocalGradients, torch.optim.Optimizer):
         for p, g_p in zip(params, g):
             self._apply(group, p, g_p, *g.shape[-2:])
 
+    @staticmethod
+    def new_state(p):
+        """A matrix's state before its first update (sharded like the parameter under FSDP)."""
+        return {"momentum_buffer": torch.zeros_like(p)}
+
     def _blend(self, group, p, g):
         """Momentum, then Nesterov: g (p's scaled gradient, or this rank's rows of it) becomes the matrix to
         orthogonalise, in place; returns g. Elementwise, so it works on shards as on whole matrices."""
         state = self.state[p]
-        if "momentum_buffer" not in state:  # shaped like p.grad: sharded like the parameter under FSDP
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        if not state:
+            state.update(self.new_state(p))
         buf = local(state["momentum_buffer"])
         buf.lerp_(g, 1 - group["momentum"])
         if group["nesterov"]:

@@ -104,3 +104,39 @@ class ShardedMuon(Muon):
         recv = [torch.empty(share, n, dtype=update.dtype, device=update.device) for _ in range(world)]
         dist.all_to_all(recv, list(padded.split(share)))
         return recv
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def checkpoint_state(published, train_model, optimizers):
+    """What a sharded checkpoint holds, for torch.distributed.checkpoint (DCP): the published weights ("model"), the
+    weights training goes on from when they differ ("train_model"), and every optimizer's per-parameter state
+    ("optim", by parameter name: DCP reshards a name's DTensor to any process count). Every rank writes its shards."""
+    state = {"model": published.state_dict(), "optim": optimizer_state(train_model or published, optimizers)}
+    if train_model is not None:
+        state["train_model"] = train_model.state_dict()
+    return state
+
+
+def optimizer_state(model, optimizers):
+    """{'<param name>.<state key>': value} over the optimizers, each state created if missing (so a resumed run has
+    somewhere to load into; loading overwrites it)."""
+    names = {p: name for name, p in model.named_parameters()}
+    flat = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state[p]
+                if not state:
+                    state.update(opt.new_state(p))
+                flat.update({f"{names[p]}.{key}": value for key, value in state.items()})
+    return flat
+
+
+def load_optimizer_state(model, optimizers, flat):
+    """Put optimizer_state's loaded values back (DTensors were loaded in place; plain values are replaced)."""
+    names = {p: name for name, p in model.named_parameters()}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for key in opt.state[p]:
+                    opt.state[p][key] = flat[f"{names[p]}.{key}"]

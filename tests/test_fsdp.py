@@ -49,3 +49,4 @@ def test_muon_on_shards_equals_muon_on_whole_matrices(tmp_path):
         for i, (p, q) in enumerate(zip(params, sharded)):
             torch.testing.assert_close(q, p.detach(), atol=1e-6, rtol=1e-5, msg=f"step {step} matrix {i}")
     assert all(not torch.equal(p, s) for p, s in zip(params, start))
+
