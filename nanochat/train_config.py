@@ -35,6 +35,8 @@ DEFAULT_VOCAB = 65536  # scripts.tok_train's default: the plan's vocabulary befo
 MAX_DEVICE_BATCH = 32  # the largest automatic micro-batch (nanochat's default device batch)
 QUIET_ACCUMULATION = 64  # more micro-batches per step than this gets a warning: a small model made to crawl
 PLANNER_MFU = 0.40  # model FLOPs utilisation a compiled bf16 run of this size reaches; stated in every plan
+# Per-GPU collective bandwidths the plan prices communication at (bytes/s): PCIe-class and NVLink-class nodes
+LINK_BANDWIDTHS = {"PCIe": 25e9, "NVLink": 300e9}
 
 
 def ema_decay_arg(value):
@@ -484,9 +486,39 @@ def plan_lines(args):
                 f"${args.gpu_hourly_price}/GPU-hour" if args.gpu_hourly_price else "")
         lines.append(f"time         {peak / 1e12:,.0f} TFLOP/s per device at {PLANNER_MFU:.0%} MFU: {seconds:.2f} s per "
                      f"step, {seconds * iterations / 3600:.2f} h for {iterations} steps{cost}")
+        lines += budget_lines(args, seconds, iterations)
     else:
         lines.append("time         unknown: no GPU in the peak-FLOPs table here; --peak_tflops gives one")
+    return lines + sharding_lines(args, config, memory_bytes)
+
+
+def sharding_lines(args, config, memory_bytes):
+    """The sharding chosen, why, what each choice needs per device and sends per step (the plan's 'sharding')."""
+    from nanochat import memory
+    if args.world_size == 1:
+        return [f"sharding     {args.sharding}: one process, no collectives"]
+    lines = [f"sharding     {args.sharding_note.removeprefix('sharding ')}"]
+    for kind in ("ddp", "fsdp"):
+        need = memory.estimate_memory(config, args.device_batch_size, args.dtype, args.world_size, keeps_ema(args),
+                                      kind)["total"]
+        sent, gathers = memory.collective_bytes(config, kind, args.world_size, args.grad_accum, args.dtype)
+        at = ", ".join(f"{sent / bandwidth:.2f} s at {bandwidth / 1e9:.0f} GB/s ({link})"
+                       for link, bandwidth in LINK_BANDWIDTHS.items())
+        what = (f"{sum(gathers.values())} parameter all-gathers per micro-step, x {args.grad_accum} micro-steps"
+                if gathers else "one gradient reduce-scatter and one weight all-gather per step")
+        lines.append(f"  {kind}{' (chosen)' if kind == args.sharding else ''}: ~{need / 1e9:.1f} GB per device"
+                     f"{'' if need <= memory.usable_bytes(memory_bytes) else ' (does NOT fit)'}; sends "
+                     f"~{sent / 1e9:.1f} GB per device per step ({what}): {at} if not overlapped with compute")
     return lines
+
+
+def budget_lines(args, seconds_per_step, iterations):
+    """What --max_hours buys at the planned step time: steps and tokens (the run stops there, saved)."""
+    if not args.max_hours:
+        return []
+    steps = int(args.max_hours * 3600 / seconds_per_step)
+    return [f"budget       --max_hours={args.max_hours:g}: ~{min(steps, iterations):,} of {iterations:,} steps, "
+            f"~{min(steps, iterations) * args.total_batch_size:,} tokens at {PLANNER_MFU:.0%} MFU"]
 
 
 def lr_multiplier(step, num_iterations, warmup_steps, warmdown_ratio, final_lr_frac):

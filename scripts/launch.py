@@ -39,7 +39,7 @@ from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import summary_path
 from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS
-from nanochat.train_config import (PLANNER_MFU, batch_geometry, fit_device_batch, free_ram_per_process, keeps_ema,
+from nanochat.train_config import (PLANNER_MFU, batch_geometry, budget_lines, fit_device_batch, sharding_lines, free_ram_per_process, keeps_ema,
                                    meta_model, model_config, parse_args)
 
 # The guides' table: GPUs per node, GPU model, its memory (GB), the node's $/hour, and per phase the device batch,
@@ -373,6 +373,7 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
            f"; usable {memory.usable_bytes(budget[0]) / 1e9:.0f} GB ({budget[1]})"
            + ("; eager-mode counts: compiled (--compile, on here) fuses ops and saves fewer activations, so it needs "
               "less" if args.compile else ""),
+           *sharding_lines(args, config, budget[0]),
            f"schedule     {iterations} steps, matrix_lr {args.matrix_lr}, embedding_lr {args.embedding_lr}, warmup "
            f"{warmup} steps, grad clip {args.grad_clip}, eval every {args.eval_every}, samples every "
            f"{args.sample_every}, checkpoint every {args.save_every}, compile {args.compile}, {args.dtype}",
@@ -388,7 +389,7 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
                 f"{lo}-{hi} s/step = {hours(lo * iterations)}-{hours(hi * iterations)}",
                 f"cost         ${row['price']:.2f}/hour per node x {nnodes} x {hours(seconds * iterations)} = "
                 f"${cost:,.0f} (guide's figure: ${lo * iterations / 3600 * row['price']:,.0f}-"
-                f"${hi * iterations / 3600 * row['price']:,.0f} on one node)"]
+                f"${hi * iterations / 3600 * row['price']:,.0f} on one node)", *budget_lines(args, seconds, iterations)]
         if seconds > 2 * hi or seconds < lo / 2:
             out.append(f"WARNING      the guide's {lo}-{hi} s/step and the FLOPs-based {seconds:.2f} s/step disagree "
                        f"by more than 2x: budget with the FLOPs-based figure and watch the measured dt in the log "

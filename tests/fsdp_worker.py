@@ -27,6 +27,7 @@ CONFIGS = {  # a plain transformer, and the recursion with a prelude and a coda 
     "trm": dict(sequence_len=16, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, n_embd=32, n_loops=1,
                 T_recursion=2, n_sup_train=3, n_prelude=1, n_coda=1),
 }
+CONFIGS["trm-checkpointing"] = {**CONFIGS["trm"], "activation_checkpointing": True}  # backward re-gathers in recompute
 # rows 5 and 1 don't divide 2 ranks (1 leaves rank 1 an empty shard); three (6, 10) matrices: an odd group
 MUON_SHAPES = [(6, 10), (5, 3), (6, 10), (1, 4), (6, 10), (5, 3)]
 

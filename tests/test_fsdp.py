@@ -21,7 +21,8 @@ def torchrun(*args, timeout=120):
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
 
 
-@pytest.mark.parametrize("config,detach", [("plain", False), ("trm", False), ("trm", True)])
+@pytest.mark.parametrize("config,detach", [("plain", False), ("trm", False), ("trm", True),
+                                           ("trm-checkpointing", True)])
 def test_two_sharded_ranks_train_as_one_process_with_the_same_effective_batch(tmp_path, config, detach):
     torchrun("train", config, int(detach), tmp_path / "fsdp.pt")
     got = torch.load(tmp_path / "fsdp.pt")
