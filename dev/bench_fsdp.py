@@ -1,7 +1,7 @@
 """
 FSDP (--sharding=fsdp) against DDP (replicated weights, ZeRO-1 optimizers) on Gloo ranks: parameter all-gathers and
 gradient reduce-scatters per micro-step (FSDP's collectives counted by wrapping torch.distributed's), seconds per
-optimizer step and the peak resident memory. CPU only; the counts are what a GPU run makes too.
+optimizer step, the peak resident memory and the tensor bytes held between steps. CPU only; the counts are what a GPU run makes too.
 
     torchrun --standalone --nproc_per_node=2 dev/bench_fsdp.py                       # TRM defaults at width 256
     torchrun --standalone --nproc_per_node=2 dev/bench_fsdp.py --n_loops=0 --n_sup_train=1 --depth=8
@@ -9,12 +9,14 @@ optimizer step and the peak resident memory. CPU only; the counts are what a GPU
 
 import argparse
 import collections
+import gc
 import os
 import resource
 import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from nanochat import sharding
 from nanochat.gpt import GPT, GPTConfig
@@ -59,6 +61,18 @@ def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def live_tensor_bytes():
+    """Bytes of the distinct storages of every tensor Python holds (weights, gradients, optimizer state, FSDP's
+    buffers): what stays between steps. On CPU the resident size cannot show it (the allocator keeps freed pages)."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if torch.is_tensor(obj) and not isinstance(obj, DTensor) and obj.device.type != "meta":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--depth", type=int, default=4)
@@ -96,7 +110,8 @@ def main():
     for _ in range(args.steps):
         step(model, optimizers, idx)
     dt = (time.time() - t0) / args.steps
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base  # includes the whole model built first
+    held = live_tensor_bytes()
     if rank == 0:
         c = config
         print(f"{args.sharding} on {dist.get_world_size()} Gloo ranks: depth {c.n_layer}, width {c.n_embd}, n_loops "
@@ -106,7 +121,7 @@ def main():
         print(f"  one micro-step (forward_backward): {micro}")
         print(f"  the update (reduce_gradients + clipped_step): {update}")
         print(f"  {dt * 1000:.0f} ms per optimizer step (mean of {args.steps}); peak RSS above the start "
-              f"{peak / 1e6:.0f} MB")
+              f"{peak / 1e6:.0f} MB (FSDP too builds the whole model first); tensors held between steps {held / 1e6:.0f} MB")
     dist.destroy_process_group()
 
 
