@@ -26,17 +26,21 @@ def is_sharded(model):
 
 
 def shard_model(model, device):
-    """fully_shard every block and the root, in place (parameters become DTensors); returns the model."""
+    """fully_shard every block and the root, in place (parameters become DTensors on `device`, each rank keeping its
+    rows: a model built on the CPU moves only its shards to the GPU); returns the model."""
+    from torch.distributed.device_mesh import init_device_mesh
     # bf16 weights gathered for compute and fp32 gradient reduction on GPUs; CPU keeps fp32 throughout
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
+    options = dict(mesh=init_device_mesh(device.type, (dist.get_world_size(),)), mp_policy=policy,
+                   reshard_after_forward=True)
     for block in model.blocks():
-        fully_shard(block, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(block, **options)
         register_fsdp_forward_method(block, "delta")  # the recursion's call: one gather per visit
     # its own unit: forward_backward's last backward (into the embedding) passes no block, and FSDP reduces a unit's
     # gradient only after a backward that crosses an FSDP unit's output
-    fully_shard(model.transformer.wte, mp_policy=policy, reshard_after_forward=True)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model.transformer.wte, **options)
+    fully_shard(model, **options)
     model.set_reshard_after_backward(False, recurse=False)  # lm_head stays whole across a micro-step's backwards
     register_fsdp_forward_method(model, "forward_backward")
     return model

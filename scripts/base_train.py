@@ -292,9 +292,11 @@ def train(args):
 
 # ---------------------------------------------------------------------------------------------------- its stages
 def build_model(model_config, device, fsdp):
-    """The model, sharded over the ranks by FSDP under --sharding=fsdp."""
-    model = ckpt.build_model(model_config, device)
-    return sharding.shard_model(model, device) if fsdp else model
+    """The model; under --sharding=fsdp built and initialised whole in CPU memory (every rank alike, from the seed),
+    then sharded: only each rank's rows reach the device, which could not hold the whole model."""
+    if not fsdp:
+        return ckpt.build_model(model_config, device)
+    return sharding.shard_model(ckpt.build_model(model_config, torch.device("cpu")), device)
 
 
 def open_training_data(args, tokenizer, device, rank, world_size, loader_states, first_batch):
