@@ -1,7 +1,7 @@
 """
 FSDP training against one process, for tests/test_fsdp.py. Launched as
 
-    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py train CONFIG DETACH OUT   # 2 ranks, sharded
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py train CONFIG DETACH COMPILE OUT   # 2 ranks
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py muon OUT                  # ShardedMuon vs Muon
 
 `train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
@@ -70,9 +70,11 @@ def run_single(config, detach):
     return train(model, model.setup_optimizers(weight_decay=0.1), [0, 1], distributed=False), model.state_dict()
 
 
-def run_sharded(config, detach):
+def run_sharded(config, detach, compile_visits=False):
     from nanochat import sharding
     model = sharding.shard_model(build(config, detach), torch.device("cpu"))
+    if compile_visits:  # base_train --compile: the layer visit (and its Block.delta calls, with their gathers)
+        model.compile_layer_visits()
     optimizers = sharding.on_shards(model.setup_optimizers(weight_decay=0.1))
     history = train(model, optimizers, [dist.get_rank()], distributed=True)
     return history, {k: v.full_tensor() for k, v in model.state_dict().items()}
@@ -115,7 +117,7 @@ if __name__ == "__main__":
         if dist.get_rank() == 0:
             torch.save(result, sys.argv[2])
     else:
-        history, state = run_sharded(sys.argv[2], sys.argv[3] == "1")
+        history, state = run_sharded(sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1")
         if dist.get_rank() == 0:
-            torch.save({"history": history, "state": state}, sys.argv[4])
+            torch.save({"history": history, "state": state}, sys.argv[5])
     dist.destroy_process_group()

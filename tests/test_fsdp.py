@@ -21,20 +21,23 @@ def torchrun(*args, timeout=120):
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
 
 
-@pytest.mark.parametrize("config,detach", [("plain", False), ("trm", False), ("trm", True),
-                                           ("trm-checkpointing", True)])
-def test_two_sharded_ranks_train_as_one_process_with_the_same_effective_batch(tmp_path, config, detach):
-    torchrun("train", config, int(detach), tmp_path / "fsdp.pt")
+@pytest.mark.parametrize("config,detach,compiled", [
+    ("plain", False, False), ("trm", False, False), ("trm", True, False), ("trm-checkpointing", True, False),
+    pytest.param("trm", True, True, marks=pytest.mark.slow),  # inductor on CPU: a minute of compiling
+])
+def test_two_sharded_ranks_train_as_one_process_with_the_same_effective_batch(tmp_path, config, detach, compiled):
+    torchrun("train", config, int(detach), int(compiled), tmp_path / "fsdp.pt", timeout=300 if compiled else 120)
     got = torch.load(tmp_path / "fsdp.pt")
     history, state = worker.run_single(config, detach)
     losses, norms = zip(*history)
     assert len(losses) == worker.STEPS >= 5
     assert losses[-1] < losses[0]  # it trains
     assert any(n > worker.GRAD_CLIP for n in norms)  # and the clipping is exercised
-    assert [l for l, _ in got["history"]] == pytest.approx(losses, rel=1e-5)
-    assert [n for _, n in got["history"]] == pytest.approx(norms, rel=1e-5)
+    tolerance = 1e-4 if compiled else 1e-5  # compiled kernels fuse and reorder float sums
+    assert [l for l, _ in got["history"]] == pytest.approx(losses, rel=tolerance)
+    assert [n for _, n in got["history"]] == pytest.approx(norms, rel=tolerance)
     for name, value in state.items():
-        torch.testing.assert_close(got["state"][name], value, atol=2e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(got["state"][name], value, atol=2 * tolerance, rtol=tolerance, msg=name)
 
 
 def test_muon_on_shards_equals_muon_on_whole_matrices(tmp_path):
