@@ -111,7 +111,7 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
         raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
     c = config
     tokens = device_batch_size * c.sequence_len
-    n_params, matrix_shapes, adamw, buffers, block = _param_counts(c)
+    n_params, matrix_shapes, adamw, buffers, largest_block = _param_counts(c)
     n_matrix = sum(sum(sizes) for sizes in matrix_shapes.values())
     # DistMuon: each rank keeps momentum for every world_size-th matrix of a shape group (rank 0 owns the most)
     muon_state = sum(math.ceil(len(sizes) / world_size) * sizes[0] for sizes in matrix_shapes.values())
@@ -136,7 +136,7 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
     logits = _head_bytes_per_token(c) * tokens + steps_alive * 2 * 4 * c.n_embd * tokens
     transient = max(_head_chunk_bytes(c, tokens), recompute)
     if sharding == "fsdp":
-        parts = _sharded_state(n_params, n_matrix, adamw, buffers, block, dtype, world_size, ema)
+        parts = _sharded_state(n_params, n_matrix, adamw, buffers, largest_block, dtype, world_size, ema)
     else:
         parts = _replicated_state(n_params, n_matrix, muon_state, adamw, adamw_state, buffers, dtype, ema)
     parts.update(activations=activations, logits=logits, transient=transient)
@@ -156,9 +156,10 @@ def _replicated_state(n_params, n_matrix, muon_state, adamw, adamw_state, buffer
 
 def _sharded_state(n_params, n_matrix, adamw, buffers, block, dtype, world_size, ema):
     """FSDP: 1/world_size of the float32 weights, gradients, EMA and optimizer state (Muon's momentum, AdamW's two
-    moments: all row-sharded like their weights); whole: the largest block's gathered weights twice (the block
-    running and the next one prefetched) and its gradient, and lm_head's weights and gradient (gathered for the
-    micro-step). Gathered tensors are in the compute dtype (bf16 on GPUs), the gradient reduced in float32."""
+    moments: all row-sharded like their weights); whole: at the peak (a block's backward, measured on CPU) the block's
+    gathered weights and gradient, the next block being gathered (FSDP's all-gather buffer and the weights copied out
+    of it), the previous block's float32 gradient in its reduce-scatter buffer, and lm_head's weights and gradient
+    (gathered for the micro-step). Gathered tensors are in the compute dtype (bf16 on GPUs)."""
     share = lambda n: math.ceil(n / world_size)  # noqa: E731 - FSDP pads dim 0: at most one row more per rank
     gathered = DTYPE_BYTES[dtype]
     lm_head = adamw[1]
@@ -166,7 +167,7 @@ def _sharded_state(n_params, n_matrix, adamw, buffers, block, dtype, world_size,
         "params": 4 * share(n_params) * (2 if ema else 1) + buffers,
         "grads": 4 * share(n_params),
         "optimizer": 4 * (share(n_matrix) + 2 * share(sum(adamw))),
-        "gathered": (2 * gathered + 4) * block + (gathered + 4) * lm_head,
+        "gathered": (3 * gathered + 8) * block + (gathered + 4) * lm_head,
     }
 
 

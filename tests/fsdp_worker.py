@@ -3,6 +3,7 @@ FSDP training against one process, for tests/test_fsdp.py. Launched as
 
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py train CONFIG DETACH COMPILE OUT   # 2 ranks
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py muon OUT                  # ShardedMuon vs Muon
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py memory OUT                # each rank's peak bytes
 
 `train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
 clipped_step) on a model sharded by nanochat.sharding; rank r trains on batch r. run_single (called by the test in its
@@ -100,6 +101,49 @@ def muon_on_shards():
     return out
 
 
+MEMORY_CONFIG = dict(sequence_len=32, vocab_size=2048, n_layer=4, n_head=2, n_kv_head=2, n_embd=256, n_loops=1,
+                     n_sup_train=2)
+MEMORY_BATCH = 2
+
+
+def measured_peak():
+    """Peak bytes of this rank's live CPU tensors over two sharded training steps, from the profiler's allocation
+    events, the model built and sharded inside the profiled region (tests/test_memory.py's method). Gloo's threads
+    free some buffers where the profiler does not see it (its "Total Allocated" then grows by every step's gathers),
+    so an address handed out again counts as freed first; a buffer freed unseen and never reused stays counted."""
+    import json
+    import os
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    from nanochat import sharding
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**MEMORY_CONFIG))
+        model.init_weights()
+        sharding.shard_model(model, torch.device("cpu"))
+        optimizers = sharding.on_shards(model.setup_optimizers())
+        idx = torch.randint(0, MEMORY_CONFIG["vocab_size"], (MEMORY_BATCH, MEMORY_CONFIG["sequence_len"]))
+        for _ in range(2):
+            model.forward_backward(idx, idx)
+            sq_norm = reduce_gradients(optimizers)
+            dist.all_reduce(sq_norm)
+            clipped_step(optimizers, sq_norm.sqrt().item(), 1.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = sorted((e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"),
+                            key=lambda e: e["ts"])
+    live, total, peak = {}, 0, 0
+    for e in events:
+        total -= live.pop(e["args"]["Addr"], 0)
+        if e["args"]["Bytes"] > 0:
+            live[e["args"]["Addr"]] = e["args"]["Bytes"]
+            total += e["args"]["Bytes"]
+        peak = max(peak, total)
+    return peak
+
+
 def toy_matrices():
     g = torch.Generator().manual_seed(3)
     return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MUON_SHAPES]
@@ -112,7 +156,12 @@ def toy_grads(step):
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    if sys.argv[1] == "muon":
+    if sys.argv[1] == "memory":
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, measured_peak())
+        if dist.get_rank() == 0:
+            torch.save(peaks, sys.argv[2])
+    elif sys.argv[1] == "muon":
         result = muon_on_shards()
         if dist.get_rank() == 0:
             torch.save(result, sys.argv[2])

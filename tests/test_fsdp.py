@@ -54,3 +54,13 @@ def test_muon_on_shards_equals_muon_on_whole_matrices(tmp_path):
             torch.testing.assert_close(q, p.detach(), atol=1e-6, rtol=1e-5, msg=f"step {step} matrix {i}")
     assert all(not torch.equal(p, s) for p, s in zip(params, start))
 
+
+
+def test_the_sharded_memory_estimate_is_within_25_percent_of_the_measured_peak(tmp_path):
+    from nanochat.gpt import GPTConfig
+    from nanochat.memory import estimate_memory
+    torchrun("memory", tmp_path / "peaks.pt")
+    estimate = estimate_memory(GPTConfig(**worker.MEMORY_CONFIG), worker.MEMORY_BATCH, "float32", 2,
+                               sharding="fsdp")["total"]
+    for measured in torch.load(tmp_path / "peaks.pt"):  # every rank's
+        assert abs(estimate - measured) <= 0.25 * measured, f"estimate {estimate:,} vs measured {measured:,}"
