@@ -48,7 +48,8 @@ def shard_model(model, device):
 
 def on_shards(optimizers):
     """The model's optimizers (built on the sharded parameters) as their sharded forms: AdamW as it is (elementwise,
-    on DTensors), Muon as ShardedMuon. Groups, learning rates and state carry over."""
+    on DTensors), Muon as ShardedMuon, with the same groups and learning rates (before the first step: the state
+    starts empty)."""
     from nanochat.adamw import AdamW
     sharded = []
     for opt in optimizers:
