@@ -4,6 +4,7 @@ FSDP training against one process, for tests/test_fsdp.py. Launched as
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py train CONFIG DETACH COMPILE OUT   # 2 ranks
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py muon OUT                  # ShardedMuon vs Muon
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py memory OUT                # each rank's peak bytes
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py gathers CONFIG OUT        # all-gathers per micro-step
 
 `train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
 clipped_step) on a model sharded by nanochat.sharding; rank r trains on batch r. run_single (called by the test in its
@@ -29,6 +30,7 @@ CONFIGS = {  # a plain transformer, and the recursion with a prelude and a coda 
                 T_recursion=2, n_sup_train=3, n_prelude=1, n_coda=1),
 }
 CONFIGS["trm-checkpointing"] = {**CONFIGS["trm"], "activation_checkpointing": True}  # backward re-gathers in recompute
+CONFIGS["trm-one-sweep"] = {**CONFIGS["trm"], "T_recursion": 1}
 # rows 5 and 1 don't divide 2 ranks (1 leaves rank 1 an empty shard); three (6, 10) matrices: an odd group
 MUON_SHAPES = [(6, 10), (5, 3), (6, 10), (1, 4), (6, 10), (5, 3)]
 
@@ -144,6 +146,20 @@ def measured_peak():
     return peak
 
 
+def gathers_per_micro_step(config):
+    """Parameter all-gathers (FSDP calls torch.distributed.all_gather_single) in one forward_backward, after a first."""
+    from nanochat import sharding
+    model = sharding.shard_model(build(config, detach=True), torch.device("cpu"))
+    model.forward_backward(*batch(dist.get_rank(), 0))  # FSDP's lazy initialisation happens in the first
+    real, calls = dist.all_gather_single, []
+    dist.all_gather_single = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    try:
+        model.forward_backward(*batch(dist.get_rank(), 1))
+    finally:
+        dist.all_gather_single = real
+    return len(calls)
+
+
 def toy_matrices():
     g = torch.Generator().manual_seed(3)
     return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MUON_SHAPES]
@@ -156,7 +172,11 @@ def toy_grads(step):
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    if sys.argv[1] == "memory":
+    if sys.argv[1] == "gathers":
+        counted = gathers_per_micro_step(sys.argv[2])
+        if dist.get_rank() == 0:
+            torch.save(counted, sys.argv[3])
+    elif sys.argv[1] == "memory":
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, measured_peak())
         if dist.get_rank() == 0:
