@@ -189,4 +189,5 @@ if __name__ == "__main__":
         history, state = run_sharded(sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1")
         if dist.get_rank() == 0:
             torch.save({"history": history, "state": state}, sys.argv[5])
+    dist.barrier()  # every rank here before any tears Gloo down: one that goes first can abort a peer still in it
     dist.destroy_process_group()
