@@ -12,12 +12,15 @@ import torch.distributed as dist
 from nanochat.optim import LocalGradients, squared_norm
 
 
+def new_adamw_state(like):
+    """A parameter's AdamW state before its first update; like: its gradient (or the parameter: same shape)."""
+    return {"step": 0, "exp_avg": torch.zeros_like(like), "exp_avg_sq": torch.zeros_like(like)}
+
+
 def adamw_update(param, grad, state, lr, betas, eps, weight_decay):
     beta1, beta2 = betas
     if not state:
-        state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(grad)
-        state["exp_avg_sq"] = torch.zeros_like(grad)
+        state.update(new_adamw_state(grad))
     state["step"] += 1
     state["exp_avg"].lerp_(grad, 1 - beta1)
     state["exp_avg_sq"].lerp_(grad.square(), 1 - beta2)
@@ -33,6 +36,10 @@ class AdamW(LocalGradients, torch.optim.Optimizer):
 
     def __init__(self, param_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @staticmethod
+    def new_state(p):
+        return new_adamw_state(p)
 
     @torch.no_grad()
     def step(self, grad_scale=1.0):

@@ -2,6 +2,8 @@
 Checkpoints under $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/step_NNNNNN/:
     model.safetensors   model weights (rank 0); checkpoints from before safetensors hold model.pt, still loaded
     rank_R.pt           rank R's optimizer state, dataloader position and RNG states
+    .metadata, __R_0.distcp   instead, under --sharding=fsdp: weights and optimizer state as every rank's shards
+                        (torch.distributed.checkpoint), readable by any number of processes, or one without a group
     meta.json           step, effective model config, user flags, tokenizer fingerprint, val bpb per step, time, cost
 
 A checkpoint is written into step_NNNNNN.tmp/ and the directory is renamed into place only when every file is
@@ -24,6 +26,7 @@ import random
 import shutil
 import threading
 import time
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -35,6 +38,7 @@ from nanochat.gpt import GPT, GPTConfig
 from nanochat.lifecycle import RUN_LOCK
 
 WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
+SHARD_INDEX = ".metadata"  # a sharded checkpoint's index (torch.distributed.checkpoint); its shards: __R_0.distcp
 TRAIN_WEIGHTS = "train_weights.safetensors"  # with --ema_decay: model.safetensors holds the EMA, this what trains on
 # Fields that may differ between a checkpoint and the run resuming it: they change no weight and no training math.
 RESUMABLE_CONFIG_CHANGES = {"n_sup_inference", "activation_checkpointing"}
@@ -155,10 +159,27 @@ def config_differences(saved, current):
             if k not in RESUMABLE_CONFIG_CHANGES and saved.get(k) != current.get(k)]
 
 
-def resume_differences(meta, model_config, batch_geometry):
-    """Why a run with this model config and batch geometry cannot continue the checkpoint `meta` ([] when it can)."""
+def checkpoint_sharding(meta):
+    """'fsdp' for a sharded checkpoint, 'ddp' for one with replicated weights (and for those that predate the flag)."""
+    return meta.get("train_config", {}).get("sharding", "ddp")
+
+
+def data_order(geometry):
+    """What fixes the data of every step: the number of data ranks (processes x accumulation) and their shapes."""
+    return {"data ranks (processes x accumulation)": geometry.get("world_size", 0) * geometry.get("grad_accum", 0),
+            "device_batch_size": geometry.get("device_batch_size"), "max_seq_len": geometry.get("max_seq_len")}
+
+
+def resume_differences(meta, model_config, batch_geometry, sharding="ddp"):
+    """Why a run with this model config, batch geometry and sharding cannot continue the checkpoint `meta` ([] when
+    it can). A sharded checkpoint resumes on any process count with the same data ranks; a DDP one on its own."""
     saved = meta.get("batch_geometry", {})
     saved_config = GPTConfig.from_dict(meta["model_config"]).to_dict()  # fields it predates: their old behaviour
+    if checkpoint_sharding(meta) != sharding:
+        return [f"sharding: checkpoint {checkpoint_sharding(meta)!r} vs this run {sharding!r} (pass "
+                f"--sharding={checkpoint_sharding(meta)})"]
+    if sharding == "fsdp":
+        saved, batch_geometry = data_order(saved), data_order(batch_geometry)
     return config_differences(saved_config, model_config) + [
         f"{k}: checkpoint {saved.get(k)!r} vs this run {v!r}" for k, v in batch_geometry.items() if saved.get(k) != v]
 
@@ -308,7 +329,9 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
     A failure on any rank removes the partial save and raises CheckpointError on every rank; a full disk says so,
     with the bytes a checkpoint needs."""
     from safetensors.torch import save as safetensors_bytes
+    from nanochat import sharding
     final, tmp = step_dir(model_tag, step), step_dir(model_tag, step) + ".tmp"
+    sharded = sharding.is_sharded(model)
     need = checkpoint_bytes(model)
 
     def together(what, work, rank0_only=False):
@@ -342,7 +365,7 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
 
     def publish():
         for name, module in ((WEIGHTS, model), (TRAIN_WEIGHTS, train_model)):
-            if module is not None:
+            if module is not None and not sharded:
                 weights = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
                 _write(os.path.join(tmp, name), safetensors_bytes(weights))
         _write(os.path.join(tmp, "meta.json"), json.dumps({**meta, "step": step}, indent=2).encode())
@@ -355,10 +378,23 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
     rank_file = os.path.join(tmp, f"rank_{rank}.pt")
     together("preparing the directory", prepare)
     together(f"writing {os.path.basename(rank_file)}",
-             lambda: _write(rank_file, {"optimizers": [opt.state_dict() for opt in optimizers], "rng": rng_state(),
-                                        **rank_state}))
+             lambda: _write(rank_file, {"rng": rng_state(), **rank_state} if sharded else
+                            {"optimizers": [opt.state_dict() for opt in optimizers], "rng": rng_state(), **rank_state}))
+    if sharded:
+        together("writing the shards", lambda: write_shards(tmp, model, train_model, optimizers))
     together("writing the model and meta.json", publish, rank0_only=True)
     return final
+
+
+def write_shards(directory, model, train_model, optimizers):
+    """Every rank writes its shards of the weights and optimizer state (and rank 0 the index, .metadata)."""
+    import torch.distributed.checkpoint as dcp
+    from nanochat import sharding
+    dcp.save(sharding.checkpoint_state(model, train_model, optimizers), checkpoint_id=directory)
+    for name in os.listdir(directory):  # DCP flushes but does not fsync: the rename must find them on the disk
+        if name.endswith(".distcp") or name == SHARD_INDEX:
+            with open(os.path.join(directory, name), "rb") as f:
+                os.fsync(f.fileno())
 
 
 def remove_partial_saves(model_tag):
@@ -422,6 +458,9 @@ def load_model_weights(model_tag, step, device, name=WEIGHTS):
     directory = step_dir(model_tag, step)
     path = os.path.join(directory, name)
     try:
+        if os.path.exists(os.path.join(directory, SHARD_INDEX)):
+            path = os.path.join(directory, SHARD_INDEX)
+            return read_shards(directory, "train_model" if name == TRAIN_WEIGHTS else "model", device)
         if os.path.exists(path):
             from safetensors.torch import load_file
             return load_file(path, device=str(device))
@@ -431,6 +470,24 @@ def load_model_weights(model_tag, step, device, name=WEIGHTS):
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 - a truncated file raises whatever its reader raises
         raise CheckpointError(f"{path} is unreadable ({describe_error(e)})") from e
+
+
+def read_shards(directory, part, device="cpu"):
+    """One part ('model', 'train_model') of a sharded checkpoint as a whole state dict, in this process alone (no
+    process group): the index gives every tensor's shape and dtype. None when the checkpoint has no such part."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    reader = dcp.FileSystemReader(directory)
+    prefix = part + "."
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
+             for key, meta in reader.read_metadata().state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    if not state:
+        return None
+    with warnings.catch_warnings():  # DCP warns that it reads in one process: that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {key[len(prefix):]: value for key, value in state.items()}
 
 
 def load_rank_state(model_tag, step, rank):
@@ -445,7 +502,9 @@ def load_rank_state(model_tag, step, rank):
 
 class ResumePoint(NamedTuple):
     """What a run resumes from: the checkpoint's step and meta.json, its published weights, this rank's state
-    (optimizers, RNG, loaders) and, with a weight average, the raw weights training goes on from (else None)."""
+    (optimizers, RNG, loaders) and, with a weight average, the raw weights training goes on from (else None). A
+    sharded checkpoint's weights and optimizer state stay on disk (weights None, rank_state["shards"] their
+    directory) until restore() reads this rank's shards."""
     step: int
     meta: dict
     weights: dict
@@ -484,12 +543,14 @@ def _agreed(work, what):
     return result
 
 
-def load_resume_point(model_tag, which, rank, backup_url=None, world_size=None):
-    """The ResumePoint to resume from, agreed by every rank of world_size (default: this process group's).
+def load_resume_point(model_tag, which, rank, backup_url=None, world_size=None, data_ranks=None):
+    """The ResumePoint to resume from, agreed by every rank of world_size (default: this process group's); data_ranks:
+    this rank's (train_config.data_ranks), whose loader positions a sharded checkpoint gives from any saving process.
 
     which: 'latest' or a step. An empty local directory is first filled from the backup. With 'latest', a checkpoint
     that fails to load on any rank is skipped, with the reason, for the next newest. A checkpoint written by another
-    process count is refused (CheckpointError), never skipped: it is intact, only this launch does not fit it."""
+    process count is refused (CheckpointError), never skipped: it is intact, only this launch does not fit it; a
+    sharded one is not (resume_differences checks its data ranks)."""
     world_size = world_size or get_dist_info()[3]
     if backup_url and not list_steps(model_tag):  # rank 0 downloads; the others wait without nearing the timeout
         error = run_on_rank0(lambda: Backup.location(backup_url, model_tag).restore(which), rank)
@@ -500,6 +561,9 @@ def load_resume_point(model_tag, which, rank, backup_url=None, world_size=None):
         what = f"loading checkpoint step {step}"
         try:
             meta = _agreed(lambda: read_meta(model_tag, step), what)
+            if checkpoint_sharding(meta) == "fsdp":
+                return _agreed(lambda: ResumePoint(step, meta, None, sharded_rank_state(model_tag, step, meta, rank,
+                                                                                        data_ranks), None), what)
             problem = process_count_problem(model_tag, step, meta, world_size)
             if problem:  # before any rank file is opened: a missing rank_R.pt here means no fault
                 raise CheckpointError(problem)
@@ -512,10 +576,49 @@ def load_resume_point(model_tag, which, rank, backup_url=None, world_size=None):
                           f"above); start a new run with another --model_tag, or --overwrite")
 
 
+def sharded_rank_state(model_tag, step, meta, rank, data_ranks):
+    """A sharded checkpoint's state for this rank: RNG states (its own, or rank 0's when it saved with fewer
+    processes) and the loader positions of its data ranks, whichever process saved them (None for a data rank the
+    checkpoint does not have: resume_differences refuses that geometry). Reads the shards' index, so a damaged one
+    is found here."""
+    import torch.distributed.checkpoint as dcp
+    directory = step_dir(model_tag, step)
+    try:
+        dcp.FileSystemReader(directory).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a missing or truncated index raises whatever its reader raises
+        raise CheckpointError(f"{os.path.join(directory, SHARD_INDEX)} is unreadable ({describe_error(e)})") from e
+    geometry = meta["batch_geometry"]
+    saved = [load_rank_state(model_tag, step, r) for r in range(geometry["world_size"])]
+    by_data_rank = {r * geometry["grad_accum"] + j: position
+                    for r, state in enumerate(saved) for j, position in enumerate(state["loaders"])}
+    return {"rng": saved[rank if rank < len(saved) else 0]["rng"],
+            "loaders": [by_data_rank.get(d) for d in data_ranks], "shards": directory}
+
+
+def restore_shards(directory, model, optimizers, ema):
+    """Load this rank's shards of a sharded checkpoint (any process count saved it) into a sharded model, its
+    optimizers and EMA."""
+    import torch.distributed.checkpoint as dcp
+    from nanochat import sharding
+    index = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    trained = "train_model" if any(key.startswith("train_model.") for key in index) else "model"
+    state = {trained: model.state_dict(), "optim": sharding.optimizer_state(model, optimizers)}
+    dcp.load(state, checkpoint_id=directory)  # DTensors in place, plain values (AdamW's step) replaced
+    sharding.load_optimizer_state(model, optimizers, state["optim"])
+    if ema is not None:
+        dcp.load({"model": ema.module.state_dict()}, checkpoint_id=directory)
+
+
 def restore(point, model, optimizers, ema=None):
     """Put a resume point's weights, optimizer states and RNG states into this process; returns its loader states.
     ema: a weight_average.WeightAverage of model, continued from the published weights."""
     state = point.rank_state
+    if "shards" in state:
+        restore_shards(state["shards"], model, optimizers, ema)
+        if ema is not None:
+            ema.started = True
+        set_rng_state(state["rng"])
+        return state["loaders"]
     model.load_state_dict(point.train_weights if point.train_weights is not None else point.weights)
     if ema is not None:
         ema.module.load_state_dict(point.weights)

@@ -6,6 +6,7 @@ import torch
 
 from nanochat import gpt
 from nanochat.common import RankFailure, distributed, print0, progress_bar, raise_if_any_rank_failed, reduce_with_flags
+from nanochat.sharding import is_sharded
 
 
 class EvaluationStopped(Exception):
@@ -37,8 +38,10 @@ def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None, 
             x, y = next(batches)
             with autocast or torch.autocast(x.device.type, enabled=False):
                 losses = model(x, y, n_sup=n_sup, loss_reduction="none")  # (N, B, T)
-                if i == 0 and diagnosing:
-                    sums[n + 1:] = model.diagnose(x, n).flatten()
+                if i == 0 and (diagnosing or is_sharded(model)):  # sharded: every rank takes part in the gathers
+                    diagnostics = model.diagnose(x, n).flatten()
+                    if diagnosing:
+                        sums[n + 1:] = diagnostics
             valid = y >= 0
             num_bytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
             counted = num_bytes > 0

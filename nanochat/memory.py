@@ -12,6 +12,10 @@ The peak comes at the backward of the last supervision step's head, when every s
     + the transient working set: the head's chunk of logits and the lm_head gradient it accumulates, or one
       recomputed layer visit under activation checkpointing.
 
+Under FSDP (--sharding=fsdp) the weights, gradients, optimizer state and EMA are divided over the ranks; what is
+whole at the peak is one block's gathered weights and gradient (plus the next block's, prefetched), and lm_head's,
+gathered for the whole micro-step; autocast keeps no weight copies (the gathered weights are already bf16 on CUDA).
+
 With detach_between_steps, the trunk is backpropagated step by step as well, so one step's activations are alive.
 With sample_n_sup, a batch may train up to 2 * n_sup_train - 1 steps: the estimate covers that deepest batch.
 
@@ -92,20 +96,22 @@ def _param_counts_cached(vocab_size, n_layer, n_embd, n_head, n_kv_head, activat
     adamw += [p.numel() for p in trunk if p.ndim < 2]
     adamw += [p.numel() for p in model.halt_head.parameters()] if halt_head else []
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return model.num_params(), matrix_shapes, adamw, buffers
+    largest_block = max(sum(p.numel() for p in block.parameters()) for block in model.blocks())
+    return model.num_params(), matrix_shapes, adamw, buffers, largest_block
 
 
-def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, ema=False):
+def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, ema=False, sharding="ddp"):
     """Peak bytes of one rank during a training micro-step: a dict of the parts and their "total".
 
     config: a GPTConfig (sequence_len is the micro-batch's T); dtype: the autocast dtype ("float32" = no autocast);
-    ema: whether the run keeps an EMA of the weights (a float32 copy of every parameter on every rank).
+    ema: whether the run keeps an EMA of the weights (a float32 copy of every parameter on every rank);
+    sharding: "ddp" (replicated weights, ZeRO-1 optimizer state) or "fsdp" (everything sharded, see above).
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
     c = config
     tokens = device_batch_size * c.sequence_len
-    n_params, matrix_shapes, adamw, buffers = _param_counts(c)
+    n_params, matrix_shapes, adamw, buffers, largest_block = _param_counts(c)
     n_matrix = sum(sum(sizes) for sizes in matrix_shapes.values())
     # DistMuon: each rank keeps momentum for every world_size-th matrix of a shape group (rank 0 owns the most)
     muon_state = sum(math.ceil(len(sizes) / world_size) * sizes[0] for sizes in matrix_shapes.values())
@@ -129,17 +135,40 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
     # one head at a time; every step's answer state and its gradient wait for the trunk's backward
     logits = _head_bytes_per_token(c) * tokens + steps_alive * 2 * 4 * c.n_embd * tokens
     transient = max(_head_chunk_bytes(c, tokens), recompute)
-    parts = {
+    if sharding == "fsdp":
+        parts = _sharded_state(n_params, n_matrix, adamw, buffers, largest_block, dtype, world_size, ema)
+    else:
+        parts = _replicated_state(n_params, n_matrix, muon_state, adamw, adamw_state, buffers, dtype, ema)
+    parts.update(activations=activations, logits=logits, transient=transient)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _replicated_state(n_params, n_matrix, muon_state, adamw, adamw_state, buffers, dtype, ema):
+    """DDP: every rank holds the float32 weights, gradients, EMA and autocast's weight copies; ZeRO-1 optimizer."""
+    return {
         "params": 4 * n_params * (2 if ema else 1) + buffers,
         "grads": 4 * n_params,
         "optimizer": 4 * (muon_state + adamw_state),
         "weight_copies": DTYPE_BYTES[dtype] * (n_matrix + adamw[1]) if DTYPE_BYTES[dtype] < 4 else 0,
-        "activations": activations,
-        "logits": logits,
-        "transient": transient,
     }
-    parts["total"] = sum(parts.values())
-    return parts
+
+
+def _sharded_state(n_params, n_matrix, adamw, buffers, block, dtype, world_size, ema):
+    """FSDP: 1/world_size of the float32 weights, gradients, EMA and optimizer state (Muon's momentum, AdamW's two
+    moments: all row-sharded like their weights); whole: at the peak (a block's backward, measured on CPU) the block's
+    gathered weights and gradient, the next block being gathered (FSDP's all-gather buffer and the weights copied out
+    of it), the previous block's float32 gradient in its reduce-scatter buffer, and lm_head's weights and gradient
+    (gathered for the micro-step). Gathered tensors are in the compute dtype (bf16 on GPUs)."""
+    share = lambda n: math.ceil(n / world_size)  # noqa: E731 - FSDP pads dim 0: at most one row more per rank
+    gathered = DTYPE_BYTES[dtype]
+    lm_head = adamw[1]
+    return {
+        "params": 4 * share(n_params) * (2 if ema else 1) + buffers,
+        "grads": 4 * share(n_params),
+        "optimizer": 4 * (share(n_matrix) + 2 * share(sum(adamw))),
+        "gathered": (3 * gathered + 8) * block + (gathered + 4) * lm_head,
+    }
 
 
 def usable_bytes(total_bytes):
@@ -152,7 +181,7 @@ MIN_TOKENS_PER_MICRO_BATCH = 8192
 
 
 def fit_micro_batch(config, sequences_per_rank, max_batch, memory_bytes, dtype="bfloat16", world_size=1,
-                    allow_checkpointing=True, ema=False):
+                    allow_checkpointing=True, ema=False, sharding="ddp"):
     """Pick (device_batch_size, activation_checkpointing) so that one micro-batch fits in memory_bytes.
 
     Only device batches that divide sequences_per_rank are considered, so gradient accumulation keeps the effective
@@ -161,7 +190,7 @@ def fit_micro_batch(config, sequences_per_rank, max_batch, memory_bytes, dtype="
     it, any batch that fits. Returns None when not even one sequence fits.
     """
     budget = usable_bytes(memory_bytes)
-    fits = lambda cfg, b: estimate_memory(cfg, b, dtype, world_size, ema)["total"] <= budget
+    fits = lambda cfg, b: estimate_memory(cfg, b, dtype, world_size, ema, sharding)["total"] <= budget
     batches = [b for b in range(min(max_batch, sequences_per_rank), 0, -1) if sequences_per_rank % b == 0]
     if fits(config, max_batch):
         return max_batch, config.activation_checkpointing
@@ -175,3 +204,34 @@ def fit_micro_batch(config, sequences_per_rank, max_batch, memory_bytes, dtype="
         if fits(config, b):
             return b, config.activation_checkpointing
     return None
+
+
+# ---------------------------------------------------------------------------------------------------- communication
+def collective_bytes(config, sharding, world_size, grad_accum, dtype="bfloat16"):
+    """Bytes each rank sends per optimizer step (a ring collective moves (world-1)/world of its tensor through every
+    rank), and a dict of how many parameter all-gathers one micro-step makes.
+
+    ddp: one reduce-scatter of the float32 gradients and one all-gather of the float32 weights per step (ZeRO-1),
+    whatever the accumulation. fsdp, per micro-step: every block is gathered (in the compute dtype) at every call,
+    forward and again for its backward (activation checkpointing recomputes while it is gathered: no more), and
+    its float32 gradient reduce-scattered once per backward call (per supervision step when detached); the
+    embedding and lm_head twice each; then ShardedMuon's two all_to_alls of every matrix per step. Counted by
+    dev/bench_fsdp.py on Gloo: 100 all-gathers per micro-step for the TRM defaults at depth 4."""
+    c = config
+    n_params, matrix_shapes, adamw, _, block = _param_counts(c)
+    ring = (world_size - 1) / world_size
+    if sharding == "ddp":
+        return 8 * n_params * ring, {}
+    g = DTYPE_BYTES[dtype]
+    calls = (c.n_loops + 1) if c.n_loops else 1  # Block.delta (or forward) calls per layer visit
+    steps = 2 * c.n_sup_train - 1 if c.sample_n_sup else c.n_sup_train
+    grad_calls, nograd_calls = steps * calls, steps * (c.T_recursion - 1) * calls
+    backward_calls = steps if c.detach_between_steps else 1
+    gathers = {"recursion": c.n_layer * (2 * grad_calls + nograd_calls), "prelude": 2 * c.n_prelude,
+               "coda": 2 * steps * c.n_coda, "embedding and lm_head": 4}
+    block_gathers = sum(gathers.values()) - gathers["embedding and lm_head"]
+    reduces = c.n_layer * backward_calls + c.n_prelude + c.n_coda * steps
+    root = 2 * g * (adamw[0] + adamw[1]) + 4 * (adamw[0] + steps * adamw[1])  # gathered twice; reduced
+    micro = g * block * block_gathers + 4 * block * reduces + root
+    muon = 2 * 4 * sum(sum(sizes) for sizes in matrix_shapes.values())
+    return (grad_accum * micro + muon) * ring, gathers

@@ -8,7 +8,7 @@ Parameters are grouped by shape, and each group's updates are orthogonalised tog
 import torch
 import torch.distributed as dist
 
-from nanochat.optim import LocalGradients, squared_norm
+from nanochat.optim import LocalGradients, local, squared_norm
 
 
 def zeropower_via_newtonschulz5(G, steps=5):
@@ -56,22 +56,38 @@ class Muon(LocalGradients, torch.optim.Optimizer):
         """Update same-shaped params from their gradients stacked as (G, m, n): one batched Newton-Schulz call."""
         g = grads * grad_scale
         for p, g_p in zip(params, g):  # momentum per matrix (its state stays per parameter), written into the stack
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(g_p)
-            buf = state["momentum_buffer"]
-            buf.lerp_(g_p, 1 - group["momentum"])
-            if group["nesterov"]:
-                g_p.lerp_(buf, group["momentum"])
-            else:
-                g_p.copy_(buf)
+            self._blend(group, p, g_p)
         g = zeropower_via_newtonschulz5(g, group["ns_steps"])
-        # tall matrices get a larger step so every shape moves its outputs by a similar RMS amount
-        step_size = group["lr"] * max(1.0, g.size(-2) / g.size(-1)) ** 0.5
         for p, g_p in zip(params, g):
-            if group["weight_decay"]:
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(g_p, alpha=-step_size)
+            self._apply(group, p, g_p, *g.shape[-2:])
+
+    @staticmethod
+    def new_state(p):
+        """A matrix's state before its first update (sharded like the parameter under FSDP)."""
+        return {"momentum_buffer": torch.zeros_like(p)}
+
+    def _blend(self, group, p, g):
+        """Momentum, then Nesterov: g (p's scaled gradient, or this rank's rows of it) becomes the matrix to
+        orthogonalise, in place; returns g. Elementwise, so it works on shards as on whole matrices."""
+        state = self.state[p]
+        if not state:
+            state.update(self.new_state(p))
+        buf = local(state["momentum_buffer"])
+        buf.lerp_(g, 1 - group["momentum"])
+        if group["nesterov"]:
+            g.lerp_(buf, group["momentum"])
+        else:
+            g.copy_(buf)
+        return g
+
+    @staticmethod
+    def _apply(group, p, update, m, n):
+        """p (or its rows) moves by the orthogonalised update of its (m, n) matrix (or the same rows of it)."""
+        # tall matrices get a larger step so every shape moves its outputs by a similar RMS amount
+        step_size = group["lr"] * max(1.0, m / n) ** 0.5
+        if group["weight_decay"]:
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(update, alpha=-step_size)
 
 
 class DistMuon(Muon):

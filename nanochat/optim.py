@@ -3,11 +3,18 @@
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(t):
+    """This rank's part of a tensor sharded by FSDP (a DTensor); any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def squared_norm(tensors):
-    """The sum of squares of all elements of tensors, in float32: the optimizers' share of the gradient norm."""
-    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).square().sum()
+    """The sum of squares of all elements of tensors (of this rank's shards, under FSDP), in float32: the optimizers'
+    share of the gradient norm."""
+    return torch.stack([torch.linalg.vector_norm(local(t), dtype=torch.float32) for t in tensors]).square().sum()
 
 
 class LocalGradients:
@@ -24,7 +31,8 @@ def reduce_gradients(optimizers):
 
     Under DDP each rank holds a disjoint share of the averaged gradients after reduce_grads(), so summing the shares'
     squared norms across ranks gives the exact global norm, the same number a single process computes on the same
-    averaged gradient."""
+    averaged gradient. Under FSDP the gradients arrive averaged and sharded (the backward reduce-scatters them): each
+    rank's share is its shards."""
     return sum(opt.reduce_grads() for opt in optimizers)
 
 

@@ -35,6 +35,8 @@ DEFAULT_VOCAB = 65536  # scripts.tok_train's default: the plan's vocabulary befo
 MAX_DEVICE_BATCH = 32  # the largest automatic micro-batch (nanochat's default device batch)
 QUIET_ACCUMULATION = 64  # more micro-batches per step than this gets a warning: a small model made to crawl
 PLANNER_MFU = 0.40  # model FLOPs utilisation a compiled bf16 run of this size reaches; stated in every plan
+# Per-GPU collective bandwidths the plan prices communication at (bytes/s): PCIe-class and NVLink-class nodes
+LINK_BANDWIDTHS = {"PCIe": 25e9, "NVLink": 300e9}
 
 
 def ema_decay_arg(value):
@@ -132,6 +134,11 @@ def build_parser():
     runtime.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
     runtime.add_argument("--compile", type=str2bool, nargs="?", const=True, default=None,
                          help="torch.compile the layer visits (default: on for CUDA, off elsewhere)")
+    runtime.add_argument("--sharding", choices=["auto", "ddp", "fsdp"], default="auto",
+                         help="ddp: every process holds the whole model (optimizer state sharded, ZeRO-1); fsdp: "
+                              "weights, gradients, optimizer state and EMA sharded over the processes (FSDP2, under "
+                              "torchrun, 1 process too), for models data parallelism cannot hold; auto: fsdp only "
+                              "when data parallelism cannot hold one sequence per device")
     runtime.add_argument("--device_memory_gb", type=float, default=None,
                          help="memory per device for the batch fit and the plan (default: the device's, or free RAM "
                               "/ processes on CPU); plans for a GPU you do not have with --dry_run")
@@ -271,7 +278,11 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     for name in ("device_memory_gb", "peak_tflops"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             parser.error(f"--{name}={getattr(args, name)} must be > 0")
+    if args.sharding == "fsdp" and check_hardware and not args.dry_run and not get_dist_info()[0]:
+        parser.error("--sharding=fsdp needs a process group: launch with torchrun --standalone --nproc_per_node=N "
+                     "-m scripts.base_train -- ... (N=1 works)")
     args.world_size = world_size
+    args.sharding_requested = args.sharding  # auto is settled by the batch's memory budget (resolve_sharding)
     args.plan_vocab_size = vocab_size or tokenizer_vocab_size() or DEFAULT_VOCAB
     resolve_batch(parser, args)
     if args.num_iterations is not None and args.num_iterations < 1:
@@ -301,6 +312,8 @@ def resolve_batch(parser, args):
     scaled by sqrt(batch / B_REF), and the device batch is the largest that the memory estimate fits."""
     world, T = args.world_size, args.max_seq_len
     accum, total, notes = args.gradient_accumulation_steps, args.total_batch_size, []
+    resolve_sharding(args, device_memory(args))
+    notes.append(args.sharding_note)
     args.lr_scale = 1.0
     if total is None and accum is None:
         total, horizon, reference = optimal_batch(args)
@@ -339,6 +352,33 @@ def resolve_batch(parser, args):
     args.batch_notes = notes
 
 
+def resolve_sharding(args, memory_at):
+    """Settle --sharding=auto in args.sharding (ddp, unless data parallelism cannot hold one sequence per device even
+    with activation checkpointing: then fsdp) for memory_at = (bytes per device, where from); args.sharding_note says
+    why."""
+    args.sharding = args.sharding_requested
+    args.sharding_note = sharding_reason(args, memory_at)
+
+
+def sharding_reason(args, memory_at):
+    from nanochat import memory
+    if args.sharding != "auto":
+        return f"sharding {args.sharding} (--sharding)"
+    if args.world_size == 1:
+        args.sharding = "ddp"
+        return "sharding ddp (auto): one process, nothing to shard"
+    memory_bytes, where = memory_at
+    usable = memory.usable_bytes(memory_bytes)
+    config = model_config(args, args.plan_vocab_size).replace(activation_checkpointing=True)
+    need = {kind: memory.estimate_memory(config, 1, args.dtype, args.world_size, keeps_ema(args), kind)["total"]
+            for kind in ("ddp", "fsdp")}
+    args.sharding = "ddp" if need["ddp"] <= usable else "fsdp"
+    return (f"sharding {args.sharding} (auto): at 1 sequence with activation checkpointing data parallelism needs "
+            f"~{need['ddp'] / 1e9:.1f} GB per device, sharded over {args.world_size} processes ~{need['fsdp'] / 1e9:.1f}"
+            f" GB; {usable / 1e9:.0f} GB usable ({where})"
+            + ("" if args.sharding == "fsdp" else "; replicated is cheaper in communication (--sharding=fsdp forces)"))
+
+
 def optimal_batch(args):
     """(tokens per step, the run's horizon in tokens, the reference horizon): B_REF x (D / D_REF)^BATCH_EXPONENT
     rounded to a power of 2, D from --target_flops or the data ratio (as the horizon rule, iterations aside)."""
@@ -361,10 +401,11 @@ def fit_device_batch(args, sequences_per_rank, max_batch=MAX_DEVICE_BATCH, allow
     device, where the number comes from), default device_memory(args)."""
     from nanochat import memory
     memory_bytes, where = memory_at or device_memory(args)
+    resolve_sharding(args, (memory_bytes, where))
     config = model_config(args, args.plan_vocab_size)
     fit = memory.fit_micro_batch(config, sequences_per_rank, min(max_batch, sequences_per_rank), memory_bytes,
                                  args.dtype, args.world_size, allow_checkpointing=allow_checkpointing,
-                                 ema=keeps_ema(args))
+                                 ema=keeps_ema(args), sharding=args.sharding)
     if fit is None:
         return None, (f"not even one sequence of {args.max_seq_len} tokens fits in {memory_bytes / 1e9:.0f} GB per "
                       f"device ({where}; estimate): turn on --activation_checkpointing, or lower --max_seq_len or "
@@ -374,7 +415,7 @@ def fit_device_batch(args, sequences_per_rank, max_batch=MAX_DEVICE_BATCH, allow
         args.model_config = {**args.model_config, "activation_checkpointing": True}
         args.config_sources = {**args.config_sources, "activation_checkpointing": "turned on to fit memory"}
     need = memory.estimate_memory(model_config(args, args.plan_vocab_size), batch, args.dtype, args.world_size,
-                                  keeps_ema(args))["total"]
+                                  keeps_ema(args), args.sharding)["total"]
     return batch, (f"device batch {batch}: the largest of at most {max_batch} that divides the {sequences_per_rank} "
                    f"sequences per process and fits ~{need / 1e9:.1f} GB in {memory.usable_bytes(memory_bytes) / 1e9:.0f}"
                    f" GB usable of {memory_bytes / 1e9:.0f} GB ({where})")
@@ -422,7 +463,8 @@ def plan_lines(args):
     model = meta_model(config)
     iterations, source = num_iterations_for(args, model)
     memory_bytes, where = device_memory(args)
-    est = memory.estimate_memory(config, args.device_batch_size, args.dtype, args.world_size, keeps_ema(args))
+    est = memory.estimate_memory(config, args.device_batch_size, args.dtype, args.world_size, keeps_ema(args),
+                                 args.sharding)
     flops_per_step = model.estimate_flops() * args.total_batch_size
     lines = [f"processes    {args.world_size} x {args.device_type}, {args.dtype}, compile {args.compile}",
              f"model        depth {config.n_layer}, width {config.n_embd}, n_loops {config.n_loops}, "
@@ -444,9 +486,39 @@ def plan_lines(args):
                 f"${args.gpu_hourly_price}/GPU-hour" if args.gpu_hourly_price else "")
         lines.append(f"time         {peak / 1e12:,.0f} TFLOP/s per device at {PLANNER_MFU:.0%} MFU: {seconds:.2f} s per "
                      f"step, {seconds * iterations / 3600:.2f} h for {iterations} steps{cost}")
+        lines += budget_lines(args, seconds, iterations)
     else:
         lines.append("time         unknown: no GPU in the peak-FLOPs table here; --peak_tflops gives one")
+    return lines + sharding_lines(args, config, memory_bytes)
+
+
+def sharding_lines(args, config, memory_bytes):
+    """The sharding chosen, why, what each choice needs per device and sends per step (the plan's 'sharding')."""
+    from nanochat import memory
+    if args.world_size == 1:
+        return [f"sharding     {args.sharding}: one process, no collectives"]
+    lines = [f"sharding     {args.sharding_note.removeprefix('sharding ')}"]
+    for kind in ("ddp", "fsdp"):
+        need = memory.estimate_memory(config, args.device_batch_size, args.dtype, args.world_size, keeps_ema(args),
+                                      kind)["total"]
+        sent, gathers = memory.collective_bytes(config, kind, args.world_size, args.grad_accum, args.dtype)
+        at = ", ".join(f"{sent / bandwidth:.2f} s at {bandwidth / 1e9:.0f} GB/s ({link})"
+                       for link, bandwidth in LINK_BANDWIDTHS.items())
+        what = (f"{sum(gathers.values())} parameter all-gathers per micro-step, x {args.grad_accum} micro-steps"
+                if gathers else "one gradient reduce-scatter and one weight all-gather per step")
+        lines.append(f"  {kind}{' (chosen)' if kind == args.sharding else ''}: ~{need / 1e9:.1f} GB per device"
+                     f"{'' if need <= memory.usable_bytes(memory_bytes) else ' (does NOT fit)'}; sends "
+                     f"~{sent / 1e9:.1f} GB per device per step ({what}): {at} if not overlapped with compute")
     return lines
+
+
+def budget_lines(args, seconds_per_step, iterations):
+    """What --max_hours buys at the planned step time: steps and tokens (the run stops there, saved)."""
+    if not args.max_hours:
+        return []
+    steps = int(args.max_hours * 3600 / seconds_per_step)
+    return [f"budget       --max_hours={args.max_hours:g}: ~{min(steps, iterations):,} of {iterations:,} steps, "
+            f"~{min(steps, iterations) * args.total_batch_size:,} tokens at {PLANNER_MFU:.0%} MFU"]
 
 
 def lr_multiplier(step, num_iterations, warmup_steps, warmdown_ratio, final_lr_frac):

@@ -10,20 +10,32 @@ import copy
 
 import torch
 
+from nanochat.optim import local
+
 
 class WeightAverage(torch.nn.Module):
 
-    def __init__(self, model, decay):
+    def __init__(self, model, decay, module=None):
+        """module: the average's own model, shaped (and sharded) as `model`, given its weights here; default a deep copy
+        (a model sharded by FSDP cannot be deep-copied: build and shard another)."""
         super().__init__()
-        self.module = copy.deepcopy(model)
+        self.module = copy.deepcopy(model) if module is None else module
+        if module is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self._weights(module), self._weights(model))
         self.decay = decay
         self.started = False  # a Python flag, not a tensor: reading it costs no sync
 
     @torch.no_grad()
     def update_parameters(self, model):
-        averaged, current = list(self.module.parameters()), [p.detach() for p in model.parameters()]
+        averaged, current = self._weights(self.module), self._weights(model)
         if self.started:
             torch._foreach_lerp_(averaged, current, 1 - self.decay)
         else:
             torch._foreach_copy_(averaged, current)
             self.started = True
+
+    @staticmethod
+    def _weights(model):
+        """model's parameters, or this rank's shards of them (the average of a sharded model stays sharded)."""
+        return [local(p.detach()) for p in model.parameters()]

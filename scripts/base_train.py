@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle
+from nanochat import lifecycle, sharding
 from nanochat.cli import Exit
 from nanochat.common import (RankFailure, WriteError, atomic_write_bytes, check_writable, compute_cleanup, compute_init,
                              gpu_peak_flops, print0, raise_if_any_rank_failed, run_on_rank0)
@@ -58,11 +58,14 @@ def train(args):
     run_lock = lifecycle.RunLock(ckpt.model_dir(args.model_tag), active=rank == 0)  # held until the run ends
     resume, corpus = start_or_resume(args, model_config, tokenizer, rank, run_lock)
 
-    model = ckpt.build_model(model_config, device)
+    fsdp = args.sharding == "fsdp"  # every block's weights, gradients and optimizer state sharded over the ranks
+    model = build_model(model_config, device, fsdp)
     model.train()
     optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr * args.lr_scale,
                                         embedding_lr=args.embedding_lr * args.lr_scale,
                                         matrix_lr=args.matrix_lr * args.lr_scale, weight_decay=args.weight_decay)
+    if fsdp:
+        optimizers = sharding.on_shards(optimizers)
     num_iterations, horizon_source = num_iterations_for(args, model)
     warmup_steps = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * num_iterations)
     tokens_per_step = args.total_batch_size
@@ -78,7 +81,8 @@ def train(args):
 
     # the EMA's copy of the model is what evaluation, samples and checkpoints see; training goes on in `model`
     ema_decay = ema_decay_for(args, num_iterations)
-    ema = WeightAverage(model, ema_decay) if ema_decay else None
+    ema = WeightAverage(model, ema_decay, build_model(model_config, device, fsdp) if fsdp else None) \
+        if ema_decay else None
     print0("weights published (evaluated, sampled, saved): "
            + (f"EMA with decay {ema_decay:.4f} (--ema_decay={args.ema_decay})" if ema else "the trained weights"))
     published = ema.module if ema else model
@@ -150,9 +154,10 @@ def train(args):
                                  "val_refinement": refinement(val_bpb), "state": val_state})
                     if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
                         update_checkpoint_bpb(args.model_tag, step, val_bpb)
-            if rank == 0 and (due or (args.sample_every and step % args.sample_every == 0)):
-                # rank 0 alone: a signal that cuts the samples short is agreed at the next step's reduction
-                run_samples(published, tokenizer, args, metrics, step, stop_asked)
+            if (rank == 0 or fsdp) and (due or (args.sample_every and step % args.sample_every == 0)):
+                # rank 0 alone: a signal that cuts the samples short is agreed at the next step's reduction. Sharded,
+                # every rank takes part in each token's gathers, so none may stop early: the samples run to the end
+                run_samples(published, tokenizer, args, metrics, step, (lambda: False) if fsdp else stop_asked)
             return True
 
         def accumulate(step, n_sup, sums):
@@ -286,6 +291,14 @@ def train(args):
 
 
 # ---------------------------------------------------------------------------------------------------- its stages
+def build_model(model_config, device, fsdp):
+    """The model; under --sharding=fsdp built and initialised whole in CPU memory (every rank alike, from the seed),
+    then sharded: only each rank's rows reach the device, which could not hold the whole model."""
+    if not fsdp:
+        return ckpt.build_model(model_config, device)
+    return sharding.shard_model(ckpt.build_model(model_config, torch.device("cpu")), device)
+
+
 def open_training_data(args, tokenizer, device, rank, world_size, loader_states, first_batch):
     """This process's training loaders (one per accumulation step, at their resume positions) and the first batch;
     data unreadable on any rank stops every rank with one line."""
@@ -343,11 +356,12 @@ def start_or_resume(args, model_config, tokenizer, rank, run_lock):
         if args.backup_dir:
             run_lock.claim()  # restoring from the backup writes into the directory
         which = args.resume_from_step if args.resume_from_step is not None else "latest"
-        point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir, args.world_size)
+        point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir, args.world_size,
+                                       data_ranks(args, rank))
         step, meta = point.step, point.meta
         ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {args.model_tag} step {step}")
         ckpt.check_data(meta, corpus, args.allow_data_change, f"checkpoint {args.model_tag} step {step}")
-        diffs = ckpt.resume_differences(meta, model_config, batch_geometry(args))
+        diffs = ckpt.resume_differences(meta, model_config, batch_geometry(args), args.sharding)
         if diffs:
             raise Exit(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
                        f"different configuration:\n  " + "\n  ".join(diffs) +

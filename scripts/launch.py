@@ -39,7 +39,7 @@ from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import summary_path
 from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS
-from nanochat.train_config import (PLANNER_MFU, batch_geometry, fit_device_batch, free_ram_per_process, keeps_ema,
+from nanochat.train_config import (PLANNER_MFU, batch_geometry, budget_lines, fit_device_batch, sharding_lines, free_ram_per_process, keeps_ema,
                                    meta_model, model_config, parse_args)
 
 # The guides' table: GPUs per node, GPU model, its memory (GB), the node's $/hour, and per phase the device batch,
@@ -160,10 +160,12 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
                               allow_checkpointing="activation_checkpointing" not in given)
     if b is None:
         raise Exit(f"{why} (with activation checkpointing); lower DEPTH, --max_seq_len or --n_sup_train", code=2)
-    flags, notes = {"device_batch_size": b, "gradient_accumulation_steps": per_rank // b}, []
+    flags, notes = {"device_batch_size": b, "gradient_accumulation_steps": per_rank // b}, [args.sharding_note]
+    if args.sharding_requested == "auto":  # settled for the launcher's budget, not for this machine's
+        flags["sharding"] = args.sharding
     if args.model_config["activation_checkpointing"] and not config.activation_checkpointing:
         flags["activation_checkpointing"] = "true"
-        need = memory.estimate_memory(config, batch, args.dtype, world, keeps_ema(args))["total"]
+        need = memory.estimate_memory(config, batch, args.dtype, world, keeps_ema(args), args.sharding)["total"]
         notes.append(f"activation checkpointing turned ON: the table's batch {batch} would need ~{need / 1e9:,.0f} GB "
                      f"per device without it, {memory.usable_bytes(memory_bytes) / 1e9:.0f} GB are usable")
     if (b, per_rank // b) != (batch, accum):
@@ -337,7 +339,7 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
     config = model_config(args, vocab)
     sequences = world * args.device_batch_size * args.grad_accum
     table_sequences = row["gpus"] * row[phase][0] * row[phase][1]
-    est = memory.estimate_memory(config, args.device_batch_size, args.dtype, world, keeps_ema(args))
+    est = memory.estimate_memory(config, args.device_batch_size, args.dtype, world, keeps_ema(args), args.sharding)
     model = meta_model(config)
     model_flops, recompute = flops_per_token(model)
     step_flops = model_flops * args.total_batch_size
@@ -365,11 +367,13 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
            *[f"             changed: {note}" for note in notes],
            f"memory       ~{est['total'] / 1e9:.1f} GB per device at batch {args.device_batch_size}"
            f"{' with activation checkpointing' if config.activation_checkpointing else ''} (nanochat/memory.py: "
-           f"params+grads+optimizer {(est['params'] + est['grads'] + est['optimizer']) / 1e9:.1f}, activations "
+           f"{args.sharding}: params+grads+optimizer {(est['params'] + est['grads'] + est['optimizer']) / 1e9:.1f}"
+           + (f", gathered {est['gathered'] / 1e9:.1f}" if "gathered" in est else "") + ", activations "
            f"{est['activations'] / 1e9:.1f}, logits {est['logits'] / 1e9:.1f}, transient {est['transient'] / 1e9:.1f})"
            f"; usable {memory.usable_bytes(budget[0]) / 1e9:.0f} GB ({budget[1]})"
            + ("; eager-mode counts: compiled (--compile, on here) fuses ops and saves fewer activations, so it needs "
               "less" if args.compile else ""),
+           *sharding_lines(args, config, budget[0]),
            f"schedule     {iterations} steps, matrix_lr {args.matrix_lr}, embedding_lr {args.embedding_lr}, warmup "
            f"{warmup} steps, grad clip {args.grad_clip}, eval every {args.eval_every}, samples every "
            f"{args.sample_every}, checkpoint every {args.save_every}, compile {args.compile}, {args.dtype}",
@@ -385,7 +389,7 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
                 f"{lo}-{hi} s/step = {hours(lo * iterations)}-{hours(hi * iterations)}",
                 f"cost         ${row['price']:.2f}/hour per node x {nnodes} x {hours(seconds * iterations)} = "
                 f"${cost:,.0f} (guide's figure: ${lo * iterations / 3600 * row['price']:,.0f}-"
-                f"${hi * iterations / 3600 * row['price']:,.0f} on one node)"]
+                f"${hi * iterations / 3600 * row['price']:,.0f} on one node)", *budget_lines(args, seconds, iterations)]
         if seconds > 2 * hi or seconds < lo / 2:
             out.append(f"WARNING      the guide's {lo}-{hi} s/step and the FLOPs-based {seconds:.2f} s/step disagree "
                        f"by more than 2x: budget with the FLOPs-based figure and watch the measured dt in the log "
@@ -481,7 +485,7 @@ def train(key, phase, extra):
     problems = [p for p in (hardware_problem(key, phase, gpus) if args.device_type == "cuda" else None,
                             disk_problem(*data)) if p]
     est = memory.estimate_memory(model_config(args, vocab), args.device_batch_size, args.dtype, args.world_size,
-                                 keeps_ema(args))
+                                 keeps_ema(args), args.sharding)
     if est["total"] > memory.usable_bytes(budget[0]):
         problems.append(oom_problem(args, vocab, budget[0], est["total"]))
     flags, state_lines, state_problems = run_state(args, vocab, have_tokenizer, user_flag_names(extra),

@@ -89,3 +89,33 @@ def test_early_stop_and_eval_tokens_are_checked(flag, message, capsys):
         parse([*shape, flag])
     assert e.value.code != 0 and message in capsys.readouterr().err + str(e.value.code)
     assert parse([*shape, "--eval_tokens=32"]).eval_tokens == 32  # one row: enough on 8 processes too
+
+
+def test_auto_sharding_is_fsdp_only_when_data_parallelism_cannot_hold_one_sequence():
+    # depth 64 at width 4096: 13.4 B parameters, ~201 GB per GPU replicated even at one checkpointed sequence
+    big = parse(["--depth=64", "--n_loops=2", "--activation_checkpointing", *GPU_80GB])
+    assert big.sharding == "fsdp" and "sharding fsdp (auto)" in big.sharding_note and "201.0 GB" in big.sharding_note
+    est = memory.estimate_memory(train_config.model_config(big, 65536), big.device_batch_size, "bfloat16", 8,
+                                 train_config.keeps_ema(big), "fsdp")["total"]
+    assert est <= memory.usable_bytes(80e9)  # the batch was fitted to the sharded estimate
+    small = parse(["--depth=24", "--n_embd=1536", "--n_head=24", *GPU_80GB])  # the 1B guide's shape: replicated fits
+    assert small.sharding == "ddp" and "cheaper in communication" in small.sharding_note
+    assert parse(["--depth=64", "--n_loops=2", "--sharding=ddp", "--device_batch_size=1", *GPU_80GB]).sharding == "ddp"
+    assert parse(["--depth=2", "--device_type=cpu", "--sharding=fsdp"], world_size=1).sharding == "fsdp"
+    assert parse(["--depth=2", "--device_type=cpu"], world_size=1).sharding == "ddp"  # one process: nothing to shard
+
+
+def test_fsdp_outside_torchrun_is_refused_in_one_line():
+    with pytest.raises(SystemExit, match="--sharding=fsdp needs a process group: launch with torchrun"):
+        train_config.parse_args(["--depth=2", "--device_type=cpu", "--sharding=fsdp"], world_size=1)
+
+
+def test_the_plan_prints_the_sharding_both_choices_and_the_budget_in_steps():
+    args = parse(["--depth=64", "--n_loops=2", "--activation_checkpointing", "--max_hours=31", "--peak_tflops=989", "--num_iterations=1000",
+                  *GPU_80GB])
+    lines = train_config.plan_lines(args)
+    assert any(line.startswith("sharding     fsdp (auto)") for line in lines)
+    assert any("ddp: ~" in line and "does NOT fit" in line for line in lines)
+    assert any("fsdp (chosen): ~" in line and "parameter all-gathers per micro-step" in line for line in lines)
+    assert any(line.startswith("budget       --max_hours=31: ~") and "of 1,000 steps" in line for line in lines)
+    assert any("13,421,772,800 parameters" in line for line in lines)

@@ -1,0 +1,147 @@
+"""
+Fully sharded training (base_train --sharding=fsdp): PyTorch's FSDP2 (`fully_shard`) holds every parameter, its
+gradient and its optimizer state as 1/world_size row-shards (DTensors on dim 0); a block's whole weights exist only
+while one of its visits runs.
+
+- Every Block (recursion, prelude, coda) is its own FSDP unit; `Block.delta` is registered as a forward method, so
+  each visit of the recursion gathers the block's weights and frees them after (reshard after forward), and its
+  backward gathers them again and reduce-scatters the gradient.
+- The root unit (embedding, lm_head, halting head) is gathered for a whole `GPT.forward_backward` (registered as a
+  forward method): its several backward calls per micro-step read lm_head throughout, so the root is not freed
+  between them (reshard after backward off) and is freed when the micro-step ends.
+- The optimizers work on the shards: AdamW is elementwise; ShardedMuon sends each matrix's rows to the rank that
+  owns it, orthogonalises whole matrices there and sends every rank its rows of the update.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from nanochat.muon import Muon, zeropower_via_newtonschulz5
+from nanochat.optim import local
+
+
+def is_sharded(model):
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model, device):
+    """fully_shard every block and the root, in place (parameters become DTensors on `device`, each rank keeping its
+    rows: a model built on the CPU moves only its shards to the GPU); returns the model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    # bf16 weights gathered for compute and fp32 gradient reduction on GPUs; CPU keeps fp32 throughout
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    options = dict(mesh=init_device_mesh(device.type, (dist.get_world_size(),)), mp_policy=policy,
+                   reshard_after_forward=True)
+    for block in model.blocks():
+        fully_shard(block, **options)
+        register_fsdp_forward_method(block, "delta")  # the recursion's call: one gather per visit
+    # its own unit: forward_backward's last backward (into the embedding) passes no block, and FSDP reduces a unit's
+    # gradient only after a backward that crosses an FSDP unit's output
+    fully_shard(model.transformer.wte, **options)
+    fully_shard(model, **options)
+    model.set_reshard_after_backward(False, recurse=False)  # lm_head stays whole across a micro-step's backwards
+    register_fsdp_forward_method(model, "forward_backward")
+    return model
+
+
+def on_shards(optimizers):
+    """The model's optimizers (built on the sharded parameters) as their sharded forms: AdamW as it is (elementwise,
+    on DTensors), Muon as ShardedMuon, with the same groups and learning rates (before the first step: the state
+    starts empty)."""
+    from nanochat.adamw import AdamW
+    sharded = []
+    for opt in optimizers:
+        cls = ShardedMuon if isinstance(opt, Muon) else AdamW
+        new = cls.__new__(cls)
+        torch.optim.Optimizer.__init__(new, opt.param_groups, opt.defaults)
+        sharded.append(new)
+    return sharded
+
+
+def row_share(rows, world):
+    """FSDP's dim-0 shard size: torch.chunk's, ceil(rows / world) (the last ranks' shards may be shorter or empty)."""
+    return -(-rows // world)
+
+
+class ShardedMuon(Muon):
+    """Muon on FSDP row-shards. Momentum is kept on the shards (elementwise, like the parameter). For each shape
+    group, matrix i is owned by rank i % world: one all_to_all per `world` matrices brings every owner its matrix's
+    rows, the owner orthogonalises all its matrices as one stack, and a second all_to_all returns each rank its rows
+    of every update. Equal to Muon on the whole matrices (tests/test_fsdp.py)."""
+
+    @torch.no_grad()
+    def step(self, grad_scale=1.0):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for group in self.param_groups:
+            params = group["params"]
+            m, n = params[0].shape
+            share = row_share(m, world)
+            blended = [self._blend(group, p, local(p.grad) * grad_scale) for p in params]
+            owned = [self._gather_to_owner(blended[base:base + world], m, share, n, world)
+                     for base in range(0, len(params), world)]
+            mine = [i for i, base in enumerate(range(0, len(params), world)) if base + rank < len(params)]
+            updates = torch.zeros(len(owned), m, n, dtype=owned[0].dtype, device=owned[0].device)
+            if mine:
+                updates[mine] = zeropower_via_newtonschulz5(torch.stack([owned[i] for i in mine]), group["ns_steps"])
+            for i, base in enumerate(range(0, len(params), world)):
+                rows = self._scatter_from_owner(updates[i], share, n, world)
+                for p, update in zip(params[base:base + world], rows):
+                    self._apply(group, local(p), update[:local(p).size(0)], m, n)
+
+    @staticmethod
+    def _gather_to_owner(parts, m, share, n, world):
+        """parts: this rank's rows of up to `world` matrices (k-th owned by rank k); returns the whole matrix this
+        rank owns (zeros if none)."""
+        send = [torch.zeros(share, n, dtype=parts[0].dtype, device=parts[0].device) for _ in range(world)]
+        for k, part in enumerate(parts):
+            send[k][:part.size(0)] = part
+        recv = [torch.empty_like(send[0]) for _ in range(world)]
+        dist.all_to_all(recv, send)
+        return torch.cat(recv)[:m]
+
+    @staticmethod
+    def _scatter_from_owner(update, share, n, world):
+        """update: the whole update this rank owns (zeros if none); returns this rank's rows of each owner's."""
+        padded = torch.zeros(share * world, n, dtype=update.dtype, device=update.device)
+        padded[:update.size(0)] = update
+        recv = [torch.empty(share, n, dtype=update.dtype, device=update.device) for _ in range(world)]
+        dist.all_to_all(recv, list(padded.split(share)))
+        return recv
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def checkpoint_state(published, train_model, optimizers):
+    """What a sharded checkpoint holds, for torch.distributed.checkpoint (DCP): the published weights ("model"), the
+    weights training goes on from when they differ ("train_model"), and every optimizer's per-parameter state
+    ("optim", by parameter name: DCP reshards a name's DTensor to any process count). Every rank writes its shards."""
+    state = {"model": published.state_dict(), "optim": optimizer_state(train_model or published, optimizers)}
+    if train_model is not None:
+        state["train_model"] = train_model.state_dict()
+    return state
+
+
+def optimizer_state(model, optimizers):
+    """{'<param name>.<state key>': value} over the optimizers, each state created if missing (so a resumed run has
+    somewhere to load into; loading overwrites it)."""
+    names = {p: name for name, p in model.named_parameters()}
+    flat = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state[p]
+                if not state:
+                    state.update(opt.new_state(p))
+                flat.update({f"{names[p]}.{key}": value for key, value in state.items()})
+    return flat
+
+
+def load_optimizer_state(model, optimizers, flat):
+    """Put optimizer_state's loaded values back (DTensors were loaded in place; plain values are replaced)."""
+    names = {p: name for name, p in model.named_parameters()}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for key in opt.state[p]:
+                    opt.state[p][key] = flat[f"{names[p]}.{key}"]

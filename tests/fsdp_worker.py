@@ -1,0 +1,193 @@
+"""
+FSDP training against one process, for tests/test_fsdp.py. Launched as
+
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py train CONFIG DETACH COMPILE OUT   # 2 ranks
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py muon OUT                  # ShardedMuon vs Muon
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py memory OUT                # each rank's peak bytes
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py gathers CONFIG OUT        # all-gathers per micro-step
+
+`train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
+clipped_step) on a model sharded by nanochat.sharding; rank r trains on batch r. run_single (called by the test in its
+own process) trains the unsharded model on both batches with 2 accumulation steps: the same effective batch.
+"""
+
+import json
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.optim import clipped_step, reduce_gradients
+
+STEPS = 5
+GRAD_CLIP = 0.5
+CONFIGS = {  # a plain transformer, and the recursion with a prelude and a coda block
+    "plain": dict(sequence_len=16, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, n_embd=32, n_loops=0,
+                  n_sup_train=1),
+    "trm": dict(sequence_len=16, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, n_embd=32, n_loops=1,
+                T_recursion=2, n_sup_train=3, n_prelude=1, n_coda=1),
+}
+CONFIGS["trm-checkpointing"] = {**CONFIGS["trm"], "activation_checkpointing": True}  # backward re-gathers in recompute
+CONFIGS["trm-one-sweep"] = {**CONFIGS["trm"], "T_recursion": 1}
+# rows 5 and 1 don't divide 2 ranks (1 leaves rank 1 an empty shard); three (6, 10) matrices: an odd group
+MUON_SHAPES = [(6, 10), (5, 3), (6, 10), (1, 4), (6, 10), (5, 3)]
+
+
+def build(config, detach):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CONFIGS[config], detach_between_steps=detach))
+    model.init_weights()
+    with torch.no_grad():  # the zero-initialised projections drawn: every weight gets a gradient from step 0
+        for p in model.parameters():
+            if not p.any():
+                p.normal_(std=1.0 / math.sqrt(p.size(-1)))
+    return model
+
+
+def batch(data_rank, step):
+    g = torch.Generator().manual_seed(100 * step + data_rank)
+    return torch.randint(0, 64, (2, 2, 16), generator=g).unbind(0)
+
+
+def train(model, optimizers, data_ranks, distributed):
+    """STEPS steps; returns every step's (mean loss over the data ranks, gradient norm)."""
+    history = []
+    for step in range(STEPS):
+        loss = sum(model.forward_backward(*batch(r, step), loss_scale=1 / len(data_ranks))[0]
+                   for r in data_ranks) / len(data_ranks)
+        sq_norm = reduce_gradients(optimizers)
+        if distributed:
+            both = torch.stack([loss / dist.get_world_size(), sq_norm])
+            dist.all_reduce(both)
+            loss, sq_norm = both
+        clipped_step(optimizers, sq_norm.sqrt().item(), GRAD_CLIP)
+        model.zero_grad(set_to_none=True)
+        history.append((loss.item(), sq_norm.sqrt().item()))
+    return history
+
+
+def run_single(config, detach):
+    model = build(config, detach)
+    return train(model, model.setup_optimizers(weight_decay=0.1), [0, 1], distributed=False), model.state_dict()
+
+
+def run_sharded(config, detach, compile_visits=False):
+    from nanochat import sharding
+    model = sharding.shard_model(build(config, detach), torch.device("cpu"))
+    if compile_visits:  # base_train --compile: the layer visit (and its Block.delta calls, with their gathers)
+        model.compile_layer_visits()
+    optimizers = sharding.on_shards(model.setup_optimizers(weight_decay=0.1))
+    history = train(model, optimizers, [dist.get_rank()], distributed=True)
+    return history, {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def muon_on_shards():
+    """ShardedMuon on FSDP-sharded toy matrices, 3 steps of random gradients; the whole matrices after each step."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from nanochat import sharding
+    from nanochat.muon import Muon
+    params = toy_matrices()
+    holder = torch.nn.ParameterList(params)
+    fully_shard(holder)
+    sharded = list(holder.parameters())
+    opt = sharding.on_shards([Muon(sharded, lr=0.02, momentum=0.95, weight_decay=0.1)])[0]
+    out = []
+    for step in range(3):
+        for p, g in zip(sharded, toy_grads(step)):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        opt.step(grad_scale=0.7)
+        out.append([p.full_tensor().clone() for p in sharded])
+    return out
+
+
+MEMORY_CONFIG = dict(sequence_len=32, vocab_size=2048, n_layer=4, n_head=2, n_kv_head=2, n_embd=256, n_loops=1,
+                     n_sup_train=2)
+MEMORY_BATCH = 2
+
+
+def measured_peak():
+    """Peak bytes of this rank's live CPU tensors over two sharded training steps, from the profiler's allocation
+    events, the model built and sharded inside the profiled region (tests/test_memory.py's method). Gloo's threads
+    free some buffers where the profiler does not see it (its "Total Allocated" then grows by every step's gathers),
+    so an address handed out again counts as freed first; a buffer freed unseen and never reused stays counted."""
+    import json
+    import os
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    from nanochat import sharding
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**MEMORY_CONFIG))
+        model.init_weights()
+        sharding.shard_model(model, torch.device("cpu"))
+        optimizers = sharding.on_shards(model.setup_optimizers())
+        idx = torch.randint(0, MEMORY_CONFIG["vocab_size"], (MEMORY_BATCH, MEMORY_CONFIG["sequence_len"]))
+        for _ in range(2):
+            model.forward_backward(idx, idx)
+            sq_norm = reduce_gradients(optimizers)
+            dist.all_reduce(sq_norm)
+            clipped_step(optimizers, sq_norm.sqrt().item(), 1.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = sorted((e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"),
+                            key=lambda e: e["ts"])
+    live, total, peak = {}, 0, 0
+    for e in events:
+        total -= live.pop(e["args"]["Addr"], 0)
+        if e["args"]["Bytes"] > 0:
+            live[e["args"]["Addr"]] = e["args"]["Bytes"]
+            total += e["args"]["Bytes"]
+        peak = max(peak, total)
+    return peak
+
+
+def gathers_per_micro_step(config):
+    """Parameter all-gathers (FSDP calls torch.distributed.all_gather_single) in one forward_backward, after a first."""
+    from nanochat import sharding
+    model = sharding.shard_model(build(config, detach=True), torch.device("cpu"))
+    model.forward_backward(*batch(dist.get_rank(), 0))  # FSDP's lazy initialisation happens in the first
+    real, calls = dist.all_gather_single, []
+    dist.all_gather_single = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    try:
+        model.forward_backward(*batch(dist.get_rank(), 1))
+    finally:
+        dist.all_gather_single = real
+    return len(calls)
+
+
+def toy_matrices():
+    g = torch.Generator().manual_seed(3)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MUON_SHAPES]
+
+
+def toy_grads(step):
+    g = torch.Generator().manual_seed(50 + step)
+    return [torch.randn(s, generator=g) for s in MUON_SHAPES]
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    if sys.argv[1] == "gathers":
+        counted = gathers_per_micro_step(sys.argv[2])
+        if dist.get_rank() == 0:
+            torch.save(counted, sys.argv[3])
+    elif sys.argv[1] == "memory":
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, measured_peak())
+        if dist.get_rank() == 0:
+            torch.save(peaks, sys.argv[2])
+    elif sys.argv[1] == "muon":
+        result = muon_on_shards()
+        if dist.get_rank() == 0:
+            torch.save(result, sys.argv[2])
+    else:
+        history, state = run_sharded(sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1")
+        if dist.get_rank() == 0:
+            torch.save({"history": history, "state": state}, sys.argv[5])
+    dist.barrier()  # every rank here before any tears Gloo down: one that goes first can abort a peer still in it
+    dist.destroy_process_group()

@@ -1,0 +1,93 @@
+"""base_train --sharding=fsdp end to end on 1 and 2 Gloo processes: sharded checkpoints that resume on another process
+count as an uninterrupted run, a kill, SIGTERM and a budget stop, and one process reading a sharded checkpoint."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+
+from tests import processes
+from tests.helpers import ROOT, TINY, ckpt_dir, finish, read_until
+
+FLAGS = TINY + ["--eval_every=0", "--keep_last=0", "--save_every_minutes=0", "--sharding=fsdp", "--ema_decay=0.5",
+                "--grad_clip=0.5"]
+
+
+def base_train(base_dir, nproc, *flags):
+    """base_train under torchrun with nproc processes and the accumulation that keeps 2 data ranks."""
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "scripts.base_train", "--", *FLAGS, f"--gradient_accumulation_steps={2 // nproc}", *flags]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def completed(proc):
+    rc, out = finish(proc, timeout=150)
+    assert rc == 0, out[-4000:]
+    return out
+
+
+def published(base_dir, tag, step, part="model"):
+    from nanochat.checkpoint_manager import read_shards
+    return read_shards(ckpt_dir(base_dir, tag, step), part)
+
+
+def assert_same_weights(base_dir, tag_a, tag_b, step):
+    for part in ("model", "train_model"):  # the EMA, and the weights training goes on from
+        a, b = published(base_dir, tag_a, step, part), published(base_dir, tag_b, step, part)
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=f"{part} {k}")
+
+
+def test_killed_on_two_processes_resumed_on_one_continues_as_the_uninterrupted_run(base_dir):
+    flags = ["--num_iterations=6", "--save_every=2"]
+    completed(base_train(base_dir, 2, *flags, "--model_tag=fs_straight2"))
+    proc = base_train(base_dir, 2, *flags, "--model_tag=fs_killed")
+    read_until(proc, "step 00005/", timeout=150)  # after step 4's checkpoint, before step 6's
+    processes.kill_all(proc)
+    assert sorted(os.listdir(ckpt_dir(base_dir, "fs_killed"))).count("step_000004") == 1
+    assert not os.path.exists(ckpt_dir(base_dir, "fs_killed", 6))
+    out = completed(base_train(base_dir, 1, *flags, "--model_tag=fs_killed", "--resume"))
+    assert "resumed fs_killed from step 4" in out
+    assert_same_weights(base_dir, "fs_straight2", "fs_killed", 6)
+
+
+def test_sigterm_on_one_process_saves_and_two_processes_continue_as_the_uninterrupted_run(base_dir):
+    flags = ["--num_iterations=6"]
+    completed(base_train(base_dir, 1, *flags, "--model_tag=fs_straight1"))
+    proc = base_train(base_dir, 1, *flags, "--model_tag=fs_term")
+    read_until(proc, "step 00002/", timeout=150)
+    proc.send_signal(signal.SIGTERM)
+    rc, out = finish(proc, timeout=60)  # no hang: saved and gone well inside torchrun's 30 s grace
+    assert rc != 0 and "stopped at step" in out, out[-4000:]
+    at = int(out.split("stopped at step ")[1].split()[0])
+    assert 2 <= at < 6 and os.path.exists(os.path.join(ckpt_dir(base_dir, "fs_term", at), ".metadata"))
+    out = completed(base_train(base_dir, 2, *flags, "--model_tag=fs_term", "--resume"))
+    assert f"resumed fs_term from step {at}" in out
+    assert_same_weights(base_dir, "fs_straight1", "fs_term", 6)
+
+
+def test_budget_stop_saves_shards_that_one_process_loads_and_ddp_refuses_to_resume(base_dir):
+    out = completed(base_train(base_dir, 2, "--num_iterations=100000", "--max_hours=0.0005", "--model_tag=fs_budget"))
+    stop = [line for line in out.splitlines() if line.startswith("budget spent (--max_hours=0.0005) at step")]
+    assert len(stop) == 1, out[-3000:]
+    at = int(stop[0].split("at step ")[1].split(":")[0])
+    from nanochat import checkpoint_manager as ckpt
+    os.environ["NANOCHAT_BASE_DIR"] = base_dir
+    try:
+        assert ckpt.list_steps("fs_budget") == [at]
+        model, tokenizer, meta = ckpt.load_model("fs_budget", "latest")  # one process, no process group
+    finally:
+        del os.environ["NANOCHAT_BASE_DIR"]
+    shards = published(base_dir, "fs_budget", at)
+    assert all(torch.equal(model.state_dict()[k], shards[k]) for k in shards)
+    assert not any(v.isnan().any() for v in shards.values())
+    x = torch.tensor([tokenizer.encode("the cat sat")])
+    assert torch.isfinite(model(x[:, :-1], x[:, 1:])[0])
+    refused = base_train(base_dir, 2, "--num_iterations=100000", "--model_tag=fs_budget", "--resume",
+                         "--sharding=ddp")
+    rc, out = finish(refused, timeout=150)
+    assert rc != 0 and "sharding: checkpoint 'fsdp' vs this run 'ddp' (pass --sharding=fsdp)" in out, out[-3000:]
