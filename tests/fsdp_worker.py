@@ -113,7 +113,6 @@ def measured_peak():
     events, the model built and sharded inside the profiled region (tests/test_memory.py's method). Gloo's threads
     free some buffers where the profiler does not see it (its "Total Allocated" then grows by every step's gathers),
     so an address handed out again counts as freed first; a buffer freed unseen and never reused stays counted."""
-    import json
     import os
     import tempfile
     from torch.profiler import ProfilerActivity, profile
