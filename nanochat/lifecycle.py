@@ -31,7 +31,8 @@ from nanochat.common import RankFailure, WriteError, raise_if_any_rank_failed, r
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_WINDOW_S = 5.0  # forwarded copies of one signal arrive within milliseconds; a person pressing Ctrl-C again, later
-FLAGS = ("signal", "budget", "save_time", "data")  # data: this step's training data could not be read
+FLAGS = ("signal", "budget", "save_time", "data", "write")  # data: this step's training data could not be read;
+# write: rank 0 could not write the run's log, summary or a checkpoint's bpb
 
 
 class StopSignals:
@@ -166,16 +167,16 @@ class RunControl:
     def saved(self):
         self.last_save = time.time()
 
-    def local_flags(self, data_failed):
+    def local_flags(self, data_failed, write_failed):
         minutes = self.args.save_every_minutes
         return [self.signals.received is not None, self.budget_spent() is not None,
-                bool(minutes) and time.time() - self.last_save >= minutes * 60, data_failed]
+                bool(minutes) and time.time() - self.last_save >= minutes * 60, data_failed, write_failed]
 
-    def reduce(self, values, data_failed=False):
+    def reduce(self, values, data_failed=False, write_failed=False):
         """The sum over ranks of every rank's `values` (a 1-D tensor, e.g. the step's losses) as floats, and the agreed
-        flags: {'signal' | 'budget' | 'save_time' | 'data': ranks that raised it}. One all_reduce and one host read;
-        call it on every rank."""
-        summed, raised = reduce_with_flags(values.float(), self.local_flags(data_failed), to_host=True)
+        flags: {'signal' | 'budget' | 'save_time' | 'data' | 'write': ranks that raised it}. One all_reduce and one
+        host read; call it on every rank."""
+        summed, raised = reduce_with_flags(values.float(), self.local_flags(data_failed, write_failed), to_host=True)
         return summed, dict(zip(FLAGS, raised))
 
     def agree(self, device):

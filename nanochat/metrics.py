@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 
-from nanochat.common import atomic_write_bytes, print0, remove_stale_temporaries, writing
+from nanochat.common import WriteError, atomic_write_bytes, print0, remove_stale_temporaries, writing
 from nanochat.health import LossSmoother, smooth
 from nanochat.loss_eval import format_steps, refinement
 
@@ -166,10 +166,13 @@ class MetricsLog:
     """metrics.jsonl beside the checkpoints, and the same records to wandb (--run) and TensorBoard (--tensorboard).
 
     Rank 0 writes; every rank keeps the smoothed loss and step times for the log line (printed by rank 0 only).
+    A write that fails during the run is kept in `failure` (its one-line message), not raised, so that every rank
+    stops together at the next agreement (base_train): rank 0 alone leaving would strand the others in a collective.
     """
 
     def __init__(self, run_dir, args, rank, resume_step):
         self.path, self.enabled, self.sinks, self.gpus = os.path.join(run_dir, "metrics.jsonl"), rank == 0, [], None
+        self.failure = None
         self.smoother, self.step_times, self.prior_step_time = LossSmoother(), [], None
         if not self.enabled:
             return
@@ -203,14 +206,27 @@ class MetricsLog:
                 record = {**record, **self.read_gpus()}
         if not self.enabled:
             return
-        with writing(self.path, RESUME_HINT), open(self.path, "a") as f:
-            f.write(json.dumps(json_safe(record)) + "\n")
+        self.attempt(lambda: self.append(record))
         for sink in list(self.sinks):
             try:
                 sink.log(scalars(record), record["step"])
             except Exception as e:  # noqa: BLE001 - a dashboard outage must not stop training
                 print0(f"WARNING: {type(sink).__name__} failed ({type(e).__name__}: {e}); it is off from now on")
                 self.sinks.remove(sink)
+
+    def append(self, record):
+        with writing(self.path, RESUME_HINT), open(self.path, "a") as f:
+            f.write(json.dumps(json_safe(record)) + "\n")
+
+    def attempt(self, write):
+        """Run one of the run's writes (the log, a checkpoint's bpb, the summary); keep the first WriteError's message
+        (not the exception: its traceback would keep the run's frames alive). After one failed, the others are not
+        tried: the disk that refused one refuses the next."""
+        if self.failure is None:
+            try:
+                write()
+            except WriteError as e:
+                self.failure = str(e)
 
     def read_gpus(self):
         try:

@@ -25,8 +25,9 @@ import torch
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle, sharding
 from nanochat.cli import Exit
-from nanochat.common import (RankFailure, WriteError, atomic_write_bytes, check_writable, compute_cleanup, compute_init,
-                             gpu_peak_flops, print0, raise_if_any_rank_failed, run_on_rank0)
+from nanochat.common import (WRITE_FAILED, RankFailure, WriteError, atomic_write_bytes, check_writable, compute_cleanup,
+                             compute_init, gpu_peak_flops, print0, raise_if_any_rank_failed, reduce_with_flags,
+                             run_on_rank0)
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
 from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
@@ -153,7 +154,7 @@ def train(args):
                     metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb,
                                  "val_refinement": refinement(val_bpb), "state": val_state})
                     if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
-                        update_checkpoint_bpb(args.model_tag, step, val_bpb)
+                        metrics.attempt(lambda: update_checkpoint_bpb(args.model_tag, step, val_bpb))
             if (rank == 0 or fsdp) and (due or (args.sample_every and step % args.sample_every == 0)):
                 # rank 0 alone: a signal that cuts the samples short is agreed at the next step's reduction. Sharded,
                 # every rank takes part in each token's gathers, so none may stop early: the samples run to the end
@@ -190,7 +191,8 @@ def train(args):
             except torch.OutOfMemoryError:
                 raise Exit(oom_message(args), code=4)
             values, flags = control.reduce(torch.cat([sums / (args.grad_accum * world_size), sq_grad_norm.view(1)]),
-                                           data_failed=data_error is not None)
+                                           data_failed=data_error is not None, write_failed=metrics.failure is not None)
+            stop_on_write_failure(flags["write"])
             if flags["data"]:
                 model.zero_grad(set_to_none=True)
                 raise_if_any_rank_failed(data_error, "reading the training data", flags["data"])
@@ -226,6 +228,13 @@ def train(args):
                       "elapsed_s": elapsed(), "cost": control.cost() or None}
             metrics.log(record)
             print0(metrics.format_step(record, num_iterations))
+
+        def stop_on_write_failure(failed_ranks):
+            """Every rank stops together once rank 0 could not write the run's files: rank 0 with its one line
+            (which file, why, what to do), the others pointing at it."""
+            if failed_ranks:
+                raise Exit(metrics.failure or f"rank {rank} stopped with rank 0, which could not write the run's files "
+                                              f"(its line says which and why)", code=WRITE_FAILED)
 
         def save_due(step, stop, flags):
             steps_due = bool(args.save_every) and step % args.save_every == 0
@@ -279,7 +288,9 @@ def train(args):
             log_step(step, stats, lrm, dt)
 
         if rank == 0 and step > 0:  # a fresh run stopped before its first step has nothing to summarize
-            write_summary(run_dir, args, step, elapsed(), price_per_hour, model, tokenizer.fingerprint())
+            metrics.attempt(lambda: write_summary(run_dir, args, step, elapsed(), price_per_hour, model,
+                                                  tokenizer.fingerprint()))
+        stop_on_write_failure(reduce_with_flags(torch.zeros(0, device=device), [metrics.failure is not None])[1][0])
         metrics.close()
         if args.backup_dir:  # every rank: the others wait in short collectives while rank 0's uploads drain
             run_on_rank0(backup.close if backup else None, rank)
@@ -479,7 +490,8 @@ def main(argv=None):
     try:
         train(args)
     except (Exit, MetricsError, WriteError) as e:
-        print(f"base_train: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"base_train: {e}\n")  # one write: the line and its newline stay together beside other ranks
+        sys.stderr.flush()
         compute_cleanup()
         sys.exit(getattr(e, "exit_code", 1))
     compute_cleanup(together=True)

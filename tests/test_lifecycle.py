@@ -33,6 +33,20 @@ def checkpoints(base_dir, tag):
     return sorted(int(d[5:]) for d in os.listdir(ckpt_dir(base_dir, tag)) if d.startswith("step_"))
 
 
+def test_a_write_that_fails_on_rank_0_stops_every_rank_together_with_one_line_each(base_dir):
+    run_dir = ckpt_dir(base_dir, "fullog2")
+    rc, out = finish(torchrun(base_dir, os.path.join("tests", "write_failure_worker.py"), run_dir, *FLAGS,
+                              "--num_iterations=6", "--model_tag=fullog2"))
+    assert rc != 0
+    assert out.count("base_train: ") == 2, out[-3000:]  # a line from each rank
+    assert f"base_train: cannot write {run_dir}/metrics.jsonl: no space left on device" in out
+    assert "base_train: rank 1 stopped with rank 0, which could not write the run's files (its line says which and " \
+           "why)\n" in out
+    # no worker was left in a collective with a peer gone: the one traceback is torchrun's report of the exit codes
+    assert "Connection closed" not in out and out.count("Traceback") == 1 and "ChildFailedError" in out, out[-3000:]
+    assert "exitcode  : 5" in out, out[-3000:]
+
+
 def test_budget_stop_ends_both_ranks_with_one_checkpoint(base_dir):
     rc, out = finish(base_train(base_dir, *FLAGS, "--num_iterations=100000", "--max_hours=0.0005",
                                 "--save_every_minutes=0", "--model_tag=budget2"))
@@ -110,12 +124,13 @@ def test_flags_budgets_and_save_cadence():
     args = SimpleNamespace(max_hours=1.0, max_cost=None, save_every_minutes=30)
     control = lifecycle.RunControl(args, prior_seconds=3599.0, price_per_hour=0, signals=lifecycle.StopSignals())
     values, flags = control.reduce(torch.tensor([1.0, 2.0]))
-    assert values == [1.0, 2.0] and flags == {"signal": [], "budget": [], "save_time": [], "data": []}
+    assert values == [1.0, 2.0] and flags == {"signal": [], "budget": [], "save_time": [], "data": [], "write": []}
     control.prior_seconds = 3600.0  # the hour is spent, counting the run's time before its resume
     control.last_save -= 31 * 60
     flags = control.agree(torch.device("cpu"))
-    assert flags == {"signal": [], "budget": [0], "save_time": [0], "data": []}
+    assert flags == {"signal": [], "budget": [0], "save_time": [0], "data": [], "write": []}
     assert control.reduce(torch.zeros(0), data_failed=True)[1]["data"] == [0]
+    assert control.reduce(torch.zeros(0), write_failed=True)[1]["write"] == [0]
     assert control.stop_reason(flags) == "budget spent (--max_hours=1.0)" and control.exit_code(flags) == 0
     control.signals.received = signal.SIGTERM
     flags = control.agree(torch.device("cpu"))
