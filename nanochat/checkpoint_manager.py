@@ -224,14 +224,11 @@ def check_data_positions(point, args, rank, tokenizer):
     """Refuse, on every rank, a checkpoint whose data positions the current shards do not hold: one line before
     anything is written, rather than the loader's traceback after 'resumed'. Opens this process's train loaders
     at their saved positions, as base_train does, so the loader's own rule decides."""
-    from nanochat.dataloader import DataLoader
     from nanochat.dataset import DatasetError
-    from nanochat.train_config import data_ranks
+    from nanochat.train_config import training_loaders
     error = None
     try:
-        for state, data_rank in zip(point.rank_state["loaders"], data_ranks(args, rank)):
-            DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", rank=data_rank,
-                       world_size=args.world_size * args.grad_accum, resume_state=state)
+        training_loaders(args, tokenizer, rank, point.rank_state["loaders"])
     except ValueError as e:
         error = CheckpointError(f"the data position saved in step {point.step} is not in the current data ({e}); "
                                 f"restore the data it was trained on, or start a new --model_tag")

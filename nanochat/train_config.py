@@ -577,6 +577,15 @@ def data_ranks(args, rank):
     return [rank * args.grad_accum + j for j in range(args.grad_accum)]
 
 
+def training_loaders(args, tokenizer, rank, resume_states, device="cpu"):
+    """Process `rank`'s training loaders, one per micro-step (its data ranks), at their resume positions (None: the
+    start). Also how a resume checks that the saved positions exist in the current data."""
+    from nanochat.dataloader import DataLoader
+    return [DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device, rank=data_rank,
+                       world_size=args.world_size * args.grad_accum, resume_state=state)
+            for data_rank, state in zip(data_ranks(args, rank), resume_states)]
+
+
 def batch_geometry(args):
     return {"world_size": args.world_size, "device_batch_size": args.device_batch_size,
             "max_seq_len": args.max_seq_len, "grad_accum": args.grad_accum}

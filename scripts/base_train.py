@@ -36,7 +36,7 @@ from nanochat.muon import Muon
 from nanochat.optim import clipped_step, reduce_gradients
 from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
                                    ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args,
-                                   plan_lines)
+                                   plan_lines, training_loaders)
 from nanochat.weight_average import WeightAverage
 
 
@@ -94,7 +94,7 @@ def train(args):
         print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
     if args.compile:
         model.compile_layer_visits()
-    loaders, prefetched = open_training_data(args, tokenizer, device, rank, world_size, loader_states,
+    loaders, prefetched = open_training_data(args, tokenizer, device, rank, loader_states,
                                              first_batch=start_step < num_iterations)
     consumed = [loader.state_dict() for loader in loaders]  # the loaders' positions after the last trained batch
     token_bytes = get_token_bytes(device=device)
@@ -310,16 +310,13 @@ def build_model(model_config, device, fsdp):
     return sharding.shard_model(ckpt.build_model(model_config, torch.device("cpu")), device)
 
 
-def open_training_data(args, tokenizer, device, rank, world_size, loader_states, first_batch):
+def open_training_data(args, tokenizer, device, rank, loader_states, first_batch):
     """This process's training loaders (one per accumulation step, at their resume positions) and the first batch;
     data unreadable on any rank stops every rank with one line."""
-    from nanochat.dataloader import DataLoader
     from nanochat.dataset import DatasetError
     loaders, prefetched, error = [], None, None
     try:
-        loaders = [DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
-                              rank=data_rank, world_size=world_size * args.grad_accum, resume_state=loader_states[j])
-                   for j, data_rank in enumerate(data_ranks(args, rank))]
+        loaders = training_loaders(args, tokenizer, rank, loader_states, device)
         prefetched = next(loaders[0]) if first_batch else None
     except DatasetError as e:
         error = e
