@@ -7,8 +7,8 @@ python -m dev.halting_curve --model_tag=d4 --split_tokens=262144 --out=dev/resul
 Writes OUT.md (the table: rule, threshold, mean steps, bpb) and OUT.png (bpb against mean steps; the fixed-depth
 curve is the line halting must lie below to pay). Mean steps count exactly the steps decoding with halting runs,
 averaged over the tokens bpb counts (loss_eval.evaluate_bpb_halting). Rule head runs only for a model with a
-halting head. Threshold 0 is every token at all N steps with no held keys: the approximation's cost is the
-distance from it at equal mean steps, and the fixed n_sup = N row is the same number.
+halting head. Each point also gives the bpb of the same rule with every token run to the end for later tokens to
+read (hold_keys=False): the difference is what reading a halted token's keys from the step it halted at costs.
 """
 
 import os
@@ -49,22 +49,28 @@ def parse_args(argv=None):
 
 
 def measure(model, loader, steps, token_bytes, rules, autocast):
-    """Rows (label, threshold or None, mean steps, bpb): fixed n_sup = 1..N, then each rule's thresholds."""
+    """Rows (label, threshold or None, mean steps, bpb, bpb with every step's keys or None): fixed n_sup = 1..N,
+    then each rule's thresholds."""
     n = model.config.n_sup_inference
     fixed, _ = evaluate_bpb(model, loader, steps, token_bytes, n_sup=n, autocast=autocast)
-    rows = [("fixed", None, float(s), bpb) for s, bpb in enumerate(fixed, start=1)]
+    rows = [("fixed", None, float(s), bpb, None) for s, bpb in enumerate(fixed, start=1)]
     for rule in rules:
         for threshold in THRESHOLDS[rule]:
-            bpb, mean = evaluate_bpb_halting(model, loader, steps, token_bytes, Halting(rule, threshold),
-                                             autocast=autocast)
-            rows.append((rule, threshold, mean, bpb))
-            print(f"{rule}:{threshold:g}  mean steps {mean:.3f}  bpb {bpb:.4f}", flush=True)
+            halting = Halting(rule, threshold)
+            bpb, mean = evaluate_bpb_halting(model, loader, steps, token_bytes, halting, autocast=autocast)
+            unheld, _ = evaluate_bpb_halting(model, loader, steps, token_bytes, halting, autocast=autocast,
+                                             hold_keys=False)
+            rows.append((rule, threshold, mean, bpb, unheld))
+            print(f"{rule}:{threshold:g}  mean steps {mean:.3f}  bpb {bpb:.4f}  (every step's keys: {unheld:.4f})",
+                  flush=True)
     return rows
 
 
 def table(rows, title):
-    lines = [f"## {title}", "", "| rule | threshold | mean steps | val bpb |", "|---|---|---|---|"]
-    lines += [f"| {label} | {'' if t is None else f'{t:g}'} | {mean:.3f} | {bpb:.4f} |" for label, t, mean, bpb in rows]
+    lines = [f"## {title}", "", "| rule | threshold | mean steps | val bpb | val bpb, every step's keys |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {label} | {'' if t is None else f'{t:g}'} | {mean:.3f} | {bpb:.4f} | "
+              f"{'' if unheld is None else f'{unheld:.4f}'} |" for label, t, mean, bpb, unheld in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -77,7 +83,7 @@ def plot(rows, title, path):
         raise Exit("halting_curve: matplotlib is not installed; pip install -e '.[plot]'")
     fig, ax = plt.subplots(figsize=(7, 5))
     for label in dict.fromkeys(r[0] for r in rows):
-        points = sorted((mean, bpb) for lab, _, mean, bpb in rows if lab == label)
+        points = sorted((mean, bpb) for lab, _, mean, bpb, _ in rows if lab == label)
         ax.plot(*zip(*points), "k-o" if label == "fixed" else "--.", label="fixed n_sup" if label == "fixed" else label)
     ax.set_xlabel("mean supervision steps per token")
     ax.set_ylabel("validation bpb")

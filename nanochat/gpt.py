@@ -597,7 +597,9 @@ class GPT(nn.Module):
         """(logits (B, T, V), steps (B, T)): each position's logits from the step it halted at (see `Halting`) and
         the number of steps it ran (what decoding it alone would run). kv_cache: an engine KVCache, a fresh one for
         a whole sequence; from the step after a position halts, it gives that position's keys and values from the
-        step it halted at. Rows all halted skip the remaining steps (the cache repeats their last step's keys)."""
+        step it halted at. Rows all halted skip the remaining steps (the cache repeats their last step's keys).
+        kv_cache=None: the same decisions and kept answers, but every position runs all n_sup steps and later tokens
+        read its keys and values from every step, the exact computation that holding approximates (to measure it)."""
         n_sup = n_sup or self.config.n_sup_inference
         score = HALTING_RULES[self.check_halting(halting).rule]
         x = self.embed(idx, kv_cache)
@@ -610,14 +612,18 @@ class GPT(nn.Module):
             current = Draft(self, y)
             halted = halted | (score(self, previous, current) < halting.threshold)
             previous = current
+            if kv_cache is None:
+                continue
             per_step, prelude = self.slots_per_step(), self.config.n_prelude
             if halted.all() and s < n_sup:
                 kv_cache.repeat_step(prelude + s * per_step, prelude + n_sup * per_step, per_step, idx.size(1))
                 break
             kv_cache.hold(halted, per_step)
-        kv_cache.hold(None, None)  # the coda runs once, on every position's kept answer
+        if kv_cache is not None:
+            kv_cache.hold(None, None)  # the coda runs once, on every position's kept answer
         logits = self.head(self.apply_coda(kept, kv_cache, n_sup))
-        kv_cache.advance(idx.size(1))
+        if kv_cache is not None:
+            kv_cache.advance(idx.size(1))
         return logits, steps
 
     def check_halting(self, halting):

@@ -108,10 +108,12 @@ def validation_bpb(model, tokenizer, args, device, rank, world_size, token_bytes
 
 
 @torch.no_grad()
-def evaluate_bpb_halting(model, batches, steps, token_bytes, halting, n_sup=None, autocast=None):
+def evaluate_bpb_halting(model, batches, steps, token_bytes, halting, n_sup=None, autocast=None, hold_keys=True):
     """(bpb, mean_steps) with per-token adaptive halting (gpt.Halting): each token's loss from the logits of the step
     it halted at, and the supervision steps it ran, averaged over the tokens bpb counts: exactly the steps decoding
-    with halting runs for them. batches, steps, n_sup (default n_sup_inference) and DDP as evaluate_bpb."""
+    with halting runs for them. batches, steps, n_sup (default n_sup_inference) and DDP as evaluate_bpb.
+    hold_keys=False: later tokens read a halted token's keys and values from every step, not from the step it halted
+    at (GPT.forward_halting without a cache): the reference that measures what the hold costs."""
     from nanochat.engine import KVCache
     n = n_sup or model.config.n_sup_inference
     sums = torch.zeros(4, dtype=torch.float64, device=token_bytes.device)  # nats, bytes, steps, tokens
@@ -120,7 +122,7 @@ def evaluate_bpb_halting(model, batches, steps, token_bytes, halting, n_sup=None
         batches = batches() if callable(batches) else batches
         for _ in progress_bar(range(steps), desc=f"evaluating {halting}", delay=3, leave=False):
             x, y = next(batches)
-            cache = KVCache(model.num_attention_slots(n), x.size(0), x.size(1))  # a fresh cache: the whole sequence
+            cache = KVCache(model.num_attention_slots(n), x.size(0), x.size(1)) if hold_keys else None  # whole rows
             with autocast or torch.autocast(x.device.type, enabled=False):
                 logits, used = model.forward_halting(x, halting, cache, n_sup=n)
             losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1,

@@ -128,6 +128,31 @@ def test_the_reference_catches_a_cache_that_recomputes_halted_keys():
     assert not torch.allclose(logits, expected, atol=1e-3)
 
 
+@pytest.mark.parametrize("halt", ["kl:0.05", "rms:0.5"])
+@torch.no_grad()
+def test_without_a_cache_halting_keeps_answers_but_every_step_keys(halt):
+    """kv_cache=None, the reference that measures the hold: every position runs all N steps (plain attention over
+    every step), and each keeps the answer of the first step whose score fell below the threshold."""
+    model, idx = random_model(), tokens(2, 10)
+    rule, threshold = halt.split(":")
+    states = [model.embed(idx)] + [y for y, _ in model.refine(idx, N)]
+    logits_per_step = [model.head(y) for y in states]
+    if rule == "kl":
+        scores = [(F.softmax(b, -1) * (F.log_softmax(b, -1) - F.log_softmax(a, -1))).sum(-1)
+                  for a, b in zip(logits_per_step, logits_per_step[1:])]
+    else:
+        scores = [(b - a).norm(dim=-1) / a.norm(dim=-1) for a, b in zip(states, states[1:])]
+    below = torch.stack(scores) < float(threshold)  # (N, B, T)
+    below[-1] = True  # a position that never halts answers at step N
+    expected_steps = below.float().argmax(dim=0) + 1  # the first step whose score fell below
+    expected = torch.stack(logits_per_step[1:])[expected_steps - 1, torch.arange(2)[:, None], torch.arange(10)]
+    logits, steps = model.forward_halting(idx, Halting.parse(halt), None, n_sup=N)
+    assert torch.equal(steps, expected_steps) and 1 < len(steps.unique())
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    held, _ = reference(model, idx, halt)  # the hold changes what later tokens read: the two differ
+    assert not torch.allclose(held, logits, atol=1e-3)
+
+
 @torch.no_grad()
 def test_engine_greedy_generation_with_halting_equals_the_reference():
     model, prompt = random_model(), [3, 17, 5]
@@ -227,6 +252,11 @@ def test_evaluation_with_halting_spans_step_one_to_every_step():
     counted = [(token_bytes[y] > 0, reference(model, x, "kl:0.05")[1]) for x, y in batches]
     expected = sum(steps[c].sum().item() for c, steps in counted) / sum(c.sum().item() for c, _ in counted)
     assert 1 < mean < N and mean == pytest.approx(expected)
+    bpb, mean = evaluate_bpb_halting(model, iter(batches), 2, token_bytes, Halting.parse("kl:0"), hold_keys=False)
+    assert mean == N and bpb == pytest.approx(per_step[-1], abs=1e-6)
+    held, _ = evaluate_bpb_halting(model, iter(batches), 2, token_bytes, Halting.parse("kl:0.05"))
+    unheld, _ = evaluate_bpb_halting(model, iter(batches), 2, token_bytes, Halting.parse("kl:0.05"), hold_keys=False)
+    assert held != pytest.approx(unheld, abs=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -284,8 +314,9 @@ def test_halting_curve_writes_the_table_and_the_plot(trained_tiny, monkeypatch, 
                                "--split_tokens=128", "--rules=kl,head", f"--out={out}"])
     fixed = [r for r in rows if r[0] == "fixed"]
     assert [r[2] for r in fixed] == [1.0, 2.0, 3.0] and [r[0] for r in rows[3:]] == ["kl", "kl"]  # no head: skipped
-    # threshold 0 is the fixed last step, infinity the fixed first
-    assert rows[3][2:] == pytest.approx((3.0, fixed[-1][3])) and rows[4][2:] == pytest.approx((1.0, fixed[0][3]))
+    # threshold 0 is the fixed last step, infinity the fixed first, with or without held keys
+    assert rows[3][2:] == pytest.approx((3.0, fixed[-1][3], fixed[-1][3]))
+    assert rows[4][2:] == pytest.approx((1.0, fixed[0][3], fixed[0][3]))
     with open(out + ".md") as f:
         assert f.read().count("\n| ") == 1 + 5  # the header, then a row per point
     assert os.path.getsize(out + ".png") > 1000
