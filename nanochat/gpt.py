@@ -261,6 +261,11 @@ HALT_MARGIN = 0.005  # nats: a next step 'still pays' for a token when it lowers
 HALT_LOSS_WEIGHT = 0.1  # the head's BCE in forward_backward; it reads a detached y, so this scales only its own grads
 
 
+def halt_targets(previous_losses, losses):
+    """Per token: the step from previous_losses to losses no longer paid (gained at most HALT_MARGIN nats)."""
+    return previous_losses - losses <= HALT_MARGIN
+
+
 @dataclass(frozen=True)
 class Halting:
     """A halting rule and its threshold: 'kl:0.0005' halts a position once KL(p_s || p_{s-1}) < 0.0005."""
@@ -650,11 +655,24 @@ class GPT(nn.Module):
     def halt_head_loss(self, previous_y, previous_losses, losses, targets):
         """BCE of the halting head on step s-1's answer (detached: the head learns, the model is untouched) towards
         'halt', i.e. step s lowered that token's loss by no more than HALT_MARGIN."""
-        halt = (previous_losses - losses <= HALT_MARGIN).float()
+        halt = halt_targets(previous_losses, losses).float()
         logits = self.halt_head(norm(previous_y.detach())).float().squeeze(-1)
         valid = (targets != -1).float()
         bce = F.binary_cross_entropy_with_logits(logits, halt, reduction="none")
         return (bce * valid).sum() / valid.sum().clamp(min=1)
+
+    def frozen_halt_head_loss(self, idx, targets, n_sup=None):
+        """(bce, halt_rate) on a batch with the model frozen (Ouro's second stage, scripts.halt_train): the trunk runs
+        without gradients, and only the head's BCE (halt_head_loss, mean over the steps that have a next one) has a
+        graph. halt_rate: the fraction of 'halt' targets; its entropy is what a head blind to y would score."""
+        with torch.no_grad():
+            states = [y for y, _ in self.refine(idx, n_sup or self.config.n_sup_inference)]
+            losses = [self.token_losses(y, targets) for y in states]
+        pairs = range(1, len(states))
+        bce = torch.stack([self.halt_head_loss(states[s - 1], losses[s - 1], losses[s], targets) for s in pairs])
+        valid = targets != -1
+        halts = sum((halt_targets(losses[s - 1], losses[s]) & valid).sum() for s in pairs)
+        return bce.mean(), halts / (valid.sum() * len(pairs)).clamp(min=1)
 
     def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None):
         """A training micro-step: the loss of model(idx, targets, n_sup=n_sup), backpropagated (scaled by loss_scale).

@@ -1,0 +1,77 @@
+"""scripts.halt_train: a halting head trained afterwards with the model frozen, written as a new tag."""
+
+import pytest
+import torch
+
+from nanochat.gpt import HALT_BIAS_INIT, HALT_MARGIN
+from tests import helpers
+from tests.test_halting import random_model, tokens
+
+
+def test_the_frozen_loss_reaches_only_the_head_and_counts_the_targets():
+    model = random_model()
+    idx, targets = tokens(2, 8), tokens(2, 8, seed=2)
+    targets[0, :3] = -1  # ignored positions count neither in the BCE nor in the rate
+    bce, rate = model.frozen_halt_head_loss(idx, targets)
+    bce.backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("halt_head"))
+    assert model.halt_head.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        losses = model(idx, targets, n_sup=model.config.n_sup_inference, loss_reduction="none")  # (N, B, T)
+    valid = targets != -1
+    expected = ((losses[:-1] - losses[1:] <= HALT_MARGIN) & valid).float().sum() / (valid.sum() * (len(losses) - 1))
+    assert 0 < rate < 1 and rate.item() == pytest.approx(expected.item())
+
+
+@pytest.fixture(scope="module")
+def headless(base_dir):
+    """A tiny checkpoint trained without a halting head."""
+    from scripts import base_train
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", base_dir)
+        base_train.main(helpers.TINY + ["--n_sup_train=3", "--num_iterations=2", "--eval_every=0",
+                                        "--model_tag=headless"])
+    return base_dir
+
+
+def halt_train(*flags):
+    from scripts import halt_train
+    return halt_train.main(["--model_tag=headless", "--device_type=cpu", "--device_batch_size=2",
+                            "--eval_tokens=256", *flags])
+
+
+def test_halt_train_writes_a_new_tag_with_a_trained_head_and_the_same_model(headless, monkeypatch):
+    from nanochat.checkpoint_manager import load_model, model_dir
+    from scripts import base_loss
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", headless)
+    source_files = helpers.tree(model_dir("headless"))
+    result = halt_train("--num_iterations=40", "--lr=0.05", "--out_tag=headless_halt")
+    assert helpers.tree(model_dir("headless")) == source_files  # the source is only read
+    assert result["after"] < result["before"]
+    source, _, _ = load_model("headless", "latest", "cpu")
+    trained, _, meta = load_model("headless_halt", "latest", "cpu")
+    assert trained.config.halt_head and meta["halt_train"]["from"] == "headless"
+    assert trained.halt_head.bias.item() != HALT_BIAS_INIT and trained.halt_head.weight.abs().sum() > 0
+    for name, weight in source.state_dict().items():
+        assert torch.equal(trained.state_dict()[name], weight), name
+    results = base_loss.main(["--model_tag=headless_halt", "--device_type=cpu", "--device_batch_size=2",
+                              "--split_tokens=128", "--sample_tokens=2", "--halt=head:0.5"])
+    assert 1 <= results["val_halting"]["mean_steps"] <= 3
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--out_tag=headless"], "is the source tag"),
+    (["--out_tag=taken"], "already holds a run"),
+    (["--lr=0"], "--lr=0.0 must be > 0"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(headless, monkeypatch, flags, message):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", headless)
+    if "--out_tag=taken" in flags:
+        from scripts import base_train
+        base_train.main(helpers.TINY + ["--num_iterations=1", "--eval_every=0", "--model_tag=taken"])
+    before = helpers.tree(headless)
+    with pytest.raises(SystemExit) as exit_info:
+        halt_train("--num_iterations=1", *flags)
+    assert isinstance(exit_info.value.code, str) and message in exit_info.value.code
+    assert "\n" not in exit_info.value.code
+    assert helpers.tree(headless) == before
