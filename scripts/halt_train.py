@@ -8,6 +8,8 @@ python -m scripts.base_loss --model_tag=d12_halt --halt=head:0.5   # then use it
 
 The source checkpoint is only read. The result is a new tag (--out_tag, default <model_tag>_halt) holding the same
 step with the head added; an existing tag is refused, never overwritten. One process (the head is one matrix).
+A new head starts at the blind guess (weight 0, its bias at the validation rate of 'halt' targets): with the model
+frozen, never halting protects nothing, and from bias -5 Adam spends hundreds of steps getting there.
 """
 
 import math
@@ -29,7 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--model_tag", default=None, help="the checkpoint to add a head to (default: the latest written)")
     p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
     p.add_argument("--out_tag", default=None, help="the new tag (default: <model_tag>_halt)")
-    p.add_argument("--num_iterations", type=int, default=300, help="optimizer steps of the head")
+    p.add_argument("--num_iterations", type=int, default=500, help="optimizer steps of the head")
     p.add_argument("--lr", type=float, default=0.01, help="AdamW learning rate of the head")
     p.add_argument("--device_batch_size", type=int, default=8)
     p.add_argument("--max_seq_len", type=int, default=None, help="default: the model's sequence_len")
@@ -46,13 +48,13 @@ def parse_args(argv=None):
 
 
 def with_halt_head(model, device):
-    """The model with a halting head: its own, or a fresh one that starts never halting (GPT.init_weights)."""
+    """(the model with a halting head, whether the head is new): its own, or a fresh one (GPT.init_weights)."""
     if model.config.halt_head:
-        return model
+        return model, False
     fresh = ckpt.build_model({**model.config.to_dict(), "halt_head": True}, device)
     missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("halt_head.") for k in missing), (missing, unexpected)
-    return fresh
+    return fresh, True
 
 
 @torch.no_grad()
@@ -93,7 +95,7 @@ def main(argv=None):
         raise Exit(f"halt_train: {model_tag} runs {model.config.n_sup_inference} supervision step: nothing to halt")
     T = min(args.max_seq_len or model.config.sequence_len, model.config.sequence_len)
     B = args.device_batch_size
-    model = with_halt_head(model, device)
+    model, fresh = with_halt_head(model, device)
     model.requires_grad_(False)
     model.halt_head.requires_grad_(True)
     optimizer = torch.optim.AdamW(model.halt_head.parameters(), lr=args.lr, betas=(0.8, 0.95), eps=1e-10)
@@ -101,6 +103,10 @@ def main(argv=None):
     _, eval_steps = evaluation_size(args.eval_tokens, B, T, 1)
     validation = lambda: evaluation_batches(tokenizer, B, T, "val", args.eval_tokens, 0, 1, device)
     before, rate = validation_bce(model, validation(), eval_steps, autocast)
+    if fresh:  # the model is frozen, so no step needs protecting: start at the blind guess, not at never halting
+        with torch.no_grad():
+            model.halt_head.bias.fill_(math.log(max(rate, 1e-6) / max(1 - rate, 1e-6)))
+        before = blind_bce(rate)  # what a weight-0 head at that bias scores
     print0(f"halt_train: {model_tag} step {meta['step']}, {model.config.n_sup_inference} supervision steps; val "
            f"BCE {before:.4f} before training, {blind_bce(rate):.4f} for a head blind to y ({100 * rate:.1f}% of "
            f"tokens should halt)")
