@@ -32,7 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
     p.add_argument("--out_tag", default=None, help="the new tag (default: <model_tag>_halt)")
     p.add_argument("--num_iterations", type=int, default=500, help="optimizer steps of the head")
-    p.add_argument("--lr", type=float, default=0.01, help="AdamW learning rate of the head")
+    p.add_argument("--lr", type=float, default=0.001, help="AdamW learning rate of the head (0.01 overfit, dev/LOG.md)")
     p.add_argument("--device_batch_size", type=int, default=8)
     p.add_argument("--max_seq_len", type=int, default=None, help="default: the model's sequence_len")
     p.add_argument("--eval_tokens", type=int, default=65536, help="validation tokens for the BCE before and after")
