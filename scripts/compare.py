@@ -67,12 +67,14 @@ RECURSION_GRID = {
     "trm_detach_ema": "--state_update=trm --detach_between_steps=true --ema_decay=auto",
 }
 # --grid=recipe: what paid in the looped-LM literature (issue 20), at equal parameters: four unique blocks each, as a
-# plain GPT, as today's TRM, or as a 2-layer recursion between a 1-block prelude and coda; then gradients through
-# every step, sampled depth and the uniform preset added one at a time. --mode=params adds the equal-FLOPs plains.
+# plain GPT, as today's TRM (and with gradients through every step), or as a 2-layer recursion between a 1-block
+# prelude and coda; then gradients through every step, sampled depth and the uniform preset added one at a time.
+# --mode=params adds the equal-FLOPs plains.
 RECIPE_CORE = "--depth=2 --n_prelude=1 --n_coda=1 --n_loops=2 --n_sup_train=4"
 RECIPE_GRID = {
     "plain4": "--depth=4 --n_loops=0 --n_sup_train=1",
     "trm4": "--depth=4 --n_loops=2 --n_sup_train=4",
+    "trm4_fullgrad": "--depth=4 --n_loops=2 --n_sup_train=4 --detach_between_steps=false",
     "trm2_pc": RECIPE_CORE,
     "trm2_pc_fullgrad": f"{RECIPE_CORE} --detach_between_steps=false",
     "trm2_pc_fullgrad_sampled": f"{RECIPE_CORE} --detach_between_steps=false --sample_n_sup",
