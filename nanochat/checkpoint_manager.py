@@ -558,6 +558,11 @@ def load_resume_point(model_tag, which, rank, backup_url=None, world_size=None, 
         what = f"loading checkpoint step {step}"
         try:
             meta = _agreed(lambda: read_meta(model_tag, step), what)
+            if "halt_train" in meta:  # its rank file holds the head's optimizer only, and no data positions
+                source = meta["halt_train"]["from"]
+                raise CheckpointError(f"{model_tag!r} was written by scripts.halt_train (a halting head added to "
+                                      f"{source!r}), not by a training run: resume {source!r} instead, or use "
+                                      f"{model_tag!r} for evaluation, sampling, serving and export")
             if checkpoint_sharding(meta) == "fsdp":
                 return _agreed(lambda: ResumePoint(step, meta, None, sharded_rank_state(model_tag, step, meta, rank,
                                                                                         data_ranks), None), what)

@@ -100,3 +100,17 @@ def test_bad_input_is_one_line_and_writes_nothing(headless, monkeypatch, flags, 
     assert isinstance(exit_info.value.code, str) and message in exit_info.value.code
     assert "\n" not in exit_info.value.code
     assert helpers.tree(headless) == before
+
+
+def test_base_train_refuses_to_resume_a_halt_train_tag_in_one_line(headless, monkeypatch, capsys):
+    from scripts import base_train
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", headless)
+    halt_train("--num_iterations=1", "--out_tag=resumed_halt")
+    before = helpers.tree(headless)
+    capsys.readouterr()
+    code = helpers.exit_code(base_train.main, *helpers.TINY, "--n_sup_train=3", "--num_iterations=4",
+                             "--model_tag=resumed_halt", "--resume")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code not in (0, None) and len(lines) == 1, lines
+    assert "written by scripts.halt_train" in lines[0] and "resume 'headless' instead" in lines[0]
+    assert helpers.tree(headless) == before
