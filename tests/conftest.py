@@ -68,3 +68,15 @@ def corpus_files(tmp_path):
                                     json.dumps({"text": "json doc 2"}) + "\n")
     pq.write_table(pa.table({"text": ["parquet doc 1", None, "parquet doc 2"], "n": [1, 2, 3]}), src / "p.parquet")
     return src
+
+
+@pytest.fixture(scope="module")
+def trained_tiny(base_dir):
+    """base_dir with a tiny TRM checkpoint 'halt' (3 supervision steps, no halting head), trained one step."""
+    from scripts import base_train
+    from tests import helpers
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", base_dir)
+        base_train.main(helpers.TINY + ["--n_sup_train=3", "--num_iterations=1", "--eval_every=0",
+                                        "--model_tag=halt"])
+    return base_dir

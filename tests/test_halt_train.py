@@ -48,69 +48,58 @@ def test_training_the_frozen_head_beats_the_blind_guess_on_its_batch():
     assert model.frozen_halt_head_loss(idx, targets)[0] < 0.8 * start
 
 
-@pytest.fixture(scope="module")
-def headless(base_dir):
-    """A tiny checkpoint trained without a halting head."""
-    from scripts import base_train
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", base_dir)
-        base_train.main(helpers.TINY + ["--n_sup_train=3", "--num_iterations=2", "--eval_every=0",
-                                        "--model_tag=headless"])
-    return base_dir
-
-
 def halt_train(*flags):
     from scripts import halt_train
-    return halt_train.main(["--model_tag=headless", "--device_type=cpu", "--device_batch_size=2",
+    return halt_train.main(["--model_tag=halt", "--device_type=cpu", "--device_batch_size=2",
                             "--eval_tokens=256", *flags])
 
 
-def test_halt_train_writes_a_new_tag_with_a_trained_head_and_the_same_model(headless, monkeypatch):
+def test_halt_train_writes_a_new_tag_with_a_trained_head_and_the_same_model(trained_tiny, monkeypatch):
     from nanochat.checkpoint_manager import load_model, model_dir
     from scripts import base_loss
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", headless)
-    source_files = helpers.tree(model_dir("headless"))
-    result = halt_train("--num_iterations=40", "--lr=0.05", "--out_tag=headless_halt")
-    assert helpers.tree(model_dir("headless")) == source_files  # the source is only read
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_tiny)
+    source_files = helpers.tree(model_dir("halt"))
+    result = halt_train("--num_iterations=40", "--lr=0.05", "--out_tag=halt_frozen")
+    assert helpers.tree(model_dir("halt")) == source_files  # the source is only read
     assert result["before"] == result["blind"]  # a new head starts at the blind guess
-    source, _, _ = load_model("headless", "latest", "cpu")
-    trained, _, meta = load_model("headless_halt", "latest", "cpu")
-    assert trained.config.halt_head and meta["halt_train"]["from"] == "headless"
+    source, _, _ = load_model("halt", "latest", "cpu")
+    trained, _, meta = load_model("halt_frozen", "latest", "cpu")
+    assert trained.config.halt_head and meta["halt_train"]["from"] == "halt"
     assert trained.halt_head.bias.item() != HALT_BIAS_INIT and trained.halt_head.weight.abs().sum() > 0
     for name, weight in source.state_dict().items():
         assert torch.equal(trained.state_dict()[name], weight), name
-    results = base_loss.main(["--model_tag=headless_halt", "--device_type=cpu", "--device_batch_size=2",
+    results = base_loss.main(["--model_tag=halt_frozen", "--device_type=cpu", "--device_batch_size=2",
                               "--split_tokens=128", "--sample_tokens=2", "--halt=head:0.5"])
     assert 1 <= results["val_halting"]["mean_steps"] <= 3
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--out_tag=headless"], "is the source tag"),
+    (["--out_tag=halt"], "is the source tag"),
     (["--out_tag=taken"], "already holds a run"),
     (["--lr=0"], "--lr=0.0 must be > 0"),
 ])
-def test_bad_input_is_one_line_and_writes_nothing(headless, monkeypatch, flags, message):
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", headless)
+def test_bad_input_is_one_line_and_writes_nothing(trained_tiny, monkeypatch, flags, message):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_tiny)
     if "--out_tag=taken" in flags:
         from scripts import base_train
         base_train.main(helpers.TINY + ["--num_iterations=1", "--eval_every=0", "--model_tag=taken"])
-    before = helpers.tree(headless)
+    before = helpers.tree(trained_tiny)
     with pytest.raises(SystemExit) as exit_info:
         halt_train("--num_iterations=1", *flags)
     assert isinstance(exit_info.value.code, str) and message in exit_info.value.code
     assert "\n" not in exit_info.value.code
-    assert helpers.tree(headless) == before
+    assert helpers.tree(trained_tiny) == before
 
 
-def test_base_train_refuses_to_resume_a_halt_train_tag_in_one_line(headless, monkeypatch, capsys):
+def test_base_train_refuses_to_resume_a_halt_train_tag_in_one_line(trained_tiny, monkeypatch, capsys):
     from scripts import base_train
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", headless)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_tiny)
     halt_train("--num_iterations=1", "--out_tag=resumed_halt")
-    before = helpers.tree(headless)
+    before = helpers.tree(trained_tiny)
     capsys.readouterr()
     code = helpers.exit_code(base_train.main, *helpers.TINY, "--n_sup_train=3", "--num_iterations=4",
                              "--model_tag=resumed_halt", "--resume")
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code not in (0, None) and len(lines) == 1, lines
-    assert "written by scripts.halt_train" in lines[0] and "resume 'headless' instead" in lines[0]
-    assert helpers.tree(headless) == before
+    assert "written by scripts.halt_train" in lines[0] and "resume 'halt' instead" in lines[0]
+    assert helpers.tree(trained_tiny) == before

@@ -259,16 +259,6 @@ def test_evaluation_with_halting_spans_step_one_to_every_step():
     assert held != pytest.approx(unheld, abs=1e-6)
 
 
-@pytest.fixture(scope="module")
-def trained_tiny(base_dir):
-    from scripts import base_train
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", base_dir)
-        base_train.main(helpers.TINY + ["--n_sup_train=3", "--num_iterations=1", "--eval_every=0",
-                                        "--model_tag=halt"])
-    return base_dir
-
-
 def test_base_loss_halt_prints_the_halting_line_and_saves_it(trained_tiny, monkeypatch, capsys):
     from scripts import base_loss
     monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_tiny)
