@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv if missing and install the project into it; a no-op when pyproject.toml and extras are unchanged.
+# Create .venv if missing and install the project into it at the exact versions of requirements.lock (what the
+# suite passed on); a no-op when pyproject.toml, the lock and the extras are unchanged.
 # Usage: bash dev/setup_env.sh [EXTRAS]   e.g. dev,plot  (EXTRAS are pyproject optional-dependency groups)
+# torch is locked as 2.13.0 without a build tag: the CPU wheel on a CPU machine, PyPI's CUDA build on a GPU node.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=${1:-plot}
@@ -9,10 +11,10 @@ if [ ! -x .venv/bin/python ]; then
     echo "setup: creating .venv with $($python --version)"
     "$python" -m venv .venv
 fi
-stamp=".venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)-${extras//,/_}"
+stamp=".venv/.installed-$(cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)-${extras//,/_}"
 if [ ! -f "$stamp" ]; then
-    echo "setup: installing nanochat[$extras] into .venv (first run takes a few minutes)"
-    .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e ".[$extras]"
+    echo "setup: installing nanochat[$extras] into .venv from requirements.lock (first run takes a few minutes)"
+    .venv/bin/python -m pip install --quiet --upgrade "pip>=24"
+    .venv/bin/python -m pip install --quiet -c requirements.lock -e ".[$extras]"
     touch "$stamp"
 fi

@@ -28,6 +28,17 @@ from .gpt import GPT, GPTConfig
 if int(transformers.__version__.split(".")[0]) < 5:  # 4.x leaves the rotary tables on the meta device
     raise ImportError(f"this model needs transformers>=5 (found {transformers.__version__})")
 
+# generate hands the model its cache as `cache` from transformers 5.24 and as `past_key_values` before; the model
+# output names it the same way. Take either, answer in the installed version's own name.
+CACHE_KEYWORDS = ("cache", "past_key_values")
+CACHE_FIELD = next(name for name in CACHE_KEYWORDS if name in CausalLMOutputWithPast.__dataclass_fields__)
+
+
+def pop_cache(kwargs):
+    """The cache generate passed under any of CACHE_KEYWORDS (None if none), removed from kwargs."""
+    caches = [kwargs.pop(name) for name in CACHE_KEYWORDS if name in kwargs]
+    return next((cache for cache in caches if cache is not None), None)
+
 
 class NanochatTRMConfig(PretrainedConfig):
     """GPTConfig's fields as keyword arguments (config.json keys); the standard names map onto them."""
@@ -69,24 +80,26 @@ class NanochatTRMForCausalLM(PreTrainedModel, GenerationMixin):
         if module is self.model:
             module.init_weights()  # also computes the rotary tables, which are not saved
 
-    def forward(self, input_ids, labels=None, n_sup=None, attention_mask=None, past_key_values=None, use_cache=None,
-                **kwargs):
+    def forward(self, input_ids, labels=None, n_sup=None, attention_mask=None, use_cache=None, **kwargs):
         """Logits of the last of n_sup supervision steps; with labels, their next-token cross-entropy. With a
-        past_key_values Cache (or use_cache=True, which starts one), input_ids continue the tokens it holds."""
+        Cache as `cache` or `past_key_values` (or use_cache=True, which starts one), input_ids continue the tokens
+        it holds."""
+        cache = pop_cache(kwargs)
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("padding is not supported: pass prompts of equal length (e.g. one at a time), "
                              "without masked positions")
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
+        if use_cache and cache is None:
+            cache = DynamicCache()
         n_sup = n_sup or self.model.config.n_sup_inference
-        slots = None if past_key_values is None else SlotCache(past_key_values, self.model.num_attention_slots(n_sup))
+        slots = None if cache is None else SlotCache(cache, self.model.num_attention_slots(n_sup))
         logits = self.model(input_ids, n_sup=n_sup, kv_cache=slots)
         loss = None
         if labels is not None:  # labels are input_ids, shifted here (the transformers convention)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, n_sup=None, **kwargs):
-        if past_key_values is not None:  # only the tokens the cache does not hold yet
-            input_ids = input_ids[:, past_key_values.get_seq_length():]
-        return {"input_ids": input_ids, "past_key_values": past_key_values, "n_sup": n_sup}
+    def prepare_inputs_for_generation(self, input_ids, n_sup=None, **kwargs):
+        cache = pop_cache(kwargs)
+        if cache is not None:  # only the tokens the cache does not hold yet
+            input_ids = input_ids[:, cache.get_seq_length():]
+        return {"input_ids": input_ids, CACHE_FIELD: cache, "n_sup": n_sup}

@@ -32,6 +32,23 @@ def exported(tokenizer, directory, **options):
     return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
 
 
+def returned_cache(output):
+    """The cache a model output or generate result holds: `cache` from transformers 5.24, `past_key_values` before."""
+    return getattr(output, "cache" if "cache" in output.__dataclass_fields__ else "past_key_values")
+
+
+def count_forward_tokens(hf):
+    """A list that receives, at every forward of the wrapped GPT, the number of positions it was given."""
+    seen, forward = [], hf.model.forward
+
+    def counting(idx, *args, **kwargs):
+        seen.append(idx.size(1))
+        return forward(idx, *args, **kwargs)
+
+    hf.model.forward = counting
+    return seen
+
+
 @pytest.mark.parametrize("options", SHAPES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 @torch.no_grad()
 def test_cached_logits_equal_the_full_forward_at_every_position_and_step(options, tokenizer, tmp_path):
@@ -42,7 +59,9 @@ def test_cached_logits_equal_the_full_forward_at_every_position_and_step(options
         assert full.std() > 0.3  # random weights: a wrong slot cannot match by accident
         cache = DynamicCache()
         spans = [(0, 6), (6, 7), (7, 8), (8, 12), (12, 13), (13, 14)]  # a prefill, then 1 and 4 tokens at a time
-        pieces = [hf(input_ids=idx[:, a:b], n_sup=n_sup, past_key_values=cache).logits for a, b in spans]
+        # both keywords transformers has used for the cache: `cache` (5.24+) and `past_key_values` (before)
+        pieces = [hf(input_ids=idx[:, a:b], n_sup=n_sup, **{("cache", "past_key_values")[i % 2]: cache}).logits
+                  for i, (a, b) in enumerate(spans)]
         assert len(cache.layers) == hf.model.num_attention_slots(n_sup) and cache.get_seq_length() == 14
         assert (torch.cat(pieces, dim=1) - full).abs().max() <= ATOL, f"n_sup={n_sup}"
 
@@ -55,11 +74,16 @@ def test_cached_generate_equals_uncached_generate(options, tokenizer, tmp_path):
     for n_sup in (1, hf.config.n_sup_inference):
         kwargs = dict(max_new_tokens=10, do_sample=False, n_sup=n_sup, eos_token_id=None,
                       return_dict_in_generate=True)
+        seen = count_forward_tokens(hf)
         cached = hf.generate(prompt, use_cache=True, **kwargs)
+        assert seen == [5] + [1] * 9  # the prompt once, then one new token per forward: the cache was read
+        seen.clear()
         uncached = hf.generate(prompt, use_cache=False, **kwargs)
+        assert seen == list(range(5, 15))  # without it, the whole sequence every time
+        del hf.model.forward
         assert cached.sequences.shape == (2, 15) and torch.equal(cached.sequences, uncached.sequences)
-        assert len(cached.past_key_values.layers) == hf.model.num_attention_slots(n_sup)  # the cache was used
-        assert uncached.past_key_values is None
+        assert len(returned_cache(cached).layers) == hf.model.num_attention_slots(n_sup)  # the cache was written
+        assert returned_cache(uncached) is None
 
 
 @torch.no_grad()
@@ -67,4 +91,4 @@ def test_the_export_generates_with_a_cache_by_default(tokenizer, tmp_path):
     hf = exported(tokenizer, tmp_path / "out", n_loops=1)
     out = hf.generate(torch.tensor([[tokenizer.get_bos_token_id(), 5, 6]]), max_new_tokens=4, do_sample=False,
                       eos_token_id=None, return_dict_in_generate=True)
-    assert out.past_key_values.get_seq_length() == 3 + 4 - 1  # the last token is returned, never fed back
+    assert returned_cache(out).get_seq_length() == 3 + 4 - 1  # the last token is returned, never fed back
