@@ -64,6 +64,7 @@ MAX_STOPS = 4  # as at OpenAI
 MAX_LOGPROBS = 20  # as vLLM's default; OpenAI's is 5
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists, none of them empty"
 # OpenAI's fields this server does not implement, and the values at which they change nothing
+BOS_LOG_EVERY = 1000  # the log warns of prompts without <|bos|> at the first and then every this many
 AUTO_HALTING = "kl:0.0005"  # what n_sup "auto" runs: Huginn's exit threshold on KL(p_s || p_{s-1})
 NEUTRAL = {"best_of": 1, "suffix": "", "logit_bias": {}, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
@@ -270,11 +271,29 @@ class Server:
         self.queue_timeout = queue_timeout
         self.slots = asyncio.Semaphore(max_concurrency)
         self.running = 0
+        self.bos = engine.tokenizer.get_bos_token_id()
+        self.without_bos = 0  # token-id prompts that did not start with <|bos|>: see bos_warning
 
     def health(self):
         return {"status": "ok", **self.info, "sequence_len": self.config.sequence_len,
                 "n_sup_max": self.config.n_sup_inference, "max_tokens_limit": self.max_tokens_limit,
-                "max_batch": self.max_batch, "running": self.running, "max_concurrency": self.max_concurrency}
+                "max_batch": self.max_batch, "running": self.running, "max_concurrency": self.max_concurrency,
+                "prompts_without_bos": self.without_bos}
+
+    def bos_warning(self, req, prompts):
+        """A warning (also logged, the first time and every BOS_LOG_EVERY-th) when a token-id prompt does not start
+        with <|bos|>: the model only saw text after it, so such log-likelihoods differ from lm-eval's hf backend's
+        (lm-eval's local-completions needs add_bos_token=True). None when every prompt is fine."""
+        token_prompts = [p for text, p in zip(split_prompt(req.prompt), prompts) if not isinstance(text, str)]
+        missing = sum(p[0] != self.bos for p in token_prompts)
+        if not missing:
+            return None
+        self.without_bos += missing
+        message = (f"{self.without_bos} token-id prompt(s) so far did not start with <|bos|> (id {self.bos}); the model "
+                   f"was trained on text after it: prepend it (lm-eval local-completions: add_bos_token=True)")
+        if self.without_bos == missing or self.without_bos // BOS_LOG_EVERY > (self.without_bos - missing) // BOS_LOG_EVERY:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+        return message
 
     def model_card(self):
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "nanochat-trm"}
@@ -468,6 +487,8 @@ def create_app(server):
     async def completions(request: Request):
         req = parse_request(await read_body(request))
         prompts = server.check(req)
+        warning = server.bos_warning(req, prompts)
+        headers = {"X-Nanochat-Warning": warning} if warning else None
         await server.acquire()
         try:
             job = server.start(req, prompts)
@@ -477,9 +498,9 @@ def create_app(server):
         watcher = asyncio.ensure_future(cancel_when_gone(request, job))
         job.worker.add_done_callback(lambda _: watcher.cancel())
         if req.stream:
-            return StreamingResponse(server.events(job), media_type="text/event-stream")
+            return StreamingResponse(server.events(job), media_type="text/event-stream", headers=headers)
         await asyncio.shield(job.worker)  # if this handler is cancelled, the slot stays taken until the thread ends
-        return server.completion(job)
+        return JSONResponse(server.completion(job), headers=headers)
 
     return app
 

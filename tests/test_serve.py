@@ -58,7 +58,9 @@ def url(trained):
         finally:
             proc.kill()
         out, err = proc.communicate()
-        assert code == 0 and err == "", err
+        # the only line allowed: the warning test_token_ids_without_bos_are_flagged provokes
+        assert code == 0 and all(line.startswith("warning: 1 token-id prompt(s) so far did not start with <|bos|>")
+                                 for line in err.splitlines()), err
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +185,21 @@ def test_token_id_prompts_are_used_as_given(client, trained):
     r = client.completions.create(model=MODEL_TAG, prompt=[ids, bare], max_tokens=6, temperature=0)
     assert [c.text for c in r.choices] == [tokenizer.decode(greedy_ids(trained, p, 6)) for p in (ids, bare)]
     assert r.usage.prompt_tokens == len(ids) + len(bare)
+
+
+def test_token_ids_without_bos_are_flagged_in_a_header_the_log_and_health(url, trained):
+    """lm-eval's local-completions without add_bos_token sends ids without <|bos|>, and its log-likelihoods then
+    differ from the hf backend's: the server says so in every such response and in its log."""
+    tokenizer = trained[2]
+    before = httpx.get(f"{url}/health").json()["prompts_without_bos"]
+    body = dict(model=MODEL_TAG, max_tokens=0, echo=True, logprobs=0)
+    good = post(url, {**body, "prompt": tokenizer.encode("the cat", prepend="<|bos|>")})
+    assert good.status_code == 200 and "x-nanochat-warning" not in good.headers
+    bad = post(url, {**body, "prompt": [tokenizer.encode("the cat", prepend="<|bos|>"), tokenizer.encode("the dog")]})
+    assert bad.status_code == 200 and "add_bos_token=True" in bad.headers["x-nanochat-warning"]
+    assert httpx.get(f"{url}/health").json()["prompts_without_bos"] == before + 1
+    text = post(url, {**body, "prompt": "the dog"})  # a string gets <|bos|> from the server
+    assert text.status_code == 200 and "x-nanochat-warning" not in text.headers
 
 
 def check_logprobs(trained, logprobs, ids, first, n_sup, top):

@@ -1,0 +1,48 @@
+"""The locked environment: requirements.lock covers every dependency and extra of pyproject.toml, pins torch to the
+one release every node installs, and the environment dev/setup_env.sh built (the one running these tests) holds the
+lock's versions."""
+
+import re
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from tests.helpers import ROOT
+
+# what a drift would break first: the model's runtime, the export, the server, the evaluation and the data path
+KEY_PACKAGES = ["torch", "transformers", "lm-eval", "datasets", "fastapi", "openai", "tiktoken", "numpy", "pyarrow"]
+
+
+def locked():
+    """{canonical name: version} of requirements.lock's pins."""
+    text = (Path(ROOT) / "requirements.lock").read_text()
+    return {canonicalize_name(name): v for name, v in re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+)", text, re.M)}
+
+
+def declared():
+    """Every requirement of pyproject.toml: the dependencies and every optional group."""
+    project = tomllib.loads((Path(ROOT) / "pyproject.toml").read_text())["project"]
+    groups = [project["dependencies"], *project["optional-dependencies"].values()]
+    return [Requirement(text) for group in groups for text in group]
+
+
+def test_the_lock_pins_every_declared_dependency_within_its_range():
+    pins = locked()
+    for requirement in declared():
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{requirement.name} is in pyproject.toml but not in requirements.lock: bash dev/lock.sh"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (requirement, pins[name])
+
+
+def test_torch_is_locked_without_a_build_tag_so_gpu_nodes_get_the_same_release():
+    assert re.fullmatch(r"\d+\.\d+\.\d+", locked()["torch"])
+
+
+def test_the_running_environment_holds_the_locked_versions():
+    pins = locked()
+    for name in KEY_PACKAGES:
+        installed = version(name).split("+")[0]  # torch's CPU wheel is 2.13.0+cpu
+        assert installed == pins[canonicalize_name(name)], f"{name} {installed} installed, {pins[name]} locked"
