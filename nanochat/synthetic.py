@@ -1,0 +1,73 @@
+"""
+Generated reasoning corpora: text documents whose answers need a known number of composed steps, so that depth (and a
+recursion that adds depth) can be measured offline.
+
+"hops": a random permutation f of n symbols, listed as "a>k" pairs in a random order, then queries "x3=y" with
+y = f(f(f(x))): the digit is the number of hops (chained lookups in the table) the answer needs. Every document holds
+many answers, each recording its hop count, and every document of one spec has the same length in characters.
+
+    a>k c>a k>c ... ; a2=c k1=c c3=c ...
+
+A lookup is one attention from the query to the key's place in the table, after one more (any layer earlier) that
+copies each value onto its key: a model answers h hops with about h + 1 attention layers (Saunshi et al.'s p-hop).
+"""
+
+import random
+import string
+from dataclasses import dataclass
+
+SYNTHETIC_FAMILIES = ("hops",)
+SEPARATOR = " ; "  # between the table and the queries
+
+
+@dataclass(frozen=True)
+class HopsSpec:
+    n_symbols: int = 16
+    max_hops: int = 4
+    n_queries: int = 24
+
+    def __post_init__(self):
+        if not 2 <= self.n_symbols <= 26:
+            raise ValueError(f"n_symbols={self.n_symbols}: must be 2..26 (one lowercase letter each)")
+        if not 1 <= self.max_hops <= 9:
+            raise ValueError(f"max_hops={self.max_hops}: must be 1..9 (one digit in the query)")
+        if self.n_queries < 1:
+            raise ValueError(f"n_queries={self.n_queries}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One query of a document: the answer character sits at text[position] and needs `hops` lookups."""
+    position: int
+    hops: int
+    answer: str
+
+
+def hops_document(rng, spec):
+    """One document (no trailing newline) drawn with random.Random rng."""
+    symbols = list(string.ascii_lowercase[:spec.n_symbols])
+    image = symbols[:]
+    rng.shuffle(image)
+    f = dict(zip(symbols, image))
+    order = symbols[:]
+    rng.shuffle(order)
+    queries = []
+    for _ in range(spec.n_queries):
+        x, hops = rng.choice(symbols), rng.randint(1, spec.max_hops)
+        y = x
+        for _ in range(hops):
+            y = f[y]
+        queries.append(f"{x}{hops}={y}")
+    return " ".join(f"{k}>{f[k]}" for k in order) + SEPARATOR + " ".join(queries)
+
+
+def hops_documents(seed, count, spec=HopsSpec()):
+    """`count` documents, deterministic in (seed, spec)."""
+    rng = random.Random(f"hops:{seed}:{spec.n_symbols}:{spec.max_hops}:{spec.n_queries}")
+    return [hops_document(rng, spec) for _ in range(count)]
+
+
+def hops_answers(text):
+    """The answers of a hops document, read from its text: every "=" is followed by one answer character, and the
+    digit before it is the hop count."""
+    return [Answer(i + 1, int(text[i - 1]), text[i + 1]) for i, ch in enumerate(text) if ch == "="]
