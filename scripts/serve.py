@@ -30,8 +30,9 @@ GET  /v1/models       the served model, named by its model tag
 GET  /health          status, step, limits and generations running (no key needed: for load balancers)
 
 Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request, 401 a
-missing or wrong API key (code "invalid_api_key"), 404 an unknown model or path, 413 a body over 1 MiB, 503 every generation slot busy for --queue_timeout seconds. A client
-that goes away stops its generation at the next token, and its slot is free again.
+missing or wrong API key (code "invalid_api_key"), 404 an unknown model or path, 413 a body over 1 MiB, 503 every
+generation slot busy for --queue_timeout seconds. A client that goes away stops its generation at the next token,
+and its slot is free again.
 """
 
 import asyncio
@@ -532,6 +533,9 @@ def parse_args(argv=None):
                         help="serve a non-loopback --host without an API key (anyone who can connect may use it)")
     args = parser.parse_args(argv)
     args.api_key = args.api_key or os.environ.get("NANOCHAT_API_KEY") or None  # empty: no key
+    if args.api_key and not (args.api_key.isascii() and args.api_key.isprintable() and " " not in args.api_key):
+        parser.error("the API key (--api_key or NANOCHAT_API_KEY) must be printable ASCII without spaces, as an HTTP "
+                     "header carries it")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port={args.port}: must be from 1 to 65535 (or 0 for any free port)")
     if not (args.queue_timeout >= 0 and math.isfinite(args.queue_timeout)):
@@ -556,7 +560,8 @@ def build_server(args):
     engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, dtype))
     server = Server(engine, info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout,
                     args.max_batch)
-    config = uvicorn.Config(create_app(server, args.api_key), host=args.host, port=args.port, log_level="warning", lifespan="off")
+    config = uvicorn.Config(create_app(server, args.api_key), host=args.host, port=args.port, log_level="warning",
+                            lifespan="off")
     return uvicorn.Server(config), server
 
 

@@ -534,6 +534,8 @@ def test_a_client_that_leaves_before_the_answer_frees_its_slot_at_once(trained):
     ("--queue_timeout", "nan", "--queue_timeout=nan: must be a number of seconds >= 0"),
     ("--max_concurrency", "0", "--max_concurrency=0: must be >= 1"),
     ("--max_batch", "0", "--max_batch=0: must be >= 1"),
+    ("--api_key", "cl\u00e9", "the API key (--api_key or NANOCHAT_API_KEY) must be printable ASCII without spaces"),
+    ("--api_key", "a b", "the API key (--api_key or NANOCHAT_API_KEY) must be printable ASCII without spaces"),
 ])
 def test_bad_flags_are_refused_at_start_up(capsys, flag, value, message):
     with pytest.raises(SystemExit) as e:
