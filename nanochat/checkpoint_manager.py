@@ -1,7 +1,7 @@
 """
 Checkpoints under $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/step_NNNNNN/:
     model.safetensors   model weights (rank 0); checkpoints from before safetensors hold model.pt, still loaded
-    rank_R.pt           rank R's optimizer state, dataloader position and RNG states
+    rank_R.pt           rank R's optimizer state, dataloader position and RNG states: tensors and plain data only
     .metadata, __R_0.distcp   instead, under --sharding=fsdp: weights and optimizer state as every rank's shards
                         (torch.distributed.checkpoint), readable by any number of processes, or one without a group
     meta.json           step, effective model config, user flags, tokenizer fingerprint, val bpb per step, time, cost
@@ -14,13 +14,20 @@ rank raises CheckpointError. A .tmp left by a kill is removed by the next run of
 The policy: a fresh run never writes into a tag that holds another run (--resume continues it, --overwrite moves it
 aside); --resume skips a corrupt newest checkpoint for the newest loadable one and says why; retention keeps the
 newest K and the best; a backup URL (any fsspec filesystem) gets a copy of each checkpoint from a background thread.
+
+No file of a checkpoint can run code when read, so a checkpoint from a backup or another machine is only data: weights
+are safetensors, rank files load with torch.load(weights_only=True), and a sharded checkpoint is read through
+shard_reader and shard_planner. A file holding anything else is refused in one line naming what it holds.
 """
 
 import argparse
 import errno
+import functools
 import glob
 import json
+import io
 import os
+import pickle
 import posixpath
 import random
 import shutil
@@ -260,13 +267,17 @@ def report_schedule_change(point, schedule, horizon_source):
 
 # ---------------------------------------------------------------------------------------------------- saving
 def rng_state():
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """Every generator's state as tensors and plain data: numpy's key array as a list, so that rank files load with
+    weights_only=True."""
+    name, keys, *rest = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (name, keys.tolist(), *rest), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state):
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]  # keys: a list, or an ndarray in rank files written before lists
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"].cpu())  # torch only takes CPU byte tensors, whatever the run's device
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
@@ -466,35 +477,160 @@ def load_model_weights(model_tag, step, device, name=WEIGHTS):
         path = os.path.join(directory, LEGACY_WEIGHTS)
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 - a truncated file raises whatever its reader raises
-        raise CheckpointError(f"{path} is unreadable ({describe_error(e)})") from e
+        raise CheckpointError(unreadable(path, e)) from e
 
 
 def read_shards(directory, part, device="cpu"):
     """One part ('model', 'train_model') of a sharded checkpoint as a whole state dict, in this process alone (no
     process group): the index gives every tensor's shape and dtype. None when the checkpoint has no such part."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    reader = dcp.FileSystemReader(directory)
     prefix = part + "."
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
-             for key, meta in reader.read_metadata().state_dict_metadata.items()
+             for key, meta in shard_reader(directory).read_metadata().state_dict_metadata.items()
              if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
     if not state:
         return None
     with warnings.catch_warnings():  # DCP warns that it reads in one process: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        load_shards(state, directory, no_dist=True)
     return {key[len(prefix):]: value for key, value in state.items()}
+
+
+NO_CHECKPOINT_DOES = "which no checkpoint does"  # in every refusal of a crafted file: --resume stops, never skips
+
+
+class RefusedObject(pickle.UnpicklingError):
+    """A checkpoint file names a Python object no checkpoint holds; the message is that object."""
+
+
+def refused_object(error):
+    """What a loader refused to build (RefusedObject's name, or the gist of torch's multi-line weights_only
+    message), or None when the error is of another kind (a truncated file)."""
+    if isinstance(error, RefusedObject):
+        return str(error)
+    text = str(error)
+    if not isinstance(error, pickle.UnpicklingError) or "WeightsUnpickler error:" not in text:
+        return None
+    gist = next(line for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() + ["?"] if line.strip())
+    return gist.strip().removeprefix("Unsupported global: GLOBAL ").split(" was not an allowed global")[0]
+
+
+def unreadable(path, error):
+    """One line on a checkpoint file that failed to load: a refused object is said to be one, not damage."""
+    refused = refused_object(error)
+    if refused is None:
+        return f"{path} is unreadable ({describe_error(error)})"
+    return (f"{path} holds something other than tensors and plain data ({refused}), {NO_CHECKPOINT_DOES}, so it was "
+            f"not read: the file was altered or is not a checkpoint; restore the checkpoint from a copy you trust, "
+            f"or use another step")
+
+
+# Rank files written before rng_state saved numpy's keys as a list hold a numpy array: numpy's own reconstruction of
+# an array and its dtype, which build data and call nothing else (numpy 1 and 2 pickle the function under two names).
+_reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]
+LEGACY_RANK_GLOBALS = [(_reconstruct, f"{module}._reconstruct")
+                       for module in ("numpy.core.multiarray", "numpy._core.multiarray")] + [
+    np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def load_rank_state(model_tag, step, rank):
     """A rank's optimizer states, loader positions and RNG states, on the CPU: RNG states must stay there, and
-    Optimizer.load_state_dict moves each state tensor to its parameter's device."""
+    Optimizer.load_state_dict moves each state tensor to its parameter's device. weights_only: a crafted rank file
+    would otherwise run code on --resume."""
     path = os.path.join(step_dir(model_tag, step), f"rank_{rank}.pt")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path} is unreadable ({describe_error(e)})") from e
+        with torch.serialization.safe_globals(LEGACY_RANK_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated file raises whatever its reader raises
+        raise CheckpointError(unreadable(path, e)) from e
+
+
+# What torch.distributed.checkpoint pickles into a sharded checkpoint's index (.metadata), by module; torch dtypes
+# (torch.float32, ...) are admitted by type in ShardIndexUnpickler.
+SHARD_INDEX_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
+                                              "MetadataIndex", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # a layout (torch.strided) by its name
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
+    "pathlib._local": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # Python >= 3.13
+    "collections": {"OrderedDict"},
+}
+
+
+class ShardIndexUnpickler(pickle.Unpickler):
+    """Unpickles a sharded checkpoint's .metadata admitting only the classes DCP writes there (SHARD_INDEX_GLOBALS)
+    and torch dtypes: anything else, such as the os.system a crafted index names to run code, is a RefusedObject."""
+
+    def find_class(self, module, name):
+        if name in SHARD_INDEX_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):  # vars: no lazy imports
+            return vars(torch)[name]
+        raise RefusedObject(f"{module}.{name}")
+
+
+@functools.cache
+def _safe_shard_classes():
+    """(reader, planner) classes over torch.distributed.checkpoint's, defined when a sharded checkpoint is first read:
+    importing DCP costs seconds that loading a safetensors checkpoint need not pay."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class Reader(FileSystemReader):
+        """FileSystemReader whose read_metadata unpickles the index with ShardIndexUnpickler: DCP's own calls
+        pickle.load, so a crafted .metadata in a run directory (or a restored backup) would run code when read."""
+
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = ShardIndexUnpickler(f).load()
+            if not isinstance(metadata, Metadata):
+                raise RefusedObject(f"a {type(metadata).__name__} where DCP's Metadata belongs")
+            if metadata.storage_meta is None:  # as DCP's own reader does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        """DefaultLoadPlanner whose non-tensor values (AdamW's step) load with weights_only=True: DCP's own
+        load_bytes unpickles them with weights_only=False, so a crafted .distcp file would run code."""
+
+        def load_bytes(self, read_item, value):
+            try:
+                plain = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise RefusedObject(f"{refused_object(e)}, in {read_item.dest_index.fqn}'s value in a .distcp "
+                                    f"file") from e
+            # DCP's load_bytes puts the value in place; what it reads again is only what weights_only built
+            again = io.BytesIO()
+            torch.save(plain, again)
+            again.seek(0)
+            super().load_bytes(read_item, again)
+
+    return Reader, Planner
+
+
+def shard_reader(directory):
+    """A torch.distributed.checkpoint reader of directory that refuses any object but DCP's own in its index."""
+    return _safe_shard_classes()[0](directory)
+
+
+def shard_planner():
+    """A torch.distributed.checkpoint load planner that refuses any object but plain data in a saved value."""
+    return _safe_shard_classes()[1]()
+
+
+def load_shards(state, directory, **kwargs):
+    """dcp.load of state from directory through shard_reader and shard_planner. DCP's CheckpointException (a
+    BaseException whose message is every rank's traceback) is raised as its first rank's own error."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        dcp.load(state, storage_reader=shard_reader(directory), planner=shard_planner(), **kwargs)
+    except CheckpointException as e:
+        raise next(iter(e.failures.values()))[0] from e
 
 
 class ResumePoint(NamedTuple):
@@ -545,9 +681,10 @@ def load_resume_point(model_tag, which, rank, backup_url=None, world_size=None, 
     this rank's (train_config.data_ranks), whose loader positions a sharded checkpoint gives from any saving process.
 
     which: 'latest' or a step. An empty local directory is first filled from the backup. With 'latest', a checkpoint
-    that fails to load on any rank is skipped, with the reason, for the next newest. A checkpoint written by another
-    process count is refused (CheckpointError), never skipped: it is intact, only this launch does not fit it; a
-    sharded one is not (resume_differences checks its data ranks)."""
+    that fails to load on any rank is skipped, with the reason, for the next newest; one holding an object no checkpoint
+    holds (an altered file) is refused. A checkpoint written by another process count is refused (CheckpointError),
+    never skipped: it is intact, only this launch does not fit it; a sharded one is not (resume_differences checks its
+    data ranks)."""
     world_size = world_size or get_dist_info()[3]
     if backup_url and not list_steps(model_tag):  # rank 0 downloads; the others wait without nearing the timeout
         error = run_on_rank0(lambda: Backup.location(backup_url, model_tag).restore(which), rank)
@@ -573,6 +710,8 @@ def load_resume_point(model_tag, which, rank, backup_url=None, world_size=None, 
                                                load_rank_state(model_tag, step, rank),
                                                load_model_weights(model_tag, step, "cpu", TRAIN_WEIGHTS)), what)
         except RankFailure as failure:
+            if NO_CHECKPOINT_DOES in str(failure):  # an altered file is not damage: going on would hide it
+                raise CheckpointError(str(failure)) from failure
             print0(f"WARNING: skipping checkpoint step {step} of {model_tag}: {failure}")
     raise CheckpointError(f"no loadable checkpoint of {model_tag!r} (tried steps {candidates}, see the warnings "
                           f"above); start a new run with another --model_tag, or --overwrite")
@@ -586,9 +725,9 @@ def sharded_rank_state(model_tag, step, meta, rank, data_ranks):
     import torch.distributed.checkpoint as dcp
     directory = step_dir(model_tag, step)
     try:
-        dcp.FileSystemReader(directory).read_metadata()
+        shard_reader(directory).read_metadata()
     except Exception as e:  # noqa: BLE001 - a missing or truncated index raises whatever its reader raises
-        raise CheckpointError(f"{os.path.join(directory, SHARD_INDEX)} is unreadable ({describe_error(e)})") from e
+        raise CheckpointError(unreadable(os.path.join(directory, SHARD_INDEX), e)) from e
     geometry = meta["batch_geometry"]
     saved = [load_rank_state(model_tag, step, r) for r in range(geometry["world_size"])]
     by_data_rank = {r * geometry["grad_accum"] + j: position
@@ -599,16 +738,18 @@ def sharded_rank_state(model_tag, step, meta, rank, data_ranks):
 
 def restore_shards(directory, model, optimizers, ema):
     """Load this rank's shards of a sharded checkpoint (any process count saved it) into a sharded model, its
-    optimizers and EMA."""
-    import torch.distributed.checkpoint as dcp
+    optimizers and EMA; a shard that fails to load (on any rank: DCP agrees) is a CheckpointError on every rank."""
     from nanochat import sharding
-    index = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    index = shard_reader(directory).read_metadata().state_dict_metadata
     trained = "train_model" if any(key.startswith("train_model.") for key in index) else "model"
     state = {trained: model.state_dict(), "optim": sharding.optimizer_state(model, optimizers)}
-    dcp.load(state, checkpoint_id=directory)  # DTensors in place, plain values (AdamW's step) replaced
+    try:
+        load_shards(state, directory)  # DTensors in place, plain values (AdamW's step) replaced
+        if ema is not None:
+            load_shards({"model": ema.module.state_dict()}, directory)
+    except Exception as e:  # noqa: BLE001 - a damaged shard raises whatever its reader raises
+        raise CheckpointError(unreadable(f"the shards in {directory}", e)) from e
     sharding.load_optimizer_state(model, optimizers, state["optim"])
-    if ema is not None:
-        dcp.load({"model": ema.module.state_dict()}, checkpoint_id=directory)
 
 
 def restore(point, model, optimizers, ema=None):

@@ -90,7 +90,10 @@ def train(args):
     start_step, prior_seconds, loader_states = 0, 0.0, [None] * args.grad_accum
     if resume:
         start_step, prior_seconds = resume.step, resume.meta["elapsed_seconds"]
-        loader_states = ckpt.restore(resume, model, optimizers, ema)
+        try:
+            loader_states = ckpt.restore(resume, model, optimizers, ema)
+        except ckpt.CheckpointError as e:  # a shard refused or damaged: on every rank, DCP's load agrees
+            raise Exit(f"cannot resume: {e}")
         print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
     if args.compile:
         model.compile_layer_visits()

@@ -3,6 +3,10 @@ Serve a checkpoint over OpenAI's completions API (FastAPI + uvicorn), on localho
 
 pip install -e '.[serve]'
 python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrency 2
+NANOCHAT_API_KEY=<secret> python -m scripts.serve --host 0.0.0.0 ...   # other machines: with a key
+
+With a key (--api_key or NANOCHAT_API_KEY) every route but /health needs the header Authorization: Bearer <key>, as
+at OpenAI and vLLM; without one, listening beyond loopback (--host 0.0.0.0) is refused unless --allow_no_auth.
 
 POST /v1/completions  OpenAI's completions request: model (default: the served one), prompt (a string, a list of
                       strings, a list of token ids, or a list of token-id lists: a string gets <|bos|> first, token
@@ -23,14 +27,17 @@ POST /v1/completions  OpenAI's completions request: model (default: the served o
                       end token last. With stream, server-sent events of the same shape, one per piece of text, then
                       data: [DONE].
 GET  /v1/models       the served model, named by its model tag
-GET  /health          status, step, limits and generations running
+GET  /health          status, step, limits and generations running (no key needed: for load balancers)
 
-Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request, 404
-an unknown model or path, 413 a body over 1 MiB, 503 every generation slot busy for --queue_timeout seconds. A client
-that goes away stops its generation at the next token, and its slot is free again.
+Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request, 401 a
+missing or wrong API key (code "invalid_api_key"), 404 an unknown model or path, 413 a body over 1 MiB, 503 every
+generation slot busy for --queue_timeout seconds. A client that goes away stops its generation at the next token,
+and its slot is free again.
 """
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import math
 import os
@@ -45,8 +52,9 @@ import torch.nn.functional as F
 
 try:
     import uvicorn
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Request, Security
     from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
     from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -105,14 +113,33 @@ class CompletionRequest(BaseModel):
 
 
 class APIError(Exception):
-    def __init__(self, status, message, param=None, code=None):
+    def __init__(self, status, message, param=None, code=None, headers=None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
-def error_response(status, message, param=None, code=None):
+def error_response(status, message, param=None, code=None, headers=None):
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
+                        headers=headers)
+
+
+def key_checker(api_key):
+    """A FastAPI dependency that lets a request through only with the header Authorization: Bearer <api_key>, else
+    a 401 in OpenAI's shape; compare_digest: how long the comparison takes says nothing about the key."""
+    bearer = HTTPBearer(auto_error=False)  # a missing header is our 401, in OpenAI's shape, not FastAPI's 403
+    expected = api_key.encode()
+
+    async def check(credentials: HTTPAuthorizationCredentials | None = Security(bearer)):
+        if credentials is None:
+            raise APIError(401, "no API key: send the header Authorization: Bearer <key>, the key the server was "
+                                "started with (--api_key or NANOCHAT_API_KEY)", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(credentials.credentials.encode(), expected):
+            raise APIError(401, "incorrect API key: send the key the server was started with (--api_key or "
+                                "NANOCHAT_API_KEY)", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return check
 
 
 async def read_body(request):
@@ -457,12 +484,15 @@ class Server:
             job.cancelled.set()  # the client left mid-stream: stop generating
 
 
-def create_app(server):
-    app = FastAPI(title="nanochat-TRM")
+def create_app(server, api_key=None):
+    """The FastAPI app; with api_key every route but /health needs it (FastAPI's own docs pages are off: they could
+    not send it, and the API is OpenAI's, documented above)."""
+    app = FastAPI(title="nanochat-TRM", docs_url=None, redoc_url=None, openapi_url=None)
+    keyed = [Security(key_checker(api_key))] if api_key else []  # every route's but /health's dependencies
 
     @app.exception_handler(APIError)
     async def api_error(request, e):
-        return error_response(e.status, e.message, e.param, e.code)
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e):  # unknown paths and methods, in OpenAI's error shape too
@@ -472,18 +502,18 @@ def create_app(server):
     async def health():
         return server.health()
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models():
         return {"object": "list", "data": [server.model_card()]}
 
-    @app.get("/v1/models/{model}")
+    @app.get("/v1/models/{model}", dependencies=keyed)
     async def model(model: str):
         if model != server.model_id:
             raise APIError(404, f"model {model!r} does not exist; this server serves {server.model_id!r}", "model",
                            "model_not_found")
         return server.model_card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(request: Request):
         req = parse_request(await read_body(request))
         prompts = server.check(req)
@@ -517,7 +547,16 @@ def parse_args(argv=None):
     parser.add_argument("--max_tokens_limit", type=int, default=None, help="largest max_tokens (default: context)")
     parser.add_argument("--max_batch", type=int, default=8, help="most completions per request (prompts x n)")
     parser.add_argument("--device_type", default=None, help="cuda|cpu|mps (default: autodetect)")
+    parser.add_argument("--api_key", default=None,
+                        help="every request but /health must send Authorization: Bearer <key> (default: "
+                             "$NANOCHAT_API_KEY; a flag's value shows in ps, the variable does not)")
+    parser.add_argument("--allow_no_auth", action="store_true",
+                        help="serve a non-loopback --host without an API key (anyone who can connect may use it)")
     args = parser.parse_args(argv)
+    args.api_key = args.api_key or os.environ.get("NANOCHAT_API_KEY") or None  # empty: no key
+    if args.api_key and not (args.api_key.isascii() and args.api_key.isprintable() and " " not in args.api_key):
+        parser.error("the API key (--api_key or NANOCHAT_API_KEY) must be printable ASCII without spaces, as an HTTP "
+                     "header carries it")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port={args.port}: must be from 1 to 65535 (or 0 for any free port)")
     if not (args.queue_timeout >= 0 and math.isfinite(args.queue_timeout)):
@@ -542,8 +581,26 @@ def build_server(args):
     engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, dtype))
     server = Server(engine, info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout,
                     args.max_batch)
-    config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="warning", lifespan="off")
+    config = uvicorn.Config(create_app(server, args.api_key), host=args.host, port=args.port, log_level="warning",
+                            lifespan="off")
     return uvicorn.Server(config), server
+
+
+def is_loopback(host):
+    """Whether every address host names is a loopback one, so that only this machine can connect."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (socket.gaierror, UnicodeError):  # not resolvable: the listen fails later, saying so
+        return False
+    return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def auth_problem(args):
+    """Why the server must not start with these flags (None when it may): reachable from other machines, no key."""
+    if args.api_key or args.allow_no_auth or is_loopback(args.host):
+        return None
+    return (f"--host={args.host} can be reached from other machines and no API key is set: set NANOCHAT_API_KEY (or "
+            f"--api_key) to require one, or pass --allow_no_auth to serve anyone who can connect")
 
 
 def listen(host, port):
@@ -553,6 +610,10 @@ def listen(host, port):
 
 def main(argv=None):
     args = parse_args(argv)
+    problem = auth_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         sock = listen(args.host, args.port)  # before the model loads: a taken port fails in a second, not a minute
     except OSError as e:
@@ -567,7 +628,8 @@ def main(argv=None):
             return 2
         host, port = sock.getsockname()[:2]
         print(f"serving {server.model_id} step {server.info['step']} at http://{host}:{port}/v1 "
-              f"(OpenAI completions API; max_concurrency={args.max_concurrency})", flush=True)
+              f"(OpenAI completions API; max_concurrency={args.max_concurrency}; "
+              f"{'API key required' if args.api_key else 'no API key'})", flush=True)
         try:
             http.run(sockets=[sock])
         except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down cleanly, then may re-raise the signal

@@ -1,12 +1,16 @@
 """Checkpoint policy, in process on a tiny model: safetensors and old model.pt, RNG restore for a non-CPU device, a
-corrupt newest checkpoint, a full disk, a swapped tokenizer, a fresh run on a used tag, the disk preflight, backup."""
+corrupt newest checkpoint, a full disk, a swapped tokenizer, a fresh run on a used tag, the disk preflight, backup,
+and files crafted to run code when read (rank files, a sharded checkpoint's index and values)."""
 
 import errno
 import json
 import os
+import pickle
 import random
 import shutil
+import warnings
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -49,7 +53,7 @@ def test_weights_are_safetensors_and_old_model_pt_checkpoints_still_load(base):
 def test_rng_is_restored_when_the_run_is_on_a_non_cpu_device(base):
     """The GPU case: model and optimizers on a device other than the CPU (meta stands in for cuda)."""
     assert train(*FLAGS, "--num_iterations=2", "--model_tag=rng") == 0
-    saved = torch.load(os.path.join(ckpt_dir(base, "rng", 2), "rank_0.pt"), weights_only=False)["rng"]
+    saved = torch.load(os.path.join(ckpt_dir(base, "rng", 2), "rank_0.pt"), weights_only=True)["rng"]  # plain data
     torch.set_rng_state(saved["torch"])
     random.setstate(saved["python"])
     expected = (torch.rand(4), random.random())
@@ -222,3 +226,99 @@ def test_a_failing_backup_warns_and_training_goes_on(base, tmp_path, capsys):
     assert train(*FLAGS, "--num_iterations=2", "--model_tag=nobk", f"--backup_dir={blocker}/sub") == 0
     assert "WARNING: backup of step 2" in capsys.readouterr().out
     assert ckpt.list_steps("nobk") == [2]
+
+
+# ---------------------------------------------------------------- files crafted to run code when read
+
+class RunsCode:
+    """Pickles as the call open(path, "w"): unpickling it creates path, standing for any code a crafted file runs."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+OPEN = f"{open.__module__}.{open.__name__}"  # the name pickle gives RunsCode's call
+
+
+def test_a_rank_file_that_would_run_code_is_refused_in_one_line_and_runs_nothing(base, tmp_path, capsys):
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=crafted") == 0  # steps 2 and 4
+    marker = tmp_path / "ran"
+    rank_file = os.path.join(ckpt_dir(base, "crafted", 4), "rank_0.pt")
+    torch.save({"optimizers": [], "rng": RunsCode(marker), "loaders": []}, rank_file)
+    before = tree(ckpt_dir(base, "crafted"))
+    assert train(*FLAGS, "--num_iterations=6", "--model_tag=crafted", "--resume") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{rank_file} holds something other than tensors and plain data ({OPEN})" in err[0]
+    assert "restore the checkpoint from a copy you trust" in err[0]
+    assert not marker.exists()
+    assert tree(ckpt_dir(base, "crafted")) == before  # nor skipped for step 2: going on would hide the altered file
+    with pytest.raises(ckpt.CheckpointError, match="holds something other than tensors"):
+        ckpt.load_rank_state("crafted", 4, 0)
+    assert not marker.exists()
+    torch.load(rank_file, weights_only=False)  # what the loader used to do: the file does run code
+    assert marker.exists()
+
+
+def test_a_rank_file_from_before_plain_rng_states_still_resumes(base):
+    """Rank files used to hold numpy's RNG state as it comes, with an ndarray: they load, and restore that state."""
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=oldrng") == 0
+    rank_file = os.path.join(ckpt_dir(base, "oldrng", 2), "rank_0.pt")
+    state = torch.load(rank_file, weights_only=True)
+    np.random.seed(7)
+    state["rng"]["numpy"] = np.random.get_state()
+    expected = np.random.random()
+    torch.save(state, rank_file)
+    assert "numpy.ndarray" in torch.serialization.get_unsafe_globals_in_checkpoint(rank_file)  # an old file indeed
+    np.random.seed(0)
+    point = ckpt.load_resume_point("oldrng", "latest", rank=0)
+    model = ckpt.build_model(point.meta["model_config"], "cpu")
+    ckpt.restore(point, model, model.setup_optimizers())
+    assert np.random.random() == expected
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=oldrng", "--resume") == 0
+
+
+def save_shards(state, directory):
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():  # DCP warns that it writes in one process
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(directory), no_dist=True)
+
+
+def test_a_sharded_index_that_would_run_code_is_refused_and_a_real_one_loads(base, tmp_path, capsys):
+    from scripts import base_sample
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=shards") == 0
+    step = ckpt_dir(base, "shards", 4)
+    expected = weights(base, "shards", 4)
+    save_shards({"model": expected, "optim": {"lm_head.weight.step": 3}}, step)  # as --sharding=fsdp writes them
+    os.remove(os.path.join(step, "model.safetensors"))
+    model, _, _ = ckpt.load_model("shards", "latest")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    marker = tmp_path / "ran"
+    index = os.path.join(step, ".metadata")
+    with open(index, "wb") as f:
+        pickle.dump(RunsCode(marker), f)
+    before = tree(ckpt_dir(base, "shards"))
+    with pytest.raises(ckpt.CheckpointError, match=f"holds something other than tensors and plain data \\({OPEN}\\)"):
+        ckpt.load_model("shards", "latest")
+    assert base_sample.main(["--model_tag=shards", "--device_type=cpu", "--max_tokens=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{index} holds something other than tensors and plain data ({OPEN})" in err[0]
+    assert not marker.exists() and tree(ckpt_dir(base, "shards")) == before
+    with open(index, "rb") as f:
+        pickle.load(f)  # what DCP's own reader does: the file does run code
+    assert marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_value_that_would_run_code_is_refused_and_a_plain_one_loads(tmp_path):
+    marker = tmp_path / "ran"
+    save_shards({"optim": {"a.step": 3, "b.step": RunsCode(marker)}}, tmp_path / "step")
+    state = {"optim": {"a.step": 0}}
+    ckpt.load_shards(state, str(tmp_path / "step"), no_dist=True)
+    assert state == {"optim": {"a.step": 3}}
+    with pytest.raises(ckpt.RefusedObject, match=f"{OPEN}, in optim.b.step's value in a .distcp file"):
+        ckpt.load_shards({"optim": {"b.step": 0}}, str(tmp_path / "step"), no_dist=True)
+    assert not marker.exists()

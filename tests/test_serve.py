@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -30,9 +31,9 @@ def trained(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory)
 
 
-def start_cli(base_dir, *flags, deadline_s=120):
+def start_cli(base_dir, *flags, deadline_s=120, env=None):
     """`python -m scripts.serve --port 0 ...` in a subprocess; (process, base URL read from its first line)."""
-    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "scripts.serve", "--model_tag", MODEL_TAG, "--port", "0",
                              "--device_type", "cpu", *flags], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -46,21 +47,25 @@ def start_cli(base_dir, *flags, deadline_s=120):
     return proc, line.split(" at ")[1].split()[0].removesuffix("/v1")
 
 
+def stop_cli(proc):
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop, exit code 0, no traceback
+    try:
+        code = proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    out, err = proc.communicate()
+    # the only line allowed: the warning test_token_ids_without_bos_are_flagged provokes
+    assert code == 0 and all(line.startswith("warning: 1 token-id prompt(s) so far did not start with <|bos|>")
+                             for line in err.splitlines()), err
+
+
 @pytest.fixture(scope="module")
 def url(trained):
-    proc, base_url = start_cli(trained[0], "--max_concurrency", "2")
+    proc, base_url = start_cli(trained[0], "--max_concurrency", "2", env={"NANOCHAT_API_KEY": ""})
     try:
         yield base_url
     finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop, exit code 0, no traceback
-        try:
-            code = proc.wait(timeout=20)
-        finally:
-            proc.kill()
-        out, err = proc.communicate()
-        # the only line allowed: the warning test_token_ids_without_bos_are_flagged provokes
-        assert code == 0 and all(line.startswith("warning: 1 token-id prompt(s) so far did not start with <|bos|>")
-                                 for line in err.splitlines()), err
+        stop_cli(proc)
 
 
 @pytest.fixture(scope="module")
@@ -546,6 +551,8 @@ def test_a_client_that_leaves_before_the_answer_frees_its_slot_at_once(trained):
     ("--queue_timeout", "nan", "--queue_timeout=nan: must be a number of seconds >= 0"),
     ("--max_concurrency", "0", "--max_concurrency=0: must be >= 1"),
     ("--max_batch", "0", "--max_batch=0: must be >= 1"),
+    ("--api_key", "cl\u00e9", "the API key (--api_key or NANOCHAT_API_KEY) must be printable ASCII without spaces"),
+    ("--api_key", "a b", "the API key (--api_key or NANOCHAT_API_KEY) must be printable ASCII without spaces"),
 ])
 def test_bad_flags_are_refused_at_start_up(capsys, flag, value, message):
     with pytest.raises(SystemExit) as e:
@@ -573,3 +580,83 @@ def test_without_uvicorn_the_server_says_what_to_install():
     result = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
     assert "needs uvicorn" in result.stderr and "pip install -e '.[serve]'" in result.stderr
+
+
+# ---------------------------------------------------------------- API keys
+
+KEY = "sk-nanochat-test-key"
+
+
+def route_requests(app):
+    """(method, path) of every route the app has, path parameters filled in: a route added later is in it too."""
+    for route in app.routes:
+        assert getattr(route, "methods", None), f"{route!r}: not an HTTP route; say here how to request it"
+        for method in sorted(route.methods - {"HEAD"}):
+            yield method, re.sub(r"\{[^}]*\}", MODEL_TAG, route.path)
+
+
+def test_every_route_but_health_refuses_a_missing_or_wrong_key(trained):
+    _, model, tokenizer = trained
+    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    app = serve.create_app(server, api_key=KEY)
+    requests = list(route_requests(app))
+    assert {("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions")} <= set(requests)
+    missing = "no API key: send the header Authorization: Bearer <key>"
+    refusals = [({}, missing), ({"Authorization": f"Basic {KEY}"}, missing), ({"Authorization": KEY}, missing),
+                ({"Authorization": "Bearer wrong"}, "incorrect API key"),
+                ({"Authorization": f"Bearer {KEY}x"}, "incorrect API key"),
+                ({"Authorization": "Bearer \u00e9".encode("latin-1")}, "incorrect API key")]  # not ASCII: no 500
+    with running(uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))) as base_url:
+        for method, path in requests:
+            send = lambda headers: httpx.request(method, base_url + path, headers=headers, json=REQUEST, timeout=30)
+            if path == "/health":
+                assert send({}).status_code == 200
+                continue
+            for headers, message in refusals:
+                r = send(headers)
+                assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (method, path, headers)
+                error = r.json()["error"]
+                assert message in error["message"] and "NANOCHAT_API_KEY" in error["message"]
+                assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None,
+                                                                          "invalid_api_key")
+            assert send({"Authorization": f"Bearer {KEY}"}).status_code == 200, (method, path)
+
+
+def test_the_openai_client_with_the_key_from_the_environment_is_served(trained):
+    proc, base_url = start_cli(trained[0], env={"NANOCHAT_API_KEY": KEY})
+    try:
+        keyed = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        r = keyed.completions.create(model=MODEL_TAG, prompt="the cat sat", max_tokens=6, temperature=0)
+        assert r.choices[0].text == greedy(trained, "the cat sat", 6)
+        pieces = keyed.completions.create(model=MODEL_TAG, prompt="the cat sat", max_tokens=6, temperature=0,
+                                          stream=True)
+        assert "".join(c.choices[0].text for c in pieces) == r.choices[0].text
+        assert [m.id for m in keyed.models.list().data] == [MODEL_TAG]
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert e.value.body["code"] == "invalid_api_key"
+        assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
+    finally:
+        stop_cli(proc)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_non_loopback_host_without_a_key_refuses_to_start(trained, monkeypatch, capsys, host):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(trained[0]))
+    monkeypatch.delenv("NANOCHAT_API_KEY", raising=False)
+    start = ["--model_tag", MODEL_TAG, "--port", "0", "--device_type", "cpu", "--host", host]
+    assert serve.main(start) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--host={host} can be reached from other machines and no API key is set" in err
+    assert "NANOCHAT_API_KEY" in err and "--allow_no_auth" in err
+
+
+@pytest.mark.parametrize("host,flags,key", [("0.0.0.0", ["--allow_no_auth"], ""), ("0.0.0.0", [], KEY),
+                                            ("0.0.0.0", ["--api_key", KEY], ""), ("127.0.0.1", [], ""),
+                                            ("localhost", [], "")])
+def test_a_key_allow_no_auth_or_a_loopback_host_may_start(trained, monkeypatch, capsys, host, flags, key):
+    """Each gets past the check to loading the model (a missing tag here, so that nothing is served)."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(trained[0]))
+    monkeypatch.setenv("NANOCHAT_API_KEY", key)
+    assert serve.main(["--model_tag", "missing", "--port", "0", "--device_type", "cpu", "--host", host, *flags]) == 2
+    assert "no checkpoint found for model tag 'missing'" in capsys.readouterr().err

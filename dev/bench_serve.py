@@ -1,0 +1,216 @@
+"""
+Load benchmark of scripts/serve.py on 127.0.0.1: requests/s, latency, time to first token, errors and server RSS.
+
+OMP_NUM_THREADS=1 python -m dev.bench_serve --concurrency 1,4,16,64 --requests 64 --level_seconds 60
+
+It starts `python -m scripts.serve` as a subprocess on loopback with a random API key (the clients send it), serving
+--model_tag from $NANOCHAT_BASE_DIR, or by default the tests' tiny checkpoint trained into a temporary directory (a
+few seconds). For each concurrency level, that many clients send --requests completions in all, stopping early after
+--level_seconds: streaming and non-streaming in turn, token-id prompts of three lengths (a tenth, half and nine
+tenths of the model's context). A 503 is expected once --max_concurrency generations run and a request waits
+--queue_timeout seconds; any other error (another status, a broken stream, a timeout, a malformed answer) is a defect:
+the table is printed and the exit code is 1. RSS is the server process's resident memory, from /proc (Linux).
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import secrets
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+
+import httpx
+import numpy as np
+
+from nanochat.common import get_base_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPECTED = "503 server_busy"  # the one error kind a bounded server is meant to give under load
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Load benchmark of scripts/serve.py on loopback")
+    parser.add_argument("--model_tag", default=None, help="a checkpoint under $NANOCHAT_BASE_DIR (default: the "
+                                                          "tests' tiny checkpoint, trained into a temporary directory)")
+    parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated numbers of concurrent clients")
+    parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level (at most)")
+    parser.add_argument("--level_seconds", type=float, default=60.0,
+                        help="no new request of a level starts after this many seconds")
+    parser.add_argument("--max_tokens", type=int, default=16, help="tokens per completion (capped by the server)")
+    parser.add_argument("--max_concurrency", type=int, default=4, help="the server's --max_concurrency")
+    parser.add_argument("--queue_timeout", type=float, default=2.0, help="the server's --queue_timeout")
+    parser.add_argument("--request_timeout", type=float, default=60.0, help="client timeout of one request (s)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        args.levels = [int(n) for n in args.concurrency.split(",")]
+    except ValueError:
+        parser.error(f"--concurrency={args.concurrency}: write comma-separated integers, such as 1,4,16")
+    if min(args.levels) < 1 or args.requests < 1 or args.max_tokens < 1 or args.level_seconds <= 0:
+        parser.error("--concurrency levels, --requests and --max_tokens must be >= 1, --level_seconds > 0")
+    return args
+
+
+def rss_mib(pid):
+    """Resident memory of process pid in MiB, or None where /proc is not there to read it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+    return kib / 1024
+
+
+@contextlib.contextmanager
+def server(base_dir, model_tag, api_key, args):
+    """`python -m scripts.serve` on 127.0.0.1 and a free port; yields (process, base URL)."""
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "NANOCHAT_API_KEY": api_key,
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, "-m", "scripts.serve", "--model_tag", model_tag, "--host", "127.0.0.1", "--port", "0",
+           "--device_type", "cpu", "--max_concurrency", str(args.max_concurrency),
+           "--queue_timeout", str(args.queue_timeout)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while not select.select([proc.stdout], [], [], 0.5)[0]:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit(f"error: the server did not start: {proc.communicate()[1].strip()}")
+        line = proc.stdout.readline()
+        if " at http://" not in line:
+            proc.kill()
+            raise SystemExit(f"error: the server did not start: {line.strip()} {proc.communicate()[1].strip()}")
+        yield proc, line.split(" at ")[1].split()[0].removesuffix("/v1")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def one_request(client, body):
+    """(error kind or None, latency s, time to first token s or None) of one completion request."""
+    start = time.perf_counter()
+    if not body["stream"]:
+        r = await client.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            return f"{r.status_code} {r.json().get('error', {}).get('code')}", time.perf_counter() - start, None
+        choices = r.json().get("choices")
+        ok = isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0].get("text"), str)
+        return (None if ok else "malformed answer"), time.perf_counter() - start, None
+    first, done = None, False
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return f"{r.status_code} {r.json().get('error', {}).get('code')}", time.perf_counter() - start, None
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            if line == "data: [DONE]":
+                done = True
+            elif not line.startswith("data: {") or "error" in json.loads(line[6:]):
+                return "broken stream", time.perf_counter() - start, first
+            elif first is None:
+                first = time.perf_counter() - start
+    return (None if done else "stream without [DONE]"), time.perf_counter() - start, first
+
+
+async def run_level(base_url, api_key, concurrency, prompts, args):
+    """Every request of one concurrency level: a list of (error kind or None, latency, ttft, streamed), and seconds."""
+    bodies = [{"prompt": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "temperature": 1.0,
+               "seed": i, "stream": i % 2 == 1} for i in range(args.requests)]
+    results, started = [], time.perf_counter()
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, limits=limits,
+                                 timeout=args.request_timeout) as client:
+        pending = iter(bodies)
+
+        async def worker():
+            for body in pending:  # one iterator shared by every worker: each body is sent once
+                if time.perf_counter() - started > args.level_seconds:
+                    return
+                try:
+                    error, latency, ttft = await one_request(client, body)
+                except httpx.HTTPError as e:
+                    error, latency, ttft = type(e).__name__, None, None
+                results.append((error, latency, ttft, body["stream"]))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - started
+
+
+def percentile_ms(values, q):
+    return f"{np.percentile(values, q) * 1000:.0f}" if values else "-"
+
+
+def summarize(concurrency, results, seconds):
+    """One table row of a level, and its error kinds that are defects (not the expected 503)."""
+    ok = [r for r in results if r[0] is None]
+    latencies = [r[1] for r in ok]
+    ttfts = [r[2] for r in ok if r[3] and r[2] is not None]
+    errors = Counter(r[0] for r in results if r[0] is not None)
+    row = (f"| {concurrency} | {len(results)} | {len(ok)} | {len(ok) / seconds:.2f} | {percentile_ms(latencies, 50)} "
+           f"| {percentile_ms(latencies, 99)} | {percentile_ms(ttfts, 50)} | {percentile_ms(ttfts, 99)} | "
+           f"{', '.join(f'{kind}: {n}' for kind, n in sorted(errors.items())) or 'none'} |")
+    return row, {kind: n for kind, n in errors.items() if kind != EXPECTED}
+
+
+def trained_tiny_checkpoint(base_dir):
+    """Train the tests' tiny checkpoint (tag 'tiny') under base_dir; returns its tag."""
+    sys.path.insert(0, REPO)
+    os.environ["NANOCHAT_BASE_DIR"] = base_dir
+    from tests.tiny_checkpoint import MODEL_TAG, build_tiny_checkpoint
+    build_tiny_checkpoint()
+    return MODEL_TAG
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench_serve_") as scratch:
+        if args.model_tag is None:
+            base_dir, model_tag = scratch, trained_tiny_checkpoint(scratch)
+        else:
+            base_dir, model_tag = get_base_dir(), args.model_tag
+        api_key = secrets.token_urlsafe(24)
+        with server(base_dir, model_tag, api_key, args) as (proc, base_url):
+            health = httpx.get(f"{base_url}/health").json()
+            context = health["sequence_len"]
+            args.max_tokens = min(args.max_tokens, health["max_tokens_limit"])
+            rng = random.Random(args.seed)
+            lengths = sorted({max(1, context // 10), max(1, context // 2), max(1, context * 9 // 10)})
+            prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]  # byte tokens: in every vocabulary
+            print(f"model {model_tag} step {health['step']} (context {context}); server --max_concurrency "
+                  f"{args.max_concurrency} --queue_timeout {args.queue_timeout}; {args.requests} requests per level "
+                  f"(at most {args.level_seconds:.0f} s), max_tokens {args.max_tokens}, prompts of {lengths} tokens, "
+                  f"half streamed; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+            rss_before = rss_mib(proc.pid)
+            print("| clients | requests | ok | ok req/s | p50 ms | p99 ms | TTFT p50 ms | TTFT p99 ms | errors |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            defects = Counter()
+            for concurrency in args.levels:
+                results, seconds = asyncio.run(run_level(base_url, api_key, concurrency, prompts, args))
+                row, level_defects = summarize(concurrency, results, seconds)
+                print(row, flush=True)
+                defects.update(level_defects)
+            rss_after = rss_mib(proc.pid)
+            alive = proc.poll() is None
+        fmt = lambda mib: "n/a" if mib is None else f"{mib:.0f} MiB"
+        print(f"server RSS: {fmt(rss_before)} before the first level, {fmt(rss_after)} after the last")
+    if not alive:
+        defects["server exited"] += 1
+    if defects:
+        print(f"DEFECTS (errors other than {EXPECTED}): {dict(defects)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

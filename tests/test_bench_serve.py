@@ -1,0 +1,34 @@
+"""dev/bench_serve.py at a tiny size against the real server: 503s from a full server are expected, nothing else."""
+
+import os
+import subprocess
+import sys
+
+from dev import bench_serve
+from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_tiny_load_run_reports_every_level_and_no_defect(tmp_path_factory):
+    base_dir = tiny_checkpoint(tmp_path_factory)[0]
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+    # one slot and no queue: the 4 clients' requests beyond the first are 503s, which must not fail the run
+    cmd = [sys.executable, "-m", "dev.bench_serve", "--model_tag", MODEL_TAG, "--concurrency", "1,4", "--requests",
+           "8", "--max_tokens", "4", "--max_concurrency", "1", "--queue_timeout", "0", "--level_seconds", "30"]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| 1 |")
+            or line.startswith("| 4 |")]
+    assert [row[0] for row in rows] == ["| 1", "| 4"]
+    assert rows[0][1:3] == ["8", "8"] and rows[0][-1] == "none |"  # one client: every request served
+    assert "503 server_busy" in rows[1][-1] and int(rows[1][2]) >= 1
+    assert "server RSS: " in result.stdout and " MiB after the last" in result.stdout
+
+
+def test_only_a_503_from_a_full_server_is_not_a_defect():
+    results = [(None, 0.1, None, False), (None, 0.3, 0.05, True), ("503 server_busy", 0.01, None, False),
+               ("500 None", 0.2, None, False), ("ReadTimeout", None, None, True), ("broken stream", 0.1, 0.02, True)]
+    row, defects = bench_serve.summarize(4, results, seconds=2.0)
+    assert defects == {"500 None": 1, "ReadTimeout": 1, "broken stream": 1}
+    assert row.startswith("| 4 | 6 | 2 | 1.00 | 200 | 298 | 50 | 50 |")
