@@ -2,8 +2,9 @@
 Generated reasoning corpora: text documents whose answers need a known number of composed steps, so that depth (and a
 recursion that adds depth) can be measured offline.
 
-"hops": a random permutation f of n symbols, listed as "a>k" pairs in a random order, then queries "x3=y" with
-y = f(f(f(x))): the digit is the number of hops (chained lookups in the table) the answer needs. Every document holds
+"hops": a random cyclic permutation f of n symbols (one cycle through all of them, so f^h(x) != x for h < n and no
+answer can be guessed from the query's own symbol), listed as "a>k" pairs in a random order, then queries "x3=y"
+with y = f(f(f(x))): the digit is the number of hops (chained lookups in the table) the answer needs. Every document holds
 many answers, each recording its hop count, and every document of one spec has the same length in characters.
 
     a>k c>a k>c ... ; a2=c k1=c c3=c ...
@@ -29,8 +30,9 @@ class HopsSpec:
     def __post_init__(self):
         if not 2 <= self.n_symbols <= 26:
             raise ValueError(f"n_symbols={self.n_symbols}: must be 2..26 (one lowercase letter each)")
-        if not 1 <= self.max_hops <= 9:
-            raise ValueError(f"max_hops={self.max_hops}: must be 1..9 (one digit in the query)")
+        if not 1 <= self.max_hops <= min(9, self.n_symbols - 1):
+            raise ValueError(f"max_hops={self.max_hops}: must be 1..9 (one digit in the query) and below n_symbols "
+                             f"(the cycle would come back to the query's symbol)")
         if self.n_queries < 1:
             raise ValueError(f"n_queries={self.n_queries}: must be >= 1")
 
@@ -46,9 +48,9 @@ class Answer:
 def hops_document(rng, spec):
     """One document (no trailing newline) drawn with random.Random rng."""
     symbols = list(string.ascii_lowercase[:spec.n_symbols])
-    image = symbols[:]
-    rng.shuffle(image)
-    f = dict(zip(symbols, image))
+    cycle = symbols[:]
+    rng.shuffle(cycle)
+    f = {a: b for a, b in zip(cycle, cycle[1:] + cycle[:1])}
     order = symbols[:]
     rng.shuffle(order)
     queries = []
