@@ -18,7 +18,18 @@ import time
 import torch
 
 from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
-from nanochat.synthetic import HopsSpec, hops_answers, hops_documents
+import random
+
+from nanochat.synthetic import HopsSpec, hops_answers, hops_documents, pairs_answers, pairs_document
+
+FORMAT = {"answers": hops_answers}
+
+
+def documents(seed, count, spec):
+    if FORMAT.get("pairs"):
+        rng = random.Random(f"pairs:{seed}")
+        return [pairs_document(rng, spec) for _ in range(count)]
+    return hops_documents(seed, count, spec)
 from nanochat.tokenizer import RustBPETokenizer
 
 
@@ -26,7 +37,7 @@ def batches(docs, tokenizer):
     """(idx, targets, answer index per row, hops per row) of byte-level documents, each starting with <|bos|>."""
     rows = [tokenizer.encode(d, prepend=tokenizer.get_bos_token_id()) for d in docs]
     ids = torch.tensor(rows)
-    answers = [hops_answers(d) for d in docs]
+    answers = [FORMAT["answers"](d) for d in docs]
     pos = torch.tensor([[a.position for a in ans] for ans in answers])  # char p is token p+1, predicted at p
     hops = torch.tensor([[a.hops for a in ans] for ans in answers])
     return ids[:, :-1], ids[:, 1:], pos, hops
@@ -78,6 +89,8 @@ def main():
     ap.add_argument("--extra", default="{}", help="JSON of further GPTConfig fields")
     ap.add_argument("--answers_only", type=int, default=0, help="1: the loss reads only the answer tokens")
     ap.add_argument("--eval_every", type=int, default=0)
+    ap.add_argument("--adamw", type=float, default=0.0, help="one AdamW at this lr instead of Muon + AdamW")
+    ap.add_argument("--format", default="pairs", choices=["pairs", "text"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -85,7 +98,9 @@ def main():
 
     tok = RustBPETokenizer.byte_level()
     spec = HopsSpec(n_symbols=args.n_symbols, max_hops=args.max_hops, n_queries=args.n_queries)
-    length = len(hops_documents(0, 1, spec)[0])
+    if args.format == "pairs":
+        FORMAT.update(pairs=True, answers=pairs_answers)
+    length = len(documents(0, 1, spec)[0])
     config = GPTConfig.with_refinement_preset(
         args.preset, sequence_len=length, vocab_size=tok.get_vocab_size(), n_layer=args.depth, n_head=args.n_head,
         n_kv_head=args.n_head, n_embd=args.width, n_loops=args.n_loops, n_sup_train=args.n_sup,
@@ -93,9 +108,13 @@ def main():
         **json.loads(args.extra))
     model = GPT(config)
     model.init_weights()
-    optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
-                                        matrix_lr=args.matrix_lr)
-    val = batches(hops_documents(10_000 + args.seed, args.eval_docs, spec), tok)
+    if args.adamw:
+        optimizers = [torch.optim.AdamW(model.parameters(), lr=args.adamw, betas=(0.9, 0.98), weight_decay=0.0)]
+        optimizers[0].param_groups[0]["initial_lr"] = args.adamw
+    else:
+        optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
+                                            matrix_lr=args.matrix_lr)
+    val = batches(documents(10_000 + args.seed, args.eval_docs, spec), tok)
     start, log = time.time(), []
     for step in range(args.steps):
         frac = step / args.steps
@@ -103,7 +122,7 @@ def main():
         for opt in optimizers:
             for g in opt.param_groups:
                 g["lr"] = g["initial_lr"] * lrm
-        docs = hops_documents(f"{args.seed}:{step}", args.batch, spec)
+        docs = documents(f"{args.seed}:{step}", args.batch, spec)
         idx, targets, pos, _ = batches(docs, tok)
         if args.answers_only:
             targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))

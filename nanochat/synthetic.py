@@ -63,6 +63,35 @@ def hops_document(rng, spec):
     return " ".join(f"{k}>{f[k]}" for k in order) + SEPARATOR + " ".join(queries)
 
 
+PAIR_ALPHABET = string.ascii_uppercase + string.digits + "!#$%&()*+-/<>?@[]^_{|}~"  # 59 characters
+
+
+def pairs_document(rng, spec):
+    """The same task with each table entry k -> v written as ONE character (PAIR_ALPHABET[k * n + v]), and each query
+    as " 3ac": hops, x, then the answer, predicted at x's own position. One lookup is then one attention layer."""
+    n = spec.n_symbols
+    symbols = list(string.ascii_lowercase[:n])
+    cycle = list(range(n))
+    rng.shuffle(cycle)
+    f = {a: b for a, b in zip(cycle, cycle[1:] + cycle[:1])}
+    order = list(range(n))
+    rng.shuffle(order)
+    queries = []
+    for _ in range(spec.n_queries):
+        x, hops = rng.randrange(n), rng.randint(1, spec.max_hops)
+        y = x
+        for _ in range(hops):
+            y = f[y]
+        queries.append(f"{hops}{symbols[x]}{symbols[y]}")
+    return "".join(PAIR_ALPHABET[k * n + f[k]] for k in order) + SEPARATOR + " ".join(queries)
+
+
+def pairs_answers(text):
+    body = text.split(SEPARATOR, 1)
+    start = len(body[0]) + len(SEPARATOR)
+    return [Answer(start + i + 2, int(text[start + i]), text[start + i + 2]) for i in range(0, len(body[1]), 4)]
+
+
 def hops_documents(seed, count, spec=HopsSpec()):
     """`count` documents, deterministic in (seed, spec)."""
     rng = random.Random(f"hops:{seed}:{spec.n_symbols}:{spec.max_hops}:{spec.n_queries}")
