@@ -63,10 +63,21 @@ def hops_document(rng, spec):
     return " ".join(f"{k}>{f[k]}" for k in order) + SEPARATOR + " ".join(queries)
 
 
+def iter_hops_documents(seed, count, spec=HopsSpec()):
+    """hops_documents one at a time: a corpus of millions of documents never sits in memory as a list."""
+    rng = random.Random(f"hops:{seed}:{spec.n_symbols}:{spec.max_hops}:{spec.n_queries}")
+    for _ in range(count):
+        yield hops_document(rng, spec)
+
+
 def hops_documents(seed, count, spec=HopsSpec()):
     """`count` documents, deterministic in (seed, spec)."""
-    rng = random.Random(f"hops:{seed}:{spec.n_symbols}:{spec.max_hops}:{spec.n_queries}")
-    return [hops_document(rng, spec) for _ in range(count)]
+    return list(iter_hops_documents(seed, count, spec))
+
+
+def hops_document_chars(spec):
+    """The length of every document of a spec: n "a>k" pairs, the separator, n_queries "x3=y" queries."""
+    return 4 * spec.n_symbols - 1 + len(SEPARATOR) + 5 * spec.n_queries - 1
 
 
 def hops_answers(text):
