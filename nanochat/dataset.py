@@ -10,10 +10,11 @@ Three ways to fill it, all giving the same shard format (the last shard is the v
 
 Imported files: a .txt file is one document (source files and essays keep their blank lines); a .jsonl file
 has one JSON object with a string "text" field per line; a parquet file needs a string "text" column.
-Undecodable bytes are replaced with U+FFFD and counted. --synthetic writes a generated reasoning corpus
-(nanochat/synthetic.py; docs/reasoning.md), deterministic in its flags. hf:NAME is a dataset on the hub (streamed through the
+Undecodable bytes are replaced with U+FFFD and counted. hf:NAME is a dataset on the hub (streamed through the
 `datasets` library, split "train" unless named) or a directory written by `datasets`' save_to_disk.
 --text_column names the field or column holding the text, for jsonl, parquet and hf alike.
+
+--synthetic writes a generated reasoning corpus (nanochat/synthetic.py, docs/reasoning.md), deterministic in its flags.
 
 A download keeps every complete shard and resumes a cut one where it stopped (HTTP Range); each shard has an overall
 deadline (--shard_timeout). Ctrl-C stops at once and leaves no partial file; the same command then goes on.
@@ -500,11 +501,13 @@ def main(argv=None):
     mode.add_argument("--from", dest="paths", nargs="+", metavar="PATH",
                       help=".txt/.jsonl/.parquet files or dirs, or hf:NAME[:config][:split]")
     mode.add_argument("--synthetic", metavar="FAMILY",
-                      help="generate a reasoning corpus: hops (chained lookups in a permutation table, docs/reasoning.md)")
-    parser.add_argument("--seed", type=int, default=0, help="--synthetic: the corpus is a function of this and the spec")
+                      help="generate a reasoning corpus: hops (chained lookups in a permutation table; "
+                           "docs/reasoning.md)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="--synthetic: the corpus is a function of this and the spec")
     parser.add_argument("--synthetic_docs", type=int, default=SYNTHETIC_DOCS,
-                        help=f"--synthetic: documents (default {SYNTHETIC_DOCS:,}: ~37 MB, ~37M byte-level tokens at "
-                             "the default spec; train on more by raising it)")
+                        help=f"--synthetic: documents (default {SYNTHETIC_DOCS:,}: ~37 MB, ~37M byte-level tokens "
+                             "at the default spec; raise it to train longer without repeating)")
     parser.add_argument("--hops_symbols", type=int, default=16, help="hops: symbols in the table, 2..26 (chance 1/N)")
     parser.add_argument("--hops_max", type=int, default=4, help="hops: queries need 1..this many lookups, 1..9")
     parser.add_argument("--hops_queries", type=int, default=24, help="hops: queries (answers) per document")

@@ -275,7 +275,8 @@ def test_synthetic_source_names_the_flags_that_rebuild_it(tmp_path, capsys):
     assert advice.endswith("python -m nanochat.dataset " + " ".join(HOPS[:1] + ["--seed=0"] + HOPS[1:]))
     assert dataset.main(HOPS + ["--seed=1"]) == 1  # another seed is another corpus: not mixed into this one
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "already holds 2 shard(s) of synthetic: --synthetic=hops --seed=0" in err
+    assert len(err.strip().splitlines()) == 1
+    assert "already holds 2 shard(s) of synthetic: --synthetic=hops --seed=0" in err
     assert snapshot(directory) == before
 
 
