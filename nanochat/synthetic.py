@@ -75,10 +75,6 @@ def hops_documents(seed, count, spec=HopsSpec()):
     return list(iter_hops_documents(seed, count, spec))
 
 
-def hops_document_chars(spec):
-    """The length of every document of a spec: n "a>k" pairs, the separator, n_queries "x3=y" queries."""
-    return 4 * spec.n_symbols - 1 + len(SEPARATOR) + 5 * spec.n_queries - 1
-
 
 def hops_answers(text):
     """The answers of a hops document, read from its text: every "=" is followed by one answer character, and the
