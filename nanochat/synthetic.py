@@ -75,7 +75,6 @@ def hops_documents(seed, count, spec=HopsSpec()):
     return list(iter_hops_documents(seed, count, spec))
 
 
-
 def hops_answers(text):
     """The answers of a hops document, read from its text: every "=" is followed by one answer character, and the
     digit before it is the hop count."""

@@ -41,11 +41,13 @@ def test_every_answer_is_right_and_needs_its_recorded_hops(spec):
         table, queries = parse(text)
         symbols = "abcdefghijklmnopqrstuvwxyz"[:spec.n_symbols]
         assert sorted(table) == list(symbols) and sorted(table.values()) == list(symbols)  # a permutation
+        assert lookups_to_reach(table, "a", "a", spec.n_symbols) == [spec.n_symbols]  # one cycle through all
         assert len(queries) == spec.n_queries
         for x, digit, answer, _ in queries:
             assert 1 <= digit <= spec.max_hops
-            # the digit is one of the lookup counts that reach the answer (a short cycle reaches it more than once)
-            assert digit in lookups_to_reach(table, x, answer, spec.max_hops), (text, x, digit, answer)
+            # one cycle longer than max_hops: the digit is the only lookup count within max_hops reaching the answer
+            assert lookups_to_reach(table, x, answer, spec.max_hops) == [digit], (text, x, digit, answer)
+            assert answer != x
             seen_hops.add(digit)
         got = [(a.position, a.hops, a.answer) for a in hops_answers(text)]
         assert got == [(i, digit, answer) for _, digit, answer, i in queries]
@@ -59,7 +61,7 @@ def test_a_wrong_answer_is_caught_by_the_solver():
     table, queries = parse(text)
     x, digit, answer, i = queries[0]
     wrong = next(s for s in sorted(table) if s != answer)
-    assert digit not in lookups_to_reach(table, x, wrong, 4)
+    assert lookups_to_reach(table, x, wrong, 4) != [digit]
 
 
 def test_deterministic_by_seed_and_spec():
@@ -79,6 +81,7 @@ def test_every_document_of_a_spec_has_the_same_length(spec):
 
 @pytest.mark.parametrize("fields, message", [({"n_symbols": 27}, "n_symbols=27: must be 2..26"),
                                              ({"max_hops": 0}, "max_hops=0: must be 1..9"),
+                                             ({"n_symbols": 4, "max_hops": 4}, "max_hops=4: .* below n_symbols"),
                                              ({"n_queries": 0}, "n_queries=0: must be >= 1")])
 def test_bad_spec_says_which_field(fields, message):
     with pytest.raises(ValueError, match=message):
