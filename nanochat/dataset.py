@@ -4,6 +4,7 @@ Three ways to fill it, all giving the same shard format (the last shard is the v
 
     python -m nanochat.dataset -n 8 [-w 4]    # first 8 FineWeb-Edu shards + the validation shard, from the HF hub
     python -m nanochat.dataset --builtin      # no network: this Python's standard library (code + docstrings)
+    python -m nanochat.dataset --synthetic=hops [--seed 0] [--synthetic_docs N] [--hops_max 4] ...  # generated
     python -m nanochat.dataset --from a.txt dir/ b.jsonl c.parquet [--skip_bad_lines]
     python -m nanochat.dataset --from hf:NAME[:config][:split] [--text_column text]   # a Hugging Face dataset
 
@@ -12,6 +13,8 @@ has one JSON object with a string "text" field per line; a parquet file needs a 
 Undecodable bytes are replaced with U+FFFD and counted. hf:NAME is a dataset on the hub (streamed through the
 `datasets` library, split "train" unless named) or a directory written by `datasets`' save_to_disk.
 --text_column names the field or column holding the text, for jsonl, parquet and hf alike.
+
+--synthetic writes a generated reasoning corpus (nanochat/synthetic.py, docs/reasoning.md), deterministic in its flags.
 
 A download keeps every complete shard and resumes a cut one where it stopped (HTTP Range); each shard has an overall
 deadline (--shard_timeout). Ctrl-C stops at once and leaves no partial file; the same command then goes on.
@@ -50,6 +53,8 @@ VAL_FRACTION = 0.02
 SHUFFLE_SEED = 42
 MANIFEST = "corpus.json"  # records where the shards came from, so two corpora never get mixed in one directory
 SOURCE_FINEWEB = f"download: {REPO_ID}"
+SYNTHETIC = "synthetic:"  # followed by the flags that regenerate the corpus, so rebuild_advice can repeat them
+SYNTHETIC_DOCS = 200_000  # ~37 MB at the default spec's 185 chars (+1 <|bos|>) per document: minutes of CPU training
 OFFLINE_HINT = ("if this machine is offline, build the built-in corpus with `python -m nanochat.dataset --builtin` "
                 "or import your own text with `python -m nanochat.dataset --from PATH ...`")
 
@@ -98,7 +103,8 @@ def rebuild_advice(directory):
     """How to make the corpus in directory whole again, by where it came from (its manifest)."""
     source = read_source(directory) or ""
     command = ("--builtin" if source.startswith("builtin:") else
-               "--from " + " ".join(source[len("import:"):].strip().split(", ")) if source.startswith("import:") else None)
+               "--from " + " ".join(source[len("import:"):].strip().split(", ")) if source.startswith("import:") else
+               source[len(SYNTHETIC):].strip() if source.startswith(SYNTHETIC) else None)
     if command:
         return (f"rebuild the corpus: delete the .parquet files in {directory}, then run "
                 f"python -m nanochat.dataset {command}")
@@ -446,6 +452,40 @@ def build_builtin(directory=None):
     build_corpus(builtin_documents(stats), stats, source, directory)
 
 
+def synthetic_flags(family, seed, docs, spec):
+    """The command-line flags that generate a synthetic corpus: its recorded source, and what --hops reads back."""
+    return (f"--synthetic={family} --seed={seed} --synthetic_docs={docs} --hops_symbols={spec.n_symbols} "
+            f"--hops_max={spec.max_hops} --hops_queries={spec.n_queries}")
+
+
+HOPS_FLAGS = {"n_symbols": "--hops_symbols", "max_hops": "--hops_max", "n_queries": "--hops_queries"}
+
+
+def build_synthetic(family, seed=0, docs=SYNTHETIC_DOCS, n_symbols=16, max_hops=4, n_queries=24, directory=None):
+    """A generated corpus through the same shuffle, validation hold-out and shards as --builtin."""
+    from nanochat.synthetic import SYNTHETIC_FAMILIES, HopsSpec, iter_hops_documents
+    if family not in SYNTHETIC_FAMILIES:
+        raise DatasetError(f"--synthetic={family}: unknown family; known: {', '.join(SYNTHETIC_FAMILIES)}")
+    if docs < 2:
+        raise DatasetError(f"--synthetic_docs={docs}: need at least 2 (one is held out for validation)")
+    try:
+        spec = HopsSpec(n_symbols=n_symbols, max_hops=max_hops, n_queries=n_queries)
+    except ValueError as e:  # HopsSpec names its fields; the user typed the flags
+        message = str(e)
+        for field, flag in HOPS_FLAGS.items():
+            message = message.replace(field, flag)
+        raise DatasetError(message) from None
+    source = f"{SYNTHETIC} {synthetic_flags(family, seed, docs, spec)}"
+    directory = resolve_dir(directory)
+    if list_parquet_files(directory) and read_source(directory) == source:
+        print(f"{directory} already holds this corpus ({source}); nothing to do")
+        return
+    if list_parquet_files(directory):
+        refuse_to_mix(directory)  # before generating: build_corpus would refuse only after writing it all
+    stats = new_stats()
+    build_corpus(iter_hops_documents(seed, docs, spec), stats, source, directory)
+
+
 def import_corpus(paths, skip_bad_lines=False, directory=None, text_column="text"):
     stats = new_stats()
     readers = document_readers(expand_inputs(paths), text_column, stats, skip_bad_lines)
@@ -460,6 +500,17 @@ def main(argv=None):
     mode.add_argument("--builtin", action="store_true", help="build the offline corpus from Python's standard library")
     mode.add_argument("--from", dest="paths", nargs="+", metavar="PATH",
                       help=".txt/.jsonl/.parquet files or dirs, or hf:NAME[:config][:split]")
+    mode.add_argument("--synthetic", metavar="FAMILY",
+                      help="generate a reasoning corpus: hops (chained lookups in a permutation table; "
+                           "docs/reasoning.md)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="--synthetic: the corpus is a function of this and the spec")
+    parser.add_argument("--synthetic_docs", type=int, default=SYNTHETIC_DOCS,
+                        help=f"--synthetic: documents (default {SYNTHETIC_DOCS:,}: ~37 MB, ~37M byte-level tokens "
+                             "at the default spec; raise it to train longer without repeating)")
+    parser.add_argument("--hops_symbols", type=int, default=16, help="hops: symbols in the table, 2..26 (chance 1/N)")
+    parser.add_argument("--hops_max", type=int, default=4, help="hops: queries need 1..this many lookups, 1..9")
+    parser.add_argument("--hops_queries", type=int, default=24, help="hops: queries (answers) per document")
     parser.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads")
     parser.add_argument("--shard_timeout", type=float, default=SHARD_TIMEOUT_S,
                         help="seconds one shard may take, retries included")
@@ -471,6 +522,9 @@ def main(argv=None):
             build_builtin()
         elif args.paths:
             import_corpus(args.paths, args.skip_bad_lines, text_column=args.text_column)
+        elif args.synthetic is not None:
+            build_synthetic(args.synthetic, args.seed, args.synthetic_docs, args.hops_symbols, args.hops_max,
+                            args.hops_queries)
         else:
             download_shards(args.num_shards, workers=args.workers, shard_timeout=args.shard_timeout)
     except (DatasetError, DownloadError) as e:

@@ -92,10 +92,16 @@ def pairs_answers(text):
     return [Answer(start + i + 2, int(text[start + i]), text[start + i + 2]) for i in range(0, len(body[1]), 4)]
 
 
+def iter_hops_documents(seed, count, spec=HopsSpec()):
+    """hops_documents one at a time: a corpus of millions of documents never sits in memory as a list."""
+    rng = random.Random(f"hops:{seed}:{spec.n_symbols}:{spec.max_hops}:{spec.n_queries}")
+    for _ in range(count):
+        yield hops_document(rng, spec)
+
+
 def hops_documents(seed, count, spec=HopsSpec()):
     """`count` documents, deterministic in (seed, spec)."""
-    rng = random.Random(f"hops:{seed}:{spec.n_symbols}:{spec.max_hops}:{spec.n_queries}")
-    return [hops_document(rng, spec) for _ in range(count)]
+    return list(iter_hops_documents(seed, count, spec))
 
 
 def hops_answers(text):

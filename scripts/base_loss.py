@@ -5,9 +5,11 @@ Evaluate a checkpoint: train and validation bits per byte for every supervision 
     torchrun --standalone --nproc_per_node=8 -m scripts.base_loss -- --model_tag=d12 --step=best
     python -m scripts.base_loss --model_tag=d4 --n_sup=8     # past the trained steps: do extra steps help or hurt?
     python -m scripts.base_loss --model_tag=d4 --halt=kl:0.0005   # + validation with per-token adaptive halting
+    python -m scripts.base_loss --model_tag=d4 --hops   # hops corpus: accuracy by hop count at every step (only)
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -16,7 +18,7 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              exit_on_write_error, print0)
-from nanochat.gpt import Halting
+from nanochat.gpt import GPTConfig, Halting
 from nanochat.loss_eval import (evaluate_bpb, evaluate_bpb_halting, format_halting, format_state, format_steps,
                                 refinement)
 from nanochat.train_config import SAMPLE_PROMPTS, autocast_for, default_dtype
@@ -39,11 +41,17 @@ def parse_args(argv=None):
     p.add_argument("--sample_tokens", type=int, default=24)
     p.add_argument("--halt", type=halting_arg, default=None,
                    help="also evaluate validation with per-token adaptive halting, RULE:THRESHOLD (kl, rms or head)")
+    p.add_argument("--hops", action="store_true",
+                   help="instead of bpb: exact-match accuracy by hop count at supervision steps 1..2*n_sup_inference "
+                        "(--n_sup: 1..n_sup) on the validation documents of the hops corpus (docs/reasoning.md)")
+    p.add_argument("--hops_docs", type=int, default=2000, help="--hops: validation documents evaluated")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
-    for name in ("device_batch_size", "max_seq_len", "split_tokens", "n_sup", "sample_tokens"):
+    for name in ("device_batch_size", "max_seq_len", "split_tokens", "n_sup", "sample_tokens", "hops_docs"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.hops and args.halt:
+        p.error("--hops evaluates every supervision step, not halting; drop --halt (or run base_loss twice)")
     return args
 
 
@@ -67,6 +75,8 @@ def main(argv=None):
         model, tokenizer, meta = ckpt.load_model(model_tag, args.step, device, **overrides)
     except ValueError as e:
         raise Exit(f"base_loss: {e}")
+    if args.hops:
+        return evaluate_hops_corpus(args, model, tokenizer, meta, model_tag, device_type, (device, rank, world_size))
     n_sup = model.config.n_sup_inference
     if args.halt:
         try:
@@ -131,6 +141,56 @@ def validate_with_halting(args, model, tokenizer, T, steps, token_bytes, autocas
         raise Exit(f"base_loss: --halt={args.halt}: {e}")
     print0(format_halting("val", args.halt, bpb, mean_steps, n_sup))
     return {"halting": str(args.halt), "bpb": bpb, "mean_steps": mean_steps, "n_sup": n_sup}
+
+
+def evaluate_hops_corpus(args, model, tokenizer, meta, model_tag, device_type, placement):
+    """--hops: accuracy by hop count at every supervision step on the validation documents of the hops corpus,
+    printed, saved as hops_eval_step<N>.json beside the checkpoints, and plotted there when matplotlib is installed."""
+    from nanochat.dataset import DatasetError, corpus_identity, data_dir, iter_documents, read_source
+    from nanochat.hops_eval import HopsEvalError, evaluate_hops, format_hops, plot_hops
+    device, rank, world_size = placement
+    # the validation shard, not documents regenerated from the recorded seed: exactly what training held out,
+    # and the split the other evaluations read
+    source = read_source(data_dir()) or ""
+    if not source.startswith("synthetic: --synthetic=hops"):
+        raise Exit(f"base_loss: --hops needs the hops corpus, but {data_dir()} holds "
+                   f"{source or 'no recorded corpus'}; build it with python -m nanochat.dataset --synthetic=hops "
+                   "(or point NANOCHAT_DATA_DIR at it)")
+    try:
+        documents = list(itertools.islice(iter_documents("val"), args.hops_docs))
+        corpus = corpus_identity()
+    except DatasetError as e:
+        raise Exit(f"base_loss: {e}")
+    if meta.get("data") and meta["data"]["fingerprint"] != corpus["fingerprint"]:
+        print0(f"note: {model_tag} was trained on data {meta['data']['fingerprint']}, not this corpus "
+               f"({corpus['fingerprint']}); evaluating on it anyway")
+    n_sup_inference = GPTConfig.from_dict(meta["model_config"]).n_sup_inference  # as trained: --n_sup overrides it
+    n_steps = args.n_sup or 2 * n_sup_inference
+    print0(f"evaluating {model_tag} step {meta['step']} on {len(documents):,} validation documents of {source} "
+           f"for supervision steps 1..{n_steps} (trained with {model.config.n_sup_train})")
+    dtype = args.dtype or default_dtype(device_type)
+    try:
+        result = evaluate_hops(model, tokenizer, documents, n_steps, batch_size=args.device_batch_size, device=device,
+                               autocast=autocast_for(device_type, dtype), rank=rank, world_size=world_size)
+    except (HopsEvalError, RankFailure) as e:
+        raise Exit(f"base_loss: --hops: {e}")
+    results = {"model_tag": model_tag, "step": meta["step"], "n_sup_train": model.config.n_sup_train,
+               "n_sup_inference": n_sup_inference,
+               "steps": n_steps, "corpus": source, **result}
+    print0(format_hops(results))
+    if rank == 0:
+        stem = os.path.join(ckpt.model_dir(model_tag), f"hops_eval_step{meta['step']:06d}")
+        with exit_on_write_error("base_loss"):
+            atomic_write_bytes(stem + ".json", json.dumps(results, indent=2).encode(),
+                               ", then run base_loss --hops again to save the results printed above")
+        print0(f"results: {stem}.json")
+        try:
+            plot_hops(results, stem + ".png", title=f"{model_tag} step {meta['step']}")
+            print0(f"plot: {stem}.png")
+        except ImportError:
+            print0("note: no plot: matplotlib is not installed (pip install -e '.[plot]')")
+    compute_cleanup()
+    return results
 
 
 if __name__ == "__main__":

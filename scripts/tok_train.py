@@ -2,6 +2,7 @@
 
     python -m scripts.tok_train --vocab_size 8192 --max_chars 20_000_000
     python -m scripts.tok_train --byte_level     # 256 byte tokens + the special tokens, no merges, no training
+                                                 # (the one for the synthetic hops corpus: docs/reasoning.md)
 
 A tokenizer that checkpoints were trained with (their meta.json records its fingerprint) is not replaced unless
 --force is given: retrained, the same token ids would mean other text.
@@ -96,7 +97,9 @@ def main(argv=None):
     parser.add_argument("--vocab_size", type=int, default=None,
                         help=f"including the special tokens (default {DEFAULT_VOCAB_SIZE})")
     parser.add_argument("--byte_level", action="store_true",
-                        help="no merges: the 256 bytes are the tokens (sequences ~4x longer than BPE's)")
+                        help="no merges: the 256 bytes are the tokens (sequences ~4x longer than BPE's); recommended "
+                             "for --synthetic=hops corpora, where every answer must be one token of its own and BPE "
+                             "merges would fuse it with its neighbours")
     parser.add_argument("--max_chars", type=int, default=10_000_000_000, help="train on at most this many chars")
     parser.add_argument("--doc_cap", type=int, default=10_000, help="use at most this many chars of each document")
     parser.add_argument("--force", action="store_true", help="replace a tokenizer that checkpoints depend on")

@@ -240,3 +240,55 @@ def test_the_corpus_identity_reads_footers_only_and_changes_with_any_shard(tmp_p
     assert dataset.corpus_identity(str(tmp_path / "copy"))["fingerprint"] != a["fingerprint"]
     make_corpus(tmp_path / "more", num_shards=4)
     assert dataset.corpus_identity(str(tmp_path / "more"))["fingerprint"] != a["fingerprint"]
+
+
+# -----------------------------------------------------------------------------
+# --synthetic
+
+HOPS = ["--synthetic=hops", "--synthetic_docs=300", "--hops_symbols=6", "--hops_max=3", "--hops_queries=5"]
+
+
+def test_synthetic_hops_writes_train_and_val_shards_deterministically(tmp_path, monkeypatch, capsys):
+    from nanochat.synthetic import HopsSpec, hops_documents
+    snapshots = []
+    for name in ("run1", "run2"):
+        monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / name))
+        assert dataset.main(HOPS + ["--seed=5"]) == 0
+        snapshots.append(snapshot(tmp_path / name))
+    assert snapshots[0] == snapshots[1]
+    train, val = list(dataset.iter_documents("train")), list(dataset.iter_documents("val"))
+    assert len(val) == 6 and len(train) == 294  # VAL_FRACTION of 300 held out
+    # the very documents the generator gives for these flags, shuffled between the splits
+    assert sorted(train + val) == sorted(hops_documents(5, 300, HopsSpec(n_symbols=6, max_hops=3, n_queries=5)))
+    assert dataset.main(HOPS + ["--seed=5"]) == 0 and "nothing to do" in capsys.readouterr().out
+    assert snapshot(tmp_path / "run2") == snapshots[1]
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / "seed6"))
+    assert dataset.main(HOPS + ["--seed=6"]) == 0
+    assert sorted(dataset.iter_documents("val")) != sorted(val)
+
+
+def test_synthetic_source_names_the_flags_that_rebuild_it(tmp_path, capsys):
+    assert dataset.main(HOPS) == 0
+    directory = dataset.data_dir()
+    before = snapshot(directory)
+    advice = dataset.rebuild_advice(directory)
+    assert advice.endswith("python -m nanochat.dataset " + " ".join(HOPS[:1] + ["--seed=0"] + HOPS[1:]))
+    assert dataset.main(HOPS + ["--seed=1"]) == 1  # another seed is another corpus: not mixed into this one
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "already holds 2 shard(s) of synthetic: --synthetic=hops --seed=0" in err
+    assert snapshot(directory) == before
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--synthetic=sudoku"], "--synthetic=sudoku: unknown family; known: hops"),
+    (["--synthetic=hops", "--hops_symbols=27"], "--hops_symbols=27: must be 2..26"),
+    (["--synthetic=hops", "--hops_max=10"], "--hops_max=10: must be 1..9"),
+    (["--synthetic=hops", "--hops_queries=0"], "--hops_queries=0: must be >= 1"),
+    (["--synthetic=hops", "--synthetic_docs=1"], "--synthetic_docs=1: need at least 2"),
+])
+def test_bad_synthetic_flags_fail_in_one_line_and_write_nothing(flags, message, capsys):
+    assert dataset.main(flags) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    assert not os.path.exists(dataset.data_dir())

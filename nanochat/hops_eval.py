@@ -1,0 +1,149 @@
+"""Accuracy by hops at every supervision step on the hops corpus (nanochat.synthetic): does the recursion add depth?
+
+Each answer character is predicted, teacher-forced, at the position before it: exact match is the argmax there being
+the answer's token, and the answer tokens' bits per byte per step are -log2 p(answer) summed over their bytes.
+Everything is read from the documents' text (hop counts, symbols), so any hops corpus and any tokenizer works, as
+long as each answer character is one token of its own.
+
+    result = evaluate_hops(model, tokenizer, documents, n_steps=8)
+    print(format_hops(result))
+
+The model needs GPT's evaluation interface: config.vocab_size and config.sequence_len, refine(idx, n) yielding
+(y, z) after each supervision step, apply_coda(y) and head(y) -> logits.
+"""
+
+import math
+
+import torch
+
+from nanochat.common import raise_if_any_rank_failed, reduce_with_flags
+from nanochat.synthetic import SEPARATOR, hops_answers
+
+
+class HopsEvalError(ValueError):
+    """The documents or the tokenizer cannot be evaluated: the message says why and what to do."""
+
+
+def encode_hops(tokenizer, text, answer_ids=None):
+    """(ids, answers): <|bos|> then the text, encoded in pieces split around each answer character so each answer is
+    one token of its own (a BPE merge across it would hide it); answers are (index in ids, hops, token id, bytes).
+    answer_ids: a cache of answer character -> token id, shared across documents."""
+    answers = hops_answers(text)
+    if not answers:
+        raise HopsEvalError(f"a document holds no hops query ('x3=y'): {text[:60]!r}...; evaluate a corpus made by "
+                            "python -m nanochat.dataset --synthetic=hops")
+    answer_ids = {} if answer_ids is None else answer_ids
+    ids, out, start = [tokenizer.get_bos_token_id()], [], 0
+    for a in answers:
+        ids += tokenizer.encode(text[start:a.position]) if a.position > start else []
+        if a.answer not in answer_ids:
+            pieces = tokenizer.encode(a.answer)
+            if len(pieces) != 1:
+                raise HopsEvalError(f"the answer character {a.answer!r} is {len(pieces)} tokens under this tokenizer, "
+                                    "not one; train a byte-level tokenizer (python -m scripts.tok_train --byte_level)")
+            answer_ids[a.answer] = pieces[0]
+        out.append((len(ids), a.hops, answer_ids[a.answer], len(a.answer.encode())))
+        ids.append(answer_ids[a.answer])
+        start = a.position + 1
+    ids += tokenizer.encode(text[start:]) if start < len(text) else []
+    return ids, out
+
+
+def table_symbols(text):
+    """How many symbols a document's table lists: chance accuracy is one over it."""
+    return len(text.split(SEPARATOR)[0].split())
+
+
+@torch.no_grad()
+def evaluate_hops(model, tokenizer, documents, n_steps, batch_size=32, device="cpu", autocast=None, rank=0,
+                  world_size=1):
+    """Accuracy and answer bits per byte by hop count for supervision steps 1..n_steps, as a JSON-ready dict:
+    hops [1..H], answers [count per hop], accuracy[step][hop], answer_bpb[step], answer_bpb_by_hops[step][hop],
+    chance (1/symbols, over all documents), documents. Index hop lists with hops.index(h).
+
+    Every rank encodes (and so checks) all documents, then runs documents[rank::world_size]; the sums are reduced over
+    ranks, so every rank returns the same numbers. A model failure on any rank raises RankFailure on every rank."""
+    documents = list(documents)
+    if not documents:
+        raise HopsEvalError("no documents to evaluate")
+    cache = {}
+    encoded = [encode_hops(tokenizer, text, cache) for text in documents]
+    longest = max(len(ids) for ids, _ in encoded) - 1  # inputs: every token but the last
+    if longest > model.config.sequence_len:
+        raise HopsEvalError(f"the documents are up to {longest} tokens, longer than the model's "
+                            f"{model.config.sequence_len}-token context; build the corpus with fewer --hops_queries "
+                            "or train with a longer --max_seq_len")
+    max_hops = max(h for _, answers in encoded for _, h, _, _ in answers)
+    # per step: correct and nats by hop; then answers and bytes by hop
+    sums = torch.zeros(2 * n_steps + 2, max_hops + 1, dtype=torch.float64, device=device)
+    mine = encoded[rank::world_size]
+    error = None
+    try:
+        for start in range(0, len(mine), batch_size):
+            evaluate_batch(model, mine[start:start + batch_size], n_steps, sums, device, autocast)
+    except Exception as e:  # noqa: BLE001 - reported below on every rank, so no rank waits for this one
+        error = e
+    flat, (failed,) = reduce_with_flags(sums.flatten(), [error is not None])
+    raise_if_any_rank_failed(error, "hops evaluation", failed)
+    sums = flat.view_as(sums).cpu()
+    correct, nats, count, nbytes = sums[:n_steps], sums[n_steps:2 * n_steps], sums[-2], sums[-1]
+    hops = [h for h in range(1, max_hops + 1) if count[h] > 0]
+    return {
+        "hops": hops,
+        "answers": [int(count[h]) for h in hops],
+        "accuracy": [[(correct[s, h] / count[h]).item() for h in hops] for s in range(n_steps)],
+        "answer_bpb": [(nats[s].sum() / (math.log(2) * nbytes.sum())).item() for s in range(n_steps)],
+        "answer_bpb_by_hops": [[(nats[s, h] / (math.log(2) * nbytes[h])).item() for h in hops]
+                               for s in range(n_steps)],
+        "chance": len(documents) / sum(table_symbols(text) for text in documents),  # 1/n for one spec
+        "documents": len(documents),
+    }
+
+
+def evaluate_batch(model, batch, n_steps, sums, device, autocast):
+    """Add one batch's correct answers and nats (per step, by hop) and answers and bytes (by hop) into sums."""
+    length = max(len(ids) for ids, _ in batch) - 1
+    # padded after each row's end: causal attention keeps the padding out of every position that is read
+    idx = torch.tensor([ids[:-1] + [ids[0]] * (length - len(ids) + 1) for ids, _ in batch], device=device)
+    rows, pos, hops, want, nbytes = (torch.tensor(v, device=device) for v in zip(
+        *[(r, i - 1, h, t, b) for r, (_, answers) in enumerate(batch) for i, h, t, b in answers]))
+    sums[-2].index_add_(0, hops, torch.ones_like(hops, dtype=sums.dtype))
+    sums[-1].index_add_(0, hops, nbytes.to(sums.dtype))
+    with autocast or torch.autocast(idx.device.type, enabled=False):
+        for s, (y, _) in enumerate(model.refine(idx, n_steps)):
+            # the head on the answer positions only: a whole batch's logits can be gigabytes at a BPE vocabulary
+            logits = model.head(model.apply_coda(y)[rows, pos]).float()
+            log_p = torch.log_softmax(logits, dim=-1).gather(1, want[:, None]).squeeze(1)
+            sums[s].index_add_(0, hops, (logits.argmax(-1) == want).to(sums.dtype))
+            sums[n_steps + s].index_add_(0, hops, -log_p.double())
+
+
+def format_hops(result):
+    """The accuracy table, one row per supervision step and one column per hop count, then the answers' bpb."""
+    hops = result["hops"]
+    lines = [f"accuracy by hops (rows: supervision step; chance {result['chance']:.3f}; "
+             f"{sum(result['answers']):,} answers in {result['documents']:,} documents)",
+             "step " + " ".join(f"{f'{h} hops':>8s}" for h in hops) + "  answer bpb"]
+    for s, (row, bpb) in enumerate(zip(result["accuracy"], result["answer_bpb"]), start=1):
+        lines.append(f"{s:4d} " + " ".join(f"{v:8.3f}" for v in row) + f"  {bpb:10.4f}")
+    return "\n".join(lines)
+
+
+def plot_hops(result, path, title=""):
+    """Accuracy vs supervision step, one line per hop count, saved to path (needs matplotlib: the 'plot' extra)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    steps = range(1, len(result["accuracy"]) + 1)
+    for j, h in enumerate(result["hops"]):
+        ax.plot(steps, [row[j] for row in result["accuracy"]], marker="o", label=f"{h} hop{'s' * (h > 1)}")
+    ax.axhline(result["chance"], color="gray", linestyle=":", label="chance")
+    if result.get("n_sup_train"):
+        ax.axvline(result["n_sup_train"], color="gray", linestyle="--", linewidth=0.8, label="trained steps")
+    ax.set(xlabel="supervision step", ylabel="exact-match accuracy", ylim=(0, 1.02), title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
