@@ -244,7 +244,7 @@ class MetricsLog:
         return self.prior_step_time or statistics.mean(self.step_times)
 
     def format_step(self, record, num_iterations):
-        """The training log line (README, "Reading the training log")."""
+        """The training log line (docs/training-log.md)."""
         step, losses, mfu, mem = record["step"], record["step_losses"], record["mfu"], record["peak_mem_gb"]
         eta = (num_iterations - step) * self.mean_step_time()
         return (f"step {step:05d}/{num_iterations} ({100 * step / num_iterations:.1f}%) | loss {losses[-1]:.4f} "

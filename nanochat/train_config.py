@@ -52,8 +52,8 @@ def ema_decay_arg(value):
     return decay
 
 
-# Measured at CPU scale (README): auto's average lost 0.05-0.11 bpb in all six 128-step runs and gained 0.01-0.06 in
-# all six runs of 337-990 steps; the boundary lies somewhere between, so auto starts averaging at 300 steps.
+# auto starts averaging at 300 steps: at CPU scale the average hurt every 128-step run and helped every run of 337 to
+# 990 steps (dev/LOG.md, "When the weight average helps").
 EMA_AUTO_MIN_STEPS = 300
 
 

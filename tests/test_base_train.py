@@ -269,7 +269,7 @@ def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_wh
 
 
 def test_the_weight_average_is_on_for_long_runs_only():
-    """auto, the default, averages runs of 300+ steps only (shorter runs lost 0.05-0.11 bpb to it, see the README); 0
+    """auto, the default, averages runs of 300+ steps only (shorter runs lost to it, see dev/LOG.md); 0
     turns it off; the launcher's memory plan counts its weight copy exactly when it is on."""
     long_run = train_config.parse_args([*TINY, "--num_iterations=1000"])
     assert train_config.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and train_config.keeps_ema(long_run)
