@@ -16,7 +16,7 @@ import os
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import ArgumentParser, Exit
 from nanochat.common import autodetect_device_type, compute_init
-from nanochat.gpt import Halting
+from nanochat.halting import Halting
 from nanochat.loss_eval import evaluate_bpb, evaluate_bpb_halting
 from nanochat.train_config import autocast_for, default_dtype
 

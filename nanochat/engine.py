@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .gpt import Halting
+from .halting import Halting, check_halting, forward_halting
 
 # <|bos|> starts the next document, so a base model 'ends' by emitting it; chat models also end a turn
 STOP_TOKENS = ("<|bos|>", "<|assistant_end|>")
@@ -48,7 +48,7 @@ class KVCache:
         self.v = [None] * num_slots
         self.pos = 0  # tokens already cached (padding included); the model rotates new tokens from here
         self._mask = None  # one attention mask serves every slot of a forward
-        self.halted = None  # (B, T) bool: this forward's positions that halted (GPT.forward_halting); see hold
+        self.halted = None  # (B, T) bool: this forward's positions that halted (halting.forward_halting); see hold
         self.slots_per_step = None
 
     def attend(self, slot, q, k, v):
@@ -170,10 +170,10 @@ class Engine:
         return n_sup
 
     def check_halt(self, halt):
-        """None (every token runs n_sup steps), a gpt.Halting or its 'RULE:THRESHOLD' string -> None or a Halting."""
+        """None (every token runs n_sup steps), a halting.Halting or its 'RULE:THRESHOLD' string -> None or a Halting."""
         if halt is None:
             return None
-        return self.model.check_halting(halt if isinstance(halt, Halting) else Halting.parse(halt))
+        return check_halting(self.model, halt if isinstance(halt, Halting) else Halting.parse(halt))
 
     def stop_tokens(self):
         """The ids of STOP_TOKENS this tokenizer has."""
@@ -225,7 +225,7 @@ class Engine:
         with self.autocast():
             if halting is None:
                 return self.model(idx, kv_cache=cache, n_sup=n_sup)[:, -1], None
-            logits, steps = self.model.forward_halting(idx, halting, cache, n_sup=n_sup)
+            logits, steps = forward_halting(self.model, idx, halting, cache, n_sup=n_sup)
             return logits[:, -1], steps[:, -1]
 
     @torch.inference_mode()

@@ -6,6 +6,7 @@ import torch
 
 from nanochat import gpt
 from nanochat.common import RankFailure, distributed, print0, progress_bar, raise_if_any_rank_failed, reduce_with_flags
+from nanochat.halting import forward_halting
 from nanochat.sharding import is_sharded
 
 
@@ -109,11 +110,11 @@ def validation_bpb(model, tokenizer, args, device, rank, world_size, token_bytes
 
 @torch.no_grad()
 def evaluate_bpb_halting(model, batches, steps, token_bytes, halting, n_sup=None, autocast=None, hold_keys=True):
-    """(bpb, mean_steps) with per-token adaptive halting (gpt.Halting): each token's loss from the logits of the step
+    """(bpb, mean_steps) with per-token adaptive halting (halting.Halting): each token's loss from the logits of the step
     it halted at, and the supervision steps it ran, averaged over the tokens bpb counts: exactly the steps decoding
     with halting runs for them. batches, steps, n_sup (default n_sup_inference) and DDP as evaluate_bpb.
     hold_keys=False: later tokens read a halted token's keys and values from every step, not from the step it halted
-    at (GPT.forward_halting without a cache): the reference that measures what the hold costs."""
+    at (halting.forward_halting without a cache): the reference that measures what the hold costs."""
     from nanochat.engine import KVCache
     n = n_sup or model.config.n_sup_inference
     sums = torch.zeros(4, dtype=torch.float64, device=token_bytes.device)  # nats, bytes, steps, tokens
@@ -124,7 +125,7 @@ def evaluate_bpb_halting(model, batches, steps, token_bytes, halting, n_sup=None
             x, y = next(batches)
             cache = KVCache(model.num_attention_slots(n), x.size(0), x.size(1)) if hold_keys else None  # whole rows
             with autocast or torch.autocast(x.device.type, enabled=False):
-                logits, used = model.forward_halting(x, halting, cache, n_sup=n)
+                logits, used = forward_halting(model, x, halting, cache, n_sup=n)
             losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1,
                                                        reduction="none").view(y.shape)
             num_bytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)

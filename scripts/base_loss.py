@@ -18,7 +18,8 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
                              exit_on_write_error, print0)
-from nanochat.gpt import GPTConfig, Halting
+from nanochat.gpt import GPTConfig
+from nanochat.halting import Halting, check_halting
 from nanochat.loss_eval import (evaluate_bpb, evaluate_bpb_halting, format_halting, format_state, format_steps,
                                 refinement)
 from nanochat.train_config import SAMPLE_PROMPTS, autocast_for, default_dtype
@@ -80,7 +81,7 @@ def main(argv=None):
     n_sup = model.config.n_sup_inference
     if args.halt:
         try:
-            model.check_halting(args.halt)
+            check_halting(model, args.halt)
         except ValueError as e:
             raise Exit(f"base_loss: --halt: {e}")
     T = args.max_seq_len or model.config.sequence_len

@@ -21,6 +21,7 @@ import torch
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import autodetect_device_type, compute_init, print0
+from nanochat.halting import frozen_halt_head_loss
 from nanochat.train_config import autocast_for, default_dtype
 
 LOG_EVERY = 20
@@ -64,7 +65,7 @@ def validation_bce(model, batches, steps, autocast):
     for _ in range(steps):
         x, y = next(batches)
         with autocast:
-            b, r = model.frozen_halt_head_loss(x, y)
+            b, r = frozen_halt_head_loss(model, x, y)
         bce, rate = bce + b.item() / steps, rate + r.item() / steps
     return bce, rate
 
@@ -114,7 +115,7 @@ def main(argv=None):
     for step in range(1, args.num_iterations + 1):
         x, y = next(train)
         with autocast:
-            bce, _ = model.frozen_halt_head_loss(x, y)
+            bce, _ = frozen_halt_head_loss(model, x, y)
         bce.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -65,6 +65,7 @@ from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
 from nanochat.cli import ArgumentParser
 from nanochat.common import autodetect_device_type, compute_init, device_available
 from nanochat.engine import Engine, ends_mid_character
+from nanochat.halting import forward_halting
 from nanochat.train_config import autocast_for, default_dtype
 
 MAX_BODY_BYTES = 1 << 20
@@ -365,7 +366,7 @@ class Server:
         return ids
 
     def depth(self, n_sup):
-        """A request's n_sup -> (steps or None for all, gpt.Halting or None), or an APIError saying what is wrong."""
+        """A request's n_sup -> (steps or None for all, halting.Halting or None), or an APIError saying what is wrong."""
         most = self.config.n_sup_inference
         if n_sup is None or isinstance(n_sup, int) and 1 <= n_sup <= most:
             return n_sup, None
@@ -421,7 +422,7 @@ class Server:
                 logits = model(idx, n_sup=n_sup)[0]
             else:
                 cache = self.engine.new_cache(1, len(ids), self.config.n_sup_inference)
-                logits = model.forward_halting(idx, halting, cache)[0][0]
+                logits = forward_halting(model, idx, halting, cache)[0][0]
         return F.log_softmax(logits.float(), dim=-1).cpu()
 
     def logprobs(self, prompt, choice, top, echo, n_sup, halting=None):

@@ -337,9 +337,10 @@ def test_editing_the_default_lines_changes_plain_gptconfig(tmp_path, monkeypatch
     assert edited.count("= 10.0") > source.count("= 10.0") and edited.count("= 2.0") > source.count("= 2.0")
     path = tmp_path / "gpt_edited.py"
     path.write_text(edited)
-    spec = importlib.util.spec_from_file_location("gpt_edited", path)
+    # inside the nanochat package, as gpt.py runs: its relative imports (.halting) resolve there
+    spec = importlib.util.spec_from_file_location("nanochat.gpt_edited", path)
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpt_edited", module)
+    monkeypatch.setitem(sys.modules, "nanochat.gpt_edited", module)
     spec.loader.exec_module(module)
     assert (module.GPTConfig().supervision_weight_base, module.GPTConfig().improvement_reward_scale) == (10.0, 2.0)
     # and a model built from the edited defaults trains on them: total uses b=10, c=2

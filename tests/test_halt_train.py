@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from nanochat.gpt import HALT_BIAS_INIT, HALT_MARGIN
+from nanochat.gpt import HALT_BIAS_INIT
+from nanochat.halting import HALT_MARGIN, frozen_halt_head_loss
 from tests import helpers
 from tests.test_halting import random_model, tokens
 
@@ -14,7 +15,7 @@ def test_the_frozen_loss_reaches_only_the_head_and_counts_the_targets():
     model = random_model()
     idx, targets = tokens(2, 8), tokens(2, 8, seed=2)
     targets[0, :3] = -1  # ignored positions count neither in the BCE nor in the rate
-    bce, rate = model.frozen_halt_head_loss(idx, targets)
+    bce, rate = frozen_halt_head_loss(model, idx, targets)
     bce.backward()
     assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("halt_head"))
     assert model.halt_head.weight.grad.abs().sum() > 0
@@ -33,19 +34,19 @@ def test_training_the_frozen_head_beats_the_blind_guess_on_its_batch():
     model.requires_grad_(False)
     model.halt_head.requires_grad_(True)
     idx, targets = tokens(4, 8), tokens(4, 8, seed=2)
-    _, rate = model.frozen_halt_head_loss(idx, targets)
+    _, rate = frozen_halt_head_loss(model, idx, targets)
     with torch.no_grad():
         model.halt_head.weight.zero_()
         model.halt_head.bias.fill_(math.log(rate / (1 - rate)))
-    start, _ = model.frozen_halt_head_loss(idx, targets)
+    start, _ = frozen_halt_head_loss(model, idx, targets)
     assert start.item() == pytest.approx(blind_bce(rate.item()), abs=1e-5)
     optimizer = torch.optim.AdamW(model.halt_head.parameters(), lr=0.05)
     for _ in range(50):
-        bce, _ = model.frozen_halt_head_loss(idx, targets)
+        bce, _ = frozen_halt_head_loss(model, idx, targets)
         bce.backward()
         optimizer.step()
         optimizer.zero_grad()
-    assert model.frozen_halt_head_loss(idx, targets)[0] < 0.8 * start
+    assert frozen_halt_head_loss(model, idx, targets)[0] < 0.8 * start
 
 
 def halt_train(*flags):

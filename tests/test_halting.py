@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from nanochat.engine import Engine, KVCache
-from nanochat.gpt import GPT, HALT_BIAS_INIT, HALTING_RULES, GPTConfig, Halting
+from nanochat.gpt import GPT, HALT_BIAS_INIT, GPTConfig
+from nanochat.halting import HALTING_RULES, Halting, forward_halting
 from tests import helpers
 
 N = 4
@@ -27,7 +28,7 @@ def tokens(B, T, seed=1):
 
 def halting_forward(model, idx, halt, n_sup=N):
     cache = KVCache(model.num_attention_slots(n_sup), idx.size(0), idx.size(1))
-    return model.forward_halting(idx, Halting.parse(halt), cache, n_sup=n_sup)
+    return forward_halting(model, idx, Halting.parse(halt), cache, n_sup=n_sup)
 
 
 def plain_cached(model, idx, n_sup):
@@ -63,15 +64,15 @@ class HeldAttention:
 
 
 def reference(model, idx, halt):
-    return model.forward_halting(idx, Halting.parse(halt), HeldAttention(), n_sup=N)
+    return forward_halting(model, idx, Halting.parse(halt), HeldAttention(), n_sup=N)
 
 
 def cached_with_halting(model, idx, prompt_len, halt):
     """Prefill idx[:, :prompt_len] with halting, then feed the rest one token at a time: logits and steps."""
     cache = KVCache(model.num_attention_slots(N), idx.size(0), idx.size(1))
-    outputs = [model.forward_halting(idx[:, :prompt_len], Halting.parse(halt), cache, n_sup=N)]
+    outputs = [forward_halting(model, idx[:, :prompt_len], Halting.parse(halt), cache, n_sup=N)]
     for t in range(prompt_len, idx.size(1)):
-        outputs.append(model.forward_halting(idx[:, t:t + 1], Halting.parse(halt), cache, n_sup=N))
+        outputs.append(forward_halting(model, idx[:, t:t + 1], Halting.parse(halt), cache, n_sup=N))
     return torch.cat([o[0] for o in outputs], dim=1), torch.cat([o[1] for o in outputs], dim=1)
 
 
@@ -124,7 +125,7 @@ def test_the_reference_catches_a_cache_that_recomputes_halted_keys():
     model, idx = random_model(), tokens(2, 10)
     expected, _ = reference(model, idx, "rms:0.5")
     cache = Forgetful(model.num_attention_slots(N), 2, 10)
-    logits, _ = model.forward_halting(idx, Halting.parse("rms:0.5"), cache, n_sup=N)
+    logits, _ = forward_halting(model, idx, Halting.parse("rms:0.5"), cache, n_sup=N)
     assert not torch.allclose(logits, expected, atol=1e-3)
 
 
@@ -146,7 +147,7 @@ def test_without_a_cache_halting_keeps_answers_but_every_step_keys(halt):
     below[-1] = True  # a position that never halts answers at step N
     expected_steps = below.float().argmax(dim=0) + 1  # the first step whose score fell below
     expected = torch.stack(logits_per_step[1:])[expected_steps - 1, torch.arange(2)[:, None], torch.arange(10)]
-    logits, steps = model.forward_halting(idx, Halting.parse(halt), None, n_sup=N)
+    logits, steps = forward_halting(model, idx, Halting.parse(halt), None, n_sup=N)
     assert torch.equal(steps, expected_steps) and 1 < len(steps.unique())
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
     held, _ = reference(model, idx, halt)  # the hold changes what later tokens read: the two differ

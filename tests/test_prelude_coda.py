@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from nanochat.engine import KVCache
-from nanochat.gpt import GPT, GPTConfig, Halting
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.halting import Halting, check_halting, forward_halting
 from tests.helpers import random_model, tiny_config
 from tests.test_engine import cached_logits
 from tests.test_gpt import assert_same_grads, random_batch, twin
@@ -113,11 +114,11 @@ def test_halting_with_prelude_and_coda_matches_the_whole_sequence_reference(halt
     config = config_of(dict(n_loops=2, n_prelude=1, n_coda=1), n_sup_train=4, halt_head=True)
     model = random_model(config, every_weight=True)
     idx = random_batch(config)[0]
-    expected, expected_steps = model.forward_halting(idx, Halting.parse(halt), HeldAttention())
+    expected, expected_steps = forward_halting(model, idx, Halting.parse(halt), HeldAttention())
     assert len(expected_steps.unique()) > 1
     cache = KVCache(model.num_attention_slots(4), idx.size(0), idx.size(1))
-    outputs = [model.forward_halting(idx[:, :4], Halting.parse(halt), cache)]
-    outputs += [model.forward_halting(idx[:, t:t + 1], Halting.parse(halt), cache) for t in range(4, idx.size(1))]
+    outputs = [forward_halting(model, idx[:, :4], Halting.parse(halt), cache)]
+    outputs += [forward_halting(model, idx[:, t:t + 1], Halting.parse(halt), cache) for t in range(4, idx.size(1))]
     assert torch.equal(torch.cat([o[1] for o in outputs], dim=1), expected_steps)
     torch.testing.assert_close(torch.cat([o[0] for o in outputs], dim=1), expected, atol=1e-4, rtol=0)
 
@@ -125,4 +126,4 @@ def test_halting_with_prelude_and_coda_matches_the_whole_sequence_reference(halt
 def test_kl_halting_with_a_coda_is_refused_in_one_sentence():
     model = GPT(config_of(dict(n_coda=1)))
     with pytest.raises(ValueError, match="with a coda would run the coda at every step; use rms or head"):
-        model.check_halting(Halting.parse("kl:0.001"))
+        check_halting(model, Halting.parse("kl:0.001"))
