@@ -7,6 +7,8 @@ Evaluate a checkpoint: train and validation bits per byte for every supervision 
     python -m scripts.base_loss --model_tag=d4 --halt=kl:0.0005   # + validation with per-token adaptive halting
 """
 
+import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+
 import argparse
 import json
 import os

@@ -13,6 +13,8 @@ data rank r*grad_accum + j, so the data of a step depends only on the effective 
 and 1 GPU x 2 accumulation see the same tokens in every step.
 """
 
+import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+
 import json
 import math
 import os
@@ -483,7 +485,6 @@ def main(argv=None):
     if args.dry_run:
         print0("\n".join(plan_lines(args)) + "\n--dry_run: nothing was run or written")
         return
-    lifecycle.configure_cuda_allocator()
     try:
         train(args)
     except (Exit, MetricsError, WriteError) as e:

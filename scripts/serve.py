@@ -30,6 +30,8 @@ an unknown model or path, 413 a body over 1 MiB, 503 every generation slot busy 
 that goes away stops its generation at the next token, and its slot is free again.
 """
 
+import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+
 import asyncio
 import json
 import math
