@@ -327,13 +327,14 @@ class ChunkedHeadLoss(torch.autograd.Function):
         weight_lowp = weight.to(lowp)
         grad_scale = 1.0 / (targets != -1).sum()  # the mean over the targets that count, as F.cross_entropy
         rows = max(1, HEAD_CHUNK_ELEMENTS // weight.size(0))
-        loss, grad_h, grad_weight = 0.0, torch.empty_like(h), torch.zeros_like(weight)
+        # float32 sum of the chunks' partials: FSDP's bf16 weight would otherwise round the running sum at every chunk
+        loss, grad_h, grad_weight = 0.0, torch.empty_like(h), torch.zeros_like(weight, dtype=torch.float32)
         for i in range(0, h.size(0), rows):
             chunk_loss, grad_h[i:i + rows], chunk_grad_weight = chunk_fn(h[i:i + rows], weight_lowp,
                                                                          targets[i:i + rows], grad_scale)
             loss = loss + chunk_loss
             grad_weight += chunk_grad_weight
-        ctx.save_for_backward(grad_h, grad_weight)
+        ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
         return loss * grad_scale
 
     @staticmethod
