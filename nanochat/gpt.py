@@ -360,6 +360,8 @@ class CausalSelfAttention(nn.Module):
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos_sin
         q, k = norm(apply_rotary_emb(q, cos, sin)), norm(apply_rotary_emb(k, cos, sin))
+        # CUDA's autocast runs rms_norm in float32: back to v's (the compute) dtype, or the KV cache keeps float32 keys
+        q, k = q.to(v.dtype), k.to(v.dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
