@@ -81,10 +81,11 @@ class ShardedMuon(Muon):
             blended = [self._blend(group, p, local(p.grad) * grad_scale) for p in params]
             owned = [self._gather_to_owner(blended[base:base + world], m, share, n, world)
                      for base in range(0, len(params), world)]
-            mine = [i for i, base in enumerate(range(0, len(params), world)) if base + rank < len(params)]
+            # the batches this rank owns a matrix of: a prefix (only the last batch can fall short of `world`)
+            mine = sum(1 for base in range(0, len(params), world) if base + rank < len(params))
             updates = torch.zeros(len(owned), m, n, dtype=owned[0].dtype, device=owned[0].device)
-            if mine:
-                updates[mine] = zeropower_via_newtonschulz5(torch.stack([owned[i] for i in mine]), group["ns_steps"])
+            if mine:  # a slice, not a list index: a list would be copied host-to-device, a blocking copy every step
+                updates[:mine] = zeropower_via_newtonschulz5(torch.stack(owned[:mine]), group["ns_steps"])
             for i, base in enumerate(range(0, len(params), world)):
                 rows = self._scatter_from_owner(updates[i], share, n, world)
                 for p, update in zip(params[base:base + world], rows):
