@@ -458,7 +458,6 @@ def tokenizer_path():
 def plan_lines(args):
     """What a run will do and cost, from its flags alone: base_train --dry_run prints these and exits."""
     from nanochat import memory
-    from nanochat.common import gpu_peak_flops
     config = model_config(args, args.plan_vocab_size)
     model = meta_model(config)
     iterations, source = num_iterations_for(args, model)
@@ -477,9 +476,7 @@ def plan_lines(args):
              + ("" if est["total"] <= memory.usable_bytes(memory_bytes) else "  -> predicted OUT OF MEMORY"),
              f"compute      {model.estimate_flops():.3e} FLOPs per token x {args.total_batch_size:,} tokens = "
              f"{flops_per_step:.3e} FLOPs per step; {iterations} steps ({source})"]
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else (
-        gpu_peak_flops(torch.cuda.get_device_name(0)) if args.device_type == "cuda" and torch.cuda.is_available()
-        else None)
+    peak = peak_flops(args)
     if peak:
         seconds = flops_per_step / (args.world_size * peak * PLANNER_MFU)
         cost = (f", ${seconds * iterations / 3600 * args.gpu_hourly_price * args.world_size:,.2f} at "
@@ -490,6 +487,17 @@ def plan_lines(args):
     else:
         lines.append("time         unknown: no GPU in the peak-FLOPs table here; --peak_tflops gives one")
     return lines + sharding_lines(args, config, memory_bytes)
+
+
+def peak_flops(args, device=0):
+    """The device's dense bf16 peak FLOP/s, for MFU and the plan's time: --peak_tflops, else the GPU's entry in the
+    peak-FLOPs table (nanochat/common.py), else None (no MFU shown)."""
+    from nanochat.common import gpu_peak_flops
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if args.device_type == "cuda" and torch.cuda.is_available():
+        return gpu_peak_flops(torch.cuda.get_device_name(device))
+    return None
 
 
 def sharding_lines(args, config, memory_bytes):

@@ -25,10 +25,10 @@ from typing import NamedTuple
 import torch
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle, sharding
+from nanochat import lifecycle, sharding, train_config
 from nanochat.cli import Exit
 from nanochat.common import (WRITE_FAILED, RankFailure, WriteError, atomic_write_bytes, check_writable, compute_cleanup,
-                             compute_init, gpu_peak_flops, print0, raise_if_any_rank_failed, reduce_with_flags,
+                             compute_init, print0, raise_if_any_rank_failed, reduce_with_flags,
                              run_on_rank0)
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
@@ -73,7 +73,7 @@ def train(args):
     warmup_steps = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * num_iterations)
     tokens_per_step = args.total_batch_size
     flops_per_token = model.estimate_flops()
-    peak_flops = gpu_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    peak_flops = train_config.peak_flops(args, device)
     print_config(args, num_iterations, horizon_source, model, tokens_per_step)
     if resume:
         ckpt.report_schedule_change(resume, (num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac),
