@@ -62,7 +62,7 @@ def train(args):
     resume, corpus = start_or_resume(args, model_config, tokenizer, rank, run_lock)
 
     fsdp = args.sharding == "fsdp"  # every block's weights, gradients and optimizer state sharded over the ranks
-    model = build_model(model_config, device, fsdp)
+    model = build_model(model_config, device, fsdp, args.dtype)
     model.train()
     optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr * args.lr_scale,
                                         embedding_lr=args.embedding_lr * args.lr_scale,
@@ -84,7 +84,7 @@ def train(args):
 
     # the EMA's copy of the model is what evaluation, samples and checkpoints see; training goes on in `model`
     ema_decay = ema_decay_for(args, num_iterations)
-    ema = WeightAverage(model, ema_decay, build_model(model_config, device, fsdp) if fsdp else None) \
+    ema = WeightAverage(model, ema_decay, build_model(model_config, device, fsdp, args.dtype) if fsdp else None) \
         if ema_decay else None
     print0("weights published (evaluated, sampled, saved): "
            + (f"EMA with decay {ema_decay:.4f} (--ema_decay={args.ema_decay})" if ema else "the trained weights"))
@@ -304,12 +304,14 @@ def train(args):
 
 
 # ---------------------------------------------------------------------------------------------------- its stages
-def build_model(model_config, device, fsdp):
+def build_model(model_config, device, fsdp, dtype):
     """The model; under --sharding=fsdp built and initialised whole in CPU memory (every rank alike, from the seed),
-    then sharded: only each rank's rows reach the device, which could not hold the whole model."""
+    then sharded: only each rank's rows reach the device, which could not hold the whole model. Sharded weights are
+    gathered in bf16 on GPUs for a bf16 run (dtype: --dtype); a float32 run keeps them float32."""
     if not fsdp:
         return ckpt.build_model(model_config, device)
-    return sharding.shard_model(ckpt.build_model(model_config, torch.device("cpu")), device)
+    param_dtype = torch.bfloat16 if device.type == "cuda" and dtype == "bfloat16" else None
+    return sharding.shard_model(ckpt.build_model(model_config, torch.device("cpu")), device, param_dtype)
 
 
 def open_training_data(args, tokenizer, device, rank, loader_states, first_batch):

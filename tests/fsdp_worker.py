@@ -6,6 +6,7 @@ FSDP training against one process, for tests/test_fsdp.py. Launched as
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py memory OUT                # each rank's peak bytes
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py gathers CONFIG OUT        # all-gathers per micro-step
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py syncs CONFIG OUT          # host syncs per step
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py dtypes OUT                # blocks' input dtypes
 
 `train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
 clipped_step) on a model sharded by nanochat.sharding; rank r trains on batch r. run_single (called by the test in its
@@ -181,6 +182,25 @@ def syncs_per_step(config):
     return counts[-1]
 
 
+def block_input_dtypes(sharded):
+    """The dtype of every block call's input in one bf16-autocast micro-step of "trm", sharded with bf16 weights (as
+    on GPUs) or not (as under DDP), in call order."""
+    from nanochat import sharding
+    from nanochat.gpt import Block
+    seen, delta, forward = [], Block.delta, Block.forward
+    Block.delta = lambda self, u, *a, **k: seen.append(str(u.dtype)) or delta(self, u, *a, **k)
+    Block.forward = lambda self, u, *a, **k: seen.append(str(u.dtype)) or forward(self, u, *a, **k)
+    try:
+        model = build("trm", detach=True)
+        if sharded:
+            sharding.shard_model(model, torch.device("cpu"), param_dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.forward_backward(*batch(dist.get_rank(), 0))
+    finally:
+        Block.delta, Block.forward = delta, forward
+    return seen
+
+
 def toy_matrices():
     g = torch.Generator().manual_seed(3)
     return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MUON_SHAPES]
@@ -193,7 +213,11 @@ def toy_grads(step):
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    if sys.argv[1] == "syncs":
+    if sys.argv[1] == "dtypes":
+        result = {"fsdp": block_input_dtypes(sharded=True), "ddp": block_input_dtypes(sharded=False)}
+        if dist.get_rank() == 0:
+            torch.save(result, sys.argv[2])
+    elif sys.argv[1] == "syncs":
         counted = [None] * dist.get_world_size()
         dist.all_gather_object(counted, syncs_per_step(sys.argv[2]))
         if dist.get_rank() == 0:
