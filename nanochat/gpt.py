@@ -569,6 +569,8 @@ class GPT(nn.Module):
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
     def step_loss(self, y, targets, reduction="mean"):
+        if reduction == "none" and not torch.is_grad_enabled():  # evaluation: one chunk's logits at a time, as training
+            return self.token_losses(y, targets)
         y = self.apply_coda(y)
         if reduction == "mean" and torch.is_grad_enabled():  # training: never the whole batch's logits at once
             chunk = getattr(self, "_compiled_head_chunk", head_chunk_loss_and_grads)
