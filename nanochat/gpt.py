@@ -291,9 +291,9 @@ class Halting:
 
 # ---------------------------------------------------------------------------------------------------- the head's loss
 SOFTCAP = 15.0  # logits = SOFTCAP * tanh(lm_head(norm(y)) / SOFTCAP)
-# The training loss runs the head this many logits at a time: a chunk's float32 (rows, vocab) tensors are 256 MB,
-# not the micro-batch's tens of GB.
-HEAD_CHUNK_ELEMENTS = 2 ** 26
+# The training loss runs the head this many logits at a time: a chunk's float32 (rows, vocab) tensors are 1 GB,
+# not the micro-batch's tens of GB; 4,096 rows at vocab 65,536, enough rows for the GPU's matmuls (1,024 were not).
+HEAD_CHUNK_ELEMENTS = 2 ** 28
 
 
 def head_chunk_loss_and_grads(h, weight, targets, grad_scale):
