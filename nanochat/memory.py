@@ -185,6 +185,13 @@ def _sharded_state(n_params, n_matrix, adamw, buffers, block, dtype, world_size,
     }
 
 
+def sharded_build_host_bytes(config, processes):
+    """Host RAM that starting `processes` FSDP ranks on one node needs: each builds and initialises the whole float32
+    model on the CPU before sharding it (base_train.build_model), all at once."""
+    n_params, _, _, buffers, _ = _param_counts(config)
+    return processes * (4 * n_params + buffers)
+
+
 def usable_bytes(total_bytes):
     return int(USABLE_FRACTION * total_bytes)
 
