@@ -26,6 +26,8 @@ and transformers' copy of its code live in --out/work (removed when every check 
 in --out/logs): nothing of yours is read or changed.
 """
 
+import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+
 import argparse
 import contextlib
 import dataclasses

@@ -341,11 +341,18 @@ def fsync_dir(path):
 # "NVIDIA H100 PCIe" must not match the SXM part. Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM 989, PCIe 756,
 # NVL 835), H200 Tensor Core GPU datasheet (SXM 989, NVL 835), DGX/HGX B200 datasheet (B200 2250), GB200 NVL72
 # datasheet (2500 per GPU), A100 Tensor Core GPU datasheet (312, every form factor), L40S datasheet (362), AWS EC2
-# G5 instance specifications (A10G 70), GeForce RTX 4090 (Ada) and RTX 3090 (Ampere) whitepapers (165, 71).
+# G5 instance specifications (A10G 70), GeForce RTX 4090 (Ada) and RTX 3090 (Ampere) whitepapers (165, 71), GH200
+# Grace Hopper Superchip datasheet (989, the H100 SXM's, every memory variant), H800 datasheets (SXM 989, PCIe 756).
 GPU_PEAK_BF16_FLOPS = {
     "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
     "NVIDIA H100 PCIe": 756e12,
     "NVIDIA H100 NVL": 835e12,
+    "NVIDIA GH200 480GB": 989e12,  # 96 GB HBM3 (480 GB is the Grace memory beside it)
+    "NVIDIA GH200 120GB": 989e12,
+    "NVIDIA GH200 144G HBM3e": 989e12,
+    "NVIDIA H800": 989e12,  # SXM
+    "NVIDIA H800 80GB HBM3": 989e12,  # SXM
+    "NVIDIA H800 PCIe": 756e12,
     "NVIDIA H200": 989e12,  # SXM
     "NVIDIA H200 NVL": 835e12,
     "NVIDIA B200": 2250e12,

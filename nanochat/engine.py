@@ -79,7 +79,8 @@ class KVCache:
     def allocate(self, slot, k, v):
         if self.k[slot] is None:
             shape = (self.batch_size, k.size(1), self.max_len, k.size(3))
-            self.k[slot], self.v[slot] = k.new_empty(shape), v.new_empty(shape)
+            # both in v's dtype, the compute dtype (a float32 key would double the keys' memory and reads)
+            self.k[slot], self.v[slot] = v.new_empty(shape), v.new_empty(shape)
 
     def hold(self, halted, slots_per_step):
         """From the next supervision step of this forward on, positions where halted (B, T) is True store the keys

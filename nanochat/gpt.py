@@ -225,9 +225,9 @@ def state_diagnostics(previous_y, y, z):
 HALT_BIAS_INIT = -5.0  # sigmoid(-5) = 0.007: the halting head starts never halting, so every step trains first (TRM)
 HALT_LOSS_WEIGHT = 0.1  # the head's BCE in forward_backward; it reads a detached y, so this scales only its own grads
 SOFTCAP = 15.0  # logits = SOFTCAP * tanh(lm_head(norm(y)) / SOFTCAP)
-# The training loss runs the head this many logits at a time: a chunk's float32 (rows, vocab) tensors are 256 MB,
-# not the micro-batch's tens of GB.
-HEAD_CHUNK_ELEMENTS = 2 ** 26
+# The training loss runs the head this many logits at a time: a chunk's float32 (rows, vocab) tensors are 1 GB,
+# not the micro-batch's tens of GB; 4,096 rows at vocab 65,536, enough rows for the GPU's matmuls (1,024 were not).
+HEAD_CHUNK_ELEMENTS = 2 ** 28
 
 
 def head_chunk_loss_and_grads(h, weight, targets, grad_scale):
@@ -261,13 +261,14 @@ class ChunkedHeadLoss(torch.autograd.Function):
         weight_lowp = weight.to(lowp)
         grad_scale = 1.0 / (targets != -1).sum()  # the mean over the targets that count, as F.cross_entropy
         rows = max(1, HEAD_CHUNK_ELEMENTS // weight.size(0))
-        loss, grad_h, grad_weight = 0.0, torch.empty_like(h), torch.zeros_like(weight)
+        # float32 sum of the chunks' partials: FSDP's bf16 weight would otherwise round the running sum at every chunk
+        loss, grad_h, grad_weight = 0.0, torch.empty_like(h), torch.zeros_like(weight, dtype=torch.float32)
         for i in range(0, h.size(0), rows):
             chunk_loss, grad_h[i:i + rows], chunk_grad_weight = chunk_fn(h[i:i + rows], weight_lowp,
                                                                          targets[i:i + rows], grad_scale)
             loss = loss + chunk_loss
             grad_weight += chunk_grad_weight
-        ctx.save_for_backward(grad_h, grad_weight)
+        ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
         return loss * grad_scale
 
     @staticmethod
@@ -293,6 +294,8 @@ class CausalSelfAttention(nn.Module):
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos_sin
         q, k = norm(apply_rotary_emb(q, cos, sin)), norm(apply_rotary_emb(k, cos, sin))
+        # CUDA's autocast runs rms_norm in float32: back to v's (the compute) dtype, or the KV cache keeps float32 keys
+        q, k = q.to(v.dtype), k.to(v.dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
@@ -500,6 +503,8 @@ class GPT(nn.Module):
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
     def step_loss(self, y, targets, reduction="mean"):
+        if reduction == "none" and not torch.is_grad_enabled():  # evaluation: one chunk's logits at a time, as training
+            return self.token_losses(y, targets)
         y = self.apply_coda(y)
         if reduction == "mean" and torch.is_grad_enabled():  # training: never the whole batch's logits at once
             chunk = getattr(self, "_compiled_head_chunk", head_chunk_loss_and_grads)

@@ -28,6 +28,7 @@ import time
 import torch
 
 from nanochat.common import RankFailure, WriteError, raise_if_any_rank_failed, reduce_with_flags, writing
+from nanochat.cuda_allocator import configure as configure_cuda_allocator  # noqa: F401 - its old home
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_WINDOW_S = 5.0  # forwarded copies of one signal arrive within milliseconds; a person pressing Ctrl-C again, later
@@ -254,13 +255,6 @@ def run_child(cmd, env=None):
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return rc, (received[0] if received else None)
-
-
-def configure_cuda_allocator():
-    """Expandable segments, as nanochat: each micro-step frees and reallocates blocks of every size (logits,
-    activations), which fragment fixed segments. Must run before the first CUDA allocation; a user's setting wins."""
-    if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
-        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
 GC_EVERY_STEPS = 5000

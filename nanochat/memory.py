@@ -140,8 +140,22 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
     else:
         parts = _replicated_state(n_params, n_matrix, muon_state, adamw, adamw_state, buffers, dtype, ema)
     parts.update(activations=activations, logits=logits, transient=transient)
+    # evaluation runs between steps, gradients freed (zero_grad(set_to_none)): the plan holds the larger peak
+    parts["evaluation"] = max(0, evaluation_bytes(c, device_batch_size, dtype)
+                              - (parts["grads"] + activations + logits + transient))
     parts["total"] = sum(parts.values())
     return parts
+
+
+def evaluation_bytes(config, device_batch_size, dtype="bfloat16"):
+    """Evaluation's working set (loss_eval.evaluate_bpb) beside the weights and optimizer state: no gradient and no
+    stored activation; float32 states x, y, z and the diagnostics' previous y, every step's per-token losses, and at
+    its peak either one block application's tensors or the head's chunk of logits (GPT.token_losses)."""
+    c = config
+    tokens = device_batch_size * c.sequence_len
+    chunk_rows = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // c.vocab_size))
+    states = 4 * (4 * c.n_embd + c.n_sup_inference) * tokens
+    return states + max(_block_bytes_per_token(c, dtype) * tokens, 4 * 4 * chunk_rows * c.vocab_size)
 
 
 def _replicated_state(n_params, n_matrix, muon_state, adamw, adamw_state, buffers, dtype, ema):
@@ -169,6 +183,13 @@ def _sharded_state(n_params, n_matrix, adamw, buffers, block, dtype, world_size,
         "optimizer": 4 * (share(n_matrix) + 2 * share(sum(adamw))),
         "gathered": (3 * gathered + 8) * block + (gathered + 4) * lm_head,
     }
+
+
+def sharded_build_host_bytes(config, processes):
+    """Host RAM that starting `processes` FSDP ranks on one node needs: each builds and initialises the whole float32
+    model on the CPU before sharding it (base_train.build_model), all at once."""
+    n_params, _, _, buffers, _ = _param_counts(config)
+    return processes * (4 * n_params + buffers)
 
 
 def usable_bytes(total_bytes):

@@ -25,13 +25,17 @@ def is_sharded(model):
     return isinstance(model, FSDPModule)
 
 
-def shard_model(model, device):
+def shard_model(model, device, param_dtype="auto"):
     """fully_shard every block and the root, in place (parameters become DTensors on `device`, each rank keeping its
-    rows: a model built on the CPU moves only its shards to the GPU); returns the model."""
+    rows: a model built on the CPU moves only its shards to the GPU); returns the model. param_dtype: the dtype the
+    weights are gathered in for compute, with float32 gradient reduction; None keeps float32 throughout; "auto":
+    bf16 on GPUs, None on CPU."""
     from torch.distributed.device_mesh import init_device_mesh
-    # bf16 weights gathered for compute and fp32 gradient reduction on GPUs; CPU keeps fp32 throughout
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" else MixedPrecisionPolicy()
+    if param_dtype == "auto":
+        param_dtype = torch.bfloat16 if device.type == "cuda" else None
+    # inputs uncast: the recursion's state stays float32 as under DDP, autocast casts per op
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                                  cast_forward_inputs=False)
     options = dict(mesh=init_device_mesh(device.type, (dist.get_world_size(),)), mp_policy=policy,
                    reshard_after_forward=True)
     for block in model.blocks():
@@ -39,7 +43,10 @@ def shard_model(model, device):
         register_fsdp_forward_method(block, "delta")  # the recursion's call: one gather per visit
     # its own unit: forward_backward's last backward (into the embedding) passes no block, and FSDP reduces a unit's
     # gradient only after a backward that crosses an FSDP unit's output
-    fully_shard(model.transformer.wte, **options)
+    # its output in float32, as an fp32 embedding gives it under DDP: the recursion's state must not start in bf16
+    fully_shard(model.transformer.wte, **{**options, "mp_policy": MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=policy.reduce_dtype, output_dtype=torch.float32 if param_dtype else None,
+        cast_forward_inputs=False)})
     fully_shard(model, **options)
     model.set_reshard_after_backward(False, recurse=False)  # lm_head stays whole across a micro-step's backwards
     register_fsdp_forward_method(model, "forward_backward")
@@ -81,10 +88,11 @@ class ShardedMuon(Muon):
             blended = [self._blend(group, p, local(p.grad) * grad_scale) for p in params]
             owned = [self._gather_to_owner(blended[base:base + world], m, share, n, world)
                      for base in range(0, len(params), world)]
-            mine = [i for i, base in enumerate(range(0, len(params), world)) if base + rank < len(params)]
+            # the batches this rank owns a matrix of: a prefix (only the last batch can fall short of `world`)
+            mine = sum(1 for base in range(0, len(params), world) if base + rank < len(params))
             updates = torch.zeros(len(owned), m, n, dtype=owned[0].dtype, device=owned[0].device)
-            if mine:
-                updates[mine] = zeropower_via_newtonschulz5(torch.stack([owned[i] for i in mine]), group["ns_steps"])
+            if mine:  # a slice, not a list index: a list would be copied host-to-device, a blocking copy every step
+                updates[:mine] = zeropower_via_newtonschulz5(torch.stack(owned[:mine]), group["ns_steps"])
             for i, base in enumerate(range(0, len(params), world)):
                 rows = self._scatter_from_owner(updates[i], share, n, world)
                 for p, update in zip(params[base:base + world], rows):

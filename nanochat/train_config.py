@@ -285,6 +285,10 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     args.sharding_requested = args.sharding  # auto is settled by the batch's memory budget (resolve_sharding)
     args.plan_vocab_size = vocab_size or tokenizer_vocab_size() or DEFAULT_VOCAB
     resolve_batch(parser, args)
+    if args.sharding == "fsdp" and check_hardware and not args.dry_run:
+        problem = host_ram_problem(args)
+        if problem:  # before anything is built: every rank would otherwise die swapping or OOM-killed mid-build
+            parser.error(problem)
     if args.num_iterations is not None and args.num_iterations < 1:
         parser.error(f"--num_iterations={args.num_iterations} must be >= 1")
     if args.eval_tokens < args.max_seq_len:
@@ -436,6 +440,31 @@ def free_ram_per_process(processes):
     return available // processes, f"{available / 1e9:.0f} GB free RAM / {processes} processes"
 
 
+def host_ram_available():
+    """Bytes of RAM the machine can still give (MemAvailable: free plus reclaimable cache), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_ram_problem(args):
+    """A line saying why this node's RAM cannot hold what the FSDP ranks on it build before sharding, or None."""
+    from nanochat import memory
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes on this node
+    need = memory.sharded_build_host_bytes(model_config(args, args.plan_vocab_size), processes)
+    have = host_ram_available()
+    if have is None or need <= have:
+        return None
+    return (f"--sharding=fsdp: each of the {processes} processes on this node builds the whole float32 model in host "
+            f"RAM before sharding it, ~{need / 1e9:.1f} GB in all, but {have / 1e9:.1f} GB is available; run fewer "
+            f"processes per node, or on a node with more RAM")
+
+
 def keeps_ema(args):
     """Whether the run keeps an EMA copy of the weights (--ema_decay; auto depends on the run's length)."""
     if args.num_iterations is None:  # the length comes from --target_flops or a data ratio: count the copy unless off
@@ -458,7 +487,6 @@ def tokenizer_path():
 def plan_lines(args):
     """What a run will do and cost, from its flags alone: base_train --dry_run prints these and exits."""
     from nanochat import memory
-    from nanochat.common import gpu_peak_flops
     config = model_config(args, args.plan_vocab_size)
     model = meta_model(config)
     iterations, source = num_iterations_for(args, model)
@@ -477,9 +505,7 @@ def plan_lines(args):
              + ("" if est["total"] <= memory.usable_bytes(memory_bytes) else "  -> predicted OUT OF MEMORY"),
              f"compute      {model.estimate_flops():.3e} FLOPs per token x {args.total_batch_size:,} tokens = "
              f"{flops_per_step:.3e} FLOPs per step; {iterations} steps ({source})"]
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else (
-        gpu_peak_flops(torch.cuda.get_device_name(0)) if args.device_type == "cuda" and torch.cuda.is_available()
-        else None)
+    peak = peak_flops(args)
     if peak:
         seconds = flops_per_step / (args.world_size * peak * PLANNER_MFU)
         cost = (f", ${seconds * iterations / 3600 * args.gpu_hourly_price * args.world_size:,.2f} at "
@@ -490,6 +516,17 @@ def plan_lines(args):
     else:
         lines.append("time         unknown: no GPU in the peak-FLOPs table here; --peak_tflops gives one")
     return lines + sharding_lines(args, config, memory_bytes)
+
+
+def peak_flops(args, device=0):
+    """The device's dense bf16 peak FLOP/s, for MFU and the plan's time: --peak_tflops, else the GPU's entry in the
+    peak-FLOPs table (nanochat/common.py), else None (no MFU shown)."""
+    from nanochat.common import gpu_peak_flops
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if args.device_type == "cuda" and torch.cuda.is_available():
+        return gpu_peak_flops(torch.cuda.get_device_name(device))
+    return None
 
 
 def sharding_lines(args, config, memory_bytes):
@@ -506,9 +543,11 @@ def sharding_lines(args, config, memory_bytes):
                        for link, bandwidth in LINK_BANDWIDTHS.items())
         what = (f"{sum(gathers.values())} parameter all-gathers per micro-step, x {args.grad_accum} micro-steps"
                 if gathers else "one gradient reduce-scatter and one weight all-gather per step")
+        host = (f"; needs ~{memory.sharded_build_host_bytes(config, 1) / 1e9:.1f} GB host RAM per process at start "
+                f"(the whole float32 model, built before sharding)" if kind == "fsdp" else "")
         lines.append(f"  {kind}{' (chosen)' if kind == args.sharding else ''}: ~{need / 1e9:.1f} GB per device"
                      f"{'' if need <= memory.usable_bytes(memory_bytes) else ' (does NOT fit)'}; sends "
-                     f"~{sent / 1e9:.1f} GB per device per step ({what}): {at} if not overlapped with compute")
+                     f"~{sent / 1e9:.1f} GB per device per step ({what}): {at} if not overlapped with compute{host}")
     return lines
 
 

@@ -12,6 +12,8 @@ lambada, perplexity) are supported; generation tasks are refused. Results go to
 <run dir>/base_eval_step<N>.json, to the run's report.md and to plot_run's figure.
 """
 
+import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+
 import argparse
 import contextlib
 import json

@@ -8,6 +8,8 @@ Evaluate a checkpoint: train and validation bits per byte for every supervision 
     python -m scripts.base_loss --model_tag=d4 --hops   # hops corpus: accuracy by hop count at every step (only)
 """
 
+import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+
 import argparse
 import itertools
 import json

@@ -11,6 +11,8 @@ With --halt (RULE:THRESHOLD, rules kl, rms, head) each token refines until the r
 prints how many supervision steps each generated token used.
 """
 
+import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+
 import sys
 
 import torch

@@ -13,6 +13,8 @@ data rank r*grad_accum + j, so the data of a step depends only on the effective 
 and 1 GPU x 2 accumulation see the same tokens in every step.
 """
 
+import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+
 import json
 import math
 import os
@@ -23,10 +25,10 @@ from typing import NamedTuple
 import torch
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle, sharding
+from nanochat import lifecycle, sharding, train_config
 from nanochat.cli import Exit
 from nanochat.common import (WRITE_FAILED, RankFailure, WriteError, atomic_write_bytes, check_writable, compute_cleanup,
-                             compute_init, gpu_peak_flops, print0, raise_if_any_rank_failed, reduce_with_flags,
+                             compute_init, print0, raise_if_any_rank_failed, reduce_with_flags,
                              run_on_rank0)
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
@@ -60,7 +62,7 @@ def train(args):
     resume, corpus = start_or_resume(args, model_config, tokenizer, rank, run_lock)
 
     fsdp = args.sharding == "fsdp"  # every block's weights, gradients and optimizer state sharded over the ranks
-    model = build_model(model_config, device, fsdp)
+    model = build_model(model_config, device, fsdp, args.dtype)
     model.train()
     optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr * args.lr_scale,
                                         embedding_lr=args.embedding_lr * args.lr_scale,
@@ -71,7 +73,7 @@ def train(args):
     warmup_steps = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * num_iterations)
     tokens_per_step = args.total_batch_size
     flops_per_token = model.estimate_flops()
-    peak_flops = gpu_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    peak_flops = train_config.peak_flops(args, device)
     print_config(args, num_iterations, horizon_source, model, tokens_per_step)
     if resume:
         ckpt.report_schedule_change(resume, (num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac),
@@ -82,7 +84,7 @@ def train(args):
 
     # the EMA's copy of the model is what evaluation, samples and checkpoints see; training goes on in `model`
     ema_decay = ema_decay_for(args, num_iterations)
-    ema = WeightAverage(model, ema_decay, build_model(model_config, device, fsdp) if fsdp else None) \
+    ema = WeightAverage(model, ema_decay, build_model(model_config, device, fsdp, args.dtype) if fsdp else None) \
         if ema_decay else None
     print0("weights published (evaluated, sampled, saved): "
            + (f"EMA with decay {ema_decay:.4f} (--ema_decay={args.ema_decay})" if ema else "the trained weights"))
@@ -305,12 +307,14 @@ def train(args):
 
 
 # ---------------------------------------------------------------------------------------------------- its stages
-def build_model(model_config, device, fsdp):
+def build_model(model_config, device, fsdp, dtype):
     """The model; under --sharding=fsdp built and initialised whole in CPU memory (every rank alike, from the seed),
-    then sharded: only each rank's rows reach the device, which could not hold the whole model."""
+    then sharded: only each rank's rows reach the device, which could not hold the whole model. Sharded weights are
+    gathered in bf16 on GPUs for a bf16 run (dtype: --dtype); a float32 run keeps them float32."""
     if not fsdp:
         return ckpt.build_model(model_config, device)
-    return sharding.shard_model(ckpt.build_model(model_config, torch.device("cpu")), device)
+    param_dtype = torch.bfloat16 if device.type == "cuda" and dtype == "bfloat16" else None
+    return sharding.shard_model(ckpt.build_model(model_config, torch.device("cpu")), device, param_dtype)
 
 
 def open_training_data(args, tokenizer, device, rank, loader_states, first_batch):
@@ -486,7 +490,6 @@ def main(argv=None):
     if args.dry_run:
         print0("\n".join(plan_lines(args)) + "\n--dry_run: nothing was run or written")
         return
-    lifecycle.configure_cuda_allocator()
     try:
         train(args)
     except (Exit, MetricsError, WriteError) as e:

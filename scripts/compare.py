@@ -22,6 +22,8 @@ mid-training resumes from its last checkpoint (written every 5 minutes). On a sh
 several times faster than oversubscribed threads.
 """
 
+import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+
 import argparse
 import datetime
 import hashlib

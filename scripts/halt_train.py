@@ -12,6 +12,8 @@ A new head starts at the blind guess (weight 0, its bias at the validation rate 
 frozen, never halting protects nothing, and from bias -5 Adam spends hundreds of steps getting there.
 """
 
+import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+
 import math
 import os
 import sys

@@ -369,7 +369,8 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
            f"{' with activation checkpointing' if config.activation_checkpointing else ''} (nanochat/memory.py: "
            f"{args.sharding}: params+grads+optimizer {(est['params'] + est['grads'] + est['optimizer']) / 1e9:.1f}"
            + (f", gathered {est['gathered'] / 1e9:.1f}" if "gathered" in est else "") + ", activations "
-           f"{est['activations'] / 1e9:.1f}, logits {est['logits'] / 1e9:.1f}, transient {est['transient'] / 1e9:.1f})"
+           f"{est['activations'] / 1e9:.1f}, logits {est['logits'] / 1e9:.1f}, transient {est['transient'] / 1e9:.1f}"
+           + (f", evaluation beyond training {est['evaluation'] / 1e9:.1f}" if est.get("evaluation") else "") + ")"
            f"; usable {memory.usable_bytes(budget[0]) / 1e9:.0f} GB ({budget[1]})"
            + ("; eager-mode counts: compiled (--compile, on here) fuses ops and saves fewer activations, so it needs "
               "less" if args.compile else ""),

@@ -35,6 +35,8 @@ generation slot busy for --queue_timeout seconds. A client that goes away stops 
 and its slot is free again.
 """
 
+import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+
 import asyncio
 import hmac
 import ipaddress

@@ -5,6 +5,8 @@ FSDP training against one process, for tests/test_fsdp.py. Launched as
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py muon OUT                  # ShardedMuon vs Muon
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py memory OUT                # each rank's peak bytes
     torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py gathers CONFIG OUT        # all-gathers per micro-step
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py syncs CONFIG OUT          # host syncs per step
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py dtypes OUT                # blocks' input dtypes
 
 `train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
 clipped_step) on a model sharded by nanochat.sharding; rank r trains on batch r. run_single (called by the test in its
@@ -159,6 +161,46 @@ def gathers_per_micro_step(config):
     return len(calls)
 
 
+def syncs_per_step(config):
+    """Host syncs (tests.helpers.host_syncs) in base_train's step on the sharded model, after a first step, apart from
+    the one read of the step's norm: forward_backward, reduce_gradients and the optimizers (ShardedMuon, AdamW)."""
+    from nanochat import sharding
+    from tests.helpers import host_syncs
+    model = sharding.shard_model(build(config, detach=True), torch.device("cpu"))
+    optimizers = sharding.on_shards(model.setup_optimizers(weight_decay=0.1))
+    counts = []
+    for step in range(2):
+        with host_syncs() as counted:
+            model.forward_backward(*batch(dist.get_rank(), step))
+            sq_norm = reduce_gradients(optimizers)
+            dist.all_reduce(sq_norm)
+        norm = sq_norm.sqrt().item()  # the step's one read (base_train's reduction), not counted
+        with host_syncs() as stepped:
+            clipped_step(optimizers, norm, GRAD_CLIP)
+        model.zero_grad(set_to_none=True)
+        counts.append(len(counted) + len(stepped))
+    return counts[-1]
+
+
+def block_input_dtypes(sharded):
+    """The dtype of every block call's input in one bf16-autocast micro-step of "trm", sharded with bf16 weights (as
+    on GPUs) or not (as under DDP), in call order."""
+    from nanochat import sharding
+    from nanochat.gpt import Block
+    seen, delta, forward = [], Block.delta, Block.forward
+    Block.delta = lambda self, u, *a, **k: seen.append(str(u.dtype)) or delta(self, u, *a, **k)
+    Block.forward = lambda self, u, *a, **k: seen.append(str(u.dtype)) or forward(self, u, *a, **k)
+    try:
+        model = build("trm", detach=True)
+        if sharded:
+            sharding.shard_model(model, torch.device("cpu"), param_dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.forward_backward(*batch(dist.get_rank(), 0))
+    finally:
+        Block.delta, Block.forward = delta, forward
+    return seen
+
+
 def toy_matrices():
     g = torch.Generator().manual_seed(3)
     return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MUON_SHAPES]
@@ -171,7 +213,16 @@ def toy_grads(step):
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    if sys.argv[1] == "gathers":
+    if sys.argv[1] == "dtypes":
+        result = {"fsdp": block_input_dtypes(sharded=True), "ddp": block_input_dtypes(sharded=False)}
+        if dist.get_rank() == 0:
+            torch.save(result, sys.argv[2])
+    elif sys.argv[1] == "syncs":
+        counted = [None] * dist.get_world_size()
+        dist.all_gather_object(counted, syncs_per_step(sys.argv[2]))
+        if dist.get_rank() == 0:
+            torch.save(counted, sys.argv[3])
+    elif sys.argv[1] == "gathers":
         counted = gathers_per_micro_step(sys.argv[2])
         if dist.get_rank() == 0:
             torch.save(counted, sys.argv[3])

@@ -2,6 +2,7 @@
 process handling with a hang limit. Plain functions rather than conftest fixtures: tests call them with arguments
 (a config's overrides, which weights to draw) and other helper modules (tiny_checkpoint.py) call them too."""
 
+import contextlib
 import io
 import math
 import os
@@ -20,6 +21,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # detach_between_steps=False, not the default: the model's tests take the full graph, gradients crossing every step
 TINY_MODEL = dict(sequence_len=16, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                   n_loops=1, T_recursion=1, n_sup_train=2, detach_between_steps=False)
+
+
+# ---------------------------------------------------------------------------------------------------- host syncs
+SYNCING_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+
+def host_index(index):
+    """Whether an index is a Python list (or holds one): torch copies it to the device, a blocking copy on a GPU."""
+    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
+
+
+@contextlib.contextmanager
+def host_syncs():
+    """A list that grows by one at every host sync a GPU would make here: every way a tensor's value reaches Python,
+    and every index built on the host (a Python list)."""
+    counted, saved = [], {}
+    for name in SYNCING_READS + ("__getitem__", "__setitem__"):
+        saved[name] = real = getattr(torch.Tensor, name)
+        if name in SYNCING_READS:
+            spy = lambda self, *a, _real=real, **k: counted.append(1) or _real(self, *a, **k)  # noqa: E731
+        else:
+            spy = lambda self, index, *a, _real=real: (  # noqa: E731
+                counted.append(1) if host_index(index) else None) or _real(self, index, *a)
+        setattr(torch.Tensor, name, spy)
+    try:
+        yield counted
+    finally:
+        for name, real in saved.items():
+            setattr(torch.Tensor, name, real)
 
 
 def tiny_config(**overrides):

@@ -228,19 +228,32 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
     # every way a tensor's value reaches Python is a host sync on a GPU; count them over 2 and 5 steps: the extra
     # 3 steps (no evaluation, sample or save in between) must cost exactly 3 reads, with the weight average too
     from scripts import base_train
-    reads = []
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, **k: reads.append(1) or _real(self, *a, **k))
+    from tests.helpers import host_syncs
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     counts = []
     for n, tag in ((2, "syncs_a"), (5, "syncs_b")):
         args = train_config.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", ema,
                                         f"--model_tag={tag}{ema[-1]}"])
-        reads.clear()
-        base_train.train(args)
+        with host_syncs() as reads:
+            base_train.train(args)
         counts.append(len(reads))
     assert counts[1] - counts[0] == 3, counts
+
+
+def test_mfu_is_measured_against_peak_tflops_when_given(base_dir, monkeypatch):
+    # --peak_tflops' help says MFU uses it; base_train read only the GPU table, so a CPU (or unlisted GPU) showed none
+    from nanochat.gpt import GPT
+    from scripts import base_train
+    flops, real = [], GPT.estimate_flops
+    monkeypatch.setattr(GPT, "estimate_flops", lambda self, *a, **k: flops.append(real(self, *a, **k)) or flops[-1])
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    base_train.train(train_config.parse_args([*TINY, "--num_iterations=2", "--eval_every=0", "--peak_tflops=0.002",
+                                              "--model_tag=mfu"]))
+    with open(os.path.join(ckpt_dir(base_dir, "mfu"), "metrics.jsonl")) as f:
+        steps = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["mfu"] == pytest.approx(flops[0] * r["tok_per_sec"] / 0.002e12)
 
 
 def test_sampled_depth_trains_logs_and_plots(base_dir):

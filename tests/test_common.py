@@ -28,6 +28,11 @@ DATASHEET = [
     ("NVIDIA A10G", 70),
     ("NVIDIA GeForce RTX 4090", 165),
     ("NVIDIA GeForce RTX 3090", 71),
+    ("NVIDIA GH200 480GB", 989),  # as torch.cuda.get_device_name reports them
+    ("NVIDIA GH200 144G HBM3e", 989),
+    ("NVIDIA H800", 989),
+    ("NVIDIA H800 80GB HBM3", 989),
+    ("NVIDIA H800 PCIe", 756),
 ]
 
 

@@ -233,6 +233,35 @@ def test_under_bf16_autocast_the_cache_holds_keys_and_values_in_bf16_and_its_siz
     assert torch.isfinite(logits).all()
 
 
+def cuda_autocast_rms_norm(monkeypatch):
+    """F.rms_norm as CUDA's autocast runs it (on its float32 list; CPU's autocast leaves it alone): float32 out."""
+    import torch.nn.functional as F
+    plain = F.rms_norm
+    def rms_norm(x, *args, **kwargs):
+        return plain(x.float() if torch.is_autocast_enabled(x.device.type) else x, *args, **kwargs)
+    monkeypatch.setattr(F, "rms_norm", rms_norm)
+
+
+@torch.no_grad()
+def test_under_cuda_autocast_rules_attention_and_the_cache_get_bf16_keys(monkeypatch):
+    # QK-norm's float32 output used to reach attention as float32 q and k, and the cache stored float32 keys
+    import torch.nn.functional as F
+    cuda_autocast_rms_norm(monkeypatch)
+    seen, sdpa = [], F.scaled_dot_product_attention
+    def recording_sdpa(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return sdpa(q, k, v, *args, **kwargs)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    model = random_model(tiny_config(n_loops=1, n_sup_train=2))
+    cache = KVCache(model.num_attention_slots(2), 2, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.zeros(2, 4, dtype=torch.long), n_sup=2)  # training's path, no cache
+        model(torch.zeros(2, 4, dtype=torch.long), kv_cache=cache, n_sup=2)
+        model(torch.zeros(2, 1, dtype=torch.long), kv_cache=cache, n_sup=2)
+    assert seen and set(seen) == {(torch.bfloat16,) * 3}
+    assert {t.dtype for t in cache.k + cache.v} == {torch.bfloat16}
+
+
 def test_the_engines_autocast_holds_on_the_thread_that_runs_the_generation():
     # the server iterates a generation on worker threads, where a caller's `with autocast` (per thread) does not reach
     model = random_model(tiny_config(n_loops=1, n_sup_train=2))

@@ -66,6 +66,21 @@ def test_the_sharded_memory_estimate_is_within_25_percent_of_the_measured_peak(t
         assert abs(estimate - measured) <= 0.25 * measured, f"estimate {estimate:,} vs measured {measured:,}"
 
 
+def test_sharded_blocks_get_their_inputs_in_the_dtype_ddp_gives_them(tmp_path):
+    # FSDP's bf16 policy cast every block's inputs (the recursion's float32 state) to bf16 by default
+    torchrun("dtypes", tmp_path / "dtypes.pt")
+    got = torch.load(tmp_path / "dtypes.pt")
+    assert got["ddp"] and set(got["ddp"]) == {"torch.float32"}
+    assert got["fsdp"] == got["ddp"]
+
+
+def test_a_sharded_training_step_makes_no_host_sync(tmp_path):
+    # tests/test_base_train.py counts the step's one read; under FSDP, ShardedMuon indexed its updates with a Python
+    # list (a blocking host-to-device copy per shape group per step)
+    torchrun("syncs", "trm", tmp_path / "syncs.pt")
+    assert torch.load(tmp_path / "syncs.pt") == [0, 0]  # every rank's
+
+
 @pytest.mark.parametrize("config", ["plain", "trm-one-sweep", "trm"])
 def test_the_plans_count_of_all_gathers_per_micro_step_is_what_fsdp_makes(tmp_path, config):
     from nanochat.gpt import GPTConfig

@@ -262,3 +262,43 @@ def test_early_stop_counts_evaluations_without_a_new_best_and_resumes_its_count(
     off = lifecycle.EarlyStop(0, best_recorded=(7, 1.0))  # from an older checkpoint's recorded bpb
     off.record(8, 1.5)
     assert off.stale == 1 and off.reason() is None
+
+
+# Records PYTORCH_ALLOC_CONF at the moment torch is first imported, then imports the entry point named in argv[1]: the
+# CUDA allocator reads its setting once, at CUDA's first initialisation, which can come any time after that import.
+AT_TORCH_IMPORT = """
+import importlib, importlib.abc, os, sys
+seen = []
+class Spy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" and not seen:
+            seen.append(os.environ.get("PYTORCH_ALLOC_CONF"))
+sys.meta_path.insert(0, Spy())
+importlib.import_module(sys.argv[1])
+print(seen[0] if seen else "torch never imported")
+"""
+GPU_ENTRY_POINTS = ("scripts.base_train", "scripts.base_loss", "scripts.base_eval", "scripts.serve", "scripts.compare",
+                    "scripts.base_sample", "scripts.halt_train", "dev.gpu_check")
+
+
+def allocator_setting_at_torch_import(module, **env):
+    import subprocess
+    import sys
+    from tests.helpers import ROOT
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    proc = subprocess.run([sys.executable, "-c", AT_TORCH_IMPORT, module], cwd=ROOT, env={**clean, **env},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_every_gpu_entry_point_sets_the_allocator_before_it_imports_torch():
+    for module in GPU_ENTRY_POINTS:
+        assert allocator_setting_at_torch_import(module) == "expandable_segments:True", module
+
+
+def test_an_entry_point_leaves_the_users_allocator_setting_alone():
+    assert allocator_setting_at_torch_import("scripts.base_train", PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:128") \
+        == "None"
+    assert allocator_setting_at_torch_import("scripts.base_train", PYTORCH_ALLOC_CONF="max_split_size_mb:64") \
+        == "max_split_size_mb:64"

@@ -100,3 +100,77 @@ def test_a_loader_that_cannot_start_is_reported_as_the_evaluation_failing():
         raise OSError("no val shard")
     with pytest.raises(RankFailure, match="evaluation failed: .*no val shard"):
         evaluate_bpb(KnownLossModel(), broken_loader, 2, TOKEN_BYTES)
+
+
+# ---------------------------------------------------------------------------------------------------- its memory
+LARGE_VOCAB = dict(sequence_len=64, vocab_size=8192, n_layer=2, n_head=1, n_kv_head=1, n_embd=64, n_loops=2,
+                   n_sup_train=2)
+
+
+def evaluation_peak(config, batch, dtype="float32"):
+    """Peak bytes of the CPU tensors evaluate_bpb allocates (two batches; the model built before profiling, so its
+    weights are not counted), from the profiler's "Total Allocated" (tests/test_memory.py's method)."""
+    import json
+    import os
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.init_weights()
+    model.eval()
+    batches = [(torch.randint(0, config.vocab_size, (batch, config.sequence_len)),) * 2 for _ in range(2)]
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        evaluate_bpb(model, iter(batches), 2, torch.ones(config.vocab_size, dtype=torch.long), autocast=autocast)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+    return max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")
+
+
+def test_evaluation_holds_one_chunk_of_logits_however_large_the_batch(monkeypatch):
+    # it built three (B, T, vocab) float32 tensors per batch, which the memory plan never counted
+    from nanochat import gpt
+    config = tiny_config(**LARGE_VOCAB)
+    monkeypatch.setattr(gpt, "HEAD_CHUNK_ELEMENTS", 32 * config.vocab_size)  # 32 rows of 256 or 512 a batch
+    small, large = evaluation_peak(config, 4), evaluation_peak(config, 8)
+    chunk_logits = 4 * 32 * config.vocab_size  # bytes of one chunk's float32 logits (1 MB; the batch's: 8 and 16 MB)
+    assert large - small < chunk_logits, (small, large)  # measured: 0.2 MB more (the states); before, 25 MB
+
+
+def test_evaluation_gives_the_losses_of_the_whole_batch_logits_exactly(monkeypatch):
+    from nanochat import gpt
+    from tests.helpers import random_model
+    config = tiny_config(vocab_size=512, n_coda=1, n_sup_train=3)
+    model = random_model(config, every_weight=True)
+    idx, targets = torch.randint(0, 512, (4, 16)), torch.randint(0, 512, (4, 16))
+    targets[0, :3] = -1
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            whole = model(idx, targets, loss_reduction="none").detach()  # with gradient: the whole batch's logits
+            monkeypatch.setattr(gpt, "HEAD_CHUNK_ELEMENTS", 5 * config.vocab_size)
+            with torch.no_grad():
+                chunked = model(idx, targets, loss_reduction="none")
+            monkeypatch.undo()
+        assert torch.equal(chunked, whole)
+
+
+@pytest.mark.parametrize("config, batch, dtype", [
+    (dict(LARGE_VOCAB, vocab_size=512, n_embd=128, n_head=2, n_kv_head=2), 4, "float32"),
+    (dict(LARGE_VOCAB, vocab_size=512, n_embd=128, n_head=2, n_kv_head=2), 4, "bfloat16"),
+    (LARGE_VOCAB, 8, "float32"),  # the head's chunk dominates
+    (LARGE_VOCAB, 8, "bfloat16"),
+], ids=["fp32", "bf16", "large-vocab", "large-vocab-bf16"])
+def test_the_plans_evaluation_estimate_is_within_35_percent_of_the_measured_peak(config, batch, dtype, monkeypatch):
+    from nanochat import gpt, memory
+    monkeypatch.setattr(gpt, "HEAD_CHUNK_ELEMENTS", 32 * 8192)
+    monkeypatch.setattr(memory, "HEAD_CHUNK_ELEMENTS", 32 * 8192)
+    config = tiny_config(**config)
+    estimate, measured = memory.evaluation_bytes(config, batch, dtype), evaluation_peak(config, batch, dtype)
+    assert abs(estimate - measured) <= 0.35 * measured, f"estimate {estimate:,} vs measured {measured:,}"
+    # and the plan's total holds evaluation's peak too: gradients freed, the weights and optimizer state kept
+    parts = memory.estimate_memory(config, batch, dtype)
+    training = ("grads", "activations", "logits", "transient", "evaluation")
+    assert parts["total"] >= parts["total"] - sum(parts[k] for k in training) + estimate

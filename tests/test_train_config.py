@@ -92,9 +92,10 @@ def test_early_stop_and_eval_tokens_are_checked(flag, message, capsys):
 
 
 def test_auto_sharding_is_fsdp_only_when_data_parallelism_cannot_hold_one_sequence():
-    # depth 64 at width 4096: 13.4 B parameters, ~201 GB per GPU replicated even at one checkpointed sequence
+    # depth 64 at width 4096: 13.4 B parameters, ~202 GB per GPU replicated even at one checkpointed sequence (the
+    # head's chunk: 2,048 rows of 4,096 since HEAD_CHUNK_ELEMENTS = 2**28, 1 GB more than at 1,024)
     big = parse(["--depth=64", "--n_loops=2", "--activation_checkpointing", *GPU_80GB])
-    assert big.sharding == "fsdp" and "sharding fsdp (auto)" in big.sharding_note and "201.0 GB" in big.sharding_note
+    assert big.sharding == "fsdp" and "sharding fsdp (auto)" in big.sharding_note and "202.0 GB" in big.sharding_note
     est = memory.estimate_memory(train_config.model_config(big, 65536), big.device_batch_size, "bfloat16", 8,
                                  train_config.keeps_ema(big), "fsdp")["total"]
     assert est <= memory.usable_bytes(80e9)  # the batch was fitted to the sharded estimate
@@ -108,6 +109,23 @@ def test_auto_sharding_is_fsdp_only_when_data_parallelism_cannot_hold_one_sequen
 def test_fsdp_outside_torchrun_is_refused_in_one_line():
     with pytest.raises(SystemExit, match="--sharding=fsdp needs a process group: launch with torchrun"):
         train_config.parse_args(["--depth=2", "--device_type=cpu", "--sharding=fsdp"], world_size=1)
+
+
+def test_fsdp_is_refused_early_when_host_ram_cannot_hold_every_rank_building_the_whole_model(monkeypatch):
+    # every rank builds the whole float32 model on the CPU before sharding: 8 ranks of depth 64 need ~430 GB of RAM
+    monkeypatch.setattr(train_config, "get_dist_info", lambda: (True, 0, 0, 8))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    flags = ["--depth=64", "--n_loops=2", "--activation_checkpointing", "--sharding=fsdp", "--device_type=cpu",
+             "--device_memory_gb=80"]  # not a dry run: the check runs where the ranks would build
+    need = memory.sharded_build_host_bytes(train_config.model_config(parse(flags), 65536), 8)
+    assert 400e9 < need < 450e9
+    monkeypatch.setattr(train_config, "host_ram_available", lambda: need - 1)
+    with pytest.raises(SystemExit, match="each of the 8 processes on this node builds the whole float32 model"):
+        train_config.parse_args(flags, world_size=8, vocab_size=65536)
+    monkeypatch.setattr(train_config, "host_ram_available", lambda: need)
+    assert train_config.parse_args(flags, world_size=8, vocab_size=65536).sharding == "fsdp"
+    line = next(line for line in train_config.plan_lines(parse(flags)) if line.startswith("  fsdp"))
+    assert f"needs ~{need / 8 / 1e9:.1f} GB host RAM per process" in line
 
 
 def test_the_plan_prints_the_sharding_both_choices_and_the_budget_in_steps():
