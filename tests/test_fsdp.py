@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.muon import Muon
+from nanochat.optim import Muon
 from tests import fsdp_worker as worker
 from tests import processes
 
