@@ -45,9 +45,9 @@ class Answer:
     answer: str
 
 
-def hops_document(rng, spec):
-    """One document (no trailing newline) drawn with random.Random rng."""
-    symbols = list(string.ascii_lowercase[:spec.n_symbols])
+def draw_table(rng, symbols, spec):
+    """(f, order, queries): a random cycle f through symbols, the table's listing order, and spec.n_queries queries
+    (x, hops, f^hops(x))."""
     cycle = symbols[:]
     rng.shuffle(cycle)
     f = {a: b for a, b in zip(cycle, cycle[1:] + cycle[:1])}
@@ -59,8 +59,14 @@ def hops_document(rng, spec):
         y = x
         for _ in range(hops):
             y = f[y]
-        queries.append(f"{x}{hops}={y}")
-    return " ".join(f"{k}>{f[k]}" for k in order) + SEPARATOR + " ".join(queries)
+        queries.append((x, hops, y))
+    return f, order, queries
+
+
+def hops_document(rng, spec):
+    """One document (no trailing newline) drawn with random.Random rng."""
+    f, order, queries = draw_table(rng, list(string.ascii_lowercase[:spec.n_symbols]), spec)
+    return " ".join(f"{k}>{f[k]}" for k in order) + SEPARATOR + " ".join(f"{x}{h}={y}" for x, h, y in queries)
 
 
 PAIR_ALPHABET = string.ascii_uppercase + string.digits + "!#$%&()*+-/<>?@[]^_{|}~"  # 59 characters
@@ -69,21 +75,10 @@ PAIR_ALPHABET = string.ascii_uppercase + string.digits + "!#$%&()*+-/<>?@[]^_{|}
 def pairs_document(rng, spec):
     """The same task with each table entry k -> v written as ONE character (PAIR_ALPHABET[k * n + v]), and each query
     as " 3ac": hops, x, then the answer, predicted at x's own position. One lookup is then one attention layer."""
-    n = spec.n_symbols
-    symbols = list(string.ascii_lowercase[:n])
-    cycle = list(range(n))
-    rng.shuffle(cycle)
-    f = {a: b for a, b in zip(cycle, cycle[1:] + cycle[:1])}
-    order = list(range(n))
-    rng.shuffle(order)
-    queries = []
-    for _ in range(spec.n_queries):
-        x, hops = rng.randrange(n), rng.randint(1, spec.max_hops)
-        y = x
-        for _ in range(hops):
-            y = f[y]
-        queries.append(f"{hops}{symbols[x]}{symbols[y]}")
-    return "".join(PAIR_ALPHABET[k * n + f[k]] for k in order) + SEPARATOR + " ".join(queries)
+    n, letters = spec.n_symbols, string.ascii_lowercase
+    f, order, queries = draw_table(rng, list(range(n)), spec)
+    return ("".join(PAIR_ALPHABET[k * n + f[k]] for k in order) + SEPARATOR +
+            " ".join(f"{h}{letters[x]}{letters[y]}" for x, h, y in queries))
 
 
 def pairs_answers(text):
