@@ -20,7 +20,8 @@ import math
 import os
 import sys
 import time
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -53,7 +54,6 @@ def train(args):
     missing = data_problem()
     if missing:
         raise Exit(missing)
-    from nanochat.dataset import DatasetError
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
     tokenizer = get_tokenizer()
     model_config = {**args.model_config, "vocab_size": tokenizer.get_vocab_size()}
@@ -63,225 +63,78 @@ def train(args):
     fsdp = args.sharding == "fsdp"  # every block's weights, gradients and optimizer state sharded over the ranks
     model = build_model(model_config, device, fsdp, args.dtype)
     model.train()
-    optimizers = setup_optimizers(model, unembedding_lr=args.unembedding_lr * args.lr_scale,
-                                        embedding_lr=args.embedding_lr * args.lr_scale,
-                                        matrix_lr=args.matrix_lr * args.lr_scale, weight_decay=args.weight_decay)
-    if fsdp:
-        optimizers = sharding.on_shards(optimizers)
+    optimizers = build_optimizers(model, args, fsdp)
     num_iterations, horizon_source = num_iterations_for(args, model)
     warmup_steps = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * num_iterations)
-    tokens_per_step = args.total_batch_size
     flops_per_token = model.estimate_flops()
-    peak_flops = train_config.peak_flops(args, device)
-    print_config(args, num_iterations, horizon_source, model, tokens_per_step)
+    print_config(args, num_iterations, horizon_source, model, args.total_batch_size)
     if resume:
         ckpt.report_schedule_change(resume, (num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac),
                                     horizon_source)
     no_room = ckpt.disk_room_problem(args.model_tag, ckpt.checkpoint_bytes(model), args.keep_last)
     if no_room:
         raise Exit(no_room)
-
-    # the EMA's copy of the model is what evaluation, samples and checkpoints see; training goes on in `model`
-    ema_decay = ema_decay_for(args, num_iterations)
-    ema = WeightAverage(model, ema_decay, build_model(model_config, device, fsdp, args.dtype) if fsdp else None) \
-        if ema_decay else None
-    print0("weights published (evaluated, sampled, saved): "
-           + (f"EMA with decay {ema_decay:.4f} (--ema_decay={args.ema_decay})" if ema else "the trained weights"))
-    published = ema.module if ema else model
-    start_step, prior_seconds, loader_states = 0, 0.0, [None] * args.grad_accum
-    if resume:
-        start_step, prior_seconds = resume.step, resume.meta["elapsed_seconds"]
-        try:
-            loader_states = ckpt.restore(resume, model, optimizers, ema)
-        except ckpt.CheckpointError as e:  # a shard refused or damaged: on every rank, DCP's load agrees
-            raise Exit(f"cannot resume: {e}")
-        print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
+    ema = build_weight_average(args, model, model_config, device, fsdp, num_iterations)
+    start_step, prior_seconds, loader_states = restore(args, resume, model, optimizers, ema)
     if args.compile:
         model.compile_layer_visits()
     loaders, prefetched = open_training_data(args, tokenizer, device, rank, loader_states,
                                              first_batch=start_step < num_iterations)
-    consumed = [loader.state_dict() for loader in loaders]  # the loaders' positions after the last trained batch
     token_bytes = get_token_bytes(device=device)
-    run_dir = ckpt.model_dir(args.model_tag)
     try:
         run_lock.claim()  # every check passed: from here the run directory is ours, until the run ends
     except lifecycle.RunLockError as e:
         raise Exit(f"cannot {'resume' if resume else 'start'}: {e}")
     if rank == 0:
         ckpt.remove_partial_saves(args.model_tag)
-    metrics = MetricsLog(run_dir, args, rank, start_step if resume else None)
-    health, history = Health(), []
-    val_bpb, last_eval_step = None, None
+    metrics = MetricsLog(ckpt.model_dir(args.model_tag), args, rank, start_step if resume else None)
     price_per_hour = (args.gpu_hourly_price or 0) * world_size
     backup = ckpt.Backup.location(args.backup_dir, args.model_tag, args.keep_last).start() \
         if args.backup_dir and rank == 0 else None
 
     with lifecycle.StopSignals() as signals:
-        control = lifecycle.RunControl(args, prior_seconds, price_per_hour, signals)
-        elapsed = control.elapsed
-        early_stop = early_stop_for(args, resume)
+        run = Run(args=args, model=model, ema=ema, optimizers=optimizers, loaders=loaders, tokenizer=tokenizer,
+                  token_bytes=token_bytes, device=device, rank=rank, world_size=world_size, metrics=metrics,
+                  control=lifecycle.RunControl(args, prior_seconds, price_per_hour, signals),
+                  early_stop=early_stop_for(args, resume), backup=backup, model_config=model_config, corpus=corpus,
+                  num_iterations=num_iterations, warmup_steps=warmup_steps, start_step=start_step,
+                  resuming=resume is not None, flops_per_token=flops_per_token,
+                  peak_flops=train_config.peak_flops(args, device), prefetched=prefetched,
+                  consumed=[loader.state_dict() for loader in loaders])
 
-        def stop_asked():
-            return signals.received is not None  # this rank's view: evaluation agrees on it batch by batch
-
-        def save(step):
-            meta = {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
-                    "train_config": {k: v for k, v in vars(args).items() if k not in ("model_config", "config_sources")},
-                    "batch_geometry": batch_geometry(args), "num_iterations": num_iterations,
-                    "warmup_steps": warmup_steps,
-                    "tokenizer_fingerprint": tokenizer.fingerprint(), "data": corpus,
-                    "val_bpb": val_bpb if last_eval_step == step else None, "elapsed_seconds": elapsed(),
-                    "early_stop": early_stop.state(),
-                    "cost": control.cost(), "dataloader": consumed[0]}
-            try:
-                path = ckpt.save_checkpoint(args.model_tag, step, published, optimizers, meta,
-                                            {"loaders": consumed}, rank,
-                                            train_model=model if ema else None)
-            except ckpt.CheckpointError as e:
-                raise Exit(str(e), code=5)
-            control.saved()
-            print0(f"saved checkpoint {path}")
-
-        def evaluate_and_sample(step, due):
-            """Validation bpb (recorded in the checkpoint just saved, if any) and samples, each when due. False when
-            a signal stopped the evaluation (every rank stopped it at the same batch)."""
-            nonlocal val_bpb, last_eval_step
-            if due or (args.eval_every and step % args.eval_every == 0):
-                try:
-                    val_bpb, val_state = validation_bpb(published, tokenizer, args, device, rank, world_size,
-                                                        token_bytes, stop=stop_asked)
-                except EvaluationStopped:
-                    return False
-                if val_bpb:
-                    last_eval_step = step
-                    early_stop.record(step, val_bpb[-1])
-                    metrics.log({"kind": "eval", "step": step, "val_bpb": val_bpb,
-                                 "val_refinement": refinement(val_bpb), "state": val_state})
-                    if rank == 0 and ckpt.list_steps(args.model_tag)[-1:] == [step]:
-                        metrics.attempt(lambda: update_checkpoint_bpb(args.model_tag, step, val_bpb))
-            if (rank == 0 or fsdp) and (due or (args.sample_every and step % args.sample_every == 0)):
-                # rank 0 alone: a signal that cuts the samples short is agreed at the next step's reduction. Sharded,
-                # every rank takes part in each token's gathers, so none may stop early: the samples run to the end
-                run_samples(published, tokenizer, args, metrics, step, (lambda: False) if fsdp else stop_asked)
-            return True
-
-        def accumulate(step, n_sup, sums):
-            """Forward and backward over the step's micro-batches into sums, then read the next step's first batch
-            (tokenized while the device still works on this one). Returns the loaders' positions after the step's
-            batches (what a checkpoint resumes from) and None; or None and the DatasetError that stopped it."""
-            nonlocal prefetched
-            try:
-                for j, loader in enumerate(loaders):
-                    x, y = prefetched if j == 0 else next(loader)
-                    with autocast_for(args.device_type, args.dtype):
-                        loss, aux = model.forward_backward(x, y, loss_scale=1 / args.grad_accum, n_sup=n_sup)
-                    sums += StepStats.pack(loss, aux)
-                after = [loader.state_dict() for loader in loaders]
-                prefetched = next(loaders[0]) if step + 1 < num_iterations else None
-                return after, None
-            except DatasetError as e:  # told to every rank by the step's reduction: no rank waits for this one
-                return None, e
-
-        def optimizer_step(step):
-            """Forward and backward over the micro-batches, one all_reduce (the step's one host sync, which also
-            carries every rank's stop/save/data flags), then the update. Returns (StepStats, flags, lr multiplier).
-            Training data unreadable on any rank raises RankFailure on every rank, before the update."""
-            nonlocal consumed
-            n_sup = model.train_depth(step)
-            sums = torch.zeros(StepStats.size(n_sup), device=device)
-            try:
-                after, data_error = accumulate(step, n_sup, sums)
-                sq_grad_norm = reduce_gradients(optimizers)  # on every rank, data or not: the collectives pair up
-            except torch.OutOfMemoryError:
-                raise Exit(oom_message(args), code=4)
-            values, flags = control.reduce(torch.cat([sums / (args.grad_accum * world_size), sq_grad_norm.view(1)]),
-                                           data_failed=data_error is not None, write_failed=metrics.failure is not None)
-            stop_on_write_failure(flags["write"])
-            if flags["data"]:
-                model.zero_grad(set_to_none=True)
-                raise_if_any_rank_failed(data_error, "reading the training data", flags["data"])
-            consumed = after
-            stats = StepStats.unpack(values, n_sup)
-            if not all(math.isfinite(v) for v in stats.losses + [stats.total]):
-                path = os.path.join(run_dir, f"nan_diagnostic_step{step:06d}.json")
-                if rank == 0:
-                    write_nan_diagnostic(path, step, stats.losses, history, model_config)
-                raise Exit(f"loss is NaN/Inf at step {step} (per-step losses {stats.losses}); stopped without "
-                           f"saving, the last good checkpoint is untouched. Diagnostic: {path}", code=3)
-            lrm = lr_multiplier(step, num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac)
-            set_schedule(optimizers, lrm, muon_momentum(step))
-            clipped_step(optimizers, stats.grad_norm, args.grad_clip)  # skipped when the norm is not finite
-            model.zero_grad(set_to_none=True)
-            if not math.isfinite(stats.grad_norm):
-                raise Exit(f"gradient norm is {stats.grad_norm} at step {step}: the update was skipped and the "
-                           f"run stopped; lower --matrix_lr or use a milder --preset, then --resume", code=3)
-            if ema:
-                ema.update_parameters(model)
-            return stats, flags, lrm
-
-        def log_step(step, stats, lrm, dt):
-            history.append({"step": step, "step_losses": stats.losses})
-            health.check(step, stats.losses, stats.grad_norm)
-            tok_per_sec = tokens_per_step / dt
-            mfu = flops_per_token * tok_per_sec / (peak_flops * world_size) if peak_flops else None
-            mem_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-            record = {"kind": "train", "step": step, "loss": stats.losses[-1], "total_loss": stats.total,
-                      "step_losses": stats.losses, "refinement": refinement(stats.losses),
-                      "state": [[round(v, 5) for v in row] for row in stats.state], "grad_norm": stats.grad_norm,
-                      "lr_multiplier": lrm, "dt": dt, "tok_per_sec": tok_per_sec, "mfu": mfu, "peak_mem_gb": mem_gb,
-                      "elapsed_s": elapsed(), "cost": control.cost() or None}
-            metrics.log(record)
-            print0(metrics.format_step(record, num_iterations))
-
-        def stop_on_write_failure(failed_ranks):
-            """Every rank stops together once rank 0 could not write the run's files: rank 0 with its one line
-            (which file, why, what to do), the others pointing at it."""
-            if failed_ranks:
-                raise Exit(metrics.failure or f"rank {rank} stopped with rank 0, which could not write the run's files "
-                                              f"(its line says which and why)", code=WRITE_FAILED)
-
-        def save_due(step, stop, flags):
-            steps_due = bool(args.save_every) and step % args.save_every == 0
-            return (step > start_step and (step == num_iterations or bool(stop) or bool(flags["save_time"]) or steps_due)
-                    ) or (bool(stop) and resume is None)
-
-        # ---- the run: at each step boundary save, evaluate and sample when due; stop, or train one more step
-        step, flags = start_step, control.agree(device)  # a budget spent or a signal before the first step
+        # at each step boundary save, evaluate and sample when due; then stop, or train one more step
+        step, flags = start_step, run.control.agree(device)  # a budget spent or a signal before the first step
         while True:
             last_step = step == num_iterations
-            stop = control.stop_reason(flags)  # agreed by every rank: a signal or a budget, raised on any of them
+            stop = run.control.stop_reason(flags)  # agreed by every rank: a signal or a budget, raised on any of them
             if stop:
                 print0(f"{stop} at step {step}: saving and stopping")
-            saved = save_due(step, stop, flags)
+            saved = run.save_due(step, stop, flags)
             if saved:
-                save(step)  # before evaluation, so a failing eval can never cost the checkpoint
+                run.save(step)  # before evaluation, so a failing eval can never cost the checkpoint
             late_stop = None  # a reason to stop that the evaluation brings: a signal during it, or early stopping
             if not flags["signal"]:  # after a signal, only the checkpoint: the grace period is short
-                if not evaluate_and_sample(step, due=last_step or bool(stop)):
-                    flags = control.agree(device)  # the signal that stopped the evaluation, as every rank saw it
-                    late_stop = f"{control.stop_reason(flags)} during the evaluation"
+                if not run.evaluate_and_sample(step, due=last_step or bool(stop)):
+                    flags = run.control.agree(device)  # the signal that stopped the evaluation, as every rank saw it
+                    late_stop = f"{run.control.stop_reason(flags)} during the evaluation"
                 elif not (stop or last_step):
-                    late_stop = early_stop.reason()
+                    late_stop = run.early_stop.reason()
             if late_stop:
                 stop = late_stop
                 print0(f"{stop} at step {step}: saving and stopping")
-                if not saved and save_due(step, stop, flags):
-                    save(step)
+                if not saved and run.save_due(step, stop, flags):
+                    run.save(step)
                     saved = True
-            if rank == 0 and saved:
-                removed = ckpt.prune_checkpoints(args.model_tag, args.keep_last)
-                if removed:
-                    print0(f"pruned checkpoints at steps {removed} (keeping the last {args.keep_last} and the best)")
-                if backup:
-                    backup.submit(step)
+            if saved:
+                run.prune_and_back_up(step)
             if last_step or stop:
                 break
             t0 = time.time()
             try:
-                stats, flags, lrm = optimizer_step(step)
+                stats, flags, lrm = run.optimizer_step(step)
             except RankFailure as e:  # the training data: nothing of this step was applied
                 if not saved and not (resume and step == start_step):
-                    save(step)
+                    run.save(step)
                 raise Exit(f"{e}. Stopped at step {step}, whose checkpoint is saved: repair the data as above, then "
                            "run the same command with --resume", code=DATA_DAMAGED)
             # no device sync for the clock: the optimizer's kernels still running now are waited for by the next
@@ -289,20 +142,226 @@ def train(args):
             dt = time.time() - t0
             step += 1
             lifecycle.tame_garbage_collector(first_step=step == start_step + 1, step=step)
-            log_step(step, stats, lrm, dt)
-
-        if rank == 0 and step > 0:  # a fresh run stopped before its first step has nothing to summarize
-            metrics.attempt(lambda: write_summary(run_dir, args, step, elapsed(), price_per_hour, model,
-                                                  tokenizer.fingerprint()))
-        stop_on_write_failure(reduce_with_flags(torch.zeros(0, device=device), [metrics.failure is not None])[1][0])
-        metrics.close()
-        if args.backup_dir:  # every rank: the others wait in short collectives while rank 0's uploads drain
-            run_on_rank0(backup.close if backup else None, rank)
+            run.log_step(step, stats, lrm, dt)
+        run.finish(step)
     run_lock.release()  # on any other way out, the process's end releases it
-    if control.exit_code(flags):
+    if run.control.exit_code(flags):
         raise Exit(f"stopped at step {step} by {stop}: the checkpoint is saved; continue with the same "
-                              f"command and --resume", code=control.exit_code(flags))
+                   f"command and --resume", code=run.control.exit_code(flags))
     return step
+
+
+@dataclass
+class Run:
+    """The run's components and the state its stages share, in named attributes; each stage is a method (save,
+    evaluate_and_sample, optimizer_step, log_step, finish), so a test can call one alone."""
+    args: Any  # the parsed flags
+    model: Any  # the weights trained; evaluation, samples and checkpoints see `published`
+    ema: Any  # the weight average (WeightAverage), or None
+    optimizers: list
+    loaders: list  # this process's training loaders, one per accumulation step
+    tokenizer: Any
+    token_bytes: Any  # bytes per token id, for bits per byte
+    device: torch.device
+    rank: int
+    world_size: int
+    metrics: Any  # MetricsLog
+    control: Any  # lifecycle.RunControl: the clock, the budgets and the flags every rank agrees on
+    early_stop: Any  # lifecycle.EarlyStop
+    backup: Any  # rank 0's checkpoint uploader (ckpt.Backup), or None
+    model_config: dict
+    corpus: dict  # the data's identity, recorded in every checkpoint
+    num_iterations: int
+    warmup_steps: int
+    start_step: int  # the step this process started (or resumed) at
+    resuming: bool
+    flops_per_token: float
+    peak_flops: Any  # FLOP/s of one device, or None: no MFU
+    prefetched: Any = None  # the next step's first batch, read while the device still works on this step
+    consumed: list = None  # the loaders' positions after the last trained batch: what a checkpoint resumes from
+    val_bpb: Any = None  # the last evaluation's validation bpb per supervision step
+    last_eval_step: Any = None  # the step it measured (None before the first)
+    history: list = field(default_factory=list)  # every step's losses, for the NaN diagnostic
+    health: Health = field(default_factory=Health)
+
+    @property
+    def published(self):
+        return self.ema.module if self.ema else self.model
+
+    @property
+    def fsdp(self):
+        return self.args.sharding == "fsdp"
+
+    def stop_asked(self):
+        return self.control.signals.received is not None  # this rank's view: evaluation agrees on it batch by batch
+
+    def save_due(self, step, stop, flags):
+        """Whether step's boundary saves: the last step, a stop, --save_every or --save_every_minutes (not at the step
+        just resumed from), and a fresh run stopped before its first step."""
+        steps_due = bool(self.args.save_every) and step % self.args.save_every == 0
+        return (step > self.start_step and (step == self.num_iterations or bool(stop) or bool(flags["save_time"])
+                                            or steps_due)) or (bool(stop) and not self.resuming)
+
+    def save(self, step):
+        """Step's checkpoint: the published weights (and the trained ones beside an EMA), the optimizers, the loaders'
+        positions and checkpoint_meta; with the validation bpb when it measured this step."""
+        meta = checkpoint_meta(self.args, self.model_config, self.tokenizer.fingerprint(), self.corpus,
+                               self.num_iterations, self.warmup_steps,
+                               val_bpb=self.val_bpb if self.last_eval_step == step else None,
+                               elapsed_seconds=self.control.elapsed(), early_stop=self.early_stop.state(),
+                               cost=self.control.cost(), loader_state=self.consumed[0])
+        try:
+            path = ckpt.save_checkpoint(self.args.model_tag, step, self.published, self.optimizers, meta,
+                                        {"loaders": self.consumed}, self.rank,
+                                        train_model=self.model if self.ema else None)
+        except ckpt.CheckpointError as e:
+            raise Exit(str(e), code=5)
+        self.control.saved()
+        print0(f"saved checkpoint {path}")
+
+    def prune_and_back_up(self, step):
+        """After a save, on rank 0: the checkpoints beyond --keep_last removed, the new one queued for the backup."""
+        if self.rank != 0:
+            return
+        removed = ckpt.prune_checkpoints(self.args.model_tag, self.args.keep_last)
+        if removed:
+            print0(f"pruned checkpoints at steps {removed} (keeping the last {self.args.keep_last} and the best)")
+        if self.backup:
+            self.backup.submit(step)
+
+    def evaluate_and_sample(self, step, due):
+        """Validation bpb and samples, each when due (`due`, or every --eval_every / --sample_every steps). False when
+        a signal stopped the evaluation (every rank stopped it at the same batch)."""
+        if (due or (self.args.eval_every and step % self.args.eval_every == 0)) and not self.evaluate(step):
+            return False
+        if (self.rank == 0 or self.fsdp) and (due or (self.args.sample_every and step % self.args.sample_every == 0)):
+            self.sample(step)
+        return True
+
+    def evaluate(self, step):
+        """Validation bpb per supervision step into val_bpb and last_eval_step, logged, counted by early stopping and
+        recorded in step's checkpoint if it is saved. False when a signal stopped it."""
+        try:
+            self.val_bpb, val_state = validation_bpb(self.published, self.tokenizer, self.args, self.device, self.rank,
+                                                     self.world_size, self.token_bytes, stop=self.stop_asked)
+        except EvaluationStopped:
+            return False
+        if self.val_bpb:
+            self.last_eval_step = step
+            self.early_stop.record(step, self.val_bpb[-1])
+            self.metrics.log({"kind": "eval", "step": step, "val_bpb": self.val_bpb,
+                              "val_refinement": refinement(self.val_bpb), "state": val_state})
+            if self.rank == 0 and ckpt.list_steps(self.args.model_tag)[-1:] == [step]:
+                self.metrics.attempt(lambda: update_checkpoint_bpb(self.args.model_tag, step, self.val_bpb))
+        return True
+
+    def sample(self, step):
+        # rank 0 alone: a signal that cuts the samples short is agreed at the next step's reduction. Sharded, every
+        # rank takes part in each token's gathers, so none may stop early: the samples run to the end
+        run_samples(self.published, self.tokenizer, self.args, self.metrics, step,
+                    (lambda: False) if self.fsdp else self.stop_asked)
+
+    def accumulate(self, step, n_sup, sums):
+        """Forward and backward over the step's micro-batches into sums, then read the next step's first batch
+        (tokenized while the device still works on this one). Returns the loaders' positions after the step's
+        batches (what a checkpoint resumes from) and None; or None and the DatasetError that stopped it."""
+        from nanochat.dataset import DatasetError
+        try:
+            for j, loader in enumerate(self.loaders):
+                x, y = self.prefetched if j == 0 else next(loader)
+                with autocast_for(self.args.device_type, self.args.dtype):
+                    loss, aux = self.model.forward_backward(x, y, loss_scale=1 / self.args.grad_accum, n_sup=n_sup)
+                sums += StepStats.pack(loss, aux)
+            after = [loader.state_dict() for loader in self.loaders]
+            self.prefetched = next(self.loaders[0]) if step + 1 < self.num_iterations else None
+            return after, None
+        except DatasetError as e:  # told to every rank by the step's reduction: no rank waits for this one
+            return None, e
+
+    def optimizer_step(self, step):
+        """Forward and backward over the micro-batches, one all_reduce (the step's one host sync, which also
+        carries every rank's stop/save/data flags), then the update. Returns (StepStats, flags, lr multiplier).
+        Training data unreadable on any rank raises RankFailure on every rank, before the update."""
+        args, model, optimizers = self.args, self.model, self.optimizers
+        n_sup = model.train_depth(step)
+        sums = torch.zeros(StepStats.size(n_sup), device=self.device)
+        try:
+            after, data_error = self.accumulate(step, n_sup, sums)
+            sq_grad_norm = reduce_gradients(optimizers)  # on every rank, data or not: the collectives pair up
+        except torch.OutOfMemoryError:
+            raise Exit(oom_message(args), code=4)
+        values, flags = self.control.reduce(torch.cat([sums / (args.grad_accum * self.world_size),
+                                                       sq_grad_norm.view(1)]),
+                                            data_failed=data_error is not None,
+                                            write_failed=self.metrics.failure is not None)
+        self.stop_on_write_failure(flags["write"])
+        if flags["data"]:
+            model.zero_grad(set_to_none=True)
+            raise_if_any_rank_failed(data_error, "reading the training data", flags["data"])
+        self.consumed = after
+        stats = StepStats.unpack(values, n_sup)
+        if not all(math.isfinite(v) for v in stats.losses + [stats.total]):
+            path = os.path.join(ckpt.model_dir(args.model_tag), f"nan_diagnostic_step{step:06d}.json")
+            if self.rank == 0:
+                write_nan_diagnostic(path, step, stats.losses, self.history, self.model_config)
+            raise Exit(f"loss is NaN/Inf at step {step} (per-step losses {stats.losses}); stopped without "
+                       f"saving, the last good checkpoint is untouched. Diagnostic: {path}", code=3)
+        lrm = lr_multiplier(step, self.num_iterations, self.warmup_steps, args.warmdown_ratio, args.final_lr_frac)
+        set_schedule(optimizers, lrm, muon_momentum(step))
+        clipped_step(optimizers, stats.grad_norm, args.grad_clip)  # skipped when the norm is not finite
+        model.zero_grad(set_to_none=True)
+        if not math.isfinite(stats.grad_norm):
+            raise Exit(f"gradient norm is {stats.grad_norm} at step {step}: the update was skipped and the "
+                       f"run stopped; lower --matrix_lr or use a milder --preset, then --resume", code=3)
+        if self.ema:
+            self.ema.update_parameters(model)
+        return stats, flags, lrm
+
+    def log_step(self, step, stats, lrm, dt):
+        """The step's record (losses, state diagnostics, throughput, MFU, memory, time, cost): logged and printed."""
+        self.history.append({"step": step, "step_losses": stats.losses})
+        self.health.check(step, stats.losses, stats.grad_norm)
+        tok_per_sec = self.args.total_batch_size / dt
+        mfu = self.flops_per_token * tok_per_sec / (self.peak_flops * self.world_size) if self.peak_flops else None
+        mem_gb = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else None
+        record = {"kind": "train", "step": step, "loss": stats.losses[-1], "total_loss": stats.total,
+                  "step_losses": stats.losses, "refinement": refinement(stats.losses),
+                  "state": [[round(v, 5) for v in row] for row in stats.state], "grad_norm": stats.grad_norm,
+                  "lr_multiplier": lrm, "dt": dt, "tok_per_sec": tok_per_sec, "mfu": mfu, "peak_mem_gb": mem_gb,
+                  "elapsed_s": self.control.elapsed(), "cost": self.control.cost() or None}
+        self.metrics.log(record)
+        print0(self.metrics.format_step(record, self.num_iterations))
+
+    def stop_on_write_failure(self, failed_ranks):
+        """Every rank stops together once rank 0 could not write the run's files: rank 0 with its one line
+        (which file, why, what to do), the others pointing at it."""
+        if failed_ranks:
+            raise Exit(self.metrics.failure or f"rank {self.rank} stopped with rank 0, which could not write the run's "
+                                               f"files (its line says which and why)", code=WRITE_FAILED)
+
+    def finish(self, step):
+        """The run's summary (rank 0), the metrics closed and the backup's uploads drained; every rank stops together
+        when rank 0 could not write its files."""
+        if self.rank == 0 and step > 0:  # a fresh run stopped before its first step has nothing to summarize
+            self.metrics.attempt(lambda: write_summary(ckpt.model_dir(self.args.model_tag), self.args, step,
+                                                       self.control.elapsed(), self.control.price_per_hour,
+                                                       self.model, self.tokenizer.fingerprint()))
+        self.stop_on_write_failure(reduce_with_flags(torch.zeros(0, device=self.device),
+                                                     [self.metrics.failure is not None])[1][0])
+        self.metrics.close()
+        if self.args.backup_dir:  # every rank: the others wait in short collectives while rank 0's uploads drain
+            run_on_rank0(self.backup.close if self.backup else None, self.rank)
+
+
+def checkpoint_meta(args, model_config, tokenizer_fingerprint, corpus, num_iterations, warmup_steps, val_bpb,
+                    elapsed_seconds, early_stop, cost, loader_state):
+    """A checkpoint's meta.json: what resuming checks (model config, batch geometry, sharding, tokenizer, data),
+    continues (the schedule, the clock, early stopping's count) and reports (the flags, validation bpb, cost)."""
+    return {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
+            "train_config": {k: v for k, v in vars(args).items() if k not in ("model_config", "config_sources")},
+            "batch_geometry": batch_geometry(args), "num_iterations": num_iterations, "warmup_steps": warmup_steps,
+            "tokenizer_fingerprint": tokenizer_fingerprint, "data": corpus, "val_bpb": val_bpb,
+            "elapsed_seconds": elapsed_seconds, "early_stop": early_stop, "cost": cost, "dataloader": loader_state}
 
 
 # ---------------------------------------------------------------------------------------------------- its stages
@@ -314,6 +373,39 @@ def build_model(model_config, device, fsdp, dtype):
         return ckpt.build_model(model_config, device)
     param_dtype = torch.bfloat16 if device.type == "cuda" and dtype == "bfloat16" else None
     return sharding.shard_model(ckpt.build_model(model_config, torch.device("cpu")), device, param_dtype)
+
+
+def build_optimizers(model, args, fsdp):
+    """The model's optimizers at the flags' learning rates (times --lr_scale); under FSDP, stepping the shards."""
+    optimizers = setup_optimizers(model, unembedding_lr=args.unembedding_lr * args.lr_scale,
+                                  embedding_lr=args.embedding_lr * args.lr_scale,
+                                  matrix_lr=args.matrix_lr * args.lr_scale, weight_decay=args.weight_decay)
+    return sharding.on_shards(optimizers) if fsdp else optimizers
+
+
+def build_weight_average(args, model, model_config, device, fsdp, num_iterations):
+    """The EMA of the trained weights, or None when off: the EMA's copy of the model is what evaluation, samples and
+    checkpoints see, while training goes on in `model`."""
+    ema_decay = ema_decay_for(args, num_iterations)
+    ema = WeightAverage(model, ema_decay, build_model(model_config, device, fsdp, args.dtype) if fsdp else None) \
+        if ema_decay else None
+    print0("weights published (evaluated, sampled, saved): "
+           + (f"EMA with decay {ema_decay:.4f} (--ema_decay={args.ema_decay})" if ema else "the trained weights"))
+    return ema
+
+
+def restore(args, resume, model, optimizers, ema):
+    """(the step to start at, the seconds already spent, each loader's position): a fresh run's, or the resume
+    point's, whose weights, optimizer state and weight average are loaded in place."""
+    if not resume:
+        return 0, 0.0, [None] * args.grad_accum
+    start_step, prior_seconds = resume.step, resume.meta["elapsed_seconds"]
+    try:
+        loader_states = ckpt.restore(resume, model, optimizers, ema)
+    except ckpt.CheckpointError as e:  # a shard refused or damaged: on every rank, DCP's load agrees
+        raise Exit(f"cannot resume: {e}")
+    print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
+    return start_step, prior_seconds, loader_states
 
 
 def open_training_data(args, tokenizer, device, rank, loader_states, first_batch):

@@ -409,3 +409,68 @@ def test_a_shard_damaged_mid_run_saves_the_last_step_and_stops_with_one_line(bas
         f"step_{stopped:06d}"]
     # no worker's traceback; torchrun reports a failed worker with one of its own (ChildFailedError)
     assert out.count("Traceback") == (1 if torchrun else 0) and (not torchrun or "ChildFailedError" in out), out[-3000:]
+
+
+# ------------------------------------------------ train()'s stages, each called alone
+
+
+def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
+    from types import SimpleNamespace
+    from nanochat import checkpoint_manager as ckpt
+    from nanochat import lifecycle
+    from scripts import base_train
+    args = train_config.parse_args([*TINY, "--num_iterations=6", "--warmup_steps=2", "--early_stop=3"])
+    model_config = {**args.model_config, "vocab_size": 300}
+    corpus = {"fingerprint": "abc123", "dir": "/data", "shards": 3}
+    early_stop = lifecycle.EarlyStop(3)
+    early_stop.record(4, 1.25)
+    meta = json.loads(json.dumps(base_train.checkpoint_meta(  # as meta.json holds it
+        args, model_config, "tok", corpus, 6, 2, val_bpb=[1.5, 1.25], elapsed_seconds=12.5,
+        early_stop=early_stop.state(), cost=0.25, loader_state={"position": 3})))
+    # what start_or_resume checks: the model config, batch geometry and sharding; the tokenizer; the data
+    assert ckpt.resume_differences(meta, model_config, train_config.batch_geometry(args), args.sharding) == []
+    assert meta["tokenizer_fingerprint"] == "tok"
+    ckpt.check_data(meta, corpus, False, "step 4")  # the same data: no refusal
+    # what the resumed run continues: the clock, the schedule (report_schedule_change) and early stopping's count
+    assert meta["elapsed_seconds"] == 12.5
+    assert (meta["num_iterations"], meta["warmup_steps"], meta["train_config"]["warmdown_ratio"],
+            meta["train_config"]["final_lr_frac"]) == (6, 2, args.warmdown_ratio, args.final_lr_frac)
+    resumed = base_train.early_stop_for(args, SimpleNamespace(step=4, meta=meta))
+    assert (resumed.best, resumed.stale, resumed.last_step) == ([4, 1.25], 0, 4)
+    assert meta["val_bpb"] == [1.5, 1.25] and meta["dataloader"] == {"position": 3}
+
+
+def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_the_last(tmp_path, monkeypatch):
+    import dataclasses
+    from types import SimpleNamespace
+    from nanochat import checkpoint_manager as ckpt
+    from nanochat import lifecycle
+    from nanochat.loss_eval import EvaluationStopped, refinement
+    from scripts import base_train
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    os.makedirs(ckpt.step_dir("alone", 4))
+    with open(os.path.join(ckpt.step_dir("alone", 4), "meta.json"), "w") as f:
+        json.dump({"step": 4, "val_bpb": None}, f)  # step 4's checkpoint, saved before its evaluation
+    results = iter([([1.5, 1.25], "state"), None])
+
+    def validation(*args, stop):
+        result = next(results)
+        if result is None:
+            raise EvaluationStopped()  # a signal arrived during the evaluation
+        return result
+
+    monkeypatch.setattr(base_train, "validation_bpb", validation)
+    logged = []
+    parts = {f.name: None for f in dataclasses.fields(base_train.Run)}  # only what evaluation uses is given
+    run = base_train.Run(**{**parts, "args": train_config.parse_args([*TINY, "--model_tag=alone"]), "rank": 0,
+                            "early_stop": lifecycle.EarlyStop(2),
+                            "metrics": SimpleNamespace(log=logged.append, attempt=lambda write: write())})
+    assert run.evaluate(4) is True
+    assert run.val_bpb == [1.5, 1.25] and run.last_eval_step == 4
+    assert run.early_stop.best == (4, 1.25)
+    assert logged == [{"kind": "eval", "step": 4, "val_bpb": [1.5, 1.25], "val_refinement": refinement([1.5, 1.25]),
+                       "state": "state"}]
+    with open(os.path.join(ckpt.step_dir("alone", 4), "meta.json")) as f:
+        assert json.load(f)["val_bpb"] == [1.5, 1.25]
+    assert run.evaluate(6) is False  # stopped: the last measurement stands, for the checkpoint of step 4 only
+    assert run.val_bpb == [1.5, 1.25] and run.last_eval_step == 4 and len(logged) == 1
