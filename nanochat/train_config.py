@@ -31,7 +31,6 @@ SAMPLE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The opposite
 B_REF = 2 ** 19
 BATCH_EXPONENT = 0.383
 REFERENCE_DEPTH = 12
-DEFAULT_VOCAB = 65536  # scripts.tok_train's default: the plan's vocabulary before a tokenizer exists
 MAX_DEVICE_BATCH = 32  # the largest automatic micro-batch (nanochat's default device batch)
 QUIET_ACCUMULATION = 64  # more micro-batches per step than this gets a warning: a small model made to crawl
 PLANNER_MFU = 0.40  # model FLOPs utilisation a compiled bf16 run of this size reaches; stated in every plan
@@ -233,7 +232,7 @@ def resolve_model_config(args):
 def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None):
     """Parse and validate every flag without touching a model or data; errors exit with what to change.
 
-    vocab_size: the vocabulary the batch is planned for (default: the tokenizer's, or DEFAULT_VOCAB before one exists)."""
+    vocab_size: the vocabulary the batch is planned for (default: the tokenizer's, or GPTConfig's before one exists)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # torchrun ... -m scripts.base_train -- --depth=12
@@ -283,7 +282,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
                      "-m scripts.base_train -- ... (N=1 works)")
     args.world_size = world_size
     args.sharding_requested = args.sharding  # auto is settled by the batch's memory budget (resolve_sharding)
-    args.plan_vocab_size = vocab_size or tokenizer_vocab_size() or DEFAULT_VOCAB
+    args.plan_vocab_size = vocab_size or tokenizer_vocab_size() or GPTConfig.vocab_size  # tok_train's default too
     resolve_batch(parser, args)
     if args.sharding == "fsdp" and check_hardware and not args.dry_run:
         problem = host_ram_problem(args)

@@ -59,7 +59,6 @@ PHASES = {
                     embedding_lr=0.005, shards=100, tok_chars=1_000_000_000, refinement=(50, 97), grad_norm=(2, 15)),
 }
 SHARD_BYTES = 100e6  # one FineWeb-Edu parquet shard is about 100 MB on disk
-DEFAULT_VOCAB = 65536  # scripts.tok_train's default
 
 
 def env(name, default=None):
@@ -478,8 +477,9 @@ def train(key, phase, extra):
     gpus = detect_gpus() if device_type == "cuda" else []
     vocab = tokenizer_vocab()
     have_tokenizer = vocab is not None
-    vocab = vocab or env_int("VOCAB_SIZE", DEFAULT_VOCAB, low=MIN_VOCAB_SIZE, high=MAX_VOCAB_SIZE,
-                             why=f" (256 byte tokens + {len(SPECIAL_TOKENS)} special tokens at least; default {DEFAULT_VOCAB})")
+    vocab = vocab or env_int("VOCAB_SIZE", GPTConfig.vocab_size, low=MIN_VOCAB_SIZE, high=MAX_VOCAB_SIZE,
+                             why=f" (256 byte tokens + {len(SPECIAL_TOKENS)} special tokens at least; "
+                                 f"default {GPTConfig.vocab_size})")
     budget = memory_budget(key, device_type, gpus, nproc)
     cmd, args, notes = compose(key, phase, extra, vocab, budget[0])
     data = data_status(phase)

@@ -15,10 +15,12 @@ import time
 from nanochat.cli import ArgumentParser
 from nanochat.common import progress_bar
 from nanochat.dataset import DatasetError, iter_documents, parquets_for_split, row_group_sizes
+from nanochat.gpt import GPTConfig
 from nanochat.tokenizer import (MIN_VOCAB_SIZE, RustBPETokenizer, TokenizerError, TokenizerNotFound, check_vocab_size,
                                 tokenizer_dir)
 
-DEFAULT_VOCAB_SIZE = 65536
+# The model's default vocabulary is the tokenizer's: a default model fits a default tokenizer.
+DEFAULT_VOCAB_SIZE = GPTConfig.vocab_size
 
 
 def capped_documents(max_chars, doc_cap, stats):
