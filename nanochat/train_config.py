@@ -19,7 +19,7 @@ import torch
 
 from nanochat.cli import OneLineErrors
 from nanochat.common import autodetect_device_type, device_available, get_base_dir, get_dist_info
-from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
+from nanochat.gpt import ACTIVATIONS, GPT, GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
 MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "state_update",
@@ -87,7 +87,7 @@ def build_parser():
     model.add_argument("--T_recursion", type=int, default=None, help="sweeps per supervision step")
     model.add_argument("--n_sup_train", type=int, default=None, help="supervision steps in training")
     model.add_argument("--n_sup_inference", type=int, default=None, help="supervision steps at inference")
-    model.add_argument("--activation_fn", choices=["relu_squared", "swiglu", "geglu"], default=None)
+    model.add_argument("--activation_fn", choices=list(ACTIVATIONS), default=None)
     model.add_argument("--state_update", choices=list(STATE_UPDATES), default=None,
                        help="how the recursion writes into its states y, z (residual = unbounded sum)")
     model.add_argument("--sample_n_sup", type=str2bool, nargs="?", const=True, default=None,
