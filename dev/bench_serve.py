@@ -29,6 +29,7 @@ from collections import Counter
 import httpx
 import numpy as np
 
+from nanochat.cli import ExitCode
 from nanochat.common import get_base_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -208,7 +209,7 @@ def main(argv=None):
         defects["server exited"] += 1
     if defects:
         print(f"DEFECTS (errors other than {EXPECTED}): {dict(defects)}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     return 0
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from nanochat.cli import ArgumentParser
+from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import progress_bar
 from nanochat.dataset import DatasetError, iter_documents, parquets_for_split, row_group_sizes
 from nanochat.gpt import GPTConfig
@@ -116,7 +116,7 @@ def main(argv=None):
         tokenizer = RustBPETokenizer.byte_level() if args.byte_level else train(args, stats)
     except (DatasetError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     seconds = time.time() - t0
     tokenizer.save(tokenizer_dir())
     if not args.byte_level:
