@@ -168,7 +168,7 @@ def trained_tiny_checkpoint(base_dir):
     """Train the tests' tiny checkpoint (tag 'tiny') under base_dir; returns its tag."""
     sys.path.insert(0, REPO)
     os.environ["NANOCHAT_BASE_DIR"] = base_dir
-    from tests.tiny_checkpoint import MODEL_TAG, build_tiny_checkpoint
+    from tests.support.tiny_checkpoint import MODEL_TAG, build_tiny_checkpoint
     build_tiny_checkpoint()
     return MODEL_TAG
 
