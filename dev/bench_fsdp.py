@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from dev.bench_args import add_model_flags, build_config
 from nanochat import sharding
 from nanochat.gpt import GPT
-from nanochat.optim import clipped_step, reduce_gradients
+from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
 
 COUNTED = ("all_gather_single", "reduce_scatter_single", "all_to_all", "all_reduce")  # FSDP2's and ShardedMuon's
 
@@ -46,7 +46,7 @@ def build(config, fsdp):
     model.init_weights()
     if fsdp:
         sharding.shard_model(model, torch.device("cpu"))
-    optimizers = model.setup_optimizers()
+    optimizers = setup_optimizers(model)
     return model, sharding.on_shards(optimizers) if fsdp else optimizers
 
 

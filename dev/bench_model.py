@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from dev.bench_args import add_model_flags, build_config
 import nanochat.optim
 from nanochat.gpt import GPT
+from nanochat.optim import setup_optimizers
 
 # (name, n_loops, T_recursion, n_sup_train); the first is the plain GPT everything is compared with
 CONFIGS = [
@@ -41,7 +42,7 @@ def build(args, n_loops, T_recursion, n_sup, **flags):
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()
-    optimizers = model.setup_optimizers()
+    optimizers = setup_optimizers(model)
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=g) for _ in range(2)]
     return model, optimizers, batch

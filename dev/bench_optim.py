@@ -27,13 +27,15 @@ from dev.bench_model import optimizer_step
 from dev.bench_train_step import other_nanochat
 
 
-def build(gpt_module, args, seed):
+def build(gpt_module, optim_module, args, seed):
     """The model's optimizers, with every parameter given a fixed random gradient (seed: one per rank)."""
     config = build_config(args, gpt_module.GPTConfig, n_loops=0, n_sup_train=1)
     torch.manual_seed(0)
     model = gpt_module.GPT(config)
     model.init_weights()
-    optimizers = model.setup_optimizers()
+    # setup_optimizers lives in optim.py now; a baseline checkout from before has it on the model
+    setup = getattr(optim_module, "setup_optimizers", None)
+    optimizers = setup(model) if setup else model.setup_optimizers()
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g)
@@ -71,10 +73,10 @@ def main():
 
     import nanochat.gpt
     import nanochat.optim
-    runs = {"ours": (nanochat.optim, build(nanochat.gpt, args, rank))}
+    runs = {"ours": (nanochat.optim, build(nanochat.gpt, nanochat.optim, args, rank))}
     if args.baseline:
         with other_nanochat(args.baseline) as load:  # setup_optimizers imports the optimizers: build in here
-            runs["baseline"] = (load("nanochat.optim"), build(load("nanochat.gpt"), args, rank))
+            runs["baseline"] = (load("nanochat.optim"), build(load("nanochat.gpt"), load("nanochat.optim"), args, rank))
     times = {name: [] for name in runs}
     for step in range(args.warmup + args.steps):
         for name, run in runs.items():

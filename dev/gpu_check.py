@@ -52,6 +52,7 @@ from nanochat import memory
 from nanochat.cli import ExitCode
 from nanochat.common import atomic_write_bytes, gpu_peak_flops
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.optim import setup_optimizers
 from dev.bench_model import optimizer_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -221,7 +222,7 @@ def run_micro_steps(ctx, config):
     torch.manual_seed(0)
     model = GPT(config).to(ctx.device)
     model.init_weights()
-    optimizers = model.setup_optimizers()
+    optimizers = setup_optimizers(model)
     graphs0, breaks0 = graph_counts()
     model.compile_layer_visits()
     x, y = random_batch(ctx, config, batch)

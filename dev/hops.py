@@ -31,6 +31,7 @@ def documents(seed, count, spec):
         return [pairs_document(rng, spec) for _ in range(count)]
     return hops_documents(seed, count, spec)
 from nanochat.tokenizer import RustBPETokenizer
+from nanochat.optim import setup_optimizers
 
 
 def batches(docs, tokenizer):
@@ -112,7 +113,7 @@ def main():
         optimizers = [torch.optim.AdamW(model.parameters(), lr=args.adamw, betas=(0.9, 0.98), weight_decay=0.0)]
         optimizers[0].param_groups[0]["initial_lr"] = args.adamw
     else:
-        optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
+        optimizers = setup_optimizers(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
                                             matrix_lr=args.matrix_lr)
     val = batches(documents(10_000 + args.seed, args.eval_docs, spec), tok)
     start, log = time.time(), []

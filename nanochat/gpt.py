@@ -15,7 +15,6 @@ With T_recursion > 1 the gradient into the previous supervision step is therefor
 consume the carried y and z), which is the paper's behaviour. n_loops = 0 is a plain block y <- B_l(y), no z.
 """
 
-import importlib
 import math
 from dataclasses import dataclass, fields, replace
 
@@ -647,32 +646,3 @@ class GPT(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
-
-    # ---------------------------------------------------------------- optimizers
-    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
-                         scalar_lr=0.02):
-        """Muon for the transformer matrices, AdamW for embedding, lm_head and the per-channel state decays
-        (distributed variants under DDP)."""
-        # by name: transformers' remote-code loader would make users of an exported gpt.py install `nanochat`
-        adamw, muon = importlib.import_module("nanochat.adamw"), importlib.import_module("nanochat.muon")
-        AdamW, DistAdamW, Muon, DistMuon = adamw.AdamW, adamw.DistAdamW, muon.Muon, muon.DistMuon
-
-        ddp = importlib.import_module("nanochat.common").distributed()
-        trunk = [p for block in self.blocks() for p in block.parameters()]
-        matrix_params = [p for p in trunk if p.ndim == 2]
-        scalar_params = [p for p in trunk if p.ndim < 2]  # Muon orthogonalises matrices only
-        dmodel_lr_scale = (self.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768
-        adam_groups = [
-            dict(params=list(self.lm_head.parameters()), lr=unembedding_lr * dmodel_lr_scale),
-            dict(params=list(self.transformer.wte.parameters()), lr=embedding_lr * dmodel_lr_scale),
-        ] + ([dict(params=scalar_params, lr=scalar_lr)] if scalar_params else [])
-        if self.config.halt_head:
-            adam_groups.append(dict(params=list(self.halt_head.parameters()), lr=unembedding_lr * dmodel_lr_scale))
-        adam_cls, muon_cls = (DistAdamW, DistMuon) if ddp else (AdamW, Muon)
-        adamw = adam_cls(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=weight_decay)
-        muon = muon_cls(matrix_params, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)
-        optimizers = [adamw, muon]
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["initial_lr"] = group["lr"]
-        return optimizers

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from nanochat.muon import Muon, zeropower_via_newtonschulz5
-from nanochat.optim import local
+from nanochat.optim import AdamW, Muon, ShardedMuon
 
 
 def is_sharded(model):
@@ -57,7 +56,6 @@ def on_shards(optimizers):
     """The model's optimizers (built on the sharded parameters) as their sharded forms: AdamW as it is (elementwise,
     on DTensors), Muon as ShardedMuon, with the same groups and learning rates (before the first step: the state
     starts empty)."""
-    from nanochat.adamw import AdamW
     sharded = []
     for opt in optimizers:
         cls = ShardedMuon if isinstance(opt, Muon) else AdamW
@@ -65,58 +63,6 @@ def on_shards(optimizers):
         torch.optim.Optimizer.__init__(new, opt.param_groups, opt.defaults)
         sharded.append(new)
     return sharded
-
-
-def row_share(rows, world):
-    """FSDP's dim-0 shard size: torch.chunk's, ceil(rows / world) (the last ranks' shards may be shorter or empty)."""
-    return -(-rows // world)
-
-
-class ShardedMuon(Muon):
-    """Muon on FSDP row-shards. Momentum is kept on the shards (elementwise, like the parameter). For each shape
-    group, matrix i is owned by rank i % world: one all_to_all per `world` matrices brings every owner its matrix's
-    rows, the owner orthogonalises all its matrices as one stack, and a second all_to_all returns each rank its rows
-    of every update. Equal to Muon on the whole matrices (tests/test_fsdp.py)."""
-
-    @torch.no_grad()
-    def step(self, grad_scale=1.0):
-        rank, world = dist.get_rank(), dist.get_world_size()
-        for group in self.param_groups:
-            params = group["params"]
-            m, n = params[0].shape
-            share = row_share(m, world)
-            blended = [self._blend(group, p, local(p.grad) * grad_scale) for p in params]
-            owned = [self._gather_to_owner(blended[base:base + world], m, share, n, world)
-                     for base in range(0, len(params), world)]
-            # the batches this rank owns a matrix of: a prefix (only the last batch can fall short of `world`)
-            mine = sum(1 for base in range(0, len(params), world) if base + rank < len(params))
-            updates = torch.zeros(len(owned), m, n, dtype=owned[0].dtype, device=owned[0].device)
-            if mine:  # a slice, not a list index: a list would be copied host-to-device, a blocking copy every step
-                updates[:mine] = zeropower_via_newtonschulz5(torch.stack(owned[:mine]), group["ns_steps"])
-            for i, base in enumerate(range(0, len(params), world)):
-                rows = self._scatter_from_owner(updates[i], share, n, world)
-                for p, update in zip(params[base:base + world], rows):
-                    self._apply(group, local(p), update[:local(p).size(0)], m, n)
-
-    @staticmethod
-    def _gather_to_owner(parts, m, share, n, world):
-        """parts: this rank's rows of up to `world` matrices (k-th owned by rank k); returns the whole matrix this
-        rank owns (zeros if none)."""
-        send = [torch.zeros(share, n, dtype=parts[0].dtype, device=parts[0].device) for _ in range(world)]
-        for k, part in enumerate(parts):
-            send[k][:part.size(0)] = part
-        recv = [torch.empty_like(send[0]) for _ in range(world)]
-        dist.all_to_all(recv, send)
-        return torch.cat(recv)[:m]
-
-    @staticmethod
-    def _scatter_from_owner(update, share, n, world):
-        """update: the whole update this rank owns (zeros if none); returns this rank's rows of each owner's."""
-        padded = torch.zeros(share * world, n, dtype=update.dtype, device=update.device)
-        padded[:update.size(0)] = update
-        recv = [torch.empty(share, n, dtype=update.dtype, device=update.device) for _ in range(world)]
-        dist.all_to_all(recv, list(padded.split(share)))
-        return recv
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints

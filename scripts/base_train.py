@@ -34,8 +34,7 @@ from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
 from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
 from nanochat.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
-from nanochat.muon import Muon
-from nanochat.optim import clipped_step, reduce_gradients
+from nanochat.optim import Muon, clipped_step, reduce_gradients, setup_optimizers
 from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
                                    ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args,
                                    plan_lines, training_loaders)
@@ -64,7 +63,7 @@ def train(args):
     fsdp = args.sharding == "fsdp"  # every block's weights, gradients and optimizer state sharded over the ranks
     model = build_model(model_config, device, fsdp, args.dtype)
     model.train()
-    optimizers = model.setup_optimizers(unembedding_lr=args.unembedding_lr * args.lr_scale,
+    optimizers = setup_optimizers(model, unembedding_lr=args.unembedding_lr * args.lr_scale,
                                         embedding_lr=args.embedding_lr * args.lr_scale,
                                         matrix_lr=args.matrix_lr * args.lr_scale, weight_decay=args.weight_decay)
     if fsdp:

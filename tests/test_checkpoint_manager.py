@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat.optim import setup_optimizers
 from scripts import base_train
 from tests.support.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree, weights
 from tests.support.unwritable import FullDiskFile
@@ -60,7 +61,7 @@ def test_rng_is_restored_when_the_run_is_on_a_non_cpu_device(base):
     torch.manual_seed(123), random.seed(123)  # anything else
     point = ckpt.load_resume_point("rng", "latest", rank=0)
     model = ckpt.build_model(point.meta["model_config"], torch.device("meta"))
-    ckpt.restore(point, model, model.setup_optimizers())
+    ckpt.restore(point, model, setup_optimizers(model))
     assert torch.equal(torch.rand(4), expected[0]) and random.random() == expected[1]
 
 
@@ -259,7 +260,7 @@ def test_a_rank_file_from_before_plain_rng_states_still_resumes(base):
     np.random.seed(0)
     point = ckpt.load_resume_point("oldrng", "latest", rank=0)
     model = ckpt.build_model(point.meta["model_config"], "cpu")
-    ckpt.restore(point, model, model.setup_optimizers())
+    ckpt.restore(point, model, setup_optimizers(model))
     assert np.random.random() == expected
     assert train(*FLAGS, "--num_iterations=4", "--model_tag=oldrng", "--resume") == 0
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.muon import Muon
+from nanochat.optim import Muon
 from tests.support import fsdp_worker as worker
 from tests.support import processes
 
@@ -38,7 +38,10 @@ def test_two_sharded_ranks_train_as_one_process_with_the_same_effective_batch(tm
     assert [l for l, _ in got["history"]] == pytest.approx(losses, rel=tolerance)
     assert [n for _, n in got["history"]] == pytest.approx(norms, rel=tolerance)
     for name, value in state.items():
-        torch.testing.assert_close(got["state"][name], value, atol=2 * tolerance, rtol=tolerance, msg=name)
+        # AdamW (eps 1e-10) divides by the root of a rare token's tiny second moment, so the reduction order's float32
+        # noise in its gradient moves an embedding row by up to ~3e-5 (2 of 2,048 entries, seen 2026-11-25)
+        atol = 5 * tolerance if name == "transformer.wte.weight" else 2 * tolerance
+        torch.testing.assert_close(got["state"][name], value, atol=atol, rtol=tolerance, msg=name)
 
 
 def test_muon_on_shards_equals_muon_on_whole_matrices(tmp_path):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import nanochat.gpt as gpt_module
 from nanochat.gpt import (GPT, STATE_DIAGNOSTICS, STATE_UPDATES, GPTConfig, deep_supervision_loss,
                           supervision_weights)
-from nanochat.optim import clipped_step, reduce_gradients
+from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
 from tests.support.helpers import ROOT, random_model, tiny_config
 
 GPT_SOURCE = Path(ROOT, "nanochat", "gpt.py")
@@ -431,7 +431,7 @@ def test_tiny_trm_overfits_one_batch_and_later_steps_are_better():
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()  # the real init, zero projections included: training must get out of it
-    optimizers = model.setup_optimizers()
+    optimizers = setup_optimizers(model)
     batch = random_batch(config, B=8)
     first = None
     for step in range(20):
@@ -489,7 +489,7 @@ def test_decay_parameters_are_per_channel_start_near_one_and_go_to_adamw():
     block = model.transformer.h[0]
     assert block.retain_y.shape == block.retain_z.shape == (config.n_embd,)
     assert 0.8 < torch.sigmoid(block.retain_y).min() < 1
-    adamw, muon = model.setup_optimizers()
+    adamw, muon = setup_optimizers(model)
     adam_params = {id(p) for g in adamw.param_groups for p in g["params"]}
     muon_params = {id(p) for g in muon.param_groups for p in g["params"]}
     assert id(block.retain_y) in adam_params and id(block.retain_y) not in muon_params

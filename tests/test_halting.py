@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from nanochat.engine import Engine, KVCache
 from nanochat.gpt import GPT, HALT_BIAS_INIT, GPTConfig
 from nanochat.halting import HALTING_RULES, Halting, forward_halting
+from nanochat.optim import setup_optimizers
 from tests.support import helpers
 
 N = 4
@@ -210,7 +211,7 @@ def test_training_moves_the_halting_head_and_leaves_the_model_untouched():
                                                            if not n.startswith("halt_head")]):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
     before = with_head.halt_head.bias.item()
-    for opt in with_head.setup_optimizers():
+    for opt in setup_optimizers(with_head):
         opt.step()
     assert with_head.halt_head.bias.item() != before
 

@@ -9,7 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.memory import estimate_memory, fit_micro_batch, usable_bytes
-from nanochat.optim import clipped_step, reduce_gradients
+from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
 
 SMALL = GPTConfig(sequence_len=64, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=128, n_loops=2,
                   n_sup_train=2)
@@ -21,7 +21,7 @@ def training_steps(config, batch, dtype):
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()
-    optimizers = model.setup_optimizers()
+    optimizers = setup_optimizers(model)
     idx = torch.randint(0, config.vocab_size, (batch, config.sequence_len))
     for _ in range(2):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):

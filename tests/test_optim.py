@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.adamw import AdamW
-from nanochat.muon import Muon, zeropower_via_newtonschulz5
+from nanochat.optim import AdamW
+from nanochat.optim import Muon, zeropower_via_newtonschulz5
 from nanochat.optim import clipped_step, reduce_gradients
 from tests.support import dist_optim_worker as worker
 from tests.support import processes

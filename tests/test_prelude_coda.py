@@ -8,6 +8,7 @@ import torch
 from nanochat.engine import KVCache
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.halting import Halting, check_halting, forward_halting
+from nanochat.optim import setup_optimizers
 from tests.support.helpers import random_model, tiny_config
 from tests.test_engine import cached_logits
 from tests.test_gpt import assert_same_grads, random_batch, twin
@@ -69,7 +70,7 @@ def test_forward_backward_gives_the_gradients_of_the_total_and_every_block_learn
 
 def test_prelude_and_coda_matrices_go_to_muon():
     model = GPT(config_of(dict(n_prelude=1, n_coda=1)))
-    adamw, muon = model.setup_optimizers()
+    adamw, muon = setup_optimizers(model)
     in_muon = {id(p) for group in muon.param_groups for p in group["params"]}
     for blocks in (model.transformer.prelude, model.transformer.coda):
         assert all(id(p) in in_muon for p in blocks.parameters())

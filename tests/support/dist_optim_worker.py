@@ -14,9 +14,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nanochat.adamw import AdamW, DistAdamW
+from nanochat.optim import AdamW, DistAdamW, setup_optimizers
 from nanochat.gpt import GPT, GPTConfig
-from nanochat.muon import DistMuon, Muon
+from nanochat.optim import DistMuon, Muon
 from nanochat.optim import clipped_step, reduce_gradients
 
 WORLD_SIZE = 2
@@ -74,7 +74,7 @@ def run(distributed, rank=0):
     average of all WORLD_SIZE ranks' gradients and the single-process optimizers."""
     ranks = [rank] if distributed else range(WORLD_SIZE)
     model = build_gpt()
-    gpt_opts = model.setup_optimizers(weight_decay=0.1)
+    gpt_opts = setup_optimizers(model, weight_decay=0.1)
     expected = (DistAdamW, DistMuon) if distributed else (AdamW, Muon)
     assert tuple(map(type, gpt_opts)) == expected, gpt_opts
     muon_params, adam_params = build_toy()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import clipped_step, reduce_gradients
+from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
 
 STEPS = 5
 GRAD_CLIP = 0.5
@@ -74,7 +74,7 @@ def train(model, optimizers, data_ranks, distributed):
 
 def run_single(config, detach):
     model = build(config, detach)
-    return train(model, model.setup_optimizers(weight_decay=0.1), [0, 1], distributed=False), model.state_dict()
+    return train(model, setup_optimizers(model, weight_decay=0.1), [0, 1], distributed=False), model.state_dict()
 
 
 def run_sharded(config, detach, compile_visits=False):
@@ -82,7 +82,7 @@ def run_sharded(config, detach, compile_visits=False):
     model = sharding.shard_model(build(config, detach), torch.device("cpu"))
     if compile_visits:  # base_train --compile: the layer visit (and its Block.delta calls, with their gathers)
         model.compile_layer_visits()
-    optimizers = sharding.on_shards(model.setup_optimizers(weight_decay=0.1))
+    optimizers = sharding.on_shards(setup_optimizers(model, weight_decay=0.1))
     history = train(model, optimizers, [dist.get_rank()], distributed=True)
     return history, {k: v.full_tensor() for k, v in model.state_dict().items()}
 
@@ -92,7 +92,7 @@ def muon_on_shards():
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
     from nanochat import sharding
-    from nanochat.muon import Muon
+    from nanochat.optim import Muon
     params = toy_matrices()
     holder = torch.nn.ParameterList(params)
     fully_shard(holder)
@@ -125,7 +125,7 @@ def measured_peak():
         model = GPT(GPTConfig(**MEMORY_CONFIG))
         model.init_weights()
         sharding.shard_model(model, torch.device("cpu"))
-        optimizers = sharding.on_shards(model.setup_optimizers())
+        optimizers = sharding.on_shards(setup_optimizers(model))
         idx = torch.randint(0, MEMORY_CONFIG["vocab_size"], (MEMORY_BATCH, MEMORY_CONFIG["sequence_len"]))
         for _ in range(2):
             model.forward_backward(idx, idx)
@@ -169,7 +169,7 @@ def syncs_per_step(config):
     from nanochat import sharding
     from tests.support.helpers import host_syncs
     model = sharding.shard_model(build(config, detach=True), torch.device("cpu"))
-    optimizers = sharding.on_shards(model.setup_optimizers(weight_decay=0.1))
+    optimizers = sharding.on_shards(setup_optimizers(model, weight_decay=0.1))
     counts = []
     for step in range(2):
         with host_syncs() as counted:
