@@ -14,20 +14,18 @@ import time
 
 import torch
 
+from dev.bench_args import add_model_flags, build_config
 from nanochat.engine import Engine, kv_cache_bytes_per_token
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPT
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description="KV cache decode benchmark")
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--n_embd", type=int, default=256)
-    parser.add_argument("--n_head", type=int, default=4)
+    add_model_flags(parser, n_head=4)
     parser.add_argument("--n_kv_head", type=int, default=4)
     parser.add_argument("--n_loops", type=int, default=2)
     parser.add_argument("--T_recursion", type=int, default=1)
     parser.add_argument("--n_sup", type=int, default=4)
-    parser.add_argument("--vocab_size", type=int, default=8192)
     parser.add_argument("--lengths", default="64,128,256,512", help="comma-separated total sequence lengths")
     parser.add_argument("--decode_tokens", type=int, default=8, help="tokens decoded (and timed) per length")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -60,15 +58,14 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
-    config = GPTConfig(sequence_len=max(lengths), vocab_size=args.vocab_size, n_layer=args.depth, n_head=args.n_head,
-                       n_kv_head=args.n_kv_head, n_embd=args.n_embd, n_loops=args.n_loops,
-                       T_recursion=args.T_recursion, n_sup_train=args.n_sup)
+    config = build_config(args, sequence_len=max(lengths), n_kv_head=args.n_kv_head, n_loops=args.n_loops,
+                          T_recursion=args.T_recursion, n_sup_train=args.n_sup)
     model = random_model(config, torch.device(args.device_type))
     engine = Engine(model)
     per_token = kv_cache_bytes_per_token(model, args.n_sup)
     slots = model.num_attention_slots(args.n_sup)
     print(f"config: depth={args.depth} n_embd={args.n_embd} n_head={args.n_head} n_kv_head={args.n_kv_head} "
-          f"n_loops={args.n_loops} T_recursion={args.T_recursion} n_sup={args.n_sup} vocab={args.vocab_size} | "
+          f"n_loops={args.n_loops} T_recursion={args.T_recursion} n_sup={args.n_sup} vocab={args.vocab} | "
           f"{model.num_params() / 1e6:.2f}M params | torch threads={torch.get_num_threads()} | {args.device_type}")
     print(f"KV cache: {slots} attention slots, {per_token:,} bytes/token (fp32) = "
           f"{per_token * max(lengths) / 2 ** 20:.1f} MiB at {max(lengths)} tokens; "
@@ -77,7 +74,7 @@ def main():
     print(f"{'L':>6} {'cached tok/s':>13} {'uncached tok/s':>15} {'speedup':>8} {'prefill tok/s':>14}  same tokens")
     g = torch.Generator().manual_seed(0)
     for L in lengths:
-        prompt = torch.randint(0, args.vocab_size, (L - args.decode_tokens,), generator=g).tolist()
+        prompt = torch.randint(0, args.vocab, (L - args.decode_tokens,), generator=g).tolist()
         cached = engine.generate_batch([prompt], max_tokens=args.decode_tokens, temperature=0.0, n_sup=args.n_sup,
                                        stop_tokens=())[0]
         s = engine.stats

@@ -3,8 +3,8 @@ FSDP (--sharding=fsdp) against DDP (replicated weights, ZeRO-1 optimizers) on Gl
 gradient reduce-scatters per micro-step (FSDP's collectives counted by wrapping torch.distributed's), seconds per
 optimizer step, the peak resident memory and the tensor bytes held between steps. CPU only; the counts are what a GPU run makes too.
 
-    torchrun --standalone --nproc_per_node=2 dev/bench_fsdp.py                       # TRM defaults at width 256
-    torchrun --standalone --nproc_per_node=2 dev/bench_fsdp.py --n_loops=0 --n_sup_train=1 --depth=8
+    torchrun --standalone --nproc_per_node=2 -m dev.bench_fsdp                       # TRM defaults at width 256
+    torchrun --standalone --nproc_per_node=2 -m dev.bench_fsdp --n_loops=0 --n_sup_train=1 --depth=8
 """
 
 import argparse
@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dev.bench_args import add_model_flags, build_config
 from nanochat import sharding
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPT
 from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
 
 COUNTED = ("all_gather_single", "reduce_scatter_single", "all_to_all", "all_reduce")  # FSDP2's and ShardedMuon's
@@ -75,9 +76,7 @@ def live_tensor_bytes():
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--n_embd", type=int, default=256)
-    p.add_argument("--vocab_size", type=int, default=8192)
+    add_model_flags(p, n_head=None)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--n_loops", type=int, default=None)
@@ -89,9 +88,9 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     overrides = {k: v for k, v in (("n_loops", args.n_loops), ("n_sup_train", args.n_sup_train)) if v is not None}
-    config = GPTConfig(sequence_len=args.seq, vocab_size=args.vocab_size, n_layer=args.depth, n_embd=args.n_embd,
-                       n_head=max(1, args.n_embd // 128), n_kv_head=max(1, args.n_embd // 128),
-                       activation_checkpointing=args.activation_checkpointing, **overrides)
+    args.n_head = args.n_head or max(1, args.n_embd // 128)  # heads of 128 wide unless --n_head says otherwise
+    config = build_config(args, sequence_len=args.seq, activation_checkpointing=args.activation_checkpointing,
+                          **overrides)
     base = rss()
     model, optimizers = build(config, args.sharding == "fsdp")
     idx = torch.randint(0, config.vocab_size, (args.batch, config.sequence_len))

@@ -19,20 +19,18 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from nanochat.gpt import GPT, GPTConfig
+from dev.bench_args import add_model_flags, build_config
+from nanochat.gpt import GPT
 from nanochat.tokenizer import RustBPETokenizer
 from scripts import export_hf
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description="exported model: generate's decode speed with and without the cache")
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--n_embd", type=int, default=256)
-    parser.add_argument("--n_head", type=int, default=4)
+    add_model_flags(parser, n_head=4, vocab=1024,
+                    vocab_help="at most: the tokenizer trained for the export stops when its text has no pairs left")
     parser.add_argument("--n_loops", type=int, default=2)
     parser.add_argument("--n_sup", type=int, default=4)
-    parser.add_argument("--vocab_size", type=int, default=1024,
-                        help="at most: the tokenizer trained for the export stops when its text has no pairs left")
     parser.add_argument("--lengths", default="64,256", help="comma-separated total sequence lengths")
     parser.add_argument("--new_tokens", type=int, default=16, help="tokens generated per length")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -41,10 +39,9 @@ def parse_args():
 
 def export_random_model(args, directory):
     text = " ".join(f"word{i % 97} token{i % 13} the cat sat on the mat" for i in range(4000))
-    tokenizer = RustBPETokenizer.train_from_iterator(iter([text]), args.vocab_size)
-    config = GPTConfig(sequence_len=max(args.lengths), vocab_size=tokenizer.get_vocab_size(), n_layer=args.depth,
-                       n_head=args.n_head, n_kv_head=args.n_head, n_embd=args.n_embd, n_loops=args.n_loops,
-                       n_sup_train=args.n_sup)
+    tokenizer = RustBPETokenizer.train_from_iterator(iter([text]), args.vocab)
+    config = build_config(args, sequence_len=max(args.lengths), vocab_size=tokenizer.get_vocab_size(),
+                          n_loops=args.n_loops, n_sup_train=args.n_sup)
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from dev.bench_args import add_model_flags, build_config
 import nanochat.optim
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPT
 from nanochat.optim import setup_optimizers
 
 # (name, n_loops, T_recursion, n_sup_train); the first is the plain GPT everything is compared with
@@ -36,9 +37,8 @@ CONFIGS = [
 
 
 def build(args, n_loops, T_recursion, n_sup, **flags):
-    config = GPTConfig(sequence_len=args.seq_len, vocab_size=args.vocab, n_layer=args.depth, n_head=args.n_head,
-                       n_kv_head=args.n_head, n_embd=args.n_embd, n_loops=n_loops, T_recursion=T_recursion,
-                       n_sup_train=n_sup, **flags)
+    config = build_config(args, sequence_len=args.seq_len, n_loops=n_loops, T_recursion=T_recursion,
+                          n_sup_train=n_sup, **flags)
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()
@@ -90,12 +90,9 @@ def peak_step_memory(model, optimizers, batch):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--n_embd", type=int, default=256)
-    parser.add_argument("--n_head", type=int, default=2)
+    add_model_flags(parser)
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per config (median reported)")
     # on a busy machine use fewer threads than free cores: an intra-op thread that loses its core stalls every op

@@ -22,14 +22,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from dev.bench_args import add_model_flags, build_config
 from dev.bench_model import optimizer_step
 from dev.bench_train_step import other_nanochat
 
 
 def build(gpt_module, optim_module, args, seed):
     """The model's optimizers, with every parameter given a fixed random gradient (seed: one per rank)."""
-    config = gpt_module.GPTConfig(vocab_size=args.vocab, n_layer=args.depth, n_head=args.n_head,
-                                  n_kv_head=args.n_head, n_embd=args.n_embd, n_loops=0, n_sup_train=1)
+    config = build_config(args, gpt_module.GPTConfig, n_loops=0, n_sup_train=1)
     torch.manual_seed(0)
     model = gpt_module.GPT(config)
     model.init_weights()
@@ -59,10 +59,7 @@ def timed_step(optim, optimizers, ddp):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--n_embd", type=int, default=256)
-    parser.add_argument("--n_head", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=8192)
+    add_model_flags(parser)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")

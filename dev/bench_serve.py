@@ -29,6 +29,7 @@ from collections import Counter
 import httpx
 import numpy as np
 
+from nanochat.cli import ExitCode
 from nanochat.common import get_base_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,7 +168,7 @@ def trained_tiny_checkpoint(base_dir):
     """Train the tests' tiny checkpoint (tag 'tiny') under base_dir; returns its tag."""
     sys.path.insert(0, REPO)
     os.environ["NANOCHAT_BASE_DIR"] = base_dir
-    from tests.tiny_checkpoint import MODEL_TAG, build_tiny_checkpoint
+    from tests.support.tiny_checkpoint import MODEL_TAG, build_tiny_checkpoint
     build_tiny_checkpoint()
     return MODEL_TAG
 
@@ -208,7 +209,7 @@ def main(argv=None):
         defects["server exited"] += 1
     if defects:
         print(f"DEFECTS (errors other than {EXPECTED}): {dict(defects)}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     return 0
 
 

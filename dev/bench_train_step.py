@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from dev.bench_args import add_model_flags, build_config
 from dev.bench_model import build, optimizer_step
 from nanochat.optim import setup_optimizers
 
@@ -61,8 +62,7 @@ def other_nanochat(path):
 def build_nanochat(nanochat_dir, args):
     with other_nanochat(nanochat_dir) as load:
         gpt = load("nanochat.gpt")
-        config = gpt.GPTConfig(sequence_len=args.seq_len, vocab_size=args.vocab, n_layer=args.depth,
-                               n_head=args.n_head, n_kv_head=args.n_head, n_embd=args.n_embd)
+        config = build_config(args, gpt.GPTConfig, sequence_len=args.seq_len)
         torch.manual_seed(0)
         model = gpt.GPT(config)
         model.init_weights()
@@ -100,12 +100,9 @@ def nanochat_step(model, optimizers, batch):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nanochat_dir", required=True, help="a checkout of karpathy/nanochat (see above)")
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--n_embd", type=int, default=256)
-    parser.add_argument("--n_head", type=int, default=2)
+    add_model_flags(parser)
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds (nanochat compiles Newton-Schulz)")
     parser.add_argument("--steps", type=int, default=7, help="timed rounds (median reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")

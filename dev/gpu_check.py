@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanochat import memory
+from nanochat.cli import ExitCode
 from nanochat.common import atomic_write_bytes, gpu_peak_flops
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.optim import setup_optimizers
@@ -572,7 +573,7 @@ def main(argv=None):
         shutil.rmtree(ctx.work, ignore_errors=True)
     print("\n" + write_report(out, report) + f"\nreport: {os.path.join(out, 'report.md')}, logs: "
           f"{os.path.join(out, 'logs')}" + ("" if passed else f", the runs' files: {ctx.work}"))
-    return 0 if passed else 1
+    return ExitCode.OK if passed else ExitCode.FAILED
 
 
 if __name__ == "__main__":

@@ -1,7 +1,20 @@
 """Command-line habits shared by every entry point: nanochat's dashed flags work as well as our underscored ones."""
 
 import argparse
+import enum
 import sys
+
+
+class ExitCode(enum.IntEnum):
+    """Every entry point's exit codes, one meaning each; docs/troubleshooting.md#exit-codes lists them for users."""
+    OK = 0  # finished as planned (the last step, a spent budget, --early_stop)
+    FAILED = 1  # stopped by an error; its one line says what went wrong and what to do
+    USAGE = 2  # the command cannot start as given (a flag, an environment variable, a checkpoint or port); nothing ran
+    DIVERGED = 3  # training loss or gradient norm went NaN/Inf; nothing saved, the last good checkpoint is untouched
+    OUT_OF_MEMORY = 4  # the device ran out of memory; the line names smaller settings
+    WRITE_FAILED = 5  # a write failed (full disk, quota, read-only, permissions), a checkpoint save included
+    DATA_DAMAGED = 6  # a training shard became unreadable mid-run; the step's checkpoint is saved
+    SIGNALED = 128  # plus the signal number (130 Ctrl-C, 143 SIGTERM): stopped by a signal, a training run saved first
 
 
 def underscore_flags(argv):
@@ -32,9 +45,9 @@ class OneLineErrors(ArgumentParser):
 
 
 class Exit(SystemExit):
-    """Stop an entry point with one line for the user, no traceback, and an exit code (1 unless given). Uncaught, it
-    exits 1 with the line, as any SystemExit does; entry points that report other codes catch it and use exit_code."""
+    """Stop an entry point with one line for the user, no traceback, and an ExitCode (FAILED unless given). Uncaught,
+    it exits 1 with the line, as any SystemExit does; entry points that report other codes catch it (exit_code)."""
 
-    def __init__(self, message, code=1):
+    def __init__(self, message, code=ExitCode.FAILED):
         super().__init__(message)
         self.exit_code = code

@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nanochat.cli import ExitCode
+
 # How long a rank waits in one collective before the process group gives up on its peers (NCCL's default). Work that
 # rank 0 does alone while the others wait (checkpoint I/O, a backup) goes through run_on_rank0, so no single wait
 # nears it. NANOCHAT_PROCESS_GROUP_TIMEOUT_S shortens it for tests.
@@ -202,7 +204,7 @@ WRITE_FAILURES = {
     errno.EACCES: ("permission denied", "make the directory writable (chmod/chown)"),
     errno.EPERM: ("operation not permitted", "make the directory writable (chmod/chown)"),
 }
-WRITE_FAILED = 5  # the exit code of a failed write: the same as a failed checkpoint save
+WRITE_FAILED = ExitCode.WRITE_FAILED  # the name the writers and base_train use
 
 
 class WriteError(OSError):

@@ -33,13 +33,14 @@ import math
 import os
 import platform
 import shutil
+import signal
 import sys
 import sysconfig
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.cli import ArgumentParser
+from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import atomic_write_bytes, fsync_dir, get_base_dir, progress_enabled
 from nanochat.download import (SHARD_TIMEOUT_S, DownloadError, download_files, hub_dataset_url, hub_endpoint,
                                remove_stale_partials)
@@ -529,11 +530,11 @@ def main(argv=None):
             download_shards(args.num_shards, workers=args.workers, shard_timeout=args.shard_timeout)
     except (DatasetError, DownloadError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     except KeyboardInterrupt:
         print("interrupted: no partial file is left (complete shards are kept); run the same command again to go on",
               file=sys.stderr)
-        return 130
+        return ExitCode.SIGNALED + signal.SIGINT
     return 0
 
 

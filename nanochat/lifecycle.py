@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from nanochat.cli import ExitCode
 from nanochat.common import RankFailure, WriteError, raise_if_any_rank_failed, reduce_with_flags, writing
 from nanochat.cuda_allocator import configure as configure_cuda_allocator  # noqa: F401 - its old home
 
@@ -198,8 +199,8 @@ class RunControl:
     def exit_code(self, flags):
         """0 for a run that ended as planned (the last step, a budget); 128 + signal number after a signal."""
         if not flags["signal"]:
-            return 0
-        return 128 + (self.signals.received or signal.SIGTERM).value
+            return ExitCode.OK
+        return ExitCode.SIGNALED + (self.signals.received or signal.SIGTERM).value
 
 
 class EarlyStop:

@@ -72,7 +72,8 @@ def format_state(state):
 
 
 def refinement(values):
-    """gpt.refinement of a list of per-step numbers, 0 for none (or a first value of 0)."""
+    """gpt.refinement for reports: 0 for None or [] (a skipped evaluation) and for a first value of 0, where
+    gpt.refinement would raise. Kept apart because gpt's must not branch: on a tensor a branch is a host sync."""
     return gpt.refinement(values) if values and values[0] else 0.0
 
 

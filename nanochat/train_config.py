@@ -19,7 +19,7 @@ import torch
 
 from nanochat.cli import OneLineErrors
 from nanochat.common import autodetect_device_type, device_available, get_base_dir, get_dist_info
-from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
+from nanochat.gpt import ACTIVATIONS, GPT, GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
 MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "state_update",
@@ -31,7 +31,6 @@ SAMPLE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The opposite
 B_REF = 2 ** 19
 BATCH_EXPONENT = 0.383
 REFERENCE_DEPTH = 12
-DEFAULT_VOCAB = 65536  # scripts.tok_train's default: the plan's vocabulary before a tokenizer exists
 MAX_DEVICE_BATCH = 32  # the largest automatic micro-batch (nanochat's default device batch)
 QUIET_ACCUMULATION = 64  # more micro-batches per step than this gets a warning: a small model made to crawl
 PLANNER_MFU = 0.40  # model FLOPs utilisation a compiled bf16 run of this size reaches; stated in every plan
@@ -88,7 +87,7 @@ def build_parser():
     model.add_argument("--T_recursion", type=int, default=None, help="sweeps per supervision step")
     model.add_argument("--n_sup_train", type=int, default=None, help="supervision steps in training")
     model.add_argument("--n_sup_inference", type=int, default=None, help="supervision steps at inference")
-    model.add_argument("--activation_fn", choices=["relu_squared", "swiglu", "geglu"], default=None)
+    model.add_argument("--activation_fn", choices=list(ACTIVATIONS), default=None)
     model.add_argument("--state_update", choices=list(STATE_UPDATES), default=None,
                        help="how the recursion writes into its states y, z (residual = unbounded sum)")
     model.add_argument("--sample_n_sup", type=str2bool, nargs="?", const=True, default=None,
@@ -233,7 +232,7 @@ def resolve_model_config(args):
 def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None):
     """Parse and validate every flag without touching a model or data; errors exit with what to change.
 
-    vocab_size: the vocabulary the batch is planned for (default: the tokenizer's, or DEFAULT_VOCAB before one exists)."""
+    vocab_size: the vocabulary the batch is planned for (default: the tokenizer's, or GPTConfig's before one exists)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # torchrun ... -m scripts.base_train -- --depth=12
@@ -283,7 +282,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
                      "-m scripts.base_train -- ... (N=1 works)")
     args.world_size = world_size
     args.sharding_requested = args.sharding  # auto is settled by the batch's memory budget (resolve_sharding)
-    args.plan_vocab_size = vocab_size or tokenizer_vocab_size() or DEFAULT_VOCAB
+    args.plan_vocab_size = vocab_size or tokenizer_vocab_size() or GPTConfig.vocab_size  # tok_train's default too
     resolve_batch(parser, args)
     if args.sharding == "fsdp" and check_hardware and not args.dry_run:
         problem = host_ram_problem(args)

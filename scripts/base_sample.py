@@ -18,7 +18,7 @@ import sys
 import torch
 
 from nanochat.checkpoint_manager import load_model, step_arg
-from nanochat.cli import ArgumentParser
+from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import autodetect_device_type, compute_init, device_available
 from nanochat.engine import Engine, kv_cache_bytes_per_token
 from nanochat.halting import Halting
@@ -85,7 +85,7 @@ def main(argv=None):
         model, tokenizer, meta = load_model(args.model_tag, args.step, device)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, dtype))  # bf16 on GPU
     config = model.config
     n_sup = config.n_sup_inference if args.n_sup is None else args.n_sup
@@ -95,7 +95,7 @@ def main(argv=None):
                                           halt=args.halt, **sampling)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     completions = [tokenizer.decode(ids) for ids in generated]
     stats = engine.stats
     print(f"model step {meta['step']}: n_layer={config.n_layer} n_embd={config.n_embd} n_loops={config.n_loops} "

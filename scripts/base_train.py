@@ -27,7 +27,7 @@ import torch
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle, sharding, train_config
-from nanochat.cli import Exit
+from nanochat.cli import Exit, ExitCode
 from nanochat.common import (WRITE_FAILED, RankFailure, WriteError, atomic_write_bytes, check_writable, compute_cleanup,
                              compute_init, print0, raise_if_any_rank_failed, reduce_with_flags,
                              run_on_rank0)
@@ -42,7 +42,7 @@ from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry,
 from nanochat.weight_average import WeightAverage
 
 
-DATA_DAMAGED = 6  # exit code: a training shard became unreadable (3: NaN, 4: out of memory, 5: no space for a save)
+DATA_DAMAGED = ExitCode.DATA_DAMAGED  # the name train() uses
 
 
 # ---------------------------------------------------------------------------------------------------- the run
@@ -587,7 +587,7 @@ def main(argv=None):
         sys.stderr.write(f"base_train: {e}\n")  # one write: the line and its newline stay together beside other ranks
         sys.stderr.flush()
         compute_cleanup()
-        sys.exit(getattr(e, "exit_code", 1))
+        sys.exit(getattr(e, "exit_code", ExitCode.FAILED))
     compute_cleanup(together=True)
 
 

@@ -25,7 +25,7 @@ import sys
 import torch
 
 from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
-from nanochat.cli import ArgumentParser
+from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import (exit_on_write_error, remove_stale_temporaries, temporary_path, write_error, write_failure,
                              writing)
 
@@ -167,13 +167,13 @@ def main(argv=None):
     problem = check_out(args.out, args.force)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     try:
         model_tag = args.model_tag or latest_model_tag()
         model, tokenizer, meta = load_model(model_tag, args.step, torch.device("cpu"))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     with exit_on_write_error("export_hf"):
         write_export(model, tokenizer, meta, model_tag, args.out)
     print(f"exported {model_tag} step {meta['step']} ({model.num_params():,} parameters) to {args.out}\n"

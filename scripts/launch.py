@@ -33,7 +33,7 @@ import sys
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle, memory, multinode, preflight
-from nanochat.cli import ArgumentParser, Exit
+from nanochat.cli import ArgumentParser, Exit, ExitCode
 from nanochat.common import LAUNCH_TABLE_DEVICES, get_base_dir, gpu_peak_flops
 from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
@@ -59,7 +59,6 @@ PHASES = {
                     embedding_lr=0.005, shards=100, tok_chars=1_000_000_000, refinement=(50, 97), grad_norm=(2, 15)),
 }
 SHARD_BYTES = 100e6  # one FineWeb-Edu parquet shard is about 100 MB on disk
-DEFAULT_VOCAB = 65536  # scripts.tok_train's default
 
 
 def env(name, default=None):
@@ -75,7 +74,7 @@ def env_int(name, default, low=1, high=None, why=""):
     value = env(name, default)
     if not str(value).isdigit() or int(value) < low or (high is not None and int(value) > high):
         bounds = f"from {low} to {high}" if high is not None else f">= {low}"
-        raise Exit(f"{name}={value!r} must be an integer {bounds}{why}", code=2)
+        raise Exit(f"{name}={value!r} must be an integer {bounds}{why}", code=ExitCode.USAGE)
     return int(value)
 
 
@@ -125,7 +124,8 @@ def torchrun_prefix(nproc, nnodes):
     missing = [name for name in ("NODE_RANK", "MASTER_ADDR") if env(name) is None]
     if missing:
         raise Exit(f"NNODES={nnodes} also needs {' and '.join(missing)}: set NODE_RANK=0..{nnodes - 1} (0 on the node "
-                   f"at MASTER_ADDR) and MASTER_ADDR=<address of node 0 reachable from every node>", code=2)
+                   f"at MASTER_ADDR) and MASTER_ADDR=<address of node 0 reachable from every node>",
+                   code=ExitCode.USAGE)
     node_rank = env_int("NODE_RANK", None, low=0, high=nnodes - 1, why=f" (this node's index of NNODES={nnodes})")
     port = env_int("MASTER_PORT", 29500, high=65535, why=" (a TCP port free on node 0)")
     return ["torchrun", f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={env('MASTER_ADDR')}",
@@ -144,14 +144,15 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
         return {}, ["batch geometry set by your flags: the table's effective batch is not enforced"]
     if sequences % world:
         raise Exit(f"the table's effective batch of {sequences} sequences does not split over {world} processes; "
-                   f"pass --device_batch_size and --gradient_accumulation_steps yourself", code=2)
+                   f"pass --device_batch_size and --gradient_accumulation_steps yourself", code=ExitCode.USAGE)
     per_rank = sequences // world
     args = parse_args(argv, world_size=world, check_hardware=False, vocab_size=vocab_size)
     if "device_batch_size" in given:
         b = args.device_batch_size
         if per_rank % b:
             raise Exit(f"--device_batch_size={b} does not divide the {per_rank} sequences each process needs per step "
-                       f"(the table's {sequences} over {world} processes); pick a divisor of {per_rank}", code=2)
+                       f"(the table's {sequences} over {world} processes); pick a divisor of {per_rank}",
+                       code=ExitCode.USAGE)
         return {"gradient_accumulation_steps": per_rank // b}, [
             f"accumulation {accum} -> {per_rank // b} keeps the table's {sequences} sequences at your device batch {b}"]
     config = model_config(args, vocab_size)
@@ -159,7 +160,8 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
     b, why = fit_device_batch(args, per_rank, max_batch=batch, memory_at=(memory_bytes, "the launcher's budget"),
                               allow_checkpointing="activation_checkpointing" not in given)
     if b is None:
-        raise Exit(f"{why} (with activation checkpointing); lower DEPTH, --max_seq_len or --n_sup_train", code=2)
+        raise Exit(f"{why} (with activation checkpointing); lower DEPTH, --max_seq_len or --n_sup_train",
+                   code=ExitCode.USAGE)
     flags, notes = {"device_batch_size": b, "gradient_accumulation_steps": per_rank // b}, [args.sharding_note]
     if args.sharding_requested == "auto":  # settled for the launcher's budget, not for this machine's
         flags["sharding"] = args.sharding
@@ -435,7 +437,8 @@ def check_criteria(summary, phase):
 def read_summary(model_tag):
     path = summary_path(os.path.join(get_base_dir(), "base_checkpoints", model_tag))
     if not os.path.exists(path):
-        raise Exit(f"no {path}: the run {model_tag} has not finished (train it with its scripts/train_*.sh)", code=1)
+        raise Exit(f"no {path}: the run {model_tag} has not finished (train it with its scripts/train_*.sh)",
+                   code=ExitCode.FAILED)
     with open(path) as f:
         return json.load(f)
 
@@ -465,7 +468,7 @@ def run(cmd):
     rc, received = lifecycle.run_child(cmd)
     if received:
         raise Exit(f"stopped by {received.name} during {shlex.join(cmd[:4])} ...; run the same command again to "
-                   f"continue where it stopped", code=128 + received.value)
+                   f"continue where it stopped", code=ExitCode.SIGNALED + received.value)
     if rc:
         raise Exit(f"{shlex.join(cmd[:4])} ... failed with exit code {rc}", code=rc)
 
@@ -474,12 +477,13 @@ def train(key, phase, extra):
     nproc = processes(key)[0]
     device_type = env("DEVICE_TYPE", "cuda")
     if env("DATASET", "fineweb") not in ("fineweb", "builtin"):
-        raise Exit(f"DATASET={env('DATASET')!r}: use fineweb (the default) or builtin", code=2)
+        raise Exit(f"DATASET={env('DATASET')!r}: use fineweb (the default) or builtin", code=ExitCode.USAGE)
     gpus = detect_gpus() if device_type == "cuda" else []
     vocab = tokenizer_vocab()
     have_tokenizer = vocab is not None
-    vocab = vocab or env_int("VOCAB_SIZE", DEFAULT_VOCAB, low=MIN_VOCAB_SIZE, high=MAX_VOCAB_SIZE,
-                             why=f" (256 byte tokens + {len(SPECIAL_TOKENS)} special tokens at least; default {DEFAULT_VOCAB})")
+    vocab = vocab or env_int("VOCAB_SIZE", GPTConfig.vocab_size, low=MIN_VOCAB_SIZE, high=MAX_VOCAB_SIZE,
+                             why=f" (256 byte tokens + {len(SPECIAL_TOKENS)} special tokens at least; "
+                                 f"default {GPTConfig.vocab_size})")
     budget = memory_budget(key, device_type, gpus, nproc)
     cmd, args, notes = compose(key, phase, extra, vocab, budget[0])
     data = data_status(phase)
@@ -502,13 +506,13 @@ def train(key, phase, extra):
         return 0
     if problems and not env_flag("FORCE"):
         raise Exit("preflight failed, nothing was run or downloaded:\n  " + "\n  ".join(problems) +
-                   "\nFix it as above, or set FORCE=1 to go on anyway.", code=2)
+                   "\nFix it as above, or set FORCE=1 to go on anyway.", code=ExitCode.USAGE)
     nnodes, prepared = processes(key)[1], {"dataset": env("DATASET", "fineweb"), "shards": PHASES[phase]["shards"]}
     waited = multinode.prepare_on_node0(lambda: prepare(phase, data, have_tokenizer, vocab), prepared, nnodes,
                                         env_int("NODE_RANK", 0, low=0),
                                         env_int(multinode.WAIT_ENV, multinode.DEFAULT_WAIT_S))
     if waited:
-        raise Exit(waited, code=1)
+        raise Exit(waited, code=ExitCode.FAILED)
     run(cmd)
     if env("NODE_RANK", "0") == "0":  # node 0 ran rank 0, which wrote the summary
         print(criteria_report(args.model_tag, phase)[0])
@@ -549,7 +553,7 @@ def detect(gpus_wanted):
     if key not in HARDWARE or HARDWARE[key]["gpus"] != gpus_wanted:
         rows = ", ".join(k for k, v in HARDWARE.items() if v["gpus"] == gpus_wanted)
         raise Exit(f"found {key or describe(detect_gpus())}; this needs one of {rows} (HARDWARE= overrides the "
-                   f"detection); for other hardware use the scripts/train_*.sh with NPROC=", code=1)
+                   f"detection); for other hardware use the scripts/train_*.sh with NPROC=", code=ExitCode.FAILED)
     print(key)
     return 0
 
@@ -592,7 +596,7 @@ def main(argv=None):
         if args.command == "check":
             text, all_met = criteria_report(args.model_tag, args.phase)
             print(text)
-            return 0 if all_met else 1
+            return ExitCode.OK if all_met else ExitCode.FAILED
         if args.command == "detect":
             return detect(args.gpus)
         return report(args.runs, args.out)
@@ -601,11 +605,11 @@ def main(argv=None):
         return e.exit_code
     except KeyboardInterrupt:
         print("launch: interrupted", file=sys.stderr, flush=True)
-        return 128 + signal.SIGINT
+        return ExitCode.SIGNALED + signal.SIGINT
     except SystemExit as e:  # base_train's parse_args rejected a flag: its message says which
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr, flush=True)
-            return 2
+            return ExitCode.USAGE
         raise
 
 

@@ -64,7 +64,7 @@ except ModuleNotFoundError as e:
     sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
 
 from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
-from nanochat.cli import ArgumentParser
+from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import autodetect_device_type, compute_init, device_available
 from nanochat.engine import Engine, ends_mid_character
 from nanochat.halting import forward_halting
@@ -616,19 +616,19 @@ def main(argv=None):
     problem = auth_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     try:
         sock = listen(args.host, args.port)  # before the model loads: a taken port fails in a second, not a minute
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {os.strerror(e.errno) if e.errno else e}; pick another --port "
               f"(0 = any free port)", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     with sock:
         try:
             http, server = build_server(args)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            return ExitCode.USAGE
         host, port = sock.getsockname()[:2]
         print(f"serving {server.model_id} step {server.info['step']} at http://{host}:{port}/v1 "
               f"(OpenAI completions API; max_concurrency={args.max_concurrency}; "

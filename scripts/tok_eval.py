@@ -9,7 +9,7 @@ import sys
 
 import tiktoken
 
-from nanochat.cli import ArgumentParser
+from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.dataset import DatasetError, iter_documents
 from nanochat.tokenizer import TokenizerError, get_tokenizer
 
@@ -51,7 +51,7 @@ def main(argv=None):
         samples = {split: sample_text(split, args.max_chars) for split in ("train", "val")}
     except (DatasetError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     encoders = {f"ours ({tokenizer.get_vocab_size()})": tokenizer.encode}
     for label, enc in reference_encodings().items():
         encoders[f"{label} ({enc.n_vocab})"] = enc.encode_ordinary_batch

@@ -12,13 +12,15 @@ import os
 import sys
 import time
 
-from nanochat.cli import ArgumentParser
+from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import progress_bar
 from nanochat.dataset import DatasetError, iter_documents, parquets_for_split, row_group_sizes
+from nanochat.gpt import GPTConfig
 from nanochat.tokenizer import (MIN_VOCAB_SIZE, RustBPETokenizer, TokenizerError, TokenizerNotFound, check_vocab_size,
                                 tokenizer_dir)
 
-DEFAULT_VOCAB_SIZE = 65536
+# The model's default vocabulary is the tokenizer's: a default model fits a default tokenizer.
+DEFAULT_VOCAB_SIZE = GPTConfig.vocab_size
 
 
 def capped_documents(max_chars, doc_cap, stats):
@@ -114,7 +116,7 @@ def main(argv=None):
         tokenizer = RustBPETokenizer.byte_level() if args.byte_level else train(args, stats)
     except (DatasetError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     seconds = time.time() - t0
     tokenizer.save(tokenizer_dir())
     if not args.byte_level:

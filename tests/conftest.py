@@ -74,7 +74,7 @@ def corpus_files(tmp_path):
 def trained_tiny(base_dir):
     """base_dir with a tiny TRM checkpoint 'halt' (3 supervision steps, no halting head), trained one step."""
     from scripts import base_train
-    from tests import helpers
+    from tests.support import helpers
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", base_dir)
         base_train.main(helpers.TINY + ["--n_sup_train=3", "--num_iterations=1", "--eval_every=0",

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from scripts import base_loss, base_train, launch
-from tests.helpers import OVERRIDES, TINY, tree
+from tests.support.helpers import OVERRIDES, TINY, tree
 
 TRAIN = [
     ("--eval_every=-1", "--eval_every=-1 must be >= 0"),

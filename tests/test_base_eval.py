@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from scripts import base_eval
-from tests.helpers import ROOT
-from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
+from tests.support.helpers import ROOT
+from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 ATOL = 1e-4
 DOCS = [  # a multiple-choice task in the tiny model's world; every prompt fits its 32-token context

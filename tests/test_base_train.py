@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from nanochat import train_config
-from tests import processes
-from tests.helpers import ROOT, TINY, TINY_SHAPE, ckpt_dir, parsed, tree, weights
+from tests.support import processes
+from tests.support.helpers import ROOT, TINY, TINY_SHAPE, ckpt_dir, parsed, tree, weights
 
 
 def run(base_dir, *flags, torchrun=False, check=True, script="scripts.base_train"):
@@ -228,7 +228,7 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
     # every way a tensor's value reaches Python is a host sync on a GPU; count them over 2 and 5 steps: the extra
     # 3 steps (no evaluation, sample or save in between) must cost exactly 3 reads, with the weight average too
     from scripts import base_train
-    from tests.helpers import host_syncs
+    from tests.support.helpers import host_syncs
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     counts = []
     for n, tag in ((2, "syncs_a"), (5, "syncs_b")):

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from dev import bench_serve
-from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
+from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -2,7 +2,6 @@
 corrupt newest checkpoint, a full disk, a swapped tokenizer, a fresh run on a used tag, the disk preflight, backup,
 and files crafted to run code when read (rank files, a sharded checkpoint's index and values)."""
 
-import errno
 import json
 import os
 import pickle
@@ -18,7 +17,8 @@ import torch
 from nanochat import checkpoint_manager as ckpt
 from nanochat.optim import setup_optimizers
 from scripts import base_train
-from tests.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree, weights
+from tests.support.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree, weights
+from tests.support.unwritable import FullDiskFile
 
 FLAGS = TINY + ["--eval_every=0", "--save_every=2"]
 
@@ -96,25 +96,9 @@ def test_full_disk_during_a_save_says_so_cleans_up_and_resume_works(base, monkey
     assert train(*FLAGS, "--num_iterations=2", "--model_tag=full") == 0
     real_open = open
 
-    class FullDisk:
-        def __init__(self, f):
-            self.f = f
-
-        def write(self, data):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
     def full_open(path, mode="r", *args, **kwargs):
         f = real_open(path, mode, *args, **kwargs)
-        return FullDisk(f) if "w" in mode and "step_000004" in str(path) else f
+        return FullDiskFile(f) if "w" in mode and "step_000004" in str(path) else f
 
     monkeypatch.setattr(ckpt, "open", full_open, raising=False)
     before = tree(ckpt_dir(base, "full", 2))

@@ -5,7 +5,7 @@ import pytest
 from nanochat.cli import underscore_flags
 from scripts import base_loss, launch
 from nanochat import train_config
-from tests.helpers import TINY_SHAPE, parsed
+from tests.support.helpers import TINY_SHAPE, parsed
 
 
 def test_dashed_flags_parse_the_same_as_underscores():

@@ -9,7 +9,7 @@ import pytest
 
 from nanochat.common import (LAUNCH_TABLE_DEVICES, WriteError, atomic_write_bytes, check_writable, exit_on_write_error,
                              gpu_peak_flops, progress_bar, remove_stale_temporaries, write_error, write_failure)
-from tests.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line
+from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line
 
 # (torch.cuda.get_device_name, dense bf16 TFLOP/s from the vendor's datasheet)
 DATASHEET = [

@@ -10,7 +10,7 @@ import pytest
 
 from nanochat.gpt import GPT, GPTConfig
 from scripts import compare
-from tests import processes
+from tests.support import processes
 
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=128",
         "--sample_tokens=2", "--device_type=cpu",
@@ -208,7 +208,7 @@ def test_a_figure_that_cannot_be_written_is_a_write_error_naming_it_and_leaves_n
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from nanochat.common import WriteError
-    from tests.unwritable import READ_ONLY, fail_writes
+    from tests.support.unwritable import READ_ONLY, fail_writes
     fig, ax = plt.subplots()
     ax.plot([1, 2], label="a run")
     fail_writes(monkeypatch, tmp_path, READ_ONLY)

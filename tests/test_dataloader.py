@@ -16,7 +16,7 @@ import torch
 from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_cache, evaluation_size
 from nanochat.dataset import DatasetError, import_corpus
 from nanochat.tokenizer import RustBPETokenizer
-from tests import processes
+from tests.support import processes
 from tests.conftest import WORDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

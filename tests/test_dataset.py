@@ -13,7 +13,7 @@ import pytest
 
 from nanochat import dataset
 from nanochat.dataset import DatasetError
-from tests.helpers import shard_texts
+from tests.support.helpers import shard_texts
 
 pytestmark = pytest.mark.usefixtures("isolated_dirs")
 

@@ -7,7 +7,7 @@ import os
 import re
 
 from scripts import launch
-from tests.helpers import ROOT
+from tests.support.helpers import ROOT
 
 README = os.path.join(ROOT, "README.md")
 MAX_README_LINES = 250

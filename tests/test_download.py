@@ -15,8 +15,8 @@ import pytest
 
 from nanochat import dataset
 from nanochat.dataset import DatasetError
-from tests.helpers import stderr_capture
-from tests.helpers import shard_texts
+from tests.support.helpers import stderr_capture
+from tests.support.helpers import shard_texts
 
 pytestmark = pytest.mark.usefixtures("isolated_dirs")
 

@@ -10,8 +10,8 @@ import torch
 from nanochat.engine import Engine, KVCache, ends_mid_character, kv_cache_bytes_per_token, left_pad, sample_next
 from nanochat.gpt import STATE_UPDATES
 from scripts import base_sample
-from tests import helpers
-from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
+from tests.support import helpers
+from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 ATOL = 1e-4  # logits are soft-capped at 15; float32 reorderings move them by ~1e-6
 

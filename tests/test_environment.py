@@ -10,7 +10,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.helpers import ROOT
+from tests.support.helpers import ROOT
 
 # what a drift would break first: the model's runtime, the export, the server, the evaluation and the data path
 KEY_PACKAGES = ["torch", "transformers", "lm-eval", "datasets", "fastapi", "openai", "tiktoken", "numpy", "pyarrow"]

@@ -16,9 +16,9 @@ from nanochat.engine import Engine
 from nanochat.gpt import ACTIVATIONS, STATE_UPDATES, GPTConfig
 from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
 from scripts import export_hf
-from tests.helpers import ROOT, random_model
-from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
-from tests.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line
+from tests.support.helpers import ROOT, random_model
+from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
+from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line
 
 ATOL = 1e-4
 SAMPLE = ("def refine(y, z):\n    return y + z  # 平方根 √2 ≈ 1.414\n\n\tclass Ünïcödé: pass\r\n"

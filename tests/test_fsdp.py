@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nanochat.optim import Muon
-from tests import fsdp_worker as worker
-from tests import processes
+from tests.support import fsdp_worker as worker
+from tests.support import processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 def torchrun(*args, timeout=120):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     result = processes.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            str(REPO / "tests" / "fsdp_worker.py"), *map(str, args)], timeout, env=env, cwd=REPO)
+                            str(REPO / "tests" / "support" / "fsdp_worker.py"), *map(str, args)], timeout, env=env,
+                           cwd=REPO)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
 
 

@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from tests import processes
-from tests.helpers import ROOT, TINY, ckpt_dir, finish, read_until
+from tests.support import processes
+from tests.support.helpers import ROOT, TINY, ckpt_dir, finish, read_until
 
 FLAGS = TINY + ["--eval_every=0", "--keep_last=0", "--save_every_minutes=0", "--sharding=fsdp", "--ema_decay=0.5",
                 "--grad_clip=0.5"]

@@ -14,7 +14,7 @@ import nanochat.gpt as gpt_module
 from nanochat.gpt import (GPT, STATE_DIAGNOSTICS, STATE_UPDATES, GPTConfig, deep_supervision_loss,
                           supervision_weights)
 from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
-from tests.helpers import ROOT, random_model, tiny_config
+from tests.support.helpers import ROOT, random_model, tiny_config
 
 GPT_SOURCE = Path(ROOT, "nanochat", "gpt.py")
 

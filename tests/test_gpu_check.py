@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from dev import gpu_check
-from tests import processes
+from tests.support import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK_NAMES = {"environment", "peak_flops", "tiny_compile",

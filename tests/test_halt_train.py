@@ -7,7 +7,7 @@ import torch
 
 from nanochat.gpt import HALT_BIAS_INIT
 from nanochat.halting import HALT_MARGIN, frozen_halt_head_loss
-from tests import helpers
+from tests.support import helpers
 from tests.test_halting import random_model, tokens
 
 

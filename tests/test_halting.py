@@ -12,7 +12,7 @@ from nanochat.engine import Engine, KVCache
 from nanochat.gpt import GPT, HALT_BIAS_INIT, GPTConfig
 from nanochat.halting import HALTING_RULES, Halting, forward_halting
 from nanochat.optim import setup_optimizers
-from tests import helpers
+from tests.support import helpers
 
 N = 4
 tiny_config = functools.partial(helpers.tiny_config, sequence_len=8, n_loops=2, n_sup_train=N, halt_head=True)

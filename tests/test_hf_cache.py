@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from nanochat.gpt import STATE_UPDATES, GPTConfig
 from scripts import export_hf
-from tests.helpers import random_model
-from tests.tiny_checkpoint import tiny_checkpoint
+from tests.support.helpers import random_model
+from tests.support.tiny_checkpoint import tiny_checkpoint
 
 ATOL = 1e-4
 # the recursion's shapes that change the slot layout: loops per visit, sweeps per step, and the state update rules

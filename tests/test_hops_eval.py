@@ -173,7 +173,7 @@ def hops_checkpoint(tmp_path_factory):
     """A base directory with a tiny hops corpus, the byte-level tokenizer and a tiny model trained 2 steps on it."""
     from nanochat import dataset
     from scripts import base_train, tok_train
-    from tests import helpers
+    from tests.support import helpers
     base = str(tmp_path_factory.mktemp("hops"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", base)
@@ -219,7 +219,7 @@ def test_base_loss_hops_n_sup_sets_the_steps(hops_checkpoint, monkeypatch):
 def test_base_loss_hops_refuses_another_corpus(hops_checkpoint, tmp_path, monkeypatch):
     from scripts import base_loss
     from tests.conftest import make_corpus
-    from tests.helpers import tree
+    from tests.support.helpers import tree
     monkeypatch.setenv("NANOCHAT_BASE_DIR", hops_checkpoint)
     make_corpus(tmp_path / "words")
     monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / "words"))

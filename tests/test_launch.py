@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from scripts import launch
-from tests import processes
+from tests.support import processes
 from nanochat.train_config import parse_args
-from tests.helpers import OVERRIDES, ROOT, launcher_in_process
+from tests.support.helpers import OVERRIDES, ROOT, launcher_in_process
 
 # The issue's table, written out again so the test does not check the launcher against itself:
 # script -> (GPUs, phase -> (batch per GPU, accumulation))
@@ -223,7 +223,7 @@ def test_speedrun_dry_run_tells_the_whole_story(tmp_path):
 def test_end_to_end_on_cpu_stopped_and_run_again(tmp_path):
     """train_8xH100_fast.sh for real: 2 Gloo processes, tiny model, built-in corpus, tiny tokenizer, 4 steps. SIGTERM
     to the script after step 2 saves a checkpoint and exits 143; the same command again continues from it."""
-    from tests.helpers import finish, read_until
+    from tests.support.helpers import finish, read_until
     flags = ["--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--gradient_accumulation_steps=1",
              "--num_iterations=4", "--compile=false", "--dtype=float32", "--eval_every=2", "--eval_tokens=256",
              "--sample_every=0", "--sample_tokens=4", "--save_every=0", "--warmup_steps=1"]
@@ -286,7 +286,7 @@ def test_plan_continues_a_run_or_says_why_it_cannot(tmp_path, monkeypatch, capsy
 def test_an_early_stop_is_a_success_for_the_launcher(base_dir, monkeypatch, capfd):
     """The launcher runs base_train and then checks its summary: a run that stopped early (its validation stopped
     improving: learning rates 0) exits 0 and has a summary, so the launcher goes on to the criteria."""
-    from tests.helpers import TINY
+    from tests.support.helpers import TINY
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     launch.run([sys.executable, "-m", "scripts.base_train", *TINY, "--matrix_lr=0", "--embedding_lr=0",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanochat import lifecycle
-from tests.helpers import ROOT, TINY, ckpt_dir, finish, read_until, tree, weights
+from tests.support.helpers import ROOT, TINY, ckpt_dir, finish, read_until, tree, weights
 
 FLAGS = TINY + ["--eval_every=0", "--keep_last=0"]
 
@@ -35,7 +35,7 @@ def checkpoints(base_dir, tag):
 
 def test_a_write_that_fails_on_rank_0_stops_every_rank_together_with_one_line_each(base_dir):
     run_dir = ckpt_dir(base_dir, "fullog2")
-    rc, out = finish(torchrun(base_dir, os.path.join("tests", "write_failure_worker.py"), run_dir, *FLAGS,
+    rc, out = finish(torchrun(base_dir, os.path.join("tests", "support", "write_failure_worker.py"), run_dir, *FLAGS,
                               "--num_iterations=6", "--model_tag=fullog2"))
     assert rc != 0
     assert out.count("base_train: ") == 2, out[-3000:]  # a line from each rank
@@ -66,7 +66,7 @@ def test_timed_save_completes_on_both_ranks(base_dir):
 
 
 def test_an_evaluation_failing_on_one_rank_is_skipped_by_both(base_dir):
-    rc, out = finish(torchrun(base_dir, os.path.join("tests", "lifecycle_worker.py"), *FLAGS,
+    rc, out = finish(torchrun(base_dir, os.path.join("tests", "support", "lifecycle_worker.py"), *FLAGS,
                               "--num_iterations=4", "--eval_every=2", "--model_tag=evalfail"))
     assert rc == 0, out[-3000:]
     skipped = [line for line in out.splitlines() if line.startswith("WARNING: evaluation failed")]
@@ -284,7 +284,7 @@ GPU_ENTRY_POINTS = ("scripts.base_train", "scripts.base_loss", "scripts.base_eva
 def allocator_setting_at_torch_import(module, **env):
     import subprocess
     import sys
-    from tests.helpers import ROOT
+    from tests.support.helpers import ROOT
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     proc = subprocess.run([sys.executable, "-c", AT_TORCH_IMPORT, module], cwd=ROOT, env={**clean, **env},
                           capture_output=True, text=True, timeout=120)

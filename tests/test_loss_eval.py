@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from nanochat.common import RankFailure
 from nanochat.gpt import GPT, STATE_DIAGNOSTICS
 from nanochat.loss_eval import evaluate_bpb
-from tests.helpers import tiny_config
+from tests.support.helpers import tiny_config
 
 V = 8
 # Bytes of each token id. Ids 0 and 5 are special tokens (0 bytes); the last id has bytes, so a target of -1 read
@@ -142,7 +142,7 @@ def test_evaluation_holds_one_chunk_of_logits_however_large_the_batch(monkeypatc
 
 def test_evaluation_gives_the_losses_of_the_whole_batch_logits_exactly(monkeypatch):
     from nanochat import gpt
-    from tests.helpers import random_model
+    from tests.support.helpers import random_model
     config = tiny_config(vocab_size=512, n_coda=1, n_sup_train=3)
     model = random_model(config, every_weight=True)
     idx, targets = torch.randint(0, 512, (4, 16)), torch.randint(0, 512, (4, 16))

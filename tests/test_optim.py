@@ -11,8 +11,8 @@ import torch
 from nanochat.optim import AdamW
 from nanochat.optim import Muon, zeropower_via_newtonschulz5
 from nanochat.optim import clipped_step, reduce_gradients
-from tests import dist_optim_worker as worker
-from tests import processes
+from tests.support import dist_optim_worker as worker
+from tests.support import processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -180,7 +180,8 @@ def test_reduce_gradients_gives_the_global_norm_and_clipped_step_scales_to_the_c
 def test_dist_optimizers_on_two_gloo_ranks_match_single_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc_per_node={worker.WORLD_SIZE}", str(REPO / "tests" / "dist_optim_worker.py"),
+                             f"--nproc_per_node={worker.WORLD_SIZE}",
+                             str(REPO / "tests" / "support" / "dist_optim_worker.py"),
                              str(tmp_path)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     output = processes.finish(proc, timeout=180).stdout

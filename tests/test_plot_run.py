@@ -6,7 +6,7 @@ import random
 import pytest
 
 from scripts import plot_run
-from tests.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line, temporaries
+from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line, temporaries
 
 STEPS, EVAL_EVERY = 200, 25
 GAPS = [0.0, -0.03, -0.04]  # what supervision steps 1 and 2 gain over the draft, under ~0.3 nats of batch noise

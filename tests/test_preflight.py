@@ -14,8 +14,8 @@ import torch
 
 from nanochat import multinode, preflight
 from scripts import launch
-from tests import processes
-from tests.helpers import OVERRIDES, launcher_in_process
+from tests.support import processes
+from tests.support.helpers import OVERRIDES, launcher_in_process
 
 PIP_FIX = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu124"
 BUILD_FIX = "apt-get install build-essential python3-dev"

@@ -9,7 +9,7 @@ from nanochat.engine import KVCache
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.halting import Halting, check_halting, forward_halting
 from nanochat.optim import setup_optimizers
-from tests.helpers import random_model, tiny_config
+from tests.support.helpers import random_model, tiny_config
 from tests.test_engine import cached_logits
 from tests.test_gpt import assert_same_grads, random_batch, twin
 from tests.test_halting import HeldAttention

@@ -8,8 +8,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from nanochat import common
-from tests import processes
-from tests.helpers import ROOT, TINY, ckpt_dir
+from tests.support import processes
+from tests.support.helpers import ROOT, TINY, ckpt_dir
 
 TIMEOUT_S = "5"  # the process group's; rank 0's slow steps take 3x as long
 HANG = 240  # seconds: far above what the runs take here, so only a hang reaches it
@@ -20,7 +20,7 @@ def torchrun(base_dir, *args):
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
            "NANOCHAT_PROCESS_GROUP_TIMEOUT_S": TIMEOUT_S}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join("tests", "rank0_wait_worker.py"), *args]
+           os.path.join("tests", "support", "rank0_wait_worker.py"), *args]
     done = processes.run(cmd, HANG, cwd=ROOT, env=env)
     return done.returncode, done.stdout + done.stderr
 

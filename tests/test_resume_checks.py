@@ -12,7 +12,7 @@ import pytest
 from nanochat import dataset
 from scripts import base_train
 from tests.conftest import make_corpus
-from tests.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree
+from tests.support.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree
 from tests.test_base_train import run
 
 FLAGS = TINY + ["--eval_every=0", "--save_every=1", "--keep_last=0", "--num_iterations=2"]

@@ -21,7 +21,7 @@ import uvicorn
 
 from nanochat.engine import Engine
 from scripts import serve
-from tests.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
+from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

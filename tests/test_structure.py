@@ -6,7 +6,7 @@ import glob
 import os
 
 
-from tests.helpers import ROOT
+from tests.support.helpers import ROOT
 
 
 def script_files():

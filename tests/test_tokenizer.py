@@ -13,7 +13,7 @@ from nanochat import dataset
 from nanochat.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer, TokenizerError, TokenizerNotFound,
                                 get_token_bytes, get_tokenizer, tokenizer_dir, train_bpe)
 from scripts import tok_eval, tok_train
-from tests.helpers import stderr_capture
+from tests.support.helpers import stderr_capture
 
 TRAIN_TEXT = [
     "The quick brown fox jumps over the lazy dog. " * 20,
@@ -319,7 +319,7 @@ def test_byte_level_bits_per_byte_are_bits_per_token(byte_tok):
 
     from nanochat.gpt import GPT
     from nanochat.loss_eval import evaluate_bpb
-    from tests.helpers import tiny_config
+    from tests.support.helpers import tiny_config
     model = GPT(tiny_config(vocab_size=byte_tok.get_vocab_size(), sequence_len=64))
     model.init_weights()  # zero lm_head: equal logits
     ids = torch.tensor(byte_tok.encode(" ".join(MIXED), prepend="<|bos|>"))[:65]

@@ -12,9 +12,9 @@ import pytest
 
 from nanochat.metrics import MetricsLog
 from scripts import base_loss, base_train
-from tests import processes
-from tests.helpers import ROOT, TINY, ckpt_dir, exit_code, private_base_dir, tree
-from tests.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line, temporaries
+from tests.support import processes
+from tests.support.helpers import ROOT, TINY, ckpt_dir, exit_code, private_base_dir, tree
+from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line, temporaries
 
 FLAGS = TINY + ["--num_iterations=4", "--save_every=2"]  # checkpoints at 2 and 4, evaluation at 4
 WHY = {FULL: "no space left on device; free space on that disk", READ_ONLY: "read-only file system; remount it"}

@@ -1,7 +1,7 @@
 """
 DistMuon / DistAdamW against their single-process forms. Launched by tests/test_optim.py as
 
-    torchrun --standalone --nproc_per_node=2 tests/dist_optim_worker.py OUT_DIR
+    torchrun --standalone --nproc_per_node=2 tests/support/dist_optim_worker.py OUT_DIR
 
 Every rank builds the same models, computes its own gradient (a different batch / random tensor per rank), and runs
 base_train's update (reduce_gradients, the norm summed over ranks, clipped_step) with the distributed optimizers; each rank saves its final parameters to OUT_DIR/rank{r}.pt. The test

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import torch
 
 from nanochat.gpt import GPT, GPTConfig
-from tests import processes
+from tests.support import processes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support/ -> the repo
 
 # ---------------------------------------------------------------------------------------------------- tiny models
 

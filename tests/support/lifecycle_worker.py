@@ -2,7 +2,7 @@
 base_train with the validation loader failing on rank 1 only, as a one-row-group validation shard does on 2 ranks.
 Launched by tests/test_lifecycle.py as
 
-    torchrun --standalone --nproc_per_node=2 tests/lifecycle_worker.py [base_train flags...]
+    torchrun --standalone --nproc_per_node=2 tests/support/lifecycle_worker.py [base_train flags...]
 """
 
 import os

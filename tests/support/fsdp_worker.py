@@ -1,12 +1,13 @@
 """
 FSDP training against one process, for tests/test_fsdp.py. Launched as
+`torchrun --standalone --nproc_per_node=2 tests/support/fsdp_worker.py MODE ARGS`, one of
 
-    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py train CONFIG DETACH COMPILE OUT   # 2 ranks
-    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py muon OUT                  # ShardedMuon vs Muon
-    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py memory OUT                # each rank's peak bytes
-    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py gathers CONFIG OUT        # all-gathers per micro-step
-    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py syncs CONFIG OUT          # host syncs per step
-    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py dtypes OUT                # blocks' input dtypes
+    train CONFIG DETACH COMPILE OUT   # 2 ranks
+    muon OUT                          # ShardedMuon vs Muon
+    memory OUT                        # each rank's peak bytes
+    gathers CONFIG OUT                # all-gathers per micro-step
+    syncs CONFIG OUT                  # host syncs per step
+    dtypes OUT                        # blocks' input dtypes
 
 `train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
 clipped_step) on a model sharded by nanochat.sharding; rank r trains on batch r. run_single (called by the test in its
@@ -162,10 +163,11 @@ def gathers_per_micro_step(config):
 
 
 def syncs_per_step(config):
-    """Host syncs (tests.helpers.host_syncs) in base_train's step on the sharded model, after a first step, apart from
-    the one read of the step's norm: forward_backward, reduce_gradients and the optimizers (ShardedMuon, AdamW)."""
+    """Host syncs (tests.support.helpers.host_syncs) in base_train's step on the sharded model, after a first step,
+    apart from the one read of the step's norm: forward_backward, reduce_gradients and the optimizers (ShardedMuon,
+    AdamW)."""
     from nanochat import sharding
-    from tests.helpers import host_syncs
+    from tests.support.helpers import host_syncs
     model = sharding.shard_model(build(config, detach=True), torch.device("cpu"))
     optimizers = sharding.on_shards(setup_optimizers(model, weight_decay=0.1))
     counts = []

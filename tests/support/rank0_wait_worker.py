@@ -2,8 +2,8 @@
 Rank 0 working alone for longer than the process-group timeout while the other rank waits. Launched by
 tests/test_process_group_timeout.py with a short NANOCHAT_PROCESS_GROUP_TIMEOUT_S as
 
-    torchrun --standalone --nproc_per_node=2 tests/rank0_wait_worker.py steps <backup dir>
-    torchrun --standalone --nproc_per_node=2 tests/rank0_wait_worker.py base_train [base_train flags...]
+    torchrun --standalone --nproc_per_node=2 tests/support/rank0_wait_worker.py steps <backup dir>
+    torchrun --standalone --nproc_per_node=2 tests/support/rank0_wait_worker.py base_train [base_train flags...]
 
 steps: a slow piece of work, a failing one, a checkpoint whose weights write slowly and a slow restore from a backup,
 each printing one line per rank. base_train: a run whose backup drains slowly at the end.

@@ -6,7 +6,7 @@ import torch
 from nanochat.checkpoint_manager import save_checkpoint
 from nanochat.gpt import GPT
 from nanochat.tokenizer import RustBPETokenizer, tokenizer_dir
-from tests.helpers import tiny_config
+from tests.support.helpers import tiny_config
 
 MODEL_TAG = "tiny"
 TEXT = "the cat sat on the mat. the dog sat on the log. " * 40
