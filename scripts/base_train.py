@@ -28,7 +28,7 @@ import torch
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle, sharding, train_config
 from nanochat.cli import Exit, ExitCode
-from nanochat.common import (WRITE_FAILED, RankFailure, WriteError, atomic_write_bytes, check_writable, compute_cleanup,
+from nanochat.common import (RankFailure, WriteError, atomic_write_bytes, check_writable, compute_cleanup,
                              compute_init, print0, raise_if_any_rank_failed, reduce_with_flags,
                              run_on_rank0)
 from nanochat.gpt import STATE_DIAGNOSTICS
@@ -42,7 +42,6 @@ from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry,
 from nanochat.weight_average import WeightAverage
 
 
-DATA_DAMAGED = ExitCode.DATA_DAMAGED  # the name train() uses
 
 
 # ---------------------------------------------------------------------------------------------------- the run
@@ -136,7 +135,7 @@ def train(args):
                 if not saved and not (resume and step == start_step):
                     run.save(step)
                 raise Exit(f"{e}. Stopped at step {step}, whose checkpoint is saved: repair the data as above, then "
-                           "run the same command with --resume", code=DATA_DAMAGED)
+                           "run the same command with --resume", code=ExitCode.DATA_DAMAGED)
             # no device sync for the clock: the optimizer's kernels still running now are waited for by the next
             # step's sync, so in a steady state dt is a whole step
             dt = time.time() - t0
@@ -215,7 +214,7 @@ class Run:
                                         {"loaders": self.consumed}, self.rank,
                                         train_model=self.model if self.ema else None)
         except ckpt.CheckpointError as e:
-            raise Exit(str(e), code=5)
+            raise Exit(str(e), code=ExitCode.WRITE_FAILED)
         self.control.saved()
         print0(f"saved checkpoint {path}")
 
@@ -289,7 +288,7 @@ class Run:
             after, data_error = self.accumulate(step, n_sup, sums)
             sq_grad_norm = reduce_gradients(optimizers)  # on every rank, data or not: the collectives pair up
         except torch.OutOfMemoryError:
-            raise Exit(oom_message(args), code=4)
+            raise Exit(oom_message(args), code=ExitCode.OUT_OF_MEMORY)
         values, flags = self.control.reduce(torch.cat([sums / (args.grad_accum * self.world_size),
                                                        sq_grad_norm.view(1)]),
                                             data_failed=data_error is not None,
@@ -305,14 +304,14 @@ class Run:
             if self.rank == 0:
                 write_nan_diagnostic(path, step, stats.losses, self.history, self.model_config)
             raise Exit(f"loss is NaN/Inf at step {step} (per-step losses {stats.losses}); stopped without "
-                       f"saving, the last good checkpoint is untouched. Diagnostic: {path}", code=3)
+                       f"saving, the last good checkpoint is untouched. Diagnostic: {path}", code=ExitCode.DIVERGED)
         lrm = lr_multiplier(step, self.num_iterations, self.warmup_steps, args.warmdown_ratio, args.final_lr_frac)
         set_schedule(optimizers, lrm, muon_momentum(step))
         clipped_step(optimizers, stats.grad_norm, args.grad_clip)  # skipped when the norm is not finite
         model.zero_grad(set_to_none=True)
         if not math.isfinite(stats.grad_norm):
             raise Exit(f"gradient norm is {stats.grad_norm} at step {step}: the update was skipped and the "
-                       f"run stopped; lower --matrix_lr or use a milder --preset, then --resume", code=3)
+                       f"run stopped; lower --matrix_lr or use a milder --preset, then --resume", code=ExitCode.DIVERGED)
         if self.ema:
             self.ema.update_parameters(model)
         return stats, flags, lrm
@@ -337,7 +336,7 @@ class Run:
         (which file, why, what to do), the others pointing at it."""
         if failed_ranks:
             raise Exit(self.metrics.failure or f"rank {self.rank} stopped with rank 0, which could not write the run's "
-                                               f"files (its line says which and why)", code=WRITE_FAILED)
+                                               f"files (its line says which and why)", code=ExitCode.WRITE_FAILED)
 
     def finish(self, step):
         """The run's summary (rank 0), the metrics closed and the backup's uploads drained; every rank stops together
@@ -421,7 +420,7 @@ def open_training_data(args, tokenizer, device, rank, loader_states, first_batch
     try:
         raise_if_any_rank_failed(error, "reading the training data")
     except RankFailure as e:
-        raise Exit(str(e), code=DATA_DAMAGED)
+        raise Exit(str(e), code=ExitCode.DATA_DAMAGED)
     return loaders, prefetched
 
 
