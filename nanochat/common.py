@@ -368,9 +368,6 @@ GPU_PEAK_BF16_FLOPS = {
     "NVIDIA GeForce RTX 4090": 165e12,
     "NVIDIA GeForce RTX 3090": 71e12,
 }
-# The device each GPU model of scripts/launch.py's table means: its nodes are 8-GPU SXM boards.
-LAUNCH_TABLE_DEVICES = {"H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200", "B200": "NVIDIA B200",
-                        "A100": "NVIDIA A100-SXM4-80GB"}
 
 
 def gpu_peak_flops(device_name):

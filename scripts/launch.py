@@ -34,7 +34,7 @@ import sys
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle, memory, multinode, preflight
 from nanochat.cli import ArgumentParser, Exit, ExitCode
-from nanochat.common import LAUNCH_TABLE_DEVICES, get_base_dir, gpu_peak_flops
+from nanochat.common import get_base_dir, gpu_peak_flops
 from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import summary_path
@@ -42,6 +42,9 @@ from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS
 from nanochat.train_config import (PLANNER_MFU, batch_geometry, budget_lines, fit_device_batch, sharding_lines, free_ram_per_process, keeps_ema,
                                    meta_model, model_config, parse_args)
 
+# The device each GPU model of the table means (its name as torch reports it): the nodes are 8-GPU SXM boards.
+LAUNCH_TABLE_DEVICES = {"H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200", "B200": "NVIDIA B200",
+                        "A100": "NVIDIA A100-SXM4-80GB"}
 # The guides' table: GPUs per node, GPU model, its memory (GB), the node's $/hour, and per phase the device batch,
 # gradient accumulation and the guide's seconds per step (low, high).
 HARDWARE = {

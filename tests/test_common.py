@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from nanochat.common import (LAUNCH_TABLE_DEVICES, WriteError, atomic_write_bytes, check_writable, exit_on_write_error,
+from nanochat.common import (WriteError, atomic_write_bytes, check_writable, exit_on_write_error,
                              gpu_peak_flops, progress_bar, remove_stale_temporaries, write_error, write_failure)
 from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line
 
@@ -48,7 +48,7 @@ def test_names_not_in_the_table_give_none_so_no_mfu_is_shown(name):
 
 
 def test_the_launch_table_rows_are_sxm_boards():
-    from scripts.launch import HARDWARE
+    from scripts.launch import HARDWARE, LAUNCH_TABLE_DEVICES
     expected = {"H100": 989, "H200": 989, "B200": 2250, "A100": 312}
     assert {row["gpu"] for row in HARDWARE.values()} <= set(LAUNCH_TABLE_DEVICES)
     for model, tflops in expected.items():
