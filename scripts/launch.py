@@ -25,6 +25,7 @@ says so). SIGTERM/SIGINT to this process is passed to torchrun, whose workers sa
 
 import argparse
 import json
+import math
 import os
 import shlex
 import signal
@@ -416,25 +417,39 @@ def tok_chars(phase):
 
 
 # ---------------------------------------------------------------------------------------------------- after training
+# The refinement this project has measured on text, beside the guides' promise (PHASES[...]["refinement"]): the guides'
+# figures were never reproduced, so they are reported, not enforced (dev/LOG.md, "Does refinement pay?").
+MEASURED_REFINEMENT = "about 1% on held-out text at CPU scale (dev/LOG.md)"
+
+
 def check_criteria(summary, phase):
-    """The guides' success criteria for a finished run: [(met, line)]."""
+    """[(status, line)] for a finished run: status True/False for what gates the next phase, None for what is only
+    reported. The gate is what predicts a wasted Phase 2: no finite validation result, later supervision steps that do
+    not beat the first (Phase 2 only raises their weight), or a non-finite gradient norm. The guides' refinement and
+    gradient-norm ranges are printed beside the measurement, not enforced."""
     ph = PHASES[phase]
     bpb = summary.get("val_bpb")
     results = []
-    if bpb:
+    if bpb and all(math.isfinite(b) for b in bpb):
         order = format_steps(bpb, names=True)
-        results.append((all(a > b for a, b in zip(bpb, bpb[1:])), f"supervision order (val bpb): {order}"))
+        results.append((bpb[-1] < bpb[0], f"the later supervision steps beat the first (val bpb): {order}"))
+        ordered = all(a > b for a, b in zip(bpb, bpb[1:]))
+        results.append((None, f"supervision order: {'each' if ordered else 'not every'} step beats the one before"))
         refinement = 100 * summary["val_refinement"]
         lo, hi = ph["refinement"]
-        results.append((lo <= refinement <= hi, f"refinement {refinement:.1f}% (expected {lo}-{hi}%)"))
+        results.append((None, f"refinement {refinement:.1f}% (the guides promise {lo}-{hi}%; this project measured "
+                              f"{MEASURED_REFINEMENT})"))
     else:
-        results.append((False, "supervision order and refinement: no validation result in summary.json"))
+        results.append((False, f"no finite validation result in summary.json (val bpb {bpb})"))
     g = summary.get("grad_norm_median_last")
     lo, hi = ph["grad_norm"]
-    results.append((g is not None and lo <= g <= hi,
-                    f"gradient norm, median of the last 10% of steps: {g if g is None else f'{g:.3f}'} "
-                    f"(expected {lo}-{hi})"))
+    results.append((g is not None and math.isfinite(g), f"gradient norm, median of the last 10% of steps: "
+                    f"{g if g is None else f'{g:.3f}'} (the guides expect {lo}-{hi})"))
     return results
+
+
+def status_label(status):
+    return {True: "met", False: "NOT MET", None: "info"}[status]
 
 
 def read_summary(model_tag):
@@ -453,14 +468,14 @@ def criteria_report(model_tag, phase):
     losses = summary.get("train_step_losses") or []
     lines = [f"=== {PHASES[phase]['title']} results: {model_tag} (step {summary['step']}) ===",
              "final train loss per supervision step: " + ", ".join(f"step_{s} {l:.4f}" for s, l in enumerate(losses)),
-             *[f"[{'met' if met else 'NOT MET'}] {text}" for met, text in results]]
-    all_met = all(met for met, _ in results)
+             *[f"[{status_label(status)}] {text}" for status, text in results]]
+    all_met = all(status is not False for status, _ in results)
     if phase == "fast":
         key = model_tag.rsplit("_", 1)[0]
         nxt = f"bash scripts/train_{key}_extreme.sh" if key in HARDWARE else "the matching scripts/train_*_extreme.sh"
         lines.append(f"next: {nxt}   (Phase 2; it passes --preset=extreme itself)" if all_met else
-                     f"not every criterion is met: see the guides' troubleshooting (train longer, lower --matrix_lr) "
-                     f"before Phase 2 ({nxt})")
+                     f"a criterion is NOT MET: Phase 2 would be wasted; see docs/troubleshooting.md before Phase 2 "
+                     f"({nxt})")
     return "\n".join(lines), all_met
 
 

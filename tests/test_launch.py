@@ -13,6 +13,8 @@ import sys
 import pytest
 
 from scripts import launch
+
+PHASES_REFINEMENT = {"fast": "15-25%", "extreme": "50-97%"}  # the guides' figures (../shared/seeds)
 from tests.support import processes
 from nanochat.train_config import parse_args
 from tests.support.helpers import OVERRIDES, ROOT, launcher_in_process
@@ -179,15 +181,24 @@ def test_detect_reads_the_node(tmp_path):
 
 
 @pytest.mark.parametrize("phase, summary, expected", [
-    ("fast", dict(val_bpb=[1.3, 1.2, 1.1, 1.0], val_refinement=0.2308, grad_norm_median_last=0.9), [True] * 3),
-    ("fast", dict(val_bpb=[1.0, 1.1, 0.9, 0.95], val_refinement=0.05, grad_norm_median_last=3.0), [False] * 3),
-    ("extreme", dict(val_bpb=[4.0, 2.0, 1.0, 0.5], val_refinement=0.875, grad_norm_median_last=5.0), [True] * 3),
-    ("extreme", dict(val_bpb=[4.0, 2.0, 1.0, 0.5], val_refinement=0.875, grad_norm_median_last=0.9),
-     [True, True, False]),
+    ("fast", dict(val_bpb=[1.3, 1.2, 1.1, 1.0], val_refinement=0.2308, grad_norm_median_last=0.9),
+     [True, None, None, True]),
+    # later steps beat the first, out of order, with the guides' refinement and gradient norm missed: Phase 2 can pay
+    ("fast", dict(val_bpb=[1.0, 1.1, 0.9, 0.95], val_refinement=0.05, grad_norm_median_last=3.0),
+     [True, None, None, True]),
+    ("fast", dict(val_bpb=[1.0, 1.0, 1.01, 1.02], val_refinement=-0.02, grad_norm_median_last=1.0),
+     [False, None, None, True]),
+    ("extreme", dict(val_bpb=[4.0, 2.0, 1.0, 0.5], val_refinement=0.875, grad_norm_median_last=float("nan")),
+     [True, None, None, False]),
     ("fast", dict(val_bpb=None, val_refinement=None, grad_norm_median_last=1.0), [False, True]),
+    ("fast", dict(val_bpb=[float("nan")] * 4, val_refinement=None, grad_norm_median_last=1.0), [False, True]),
 ])
 def test_success_criteria(phase, summary, expected):
-    assert [met for met, _ in launch.check_criteria(summary, phase)] == expected
+    """The gate before Phase 2 is what predicts a wasted one; the guides' ranges are reported (None), not enforced."""
+    results = launch.check_criteria(summary, phase)
+    assert [status for status, _ in results] == expected
+    if summary["val_refinement"] is not None:
+        assert f"promise {PHASES_REFINEMENT[phase]}" in results[2][1]
 
 
 def test_shell_scripts_parse_and_pass_shellcheck():
@@ -247,14 +258,14 @@ def test_end_to_end_on_cpu_stopped_and_run_again(tmp_path):
     with open(tmp_path / "base_checkpoints" / "8xH100_fast" / "summary.json") as f:
         summary = json.load(f)
     results = launch.check_criteria(summary, "fast")
-    for met, text in results:
-        assert f"[{'met' if met else 'NOT MET'}] {text}" in out
+    for status, text in results:
+        assert f"[{ {True: 'met', False: 'NOT MET', None: 'info'}[status]}] {text}" in out
     assert f"{100 * summary['val_refinement']:.1f}%" in out
-    assert ("next: bash scripts/train_8xH100_extreme.sh" in out) == all(met for met, _ in results)
+    assert ("next: bash scripts/train_8xH100_extreme.sh" in out) == all(s is not False for s, _ in results)
     check = subprocess.run([sys.executable, "-m", "scripts.launch", "check", "--model_tag=8xH100_fast", "--phase=fast"],
                            cwd=ROOT, capture_output=True, text=True,
                            env={**os.environ, "NANOCHAT_BASE_DIR": str(tmp_path), "PYTHONPATH": ROOT})
-    assert check.returncode == (0 if all(met for met, _ in results) else 1)
+    assert check.returncode == (0 if all(s is not False for s, _ in results) else 1)
 
 
 def test_plan_continues_a_run_or_says_why_it_cannot(tmp_path, monkeypatch, capsys):
