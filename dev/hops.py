@@ -1,41 +1,67 @@
 """
-The multi-hop lookup task (nanochat.synthetic, "hops") trained in memory at CPU scale: accuracy by hops at every
-supervision step, for the positive controls and the recursion ablations of dev/LOG.md.
+The multi-hop lookup task trained in memory at CPU scale: accuracy by hops at every supervision step, for the
+positive controls and the recursion ablations of issue 32 (dev/hops_grid.py runs them; dev/LOG.md has the tables).
 
-python -m dev.hops --name trm_default --steps 1500 --seed 42                    # today's default recursion
-python -m dev.hops --name plain2 --n_loops 0 --n_sup 1                           # a plain 2-layer GPT
-python -m dev.hops --name loop --n_loops 0 --n_sup 4 --detach 0 --preset uniform # the 2 blocks simply looped
+python -m dev.hops --name plain1 --depth 1 --n_loops 0 --n_sup 1                                   # one plain block
+python -m dev.hops --name loop --depth 1 --n_loops 0 --n_sup 4 --detach 0 --preset uniform         # it, looped 4x
 
-Byte-level tokens, one document per row (all of one length), the product's GPT, its forward_backward and optimizers
-(Muon + AdamW), warmup then linear warmdown. Prints one JSON line per run (appended to --out): accuracy[step][hops]
-on held-out documents for steps 1..2N, the answer-token loss per step, and the training time.
+--format masked (the default): one table as one token per entry, then queries whose answers are targets only (see
+masked_row). --format pairs / text: the LM documents of nanochat.synthetic (answers in the text, so later queries can
+reuse earlier answers). The product's GPT, its forward_backward and optimizers (Muon + AdamW), warmup then linear
+warmdown. Prints one JSON line per run (appended to --out): accuracy[step][hops] on held-out rows for steps 1..2N,
+the answer loss per step, and the training time.
 """
 
 import argparse
 import json
+import random
 import time
 
 import torch
 
 from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
-import random
+from nanochat.optim import setup_optimizers
+from nanochat.synthetic import HopsSpec, draw_table, hops_answers, hops_documents, pairs_answers, pairs_document
+from nanochat.tokenizer import RustBPETokenizer
 
-from nanochat.synthetic import HopsSpec, hops_answers, hops_documents, pairs_answers, pairs_document
+FORMAT = {"name": "masked", "answers": hops_answers}  # main() sets it from --format
 
-FORMAT = {"answers": hops_answers}
+
+def masked_row(rng, spec):
+    """(ids, answer positions, answer ids, hops) of one row: <|bos|>, the table as one token per entry k -> f(k), a
+    separator, then queries (hops, x) whose answers are targets only, never inputs. Token ids, not text: n symbols
+    need n(n-1) entry tokens (240 at n=16, more than the printable bytes). With answers in the text, a later query
+    can reuse an earlier one's f^h(x) and skip lookups (a 2-layer model then 'answers' 4 hops at 8 symbols)."""
+    n = spec.n_symbols
+    f, order, queries = draw_table(rng, list(range(n)), spec)
+    letter, digit = n * (n - 1), n * (n - 1) + n  # id bases: entries, then letters, then hop digits
+    sep, bos = digit + spec.max_hops + 1, digit + spec.max_hops + 2
+    ids = [bos] + [k * (n - 1) + f[k] - (f[k] > k) for k in order] + [sep]
+    pos, answers, hops = [], [], []
+    for x, h, y in queries:
+        ids += [digit + h, letter + x]
+        pos.append(len(ids) - 1)
+        answers.append(letter + y)
+        hops.append(h)
+    return ids, pos, answers, hops
+
+
+def masked_vocab(spec):
+    return spec.n_symbols * (spec.n_symbols - 1) + spec.n_symbols + spec.max_hops + 3
 
 
 def documents(seed, count, spec):
-    if FORMAT.get("pairs"):
-        rng = random.Random(f"pairs:{seed}")
-        return [pairs_document(rng, spec) for _ in range(count)]
-    return hops_documents(seed, count, spec)
-from nanochat.tokenizer import RustBPETokenizer
-from nanochat.optim import setup_optimizers
+    if FORMAT["name"] == "text":
+        return hops_documents(seed, count, spec)
+    rng = random.Random(f"{FORMAT['name']}:{seed}")
+    return [(masked_row if FORMAT["name"] == "masked" else pairs_document)(rng, spec) for _ in range(count)]
 
 
 def batches(docs, tokenizer):
     """(idx, targets, answer index per row, hops per row) of byte-level documents, each starting with <|bos|>."""
+    if FORMAT["name"] == "masked":
+        ids, pos, answers, hops = (torch.tensor(column) for column in zip(*docs))
+        return ids, torch.full_like(ids, -1).scatter_(1, pos, answers), pos, hops
     rows = [tokenizer.encode(d, prepend=tokenizer.get_bos_token_id()) for d in docs]
     ids = torch.tensor(rows)
     answers = [FORMAT["answers"](d) for d in docs]
@@ -60,6 +86,25 @@ def evaluate(model, data, n_steps, max_hops, batch=64):
             correct[s] += torch.zeros(max_hops + 1).index_add_(0, h.flatten(), right.flatten())
             answer_loss[s] += torch.nn.functional.cross_entropy(logits.flatten(0, 1), want.flatten(), reduction="sum")
     return (correct / count.clamp(min=1))[:, 1:], answer_loss / count.sum()
+
+
+def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, warmdown=0.3, answers_only=False,
+          report=None):
+    """`steps` optimizer steps on fresh documents (seeded by seed and step), warmup then linear warmdown."""
+    for step in range(steps):
+        lrm = min(1.0, (step + 1) / warmup) * min(1.0, (1 - step / steps) / warmdown)
+        for opt in optimizers:
+            for g in opt.param_groups:
+                g["lr"] = g["initial_lr"] * lrm
+        idx, targets, pos, _ = batches(documents(f"{seed}:{step}", batch, spec), tokenizer)
+        if answers_only:
+            targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))
+        _, aux = model.forward_backward(idx, targets)
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        if report:
+            report(step, aux)
 
 
 def main():
@@ -91,7 +136,7 @@ def main():
     ap.add_argument("--answers_only", type=int, default=0, help="1: the loss reads only the answer tokens")
     ap.add_argument("--eval_every", type=int, default=0)
     ap.add_argument("--adamw", type=float, default=0.0, help="one AdamW at this lr instead of Muon + AdamW")
-    ap.add_argument("--format", default="pairs", choices=["pairs", "text"])
+    ap.add_argument("--format", default="masked", choices=["masked", "pairs", "text"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -99,11 +144,11 @@ def main():
 
     tok = RustBPETokenizer.byte_level()
     spec = HopsSpec(n_symbols=args.n_symbols, max_hops=args.max_hops, n_queries=args.n_queries)
-    if args.format == "pairs":
-        FORMAT.update(pairs=True, answers=pairs_answers)
-    length = len(documents(0, 1, spec)[0])
+    FORMAT.update(name=args.format, answers=pairs_answers if args.format == "pairs" else hops_answers)
+    length = batches(documents(0, 1, spec), tok)[0].size(1)
+    vocab = masked_vocab(spec) if args.format == "masked" else tok.get_vocab_size()
     config = GPTConfig.with_refinement_preset(
-        args.preset, sequence_len=length, vocab_size=tok.get_vocab_size(), n_layer=args.depth, n_head=args.n_head,
+        args.preset, sequence_len=length, vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
         n_kv_head=args.n_head, n_embd=args.width, n_loops=args.n_loops, n_sup_train=args.n_sup,
         T_recursion=args.T_recursion, state_update=args.state_update, detach_between_steps=bool(args.detach),
         **json.loads(args.extra))
@@ -114,23 +159,11 @@ def main():
         optimizers[0].param_groups[0]["initial_lr"] = args.adamw
     else:
         optimizers = setup_optimizers(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
-                                            matrix_lr=args.matrix_lr)
+                                      matrix_lr=args.matrix_lr)
     val = batches(documents(10_000 + args.seed, args.eval_docs, spec), tok)
     start, log = time.time(), []
-    for step in range(args.steps):
-        frac = step / args.steps
-        lrm = min(1.0, (step + 1) / args.warmup) * min(1.0, (1 - frac) / args.warmdown)
-        for opt in optimizers:
-            for g in opt.param_groups:
-                g["lr"] = g["initial_lr"] * lrm
-        docs = documents(f"{args.seed}:{step}", args.batch, spec)
-        idx, targets, pos, _ = batches(docs, tok)
-        if args.answers_only:
-            targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))
-        total, aux = model.forward_backward(idx, targets)
-        for opt in optimizers:
-            opt.step()
-        model.zero_grad(set_to_none=True)
+
+    def report(step, aux):
         if args.eval_every and step % args.eval_every == 0:
             acc, _ = evaluate(model, val, args.n_sup, args.max_hops)
             print(f"{args.name} step {step} acc at step {args.n_sup} by hops {[round(v, 2) for v in acc[-1].tolist()]}",
@@ -138,6 +171,9 @@ def main():
         if step % 250 == 0 or step == args.steps - 1:
             log.append((step, [round(v, 3) for v in aux["step_losses"].tolist()]))
             print(f"{args.name} step {step} losses {log[-1][1]} {time.time() - start:.0f}s", flush=True)
+
+    train(model, optimizers, spec, tok, args.steps, args.batch, args.seed, args.warmup, args.warmdown,
+          bool(args.answers_only), report)
     train_s = time.time() - start
     acc, answer_loss = evaluate(model, val, 2 * args.n_sup, args.max_hops)
     result = {"name": args.name, "seed": args.seed, "args": vars(args), "params": model.num_params(),

@@ -72,12 +72,17 @@ def hops_document(rng, spec):
 PAIR_ALPHABET = string.ascii_uppercase + string.digits + "!#$%&()*+-/<>?@[]^_{|}~"  # 59 characters
 
 
+def pair_char(k, v, n):
+    """Table entry k -> v (v != k, as f is one cycle) of n symbols as one character: n * (n - 1) <= 59 for n <= 8."""
+    return PAIR_ALPHABET[k * (n - 1) + v - (v > k)]
+
+
 def pairs_document(rng, spec):
-    """The same task with each table entry k -> v written as ONE character (PAIR_ALPHABET[k * n + v]), and each query
-    as " 3ac": hops, x, then the answer, predicted at x's own position. One lookup is then one attention layer."""
+    """The same task with each table entry k -> v written as ONE character (pair_char), and each query as " 3ac":
+    hops, x, then the answer, predicted at x's own position. One lookup is then one attention layer."""
     n, letters = spec.n_symbols, string.ascii_lowercase
     f, order, queries = draw_table(rng, list(range(n)), spec)
-    return ("".join(PAIR_ALPHABET[k * n + f[k]] for k in order) + SEPARATOR +
+    return ("".join(pair_char(k, f[k], n) for k in order) + SEPARATOR +
             " ".join(f"{h}{letters[x]}{letters[y]}" for x, h, y in queries))
 
 

@@ -1,0 +1,81 @@
+"""
+The positive controls and the recursion ablations of issue 32 on the masked hops task (dev/hops.py), one named run
+after another, and their table (accuracy by hops at the trained step, and on the longest hops by supervision step).
+
+python -m dev.hops_grid --runs controls,ablations --seed 42 --out dev/results/hops/grid.jsonl
+python -m dev.hops_grid --table dev/results/hops/grid.jsonl
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+
+# Every run: one block (width 64, 2 heads), 8 symbols, hops 1-4, batch 64, 2,000 steps; the rest is the run's own.
+TASK = "--depth 1 --n_symbols 8 --max_hops 4 --batch 64 --steps 2000 --eval_docs 512"
+LOOP = "--n_loops 0 --n_sup 4 --detach 0 --preset uniform"  # the same block simply looped, full gradients
+DEFAULT = "--n_loops 2 --n_sup 4 --detach 1 --preset aggressive --state_update trm"  # the defaults before issue 32
+RUNS = {
+    # positive controls: depth pays (plain 1 < 2 < 4 blocks), and the loop of one block reaches the deep plain model
+    "plain1": "--n_loops 0 --n_sup 1",
+    "plain2": "--n_loops 0 --n_sup 1 --depth 2",
+    "plain4": "--n_loops 0 --n_sup 1 --depth 4",
+    "loop": LOOP,
+    # from the old default toward the loop, one piece at a time
+    "old_default": DEFAULT,
+    "old_default+no_detach": DEFAULT + " --detach 0",
+    "old_default+residual": DEFAULT + " --state_update residual",
+    "old_default+uniform": DEFAULT + " --preset uniform",
+    "old_default+n_loops0": DEFAULT + " --n_loops 0",
+    # from the loop back toward the old default
+    "loop+detach": LOOP + " --detach 1",
+    "loop+aggressive": LOOP + " --preset aggressive",
+}
+GROUPS = {"all": ["old_default", "loop", "plain1", "old_default+no_detach", "old_default+n_loops0", "loop+detach",
+                  "loop+aggressive", "old_default+residual", "old_default+uniform", "plain2", "plain4"],
+          "controls": ["plain1", "plain2", "plain4", "loop"],
+          "ablations": [name for name in RUNS if name.startswith(("old_default", "loop+"))]}
+
+
+def run(name, seed, out, task_extra="", suffix=""):
+    command = [sys.executable, "-m", "dev.hops", "--name", name + suffix, "--seed", str(seed), "--out", out,
+               *TASK.split(), *task_extra.split(), *RUNS[name].split()]  # later flags win: plain2's --depth too
+    print(" ".join(command[1:]), flush=True)
+    subprocess.run(command, check=True)
+
+
+def table(path):
+    rows = [json.loads(line) for line in open(path)]
+    print("| run | seed | params | 1 hop | 2 | 3 | 4 | 4 hops by step 1..2N | train s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        n_sup = r["args"]["n_sup"]
+        trained = r["acc"][n_sup - 1]
+        by_step = [row[-1] for row in r["acc"]]
+        steps = " ".join(f"{v:.2f}" for v in by_step[:n_sup]) + (
+            " / " + " ".join(f"{v:.2f}" for v in by_step[n_sup:]) if len(by_step) > n_sup else "")
+        print(f"| {r['name']} | {r['seed']} | {r['params'] / 1e3:.0f}k | " + " | ".join(f"{v:.2f}" for v in trained)
+              + f" | {steps} | {r['train_s']} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", default="controls", help="comma-separated run names or groups: " + ", ".join(GROUPS))
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--out", default="dev/results/hops/grid.jsonl")
+    ap.add_argument("--task_extra", default="", help='dev.hops flags for every run, e.g. "--depth 2 --steps 1000"')
+    ap.add_argument("--suffix", default="", help="appended to every run's name, e.g. _d2")
+    ap.add_argument("--table", default=None, help="print the table of this JSONL instead of running")
+    args = ap.parse_args()
+    if args.table:
+        return table(args.table)
+    names = [n for item in args.runs.split(",") for n in GROUPS.get(item, [item])]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        sys.exit(f"unknown run {unknown[0]!r}: choose from {', '.join(list(RUNS) + list(GROUPS))}")
+    for name in names:
+        run(name, args.seed, args.out, args.task_extra, args.suffix)
+
+
+if __name__ == "__main__":
+    main()
