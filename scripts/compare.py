@@ -84,7 +84,17 @@ RECIPE_GRID = {
     "trm4_fullgrad_sampled_uniform": "--depth=4 --n_loops=2 --n_sup_train=4 --detach_between_steps=false "
                                      "--sample_n_sup --preset=uniform",
 }
-GRIDS = {"refinement": DEFAULT_GRID, "recursion": RECURSION_GRID, "recipe": RECIPE_GRID}
+# --grid=depth: does depth pay on text, and does the recursion buy it (issue 32)? Plain GPTs of 4, 8 and 16 layers, the 4
+# blocks simply looped 4 times (16 layers of compute) and gpt.py's default recursion, at equal tokens (--mode=tokens)
+# and one width (set it in the shared flags); dev/depth_gpu.sh runs it on one GPU.
+DEPTH_GRID = {
+    "plain4": "--depth=4 --n_loops=0 --n_sup_train=1",
+    "plain8": "--depth=8 --n_loops=0 --n_sup_train=1",
+    "plain16": "--depth=16 --n_loops=0 --n_sup_train=1",
+    "loop4x4": "--depth=4 --n_loops=0 --n_sup_train=4 --detach_between_steps=false --preset=uniform",
+    "default4": "--depth=4",  # gpt.py's defaults, whatever they are
+}
+GRIDS = {"refinement": DEFAULT_GRID, "recursion": RECURSION_GRID, "recipe": RECIPE_GRID, "depth": DEPTH_GRID}
 # Two layers, as in the TRM paper's tiny network; the default grid took 9 min on 2 shared CPU cores (OMP_NUM_THREADS=1).
 CPU_MODEL = ["--depth=2", "--n_embd=128", "--n_head=2", "--max_seq_len=128", "--device_batch_size=8",
              "--eval_tokens=16384", "--sample_tokens=8", "--gradient_accumulation_steps=1"]
@@ -104,8 +114,9 @@ def parse_args(argv=None):
     p.add_argument("--config", action="append", default=None, metavar='NAME="FLAGS"', help="a config of the grid")
     p.add_argument("--grid", choices=GRIDS, default="refinement",
                    help="the configs when no --config is given: refinement (does it pay against plain GPTs), "
-                        "recursion (state updates and training options at equal compute) or recipe (prelude/coda, "
-                        "full gradients, sampled depth at equal parameters)")
+                        "recursion (state updates and training options at equal compute), recipe (prelude/coda, "
+                        "full gradients, sampled depth at equal parameters) or depth (plain 4/8/16 layers against "
+                        "the looped 4 and the default recursion, at equal tokens)")
     p.add_argument("--num_iterations", type=int, default=128,
                    help="steps of every config (tokens, params) or of the costliest config (flops)")
     p.add_argument("--target_flops", type=float, default=None, help="flops mode: training FLOPs of every config")
