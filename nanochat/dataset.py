@@ -41,7 +41,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.cli import ArgumentParser, ExitCode
-from nanochat.common import atomic_write_bytes, fsync_dir, get_base_dir, progress_enabled
+from nanochat.common import progress_enabled
+from nanochat.files import atomic_write_bytes, fsync_dir, get_base_dir
 from nanochat.download import (SHARD_TIMEOUT_S, DownloadError, download_files, hub_dataset_url, hub_endpoint,
                                remove_stale_partials)
 

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from nanochat.common import raise_if_any_rank_failed, reduce_with_flags
+from nanochat.collectives import raise_if_any_rank_failed, reduce_with_flags
 from nanochat.synthetic import SEPARATOR, hops_answers
 
 

@@ -28,7 +28,8 @@ import time
 import torch
 
 from nanochat.cli import ExitCode
-from nanochat.common import RankFailure, WriteError, raise_if_any_rank_failed, reduce_with_flags, writing
+from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags
+from nanochat.files import WriteError, writing
 from nanochat.cuda_allocator import configure as configure_cuda_allocator  # noqa: F401 - its old home
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -61,7 +62,7 @@ class StopSignals:
             os.kill(os.getpid(), signum)
 
 
-RUN_LOCK = "run.lock"  # in the run directory; not a trace of a previous run (checkpoint_manager.previous_run)
+RUN_LOCK = "run.lock"  # in the run directory; not a trace of a previous run (resume.previous_run)
 
 
 class RunLockError(Exception):

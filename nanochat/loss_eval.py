@@ -5,7 +5,8 @@ import math
 import torch
 
 from nanochat import gpt
-from nanochat.common import RankFailure, distributed, print0, progress_bar, raise_if_any_rank_failed, reduce_with_flags
+from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags
+from nanochat.common import distributed, print0, progress_bar
 from nanochat.halting import forward_halting
 from nanochat.sharding import is_sharded
 

@@ -15,7 +15,8 @@ import statistics
 import subprocess
 import sys
 
-from nanochat.common import WriteError, atomic_write_bytes, print0, remove_stale_temporaries, writing
+from nanochat.common import print0
+from nanochat.files import WriteError, atomic_write_bytes, remove_stale_temporaries, writing
 from nanochat.health import LossSmoother, smooth
 from nanochat.loss_eval import format_steps, refinement
 

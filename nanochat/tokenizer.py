@@ -15,7 +15,7 @@ import shutil
 import tiktoken
 import torch
 
-from nanochat.common import fsync_dir, get_base_dir
+from nanochat.files import fsync_dir, get_base_dir
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # begins every document

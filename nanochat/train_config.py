@@ -18,7 +18,8 @@ import sys
 import torch
 
 from nanochat.cli import OneLineErrors
-from nanochat.common import autodetect_device_type, device_available, get_base_dir, get_dist_info
+from nanochat.common import autodetect_device_type, device_available, get_dist_info
+from nanochat.files import get_base_dir
 from nanochat.gpt import ACTIVATIONS, GPT, GPTConfig, REFINEMENT_PRESETS, STATE_UPDATES
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".

@@ -32,7 +32,8 @@ except ImportError as e:
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
-from nanochat.common import atomic_write_bytes, autodetect_device_type, exit_on_write_error
+from nanochat.common import autodetect_device_type
+from nanochat.files import atomic_write_bytes, exit_on_write_error
 from nanochat.metrics import refresh_downstream_section
 from nanochat.train_config import autocast_for, default_dtype
 

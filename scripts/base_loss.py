@@ -18,8 +18,9 @@ import sys
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
-from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
-                             exit_on_write_error, print0)
+from nanochat.collectives import RankFailure
+from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, print0
+from nanochat.files import atomic_write_bytes, exit_on_write_error
 from nanochat.gpt import GPTConfig
 from nanochat.halting import Halting, check_halting
 from nanochat.loss_eval import (evaluate_bpb, evaluate_bpb_halting, format_halting, format_state, format_steps,

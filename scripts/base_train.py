@@ -28,14 +28,18 @@ import torch
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle, sharding, train_config
 from nanochat.cli import Exit, ExitCode
-from nanochat.common import (RankFailure, WriteError, atomic_write_bytes, check_writable, compute_cleanup,
-                             compute_init, print0, raise_if_any_rank_failed, reduce_with_flags,
-                             run_on_rank0)
+from nanochat.backup import Backup
+from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags, run_on_rank0
+from nanochat.common import compute_cleanup, compute_init, print0
+from nanochat.files import WriteError, atomic_write_bytes, check_writable
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
 from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
 from nanochat.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
 from nanochat.optim import Muon, clipped_step, reduce_gradients, setup_optimizers
+from nanochat.resume import (check_data, check_data_positions, check_fresh_start, load_resume_point, move_aside,
+                             report_schedule_change, resume_differences)
+from nanochat.resume import restore as restore_point
 from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
                                    ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args,
                                    plan_lines, training_loaders)
@@ -68,8 +72,8 @@ def train(args):
     flops_per_token = model.estimate_flops()
     print_config(args, num_iterations, horizon_source, model, args.total_batch_size)
     if resume:
-        ckpt.report_schedule_change(resume, (num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac),
-                                    horizon_source)
+        report_schedule_change(resume, (num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac),
+                               horizon_source)
     no_room = ckpt.disk_room_problem(args.model_tag, ckpt.checkpoint_bytes(model), args.keep_last)
     if no_room:
         raise Exit(no_room)
@@ -88,7 +92,7 @@ def train(args):
         ckpt.remove_partial_saves(args.model_tag)
     metrics = MetricsLog(ckpt.model_dir(args.model_tag), args, rank, start_step if resume else None)
     price_per_hour = (args.gpu_hourly_price or 0) * world_size
-    backup = ckpt.Backup.location(args.backup_dir, args.model_tag, args.keep_last).start() \
+    backup = Backup.location(args.backup_dir, args.model_tag, args.keep_last).start() \
         if args.backup_dir and rank == 0 else None
 
     with lifecycle.StopSignals() as signals:
@@ -167,7 +171,7 @@ class Run:
     metrics: Any  # MetricsLog
     control: Any  # lifecycle.RunControl: the clock, the budgets and the flags every rank agrees on
     early_stop: Any  # lifecycle.EarlyStop
-    backup: Any  # rank 0's checkpoint uploader (ckpt.Backup), or None
+    backup: Any  # rank 0's checkpoint uploader (backup.Backup), or None
     model_config: dict
     corpus: dict  # the data's identity, recorded in every checkpoint
     num_iterations: int
@@ -400,7 +404,7 @@ def restore(args, resume, model, optimizers, ema):
         return 0, 0.0, [None] * args.grad_accum
     start_step, prior_seconds = resume.step, resume.meta["elapsed_seconds"]
     try:
-        loader_states = ckpt.restore(resume, model, optimizers, ema)
+        loader_states = restore_point(resume, model, optimizers, ema)
     except ckpt.CheckpointError as e:  # a shard refused or damaged: on every rank, DCP's load agrees
         raise Exit(f"cannot resume: {e}")
     print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
@@ -446,14 +450,14 @@ def start_or_resume(args, model_config, tokenizer, rank, run_lock):
         run_lock.hold_existing()
         corpus = corpus_identity()
         if args.backup_dir:
-            ckpt.Backup.location(args.backup_dir, args.model_tag)  # a bad URL stops here, not after the first save
+            Backup.location(args.backup_dir, args.model_tag)  # a bad URL stops here, not after the first save
         if not resuming:
-            found = ckpt.check_fresh_start(args.model_tag, args.overwrite, args.backup_dir)
+            found = check_fresh_start(args.model_tag, args.overwrite, args.backup_dir)
             if args.overwrite:  # on every rank, so the ranks wait for rank 0's move together
                 error = None
                 if rank == 0 and found:
                     try:
-                        print0(f"--overwrite: moved the previous run ({found}) to {ckpt.move_aside(args.model_tag)}")
+                        print0(f"--overwrite: moved the previous run ({found}) to {move_aside(args.model_tag)}")
                     except OSError as e:
                         error = e
                 raise_if_any_rank_failed(error, "moving the previous run aside")
@@ -461,17 +465,17 @@ def start_or_resume(args, model_config, tokenizer, rank, run_lock):
         if args.backup_dir:
             run_lock.claim()  # restoring from the backup writes into the directory
         which = args.resume_from_step if args.resume_from_step is not None else "latest"
-        point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir, args.world_size,
-                                       data_ranks(args, rank))
+        point = load_resume_point(args.model_tag, which, rank, args.backup_dir, args.world_size,
+                                  data_ranks(args, rank))
         step, meta = point.step, point.meta
         ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {args.model_tag} step {step}")
-        ckpt.check_data(meta, corpus, args.allow_data_change, f"checkpoint {args.model_tag} step {step}")
-        diffs = ckpt.resume_differences(meta, model_config, batch_geometry(args), args.sharding)
+        check_data(meta, corpus, args.allow_data_change, f"checkpoint {args.model_tag} step {step}")
+        diffs = resume_differences(meta, model_config, batch_geometry(args), args.sharding)
         if diffs:
             raise Exit(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
                        f"different configuration:\n  " + "\n  ".join(diffs) +
                        "\nPass the checkpoint's values, or start a new run with another --model_tag.")
-        ckpt.check_data_positions(point, args, rank, tokenizer)  # the loaders' geometry matches by now
+        check_data_positions(point, args, rank, tokenizer)  # the loaders' geometry matches by now
     except (ckpt.CheckpointError, RankFailure, DatasetError, lifecycle.RunLockError) as e:
         raise Exit(f"cannot {'resume' if resuming else 'start'}: {e}")
     return point, corpus

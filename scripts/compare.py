@@ -39,8 +39,8 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
 from nanochat.cli import Exit, OneLineErrors, underscore_flags
 from nanochat import train_config
-from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init, distributed,
-                             exit_on_write_error, get_dist_info, print0, save_figure)
+from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, distributed, get_dist_info, print0
+from nanochat.files import atomic_write_bytes, exit_on_write_error, save_figure
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.loss_eval import format_steps, validation_bpb
 from nanochat.metrics import read_metrics, summary_path

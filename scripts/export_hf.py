@@ -26,8 +26,8 @@ import torch
 
 from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
-from nanochat.common import (exit_on_write_error, remove_stale_temporaries, temporary_path, write_error, write_failure,
-                             writing)
+from nanochat.files import (exit_on_write_error, remove_stale_temporaries, temporary_path, write_error, write_failure,
+                            writing)
 
 try:
     from tokenizers import processors

@@ -24,6 +24,7 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import autodetect_device_type, compute_init, print0
 from nanochat.halting import frozen_halt_head_loss
+from nanochat.resume import check_fresh_start
 from nanochat.train_config import autocast_for, default_dtype
 
 LOG_EVERY = 20
@@ -90,7 +91,7 @@ def main(argv=None):
         out_tag = args.out_tag or f"{model_tag}_halt"
         if out_tag == model_tag:
             raise ValueError(f"--out_tag={out_tag} is the source tag; choose a new one (the source is never changed)")
-        ckpt.check_fresh_start(out_tag, overwrite=False)
+        check_fresh_start(out_tag, overwrite=False)
         model, tokenizer, meta = ckpt.load_model(model_tag, args.step, device)
     except ValueError as e:
         raise Exit(f"halt_train: {e}")

@@ -33,11 +33,14 @@ import sys
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle, memory, multinode, preflight
+from nanochat.backup import Backup
 from nanochat.cli import ArgumentParser, Exit, ExitCode
-from nanochat.common import get_base_dir, gpu_peak_flops
+from nanochat.common import gpu_peak_flops
+from nanochat.files import get_base_dir
 from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import summary_path
+from nanochat.resume import previous_run, resume_differences
 from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS
 from nanochat.train_config import (PLANNER_MFU, batch_geometry, budget_lines, fit_device_batch, sharding_lines, free_ram_per_process, keeps_ema,
                                    meta_model, model_config, parse_args)
@@ -260,13 +263,13 @@ def run_state(args, vocab, have_tokenizer, given, model):
                  f"written) in {ckpt.model_dir(tag)}; {ckpt.gigabytes(ckpt.free_bytes(ckpt.model_dir(tag)))} free")
     room = ckpt.disk_room_problem(tag, per_checkpoint, args.keep_last)
     problems += [room] if room else []
-    steps, found = ckpt.list_steps(tag), ckpt.previous_run(tag)
+    steps, found = ckpt.list_steps(tag), previous_run(tag)
     if given & {"resume", "resume_from_step", "overwrite"}:
         lines.append(f"resume       as your flags say ({', '.join(sorted(given & {'resume', 'resume_from_step', 'overwrite'}))})")
     elif steps:
         metas = [m for m in map(lambda s: readable_meta(tag, s), reversed(steps)) if m]
         config = {**args.model_config, "vocab_size": vocab}
-        diffs = ckpt.resume_differences(metas[0], config, batch_geometry(args)) if metas else ["no readable meta.json"]
+        diffs = resume_differences(metas[0], config, batch_geometry(args)) if metas else ["no readable meta.json"]
         saved_tok = metas[0].get("tokenizer_fingerprint") if metas else None
         if have_tokenizer and saved_tok and saved_tok != tokenizer_fingerprint():
             diffs.append(f"tokenizer: checkpoint {saved_tok} vs {tokenizer_fingerprint()} in the tokenizer directory")
@@ -295,7 +298,7 @@ def run_state(args, vocab, have_tokenizer, given, model):
 def backup_steps(url, tag, problems):
     """The steps the backup holds; an unreadable backup URL becomes a preflight problem."""
     try:
-        return ckpt.Backup.location(url, tag).steps()
+        return Backup.location(url, tag).steps()
     except ckpt.CheckpointError as e:
         problems.append(str(e))
         return []

@@ -18,7 +18,7 @@ import sys
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import ArgumentParser, Exit
-from nanochat.common import exit_on_write_error, save_figure
+from nanochat.files import exit_on_write_error, save_figure
 from nanochat.health import smooth
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import MetricsError, read_metrics, read_results

@@ -416,8 +416,7 @@ def test_a_shard_damaged_mid_run_saves_the_last_step_and_stops_with_one_line(bas
 
 def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
     from types import SimpleNamespace
-    from nanochat import checkpoint_manager as ckpt
-    from nanochat import lifecycle
+    from nanochat import lifecycle, resume
     from scripts import base_train
     args = train_config.parse_args([*TINY, "--num_iterations=6", "--warmup_steps=2", "--early_stop=3"])
     model_config = {**args.model_config, "vocab_size": 300}
@@ -428,9 +427,9 @@ def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
         args, model_config, "tok", corpus, 6, 2, val_bpb=[1.5, 1.25], elapsed_seconds=12.5,
         early_stop=early_stop.state(), cost=0.25, loader_state={"position": 3})))
     # what start_or_resume checks: the model config, batch geometry and sharding; the tokenizer; the data
-    assert ckpt.resume_differences(meta, model_config, train_config.batch_geometry(args), args.sharding) == []
+    assert resume.resume_differences(meta, model_config, train_config.batch_geometry(args), args.sharding) == []
     assert meta["tokenizer_fingerprint"] == "tok"
-    ckpt.check_data(meta, corpus, False, "step 4")  # the same data: no refusal
+    resume.check_data(meta, corpus, False, "step 4")  # the same data: no refusal
     # what the resumed run continues: the clock, the schedule (report_schedule_change) and early stopping's count
     assert meta["elapsed_seconds"] == 12.5
     assert (meta["num_iterations"], meta["warmup_steps"], meta["train_config"]["warmdown_ratio"],
