@@ -1,6 +1,7 @@
-"""Shared plumbing: device detection, torch.distributed setup, printing on rank 0, the peak-FLOPs table.
+"""Shared plumbing: device detection, autocast, torch.distributed setup, printing on rank 0, the peak-FLOPs table.
 Collectives live in nanochat/collectives.py, files and atomic writes in nanochat/files.py."""
 
+import contextlib
 import os
 import sys
 from datetime import timedelta
@@ -135,3 +136,15 @@ def gpu_peak_flops(device_name):
     """Peak dense bf16 FLOP/s of a device named exactly as torch.cuda.get_device_name reports it (e.g. 'NVIDIA H100
     80GB HBM3'), or None when the name is not in the table (a CPU, an unlisted GPU): then MFU is not shown."""
     return GPU_PEAK_BF16_FLOPS.get(device_name.strip())
+
+
+def default_dtype(device_type):
+    """The autocast dtype when --dtype is not given: bfloat16 where it is fast (CUDA), float32 elsewhere."""
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
+def autocast_for(device_type, dtype):
+    """The context a forward runs in: bf16 autocast, or nothing for float32."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=torch.bfloat16)

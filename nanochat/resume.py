@@ -12,10 +12,11 @@ from nanochat.checkpoint_manager import (NO_CHECKPOINT_DOES, SHARD_INDEX, TRAIN_
                                          resolve_step, set_rng_state, shard_reader, step_dir, unreadable)
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
 from nanochat.common import get_dist_info, print0
+from nanochat.dataloader import training_loaders
 from nanochat.dataset import DatasetError
 from nanochat.gpt import GPTConfig
 from nanochat.lifecycle import RUN_LOCK
-from nanochat.train_config import lr_multiplier, training_loaders
+from nanochat.optim import lr_multiplier
 
 # ---------------------------------------------------------------------------------------------------- a new run
 def previous_run(model_tag):
@@ -113,13 +114,13 @@ def check_data(meta, corpus, allow_change, what):
     print0(f"WARNING: --allow_data_change: {change}; going on with this data")
 
 
-def check_data_positions(point, args, rank, tokenizer):
+def check_data_positions(point, run, rank, tokenizer):
     """Refuse, on every rank, a checkpoint whose data positions the current shards do not hold: one line before
     anything is written, rather than the loader's traceback after 'resumed'. Opens this process's train loaders
-    at their saved positions, as base_train does, so the loader's own rule decides."""
+    at their saved positions, as base_train does, so the loader's own rule decides. run: the run's RunConfig."""
     error = None
     try:
-        training_loaders(args, tokenizer, rank, point.rank_state["loaders"])
+        training_loaders(run, tokenizer, rank, point.rank_state["loaders"])
     except ValueError as e:
         error = CheckpointError(f"the data position saved in step {point.step} is not in the current data ({e}); "
                                 f"restore the data it was trained on, or start a new --model_tag")
@@ -131,7 +132,7 @@ def check_data_positions(point, args, rank, tokenizer):
 def report_schedule_change(point, schedule, horizon_source):
     """Say, in one line, how this run's learning-rate schedule differs from the checkpoint's (nothing when it does
     not): resuming with a longer horizon is how a run is extended, but it moves the warmdown and so the lr.
-    schedule: (num_iterations, warmup_steps, warmdown_ratio, final_lr_frac), train_config.lr_multiplier's arguments."""
+    schedule: (num_iterations, warmup_steps, warmdown_ratio, final_lr_frac), optim.lr_multiplier's arguments."""
     config = point.meta.get("train_config", {})
     saved = (point.meta.get("num_iterations"), point.meta.get("warmup_steps"), config.get("warmdown_ratio"),
              config.get("final_lr_frac"))
@@ -194,7 +195,7 @@ def _agreed(work, what):
 
 def load_resume_point(model_tag, which, rank, backup_url=None, world_size=None, data_ranks=None):
     """The ResumePoint to resume from, agreed by every rank of world_size (default: this process group's); data_ranks:
-    this rank's (train_config.data_ranks), whose loader positions a sharded checkpoint gives from any saving process.
+    this rank's (dataloader.data_ranks), whose loader positions a sharded checkpoint gives from any saving process.
 
     which: 'latest' or a step. An empty local directory is first filled from the backup. With 'latest', a checkpoint
     that fails to load on any rank is skipped, with the reason, for the next newest; one holding an object no checkpoint
@@ -254,7 +255,7 @@ def sharded_rank_state(model_tag, step, meta, rank, data_ranks):
 def restore_shards(directory, model, optimizers, ema):
     """Load this rank's shards of a sharded checkpoint (any process count saved it) into a sharded model, its
     optimizers and EMA; a shard that fails to load (on any rank: DCP agrees) is a CheckpointError on every rank."""
-    from nanochat import sharding  # lazy: it loads FSDP (~1.5 s), which a replicated run need not pay
+    from nanochat import sharding  # lazy: it loads FSDP (~1.5 s), which halt_train (a fresh-start check) need not pay
     index = shard_reader(directory).read_metadata().state_dict_metadata
     trained = "train_model" if any(key.startswith("train_model.") for key in index) else "model"
     state = {trained: model.state_dict(), "optim": sharding.optimizer_state(model, optimizers)}

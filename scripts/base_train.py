@@ -20,29 +20,32 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle, sharding, train_config
-from nanochat.cli import Exit, ExitCode
+from nanochat import lifecycle, sharding
 from nanochat.backup import Backup
+from nanochat.cli import Exit, ExitCode
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags, run_on_rank0
-from nanochat.common import compute_cleanup, compute_init, print0
+from nanochat.common import autocast_for, compute_cleanup, compute_init, print0
+from nanochat.dataloader import data_ranks, training_loaders
+from nanochat.dataset import DatasetError, corpus_identity
+from nanochat.engine import Engine
 from nanochat.files import WriteError, atomic_write_bytes, check_writable
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
 from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
 from nanochat.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
-from nanochat.optim import Muon, clipped_step, reduce_gradients, setup_optimizers
+from nanochat.optim import clipped_step, lr_multiplier, muon_momentum, reduce_gradients, set_schedule, setup_optimizers
+from nanochat.planning import ema_decay_for, num_iterations_for, peak_flops, plan_lines
 from nanochat.resume import (check_data, check_data_positions, check_fresh_start, load_resume_point, move_aside,
                              report_schedule_change, resume_differences)
 from nanochat.resume import restore as restore_point
-from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
-                                   ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args,
-                                   plan_lines, training_loaders)
+from nanochat.tokenizer import get_token_bytes, get_tokenizer
+from nanochat.train_config import SAMPLE_PROMPTS, batch_geometry, data_problem, parse_args
 from nanochat.weight_average import WeightAverage
 
 
@@ -57,7 +60,6 @@ def train(args):
     missing = data_problem()
     if missing:
         raise Exit(missing)
-    from nanochat.tokenizer import get_token_bytes, get_tokenizer
     tokenizer = get_tokenizer()
     model_config = {**args.model_config, "vocab_size": tokenizer.get_vocab_size()}
     run_lock = lifecycle.RunLock(ckpt.model_dir(args.model_tag), active=rank == 0)  # held until the run ends
@@ -102,7 +104,7 @@ def train(args):
                   early_stop=early_stop_for(args, resume), backup=backup, model_config=model_config, corpus=corpus,
                   num_iterations=num_iterations, warmup_steps=warmup_steps, start_step=start_step,
                   resuming=resume is not None, flops_per_token=flops_per_token,
-                  peak_flops=train_config.peak_flops(args, device), prefetched=prefetched,
+                  peak_flops=peak_flops(args, device), prefetched=prefetched,
                   consumed=[loader.state_dict() for loader in loaders])
 
         # at each step boundary save, evaluate and sample when due; then stop, or train one more step
@@ -158,7 +160,7 @@ def train(args):
 class Run:
     """The run's components and the state its stages share, in named attributes; each stage is a method (save,
     evaluate_and_sample, optimizer_step, log_step, finish), so a test can call one alone."""
-    args: Any  # the parsed flags
+    args: Any  # the run's train_config.RunConfig
     model: Any  # the weights trained; evaluation, samples and checkpoints see `published`
     ema: Any  # the weight average (WeightAverage), or None
     optimizers: list
@@ -268,7 +270,6 @@ class Run:
         """Forward and backward over the step's micro-batches into sums, then read the next step's first batch
         (tokenized while the device still works on this one). Returns the loaders' positions after the step's
         batches (what a checkpoint resumes from) and None; or None and the DatasetError that stopped it."""
-        from nanochat.dataset import DatasetError
         try:
             for j, loader in enumerate(self.loaders):
                 x, y = self.prefetched if j == 0 else next(loader)
@@ -361,7 +362,8 @@ def checkpoint_meta(args, model_config, tokenizer_fingerprint, corpus, num_itera
     """A checkpoint's meta.json: what resuming checks (model config, batch geometry, sharding, tokenizer, data),
     continues (the schedule, the clock, early stopping's count) and reports (the flags, validation bpb, cost)."""
     return {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
-            "train_config": {k: v for k, v in vars(args).items() if k not in ("model_config", "config_sources")},
+            "train_config": {k: v for k, v in asdict(args).items()
+                             if k not in ("model_config", "config_sources")},
             "batch_geometry": batch_geometry(args), "num_iterations": num_iterations, "warmup_steps": warmup_steps,
             "tokenizer_fingerprint": tokenizer_fingerprint, "data": corpus, "val_bpb": val_bpb,
             "elapsed_seconds": elapsed_seconds, "early_stop": early_stop, "cost": cost, "dataloader": loader_state}
@@ -414,7 +416,6 @@ def restore(args, resume, model, optimizers, ema):
 def open_training_data(args, tokenizer, device, rank, loader_states, first_batch):
     """This process's training loaders (one per accumulation step, at their resume positions) and the first batch;
     data unreadable on any rank stops every rank with one line."""
-    from nanochat.dataset import DatasetError
     loaders, prefetched, error = [], None, None
     try:
         loaders = training_loaders(args, tokenizer, rank, loader_states, device)
@@ -444,7 +445,6 @@ def start_or_resume(args, model_config, tokenizer, rank, run_lock):
     """(the resume point (step, meta, weights, rank state), checked against this run, or None for a fresh run, on a
     tag that holds no other run (--overwrite moves one aside); the data's identity). A live run on the tag refuses us
     first (run_lock holds the tag's lock from here); every check passes before anything is written."""
-    from nanochat.dataset import DatasetError, corpus_identity
     resuming = args.resume or args.resume_from_step is not None
     try:
         run_lock.hold_existing()
@@ -518,16 +518,6 @@ class StepStats(NamedTuple):
                    math.sqrt(values[-1]) if values[-1] >= 0 else float("nan"))
 
 
-def set_schedule(optimizers, lr_multiplier, momentum):
-    """This step's learning rates (every group's initial lr x the multiplier) and Muon's momentum."""
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lr_multiplier
-        if isinstance(opt, Muon):  # DistMuon too
-            for group in opt.param_groups:
-                group["momentum"] = momentum
-
-
 def write_nan_diagnostic(path, step, losses, history, model_config):
     record = {"step": step, "step_losses": losses, "last_good": history[-5:], "model_config": model_config,
               "advice": "Lower --matrix_lr (2x), use a milder --preset (extreme -> aggressive), keep --grad_clip=1.0,"
@@ -549,7 +539,6 @@ def oom_message(args):
 def run_samples(model, tokenizer, args, metrics, step, stop):
     """Greedy completions of SAMPLE_PROMPTS, printed and logged; abandoned, token by token, once stop() is true."""
     try:
-        from nanochat.engine import Engine
         model.eval()
         engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, args.dtype))
         outputs = [[] for _ in SAMPLE_PROMPTS]

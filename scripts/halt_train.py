@@ -22,10 +22,10 @@ import torch
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
-from nanochat.common import autodetect_device_type, compute_init, print0
+from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, print0
+from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_size
 from nanochat.halting import frozen_halt_head_loss
 from nanochat.resume import check_fresh_start
-from nanochat.train_config import autocast_for, default_dtype
 
 LOG_EVERY = 20
 
@@ -85,7 +85,6 @@ def main(argv=None):
     _, _, _, world_size, device = compute_init(device_type)
     if world_size > 1:
         raise Exit("halt_train: runs in one process (the head is one matrix); launch it with python -m, not torchrun")
-    from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_size
     try:
         model_tag = args.model_tag or ckpt.latest_model_tag()
         out_tag = args.out_tag or f"{model_tag}_halt"

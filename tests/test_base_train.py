@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from nanochat import train_config
+from nanochat import dataloader, planning, train_config
 from tests.support import processes
 from tests.support.helpers import ROOT, TINY, TINY_SHAPE, ckpt_dir, parsed, tree, weights
 
@@ -285,15 +285,15 @@ def test_the_weight_average_is_on_for_long_runs_only():
     """auto, the default, averages runs of 300+ steps only (shorter runs lost to it, see dev/LOG.md); 0
     turns it off; the launcher's memory plan counts its weight copy exactly when it is on."""
     long_run = train_config.parse_args([*TINY, "--num_iterations=1000"])
-    assert train_config.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and train_config.keeps_ema(long_run)
+    assert planning.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and planning.keeps_ema(long_run)
     short_run = train_config.parse_args([*TINY, "--num_iterations=120"])
-    assert train_config.ema_decay_for(short_run, 120) == 0 and not train_config.keeps_ema(short_run)
+    assert planning.ema_decay_for(short_run, 120) == 0 and not planning.keeps_ema(short_run)
     off = train_config.parse_args([*TINY, "--num_iterations=1000", "--ema_decay=0"])
-    assert train_config.ema_decay_for(off, 1000) == 0 and not train_config.keeps_ema(off)
-    assert train_config.ema_decay_for(train_config.parse_args([*TINY, "--ema_decay=0.9"]), 120) == 0.9
+    assert planning.ema_decay_for(off, 1000) == 0 and not planning.keeps_ema(off)
+    assert planning.ema_decay_for(train_config.parse_args([*TINY, "--ema_decay=0.9"]), 120) == 0.9
     # no step count before the run (--target_flops): count the copy unless it is off
-    assert train_config.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12"]))
-    assert not train_config.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))
+    assert planning.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12"]))
+    assert not planning.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))
 
 
 def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch):
@@ -333,7 +333,7 @@ def test_one_and_two_processes_read_the_same_data_ranks_in_each_step():
     reads = {}
     for world in (1, 2):
         args = train_config.parse_args(TINY_SHAPE + geometry, world_size=world, check_hardware=False)
-        reads[world] = ([train_config.data_ranks(args, rank) for rank in range(world)], world * args.grad_accum)
+        reads[world] = ([dataloader.data_ranks(args, rank) for rank in range(world)], world * args.grad_accum)
     assert reads[1] == ([[0, 1]], 2)
     assert reads[2] == ([[0], [1]], 2)
 
