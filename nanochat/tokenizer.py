@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 
+import rustbpe
 import tiktoken
 import torch
 
@@ -50,7 +51,6 @@ def check_vocab_size(vocab_size):
 
 def train_bpe(text_iterator, vocab_size):
     """Learn merges with rustbpe, leaving room for the special tokens in vocab_size."""
-    import rustbpe
     check_vocab_size(vocab_size)
     bpe = rustbpe.Tokenizer()
     bpe.train_from_iterator(text_iterator, vocab_size - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)

@@ -131,7 +131,7 @@ def write_export(model, tokenizer, meta, model_tag, out):
     write removes out.tmpPID and raises WriteError; those of killed exports go first."""
     remove_stale_temporaries(glob.escape(out))
     tmp, old = temporary_path(out), f"{out}.old{os.getpid()}"
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # lazy: beside its one use; transformers is loaded by now
     if not sys.stderr.isatty():  # transformers' own progress bar would fill log files, as ours never do
         hf_logging.disable_progress_bar()
     try:
