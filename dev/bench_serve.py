@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 from nanochat.cli import ExitCode
-from nanochat.common import get_base_dir
+from nanochat.files import get_base_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = "503 server_busy"  # the one error kind a bounded server is meant to give under load

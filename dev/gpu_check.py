@@ -50,7 +50,8 @@ import torch
 
 from nanochat import memory
 from nanochat.cli import ExitCode
-from nanochat.common import atomic_write_bytes, gpu_peak_flops
+from nanochat.common import gpu_peak_flops
+from nanochat.files import atomic_write_bytes
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.optim import setup_optimizers
 from dev.bench_model import optimizer_step

@@ -15,10 +15,9 @@ import os
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import ArgumentParser, Exit
-from nanochat.common import autodetect_device_type, compute_init
+from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype
 from nanochat.halting import Halting
 from nanochat.loss_eval import evaluate_bpb, evaluate_bpb_halting
-from nanochat.train_config import autocast_for, default_dtype
 
 THRESHOLDS = {  # from 'halts almost nothing' to 'halts almost everything after step 1' on the CPU-scale models
     "kl": [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1],

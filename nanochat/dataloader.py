@@ -209,3 +209,19 @@ def read_evaluation_rows(key):
             while len(evaluation_cache) > EVALUATIONS_CACHED:
                 evaluation_cache.pop(next(iter(evaluation_cache)))
         yield x, y
+
+
+# ---------------------------------------------------------------------------------------------------- training
+def data_ranks(run, rank):
+    """The data ranks (of world_size x grad_accum) that process `rank` reads in its micro-steps, in order. run: the
+    run's train_config.RunConfig (its batch geometry)."""
+    return [rank * run.grad_accum + j for j in range(run.grad_accum)]
+
+
+def training_loaders(run, tokenizer, rank, resume_states, device="cpu"):
+    """Process `rank`'s training loaders, one per micro-step (its data ranks), at their resume positions (None: the
+    start), for the batch geometry of run (a RunConfig). Also how a resume checks that the saved positions exist in
+    the current data."""
+    return [DataLoader(tokenizer, run.device_batch_size, run.max_seq_len, "train", device=device, rank=data_rank,
+                       world_size=run.world_size * run.grad_accum, resume_state=state)
+            for data_rank, state in zip(data_ranks(run, rank), resume_states)]

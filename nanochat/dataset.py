@@ -41,9 +41,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.cli import ArgumentParser, ExitCode
-from nanochat.common import atomic_write_bytes, fsync_dir, get_base_dir, progress_enabled
+from nanochat.common import progress_enabled
 from nanochat.download import (SHARD_TIMEOUT_S, DownloadError, download_files, hub_dataset_url, hub_endpoint,
                                remove_stale_partials)
+from nanochat.files import atomic_write_bytes, fsync_dir, get_base_dir
+from nanochat.synthetic import SYNTHETIC_FAMILIES, HopsSpec, iter_hops_documents
 
 REPO_ID = "karpathy/fineweb-edu-100b-shuffle"
 MAX_SHARD = 1822  # shard_01822.parquet is the last shard of the repo, used for validation
@@ -287,7 +289,7 @@ def load_hf(spec, column):
     if len(fields) > 3 or not fields[0]:
         raise DatasetError(f"{spec}: expected hf:NAME, hf:NAME:CONFIG or hf:NAME:CONFIG:SPLIT")
     name, config, split = (fields + ["", ""])[:3]
-    import datasets
+    import datasets  # lazy: the datasets package costs ~1.2 s to import, and only --from hf: needs it
     try:
         if os.path.isdir(name) and saved_by_datasets(name):
             if config:
@@ -392,8 +394,8 @@ def keep_nonempty(documents, stats):
 
 def write_shards(documents, stats, directory):
     """Shuffle, hold out a validation share, and write the shards into `directory` (val is the last file)."""
-    import datasets
-    from datasets.exceptions import DatasetGenerationError
+    import datasets  # lazy: the datasets package costs ~1.2 s to import, and only --from hf: needs it
+    from datasets.exceptions import DatasetGenerationError  # lazy: as datasets above
     datasets.enable_progress_bars() if progress_enabled() else datasets.disable_progress_bars()
     try:
         # datasets keeps the corpus in a memory-mapped arrow cache, so imports larger than RAM still shuffle
@@ -464,7 +466,6 @@ HOPS_FLAGS = {"n_symbols": "--hops_symbols", "max_hops": "--hops_max", "n_querie
 
 def build_synthetic(family, seed=0, docs=SYNTHETIC_DOCS, n_symbols=16, max_hops=4, n_queries=24, directory=None):
     """A generated corpus through the same shuffle, validation hold-out and shards as --builtin."""
-    from nanochat.synthetic import SYNTHETIC_FAMILIES, HopsSpec, iter_hops_documents
     if family not in SYNTHETIC_FAMILIES:
         raise DatasetError(f"--synthetic={family}: unknown family; known: {', '.join(SYNTHETIC_FAMILIES)}")
     if docs < 2:

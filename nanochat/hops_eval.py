@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from nanochat.common import raise_if_any_rank_failed, reduce_with_flags
+from nanochat.collectives import raise_if_any_rank_failed, reduce_with_flags
 from nanochat.synthetic import SEPARATOR, hops_answers
 
 
@@ -131,9 +131,9 @@ def format_hops(result):
 
 def plot_hops(result, path, title=""):
     """Accuracy vs supervision step, one line per hop count, saved to path (needs matplotlib: the 'plot' extra)."""
-    import matplotlib
+    import matplotlib  # lazy: the optional matplotlib (the 'plot' extra), ~0.9 s, for the plot only
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after matplotlib.use, which must precede it
     fig, ax = plt.subplots(figsize=(6, 4))
     steps = range(1, len(result["accuracy"]) + 1)
     for j, h in enumerate(result["hops"]):

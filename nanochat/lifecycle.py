@@ -28,7 +28,8 @@ import time
 import torch
 
 from nanochat.cli import ExitCode
-from nanochat.common import RankFailure, WriteError, raise_if_any_rank_failed, reduce_with_flags, writing
+from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags
+from nanochat.files import WriteError, writing
 from nanochat.cuda_allocator import configure as configure_cuda_allocator  # noqa: F401 - its old home
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -61,7 +62,7 @@ class StopSignals:
             os.kill(os.getpid(), signum)
 
 
-RUN_LOCK = "run.lock"  # in the run directory; not a trace of a previous run (checkpoint_manager.previous_run)
+RUN_LOCK = "run.lock"  # in the run directory; not a trace of a previous run (resume.previous_run)
 
 
 class RunLockError(Exception):
@@ -147,8 +148,9 @@ def acknowledge(sig):
 class RunControl:
     """The run's clock, budgets and save cadence, and the stop/save flags every rank agrees on once per step."""
 
-    def __init__(self, args, prior_seconds, price_per_hour, signals):
-        self.args, self.prior_seconds, self.price_per_hour, self.signals = args, prior_seconds, price_per_hour, signals
+    def __init__(self, run, prior_seconds, price_per_hour, signals):
+        """run: the run's train_config.RunConfig (its budgets and --save_every_minutes)."""
+        self.run, self.prior_seconds, self.price_per_hour, self.signals = run, prior_seconds, price_per_hour, signals
         self.t_start = self.last_save = time.time()
 
     def elapsed(self):
@@ -160,17 +162,17 @@ class RunControl:
 
     def budget_spent(self):
         """The budget flag that is spent on this rank's clock, e.g. '--max_hours=2.0', or None."""
-        if self.args.max_hours is not None and self.elapsed() >= self.args.max_hours * 3600:
-            return f"--max_hours={self.args.max_hours}"
-        if self.args.max_cost is not None and self.cost() >= self.args.max_cost:
-            return f"--max_cost={self.args.max_cost}"
+        if self.run.max_hours is not None and self.elapsed() >= self.run.max_hours * 3600:
+            return f"--max_hours={self.run.max_hours}"
+        if self.run.max_cost is not None and self.cost() >= self.run.max_cost:
+            return f"--max_cost={self.run.max_cost}"
         return None
 
     def saved(self):
         self.last_save = time.time()
 
     def local_flags(self, data_failed, write_failed):
-        minutes = self.args.save_every_minutes
+        minutes = self.run.save_every_minutes
         return [self.signals.received is not None, self.budget_spent() is not None,
                 bool(minutes) and time.time() - self.last_save >= minutes * 60, data_failed, write_failed]
 
@@ -191,8 +193,8 @@ class RunControl:
             name = self.signals.received.name if self.signals.received else "a stop signal"
             return f"{name} received (rank {', '.join(map(str, flags['signal']))})"
         if flags["budget"]:
-            spent = self.budget_spent() or " / ".join(f"--{k}={getattr(self.args, k)}" for k in ("max_hours", "max_cost")
-                                                      if getattr(self.args, k) is not None)
+            spent = self.budget_spent() or " / ".join(f"--{k}={getattr(self.run, k)}" for k in ("max_hours", "max_cost")
+                                                      if getattr(self.run, k) is not None)
             return f"budget spent ({spent})"
         return None
 

@@ -5,7 +5,10 @@ import math
 import torch
 
 from nanochat import gpt
-from nanochat.common import RankFailure, distributed, print0, progress_bar, raise_if_any_rank_failed, reduce_with_flags
+from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags
+from nanochat.common import autocast_for, distributed, print0, progress_bar
+from nanochat.dataloader import evaluation_batches, evaluation_size
+from nanochat.engine import KVCache
 from nanochat.halting import forward_halting
 from nanochat.sharding import is_sharded
 
@@ -84,19 +87,17 @@ def format_steps(values, digits=4, names=False):
     return parts[0] + "".join(f" {sign} {part}" for sign, part in zip(signs, parts[1:])) if parts else ""
 
 
-def validation_bpb(model, tokenizer, args, device, rank, world_size, token_bytes, stop=None):
-    """Validation bpb per supervision step of a training run's model (args: its parsed flags), and the state
+def validation_bpb(model, tokenizer, run, device, rank, world_size, token_bytes, stop=None):
+    """Validation bpb per supervision step of a training run's model (run: its train_config.RunConfig), and the state
     diagnostics; printed. The same --eval_tokens rows on any number of processes (dataloader.evaluation_rows).
     A failure on any rank is reported and skipped by every rank together: (None, None). stop: as evaluate_bpb."""
-    from nanochat.dataloader import evaluation_batches, evaluation_size
-    from nanochat.train_config import autocast_for
-    B, T = args.device_batch_size, args.max_seq_len
+    B, T = run.device_batch_size, run.max_seq_len
     try:
         model.eval()
-        bpb, state = evaluate_bpb(model, lambda: evaluation_batches(tokenizer, B, T, "val", args.eval_tokens, rank,
+        bpb, state = evaluate_bpb(model, lambda: evaluation_batches(tokenizer, B, T, "val", run.eval_tokens, rank,
                                                                     world_size, device),
-                                  evaluation_size(args.eval_tokens, B, T, world_size)[1], token_bytes,
-                                  autocast=autocast_for(args.device_type, args.dtype), stop=stop)
+                                  evaluation_size(run.eval_tokens, B, T, world_size)[1], token_bytes,
+                                  autocast=autocast_for(run.device_type, run.dtype), stop=stop)
         print0(f"validation bpb per step: {format_steps(bpb)} | refinement "
                f"{100 * refinement(bpb):.1f}%")
         if model.config.n_loops:  # a plain GPT has no recursion: its residual stream's numbers would mislead
@@ -116,7 +117,6 @@ def evaluate_bpb_halting(model, batches, steps, token_bytes, halting, n_sup=None
     with halting runs for them. batches, steps, n_sup (default n_sup_inference) and DDP as evaluate_bpb.
     hold_keys=False: later tokens read a halted token's keys and values from every step, not from the step it halted
     at (halting.forward_halting without a cache): the reference that measures what the hold costs."""
-    from nanochat.engine import KVCache
     n = n_sup or model.config.n_sup_inference
     sums = torch.zeros(4, dtype=torch.float64, device=token_bytes.device)  # nats, bytes, steps, tokens
     error = None

@@ -6,6 +6,7 @@ at the end (the health warnings are nanochat/health.py's).
 summary.json and report.md are rebuilt from metrics.jsonl, so they cover the whole run however often it was resumed.
 """
 
+import dataclasses
 import datetime
 import glob
 import json
@@ -15,7 +16,10 @@ import statistics
 import subprocess
 import sys
 
-from nanochat.common import WriteError, atomic_write_bytes, print0, remove_stale_temporaries, writing
+import torch
+
+from nanochat.common import print0
+from nanochat.files import WriteError, atomic_write_bytes, remove_stale_temporaries, writing
 from nanochat.health import LossSmoother, smooth
 from nanochat.loss_eval import format_steps, refinement
 
@@ -101,9 +105,10 @@ def scalars(record):
 
 # ---------------------------------------------------------------------------------------------------- sinks
 class WandbSink:
-    def __init__(self, args):
-        import wandb
-        self.run = wandb.init(project="nanochat-trm", name=args.run, config=json_safe(vars(args)), resume="allow")
+    def __init__(self, run):
+        import wandb  # lazy: an optional package (pip install -e '.[wandb]'), needed only with --run
+        self.run = wandb.init(project="nanochat-trm", name=run.run, config=json_safe(dataclasses.asdict(run)),
+                              resume="allow")
 
     def log(self, values, step):
         self.run.log(values, step=step)
@@ -114,7 +119,7 @@ class WandbSink:
 
 class TensorBoardSink:
     def __init__(self, log_dir):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # lazy: needs the optional tensorboard package
         self.writer = SummaryWriter(log_dir, flush_secs=10)
         print0(f"TensorBoard: tensorboard --logdir {log_dir}")
 
@@ -137,7 +142,7 @@ class GpuMonitor:
     """Utilisation (%), memory in use (GB) and temperature (C) of this node's GPUs, through NVML (nvidia-ml-py)."""
 
     def __init__(self):
-        import pynvml
+        import pynvml  # lazy: the optional nvidia-ml-py, on CUDA runs only
         pynvml.nvmlInit()
         self.nvml = pynvml
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in visible_gpus(pynvml.nvmlDeviceGetCount())]
@@ -170,7 +175,8 @@ class MetricsLog:
     stops together at the next agreement (base_train): rank 0 alone leaving would strand the others in a collective.
     """
 
-    def __init__(self, run_dir, args, rank, resume_step):
+    def __init__(self, run_dir, run, rank, resume_step):
+        """run: the run's train_config.RunConfig (--run, --tensorboard, the device)."""
         self.path, self.enabled, self.sinks, self.gpus = os.path.join(run_dir, "metrics.jsonl"), rank == 0, [], None
         self.failure = None
         self.smoother, self.step_times, self.prior_step_time = LossSmoother(), [], None
@@ -189,12 +195,12 @@ class MetricsLog:
         elif resume_step is None and os.path.exists(self.path):
             with writing(self.path, RESUME_HINT):
                 os.remove(self.path)
-        if args.run != "dummy":
-            self.sinks.append(open_optional("wandb", lambda: WandbSink(args)))
-        if args.tensorboard is not None:
+        if run.run != "dummy":
+            self.sinks.append(open_optional("wandb", lambda: WandbSink(run)))
+        if run.tensorboard is not None:
             self.sinks.append(open_optional("TensorBoard", lambda: TensorBoardSink(
-                args.tensorboard or os.path.join(run_dir, "tensorboard"))))
-        if args.device_type == "cuda":
+                run.tensorboard or os.path.join(run_dir, "tensorboard"))))
+        if run.device_type == "cuda":
             self.gpus = open_optional("GPU monitoring (pip install nvidia-ml-py)", GpuMonitor)
         self.sinks = [s for s in self.sinks if s]
 
@@ -297,33 +303,33 @@ def summarize(records, model_tag, step, seconds, price_per_hour, model, tokenize
         "tokenizer": tokenizer_fingerprint, "git_commit": git_commit()})
 
 
-def write_summary(run_dir, args, step, seconds, price_per_hour, model, tokenizer_fingerprint):
-    """summary.json for the launch scripts' success check, report.md for people; both from metrics.jsonl."""
+def write_summary(run_dir, run, step, seconds, price_per_hour, model, tokenizer_fingerprint):
+    """summary.json for the launch scripts' success check, report.md for people; both from metrics.jsonl. run: the
+    run's train_config.RunConfig."""
     records = read_metrics(run_dir)
-    summary = summarize(records, args.model_tag, step, seconds, price_per_hour, model, tokenizer_fingerprint)
+    summary = summarize(records, run.model_tag, step, seconds, price_per_hour, model, tokenizer_fingerprint)
     atomic_write_bytes(summary_path(run_dir), json.dumps(summary, indent=2, allow_nan=False).encode(), RESUME_HINT)
-    report = report_markdown(summary, records, args, model) + downstream_section(run_dir)
+    report = report_markdown(summary, records, run, model) + downstream_section(run_dir)
     atomic_write_bytes(os.path.join(run_dir, "report.md"), report.encode(), RESUME_HINT)
     print0(f"report: {os.path.join(run_dir, 'report.md')}")
     return summary
 
 
-def report_markdown(summary, records, args, model):
-    device = args.device_type
+def report_markdown(summary, records, run, model):
+    device = run.device_type
     if device == "cuda":
-        import torch
         device += f" ({torch.cuda.get_device_name()})"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# Run report: {args.model_tag}", "",
+    lines = [f"# Run report: {run.model_tag}", "",
              f"- written: {date}",
              f"- git commit: {summary['git_commit']}",
              f"- tokenizer: {summary['tokenizer']} (fingerprint)",
-             f"- system: {args.world_size} x {device}",
+             f"- system: {run.world_size} x {device}",
              f"- optimizer steps: {summary['step']}, wall time {format_duration(summary['wall_time_s'])}"
              + (f", cost ${summary['cost']:.2f}" if summary["cost"] is not None else ""),
              f"- parameters: {summary['parameters']:,}, FLOPs per token {summary['flops_per_token']:.3e}",
-             f"- command line: {' '.join(args.argv)}", "", "## Config", "",
-             *[f"- {k} = {v} ({args.config_sources.get(k, 'tokenizer')})" for k, v in model.config.to_dict().items()],
+             f"- command line: {' '.join(run.argv)}", "", "## Config", "",
+             *[f"- {k} = {v} ({run.config_sources.get(k, 'tokenizer')})" for k, v in model.config.to_dict().items()],
              "", "## Final loss per supervision step", "",
              f"Train: the last batch and its smoothed value; validation: bits per byte at optimizer step "
              f"{summary['val_step']}.", "",

@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from nanochat.common import atomic_write_bytes, get_base_dir
+from nanochat.files import atomic_write_bytes, get_base_dir
 
 READY_MARKER = "node0_ready.json"
 WAIT_ENV = "NANOCHAT_NODE_WAIT_S"

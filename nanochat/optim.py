@@ -1,7 +1,8 @@
 """
 The optimizers, top to bottom: the gradient-norm helpers, AdamW (embedding, lm_head, scalars) and its ZeRO-1 form
 DistAdamW, Muon (the transformer matrices) with DistMuon under DDP and ShardedMuon under FSDP, the model's parameter
-groups (setup_optimizers), and one training step's gradient reduce and clipped update.
+groups (setup_optimizers), one training step's gradient reduce and clipped update, and the schedules (learning rate
+and Muon's momentum by step).
 
 Every optimizer has the same two calls: reduce_grads() averages the gradients across ranks (if any) and returns this
 rank's share of the squared global norm; step(grad_scale) updates with the gradients scaled for clipping.
@@ -345,3 +346,30 @@ def clipped_step(optimizers, grad_norm, grad_clip):
     scale = min(1.0, grad_clip / (grad_norm + 1e-6)) if grad_clip > 0 else 1.0
     for opt in optimizers:
         opt.step(grad_scale=scale)
+
+
+# ---------------------------------------------------------------------------------------------------- schedules
+def lr_multiplier(step, num_iterations, warmup_steps, warmdown_ratio, final_lr_frac):
+    warmdown_steps = round(warmdown_ratio * num_iterations)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if step <= num_iterations - warmdown_steps:
+        return 1.0
+    progress = (num_iterations - step) / warmdown_steps
+    return progress + (1 - progress) * final_lr_frac
+
+
+def muon_momentum(step):
+    """Momentum warms up from 0.85 to 0.95 over the first 300 steps, as in nanochat."""
+    frac = min(step / 300, 1)
+    return (1 - frac) * 0.85 + frac * 0.95
+
+
+def set_schedule(optimizers, lr_multiplier, momentum):
+    """This step's learning rates (every group's initial lr x the multiplier) and Muon's momentum."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lr_multiplier
+        if isinstance(opt, Muon):  # DistMuon too
+            for group in opt.param_groups:
+                group["momentum"] = momentum

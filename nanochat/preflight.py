@@ -27,7 +27,7 @@ def cuda_problems(device_type, compile_check=True):
     problem is reported: the later checks need the earlier ones to pass. device_type other than cuda: []."""
     if device_type != "cuda":
         return []
-    import torch
+    import torch  # lazy: this module must import, and report, where torch itself is broken
     if not torch.cuda.is_available():
         driver = driver_cuda_version()
         return [f"torch sees no GPU ({stack(driver)}): {stack_fix(driver)}"]
@@ -47,7 +47,7 @@ def driver_cuda_version():
 
 def stack(driver):
     """'torch 2.13.0+cu128 (built for CUDA 12.8), driver for CUDA 12.4': the versions that must match, in words."""
-    import torch
+    import torch  # lazy: this module must import, and report, where torch itself is broken
     built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     supports = f"driver for CUDA {driver}" if driver else "no driver (nvidia-smi not found)"
     return f"torch {torch.__version__} ({built}), {supports}"
@@ -59,7 +59,7 @@ def version(text):
 
 def stack_fix(driver):
     """What makes torch see the GPU: the driver, the GPUs made visible, or the torch build for the driver's CUDA."""
-    import torch
+    import torch  # lazy: this module must import, and report, where torch itself is broken
     if driver is None:
         return "install the NVIDIA driver (nvidia-smi must work), or set DEVICE_TYPE=cpu"
     if torch.version.cuda and version(torch.version.cuda) <= version(driver):
@@ -69,7 +69,7 @@ def stack_fix(driver):
 
 
 def build_fix(driver):
-    import torch
+    import torch  # lazy: this module must import, and report, where torch itself is broken
     tag = "cu" + "".join(driver.split(".")[:2]) if driver else "cuXY"
     return (f"install the torch build matching the driver, e.g. pip install torch=={torch.__version__.split('+')[0]} "
             f"--index-url {TORCH_INDEX}/{tag} (or the newest cuXY at or below the driver's CUDA version that "
@@ -79,7 +79,7 @@ def build_fix(driver):
 def device_op_problem():
     """None when a small tensor op runs on the GPU, else why not (a build without kernels for this GPU, a driver too
     old for the build's CUDA) with the fix."""
-    import torch
+    import torch  # lazy: this module must import, and report, where torch itself is broken
     try:
         torch.ones(8, device="cuda").add_(1).sum().item()
         torch.cuda.synchronize()

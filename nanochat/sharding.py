@@ -15,6 +15,7 @@ while one of its visits runs.
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from nanochat.optim import AdamW, Muon, ShardedMuon
@@ -29,7 +30,6 @@ def shard_model(model, device, param_dtype="auto"):
     rows: a model built on the CPU moves only its shards to the GPU); returns the model. param_dtype: the dtype the
     weights are gathered in for compute, with float32 gradient reduction; None keeps float32 throughout; "auto":
     bf16 on GPUs, None on CPU."""
-    from torch.distributed.device_mesh import init_device_mesh
     if param_dtype == "auto":
         param_dtype = torch.bfloat16 if device.type == "cuda" else None
     # inputs uncast: the recursion's state stays float32 as under DDP, autocast casts per op

@@ -12,10 +12,11 @@ import json
 import os
 import shutil
 
+import rustbpe
 import tiktoken
 import torch
 
-from nanochat.common import fsync_dir, get_base_dir
+from nanochat.files import fsync_dir, get_base_dir
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # begins every document
@@ -50,7 +51,6 @@ def check_vocab_size(vocab_size):
 
 def train_bpe(text_iterator, vocab_size):
     """Learn merges with rustbpe, leaving room for the special tokens in vocab_size."""
-    import rustbpe
     check_vocab_size(vocab_size)
     bpe = rustbpe.Tokenizer()
     bpe.train_from_iterator(text_iterator, vocab_size - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)

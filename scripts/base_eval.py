@@ -32,9 +32,9 @@ except ImportError as e:
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
-from nanochat.common import atomic_write_bytes, autodetect_device_type, exit_on_write_error
+from nanochat.common import autocast_for, autodetect_device_type, default_dtype
+from nanochat.files import atomic_write_bytes, exit_on_write_error
 from nanochat.metrics import refresh_downstream_section
-from nanochat.train_config import autocast_for, default_dtype
 
 # nanochat's CORE in spirit: small, well-known, scored by log-likelihood
 DEFAULT_TASKS = "hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai"

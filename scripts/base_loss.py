@@ -18,13 +18,19 @@ import sys
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
-from nanochat.common import (RankFailure, atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init,
-                             exit_on_write_error, print0)
+from nanochat.collectives import RankFailure
+from nanochat.common import autocast_for, autodetect_device_type, compute_cleanup, compute_init, default_dtype, print0
+from nanochat.dataloader import evaluation_batches, evaluation_size
+from nanochat.dataset import DatasetError, corpus_identity, data_dir, iter_documents, read_source
+from nanochat.engine import Engine
+from nanochat.files import atomic_write_bytes, exit_on_write_error
 from nanochat.gpt import GPTConfig
 from nanochat.halting import Halting, check_halting
+from nanochat.hops_eval import HopsEvalError, evaluate_hops, format_hops, plot_hops
 from nanochat.loss_eval import (evaluate_bpb, evaluate_bpb_halting, format_halting, format_state, format_steps,
                                 refinement)
-from nanochat.train_config import SAMPLE_PROMPTS, autocast_for, default_dtype
+from nanochat.tokenizer import get_token_bytes
+from nanochat.train_config import SAMPLE_PROMPTS
 
 
 def parse_args(argv=None):
@@ -69,8 +75,6 @@ def main(argv=None):
     args = parse_args(argv)
     device_type = args.device_type or autodetect_device_type()
     ddp, rank, _, world_size, device = compute_init(device_type)
-    from nanochat.dataloader import evaluation_batches, evaluation_size
-    from nanochat.tokenizer import get_token_bytes
     try:
         model_tag = args.model_tag or ckpt.latest_model_tag()
         # n_sup past the trained steps is a legitimate question; the engine samples up to n_sup_inference
@@ -117,7 +121,6 @@ def main(argv=None):
         results["val_halting"] = validate_with_halting(args, model, tokenizer, T, steps, token_bytes, autocast,
                                                        (device, rank, world_size))
     if rank == 0:
-        from nanochat.engine import Engine
         engine = Engine(model, tokenizer, autocast=lambda: autocast_for(device_type, dtype))
         completions = engine.complete(SAMPLE_PROMPTS, max_tokens=args.sample_tokens, temperature=0, n_sup=n_sup)
         for prompt, completion in zip(SAMPLE_PROMPTS, completions):
@@ -133,7 +136,6 @@ def main(argv=None):
 
 def validate_with_halting(args, model, tokenizer, T, steps, token_bytes, autocast, placement):
     """Validation bpb with --halt's per-token halting, printed, and {halting, bpb, mean_steps, n_sup}."""
-    from nanochat.dataloader import evaluation_batches
     device, rank, world_size = placement
     n_sup = model.config.n_sup_inference
     try:
@@ -149,8 +151,6 @@ def validate_with_halting(args, model, tokenizer, T, steps, token_bytes, autocas
 def evaluate_hops_corpus(args, model, tokenizer, meta, model_tag, device_type, placement):
     """--hops: accuracy by hop count at every supervision step on the validation documents of the hops corpus,
     printed, saved as hops_eval_step<N>.json beside the checkpoints, and plotted there when matplotlib is installed."""
-    from nanochat.dataset import DatasetError, corpus_identity, data_dir, iter_documents, read_source
-    from nanochat.hops_eval import HopsEvalError, evaluate_hops, format_hops, plot_hops
     device, rank, world_size = placement
     # the validation shard, not documents regenerated from the recorded seed: exactly what training held out,
     # and the split the other evaluations read

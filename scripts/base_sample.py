@@ -19,10 +19,9 @@ import torch
 
 from nanochat.checkpoint_manager import load_model, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
-from nanochat.common import autodetect_device_type, compute_init, device_available
+from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
 from nanochat.engine import Engine, kv_cache_bytes_per_token
 from nanochat.halting import Halting
-from nanochat.train_config import autocast_for, default_dtype
 
 DEFAULT_PROMPTS = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then"]
 

@@ -20,25 +20,32 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle, sharding, train_config
+from nanochat import lifecycle, sharding
+from nanochat.backup import Backup
 from nanochat.cli import Exit, ExitCode
-from nanochat.common import (RankFailure, WriteError, atomic_write_bytes, check_writable, compute_cleanup,
-                             compute_init, print0, raise_if_any_rank_failed, reduce_with_flags,
-                             run_on_rank0)
+from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags, run_on_rank0
+from nanochat.common import autocast_for, compute_cleanup, compute_init, print0
+from nanochat.dataloader import data_ranks, training_loaders
+from nanochat.dataset import DatasetError, corpus_identity
+from nanochat.engine import Engine
+from nanochat.files import WriteError, atomic_write_bytes, check_writable
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
 from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
 from nanochat.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
-from nanochat.optim import Muon, clipped_step, reduce_gradients, setup_optimizers
-from nanochat.train_config import (SAMPLE_PROMPTS, autocast_for, batch_geometry, data_problem, data_ranks,
-                                   ema_decay_for, lr_multiplier, muon_momentum, num_iterations_for, parse_args,
-                                   plan_lines, training_loaders)
+from nanochat.optim import clipped_step, lr_multiplier, muon_momentum, reduce_gradients, set_schedule, setup_optimizers
+from nanochat.planning import ema_decay_for, num_iterations_for, peak_flops, plan_lines
+from nanochat.resume import (check_data, check_data_positions, check_fresh_start, load_resume_point, move_aside,
+                             report_schedule_change, resume_differences)
+from nanochat.resume import restore as restore_point
+from nanochat.tokenizer import get_token_bytes, get_tokenizer
+from nanochat.train_config import SAMPLE_PROMPTS, batch_geometry, data_problem, parse_args
 from nanochat.weight_average import WeightAverage
 
 
@@ -53,7 +60,6 @@ def train(args):
     missing = data_problem()
     if missing:
         raise Exit(missing)
-    from nanochat.tokenizer import get_token_bytes, get_tokenizer
     tokenizer = get_tokenizer()
     model_config = {**args.model_config, "vocab_size": tokenizer.get_vocab_size()}
     run_lock = lifecycle.RunLock(ckpt.model_dir(args.model_tag), active=rank == 0)  # held until the run ends
@@ -68,8 +74,8 @@ def train(args):
     flops_per_token = model.estimate_flops()
     print_config(args, num_iterations, horizon_source, model, args.total_batch_size)
     if resume:
-        ckpt.report_schedule_change(resume, (num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac),
-                                    horizon_source)
+        report_schedule_change(resume, (num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac),
+                               horizon_source)
     no_room = ckpt.disk_room_problem(args.model_tag, ckpt.checkpoint_bytes(model), args.keep_last)
     if no_room:
         raise Exit(no_room)
@@ -88,7 +94,7 @@ def train(args):
         ckpt.remove_partial_saves(args.model_tag)
     metrics = MetricsLog(ckpt.model_dir(args.model_tag), args, rank, start_step if resume else None)
     price_per_hour = (args.gpu_hourly_price or 0) * world_size
-    backup = ckpt.Backup.location(args.backup_dir, args.model_tag, args.keep_last).start() \
+    backup = Backup.location(args.backup_dir, args.model_tag, args.keep_last).start() \
         if args.backup_dir and rank == 0 else None
 
     with lifecycle.StopSignals() as signals:
@@ -98,7 +104,7 @@ def train(args):
                   early_stop=early_stop_for(args, resume), backup=backup, model_config=model_config, corpus=corpus,
                   num_iterations=num_iterations, warmup_steps=warmup_steps, start_step=start_step,
                   resuming=resume is not None, flops_per_token=flops_per_token,
-                  peak_flops=train_config.peak_flops(args, device), prefetched=prefetched,
+                  peak_flops=peak_flops(args, device), prefetched=prefetched,
                   consumed=[loader.state_dict() for loader in loaders])
 
         # at each step boundary save, evaluate and sample when due; then stop, or train one more step
@@ -154,7 +160,7 @@ def train(args):
 class Run:
     """The run's components and the state its stages share, in named attributes; each stage is a method (save,
     evaluate_and_sample, optimizer_step, log_step, finish), so a test can call one alone."""
-    args: Any  # the parsed flags
+    args: Any  # the run's train_config.RunConfig
     model: Any  # the weights trained; evaluation, samples and checkpoints see `published`
     ema: Any  # the weight average (WeightAverage), or None
     optimizers: list
@@ -167,7 +173,7 @@ class Run:
     metrics: Any  # MetricsLog
     control: Any  # lifecycle.RunControl: the clock, the budgets and the flags every rank agrees on
     early_stop: Any  # lifecycle.EarlyStop
-    backup: Any  # rank 0's checkpoint uploader (ckpt.Backup), or None
+    backup: Any  # rank 0's checkpoint uploader (backup.Backup), or None
     model_config: dict
     corpus: dict  # the data's identity, recorded in every checkpoint
     num_iterations: int
@@ -264,7 +270,6 @@ class Run:
         """Forward and backward over the step's micro-batches into sums, then read the next step's first batch
         (tokenized while the device still works on this one). Returns the loaders' positions after the step's
         batches (what a checkpoint resumes from) and None; or None and the DatasetError that stopped it."""
-        from nanochat.dataset import DatasetError
         try:
             for j, loader in enumerate(self.loaders):
                 x, y = self.prefetched if j == 0 else next(loader)
@@ -357,7 +362,8 @@ def checkpoint_meta(args, model_config, tokenizer_fingerprint, corpus, num_itera
     """A checkpoint's meta.json: what resuming checks (model config, batch geometry, sharding, tokenizer, data),
     continues (the schedule, the clock, early stopping's count) and reports (the flags, validation bpb, cost)."""
     return {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
-            "train_config": {k: v for k, v in vars(args).items() if k not in ("model_config", "config_sources")},
+            "train_config": {k: v for k, v in asdict(args).items()
+                             if k not in ("model_config", "config_sources")},
             "batch_geometry": batch_geometry(args), "num_iterations": num_iterations, "warmup_steps": warmup_steps,
             "tokenizer_fingerprint": tokenizer_fingerprint, "data": corpus, "val_bpb": val_bpb,
             "elapsed_seconds": elapsed_seconds, "early_stop": early_stop, "cost": cost, "dataloader": loader_state}
@@ -400,7 +406,7 @@ def restore(args, resume, model, optimizers, ema):
         return 0, 0.0, [None] * args.grad_accum
     start_step, prior_seconds = resume.step, resume.meta["elapsed_seconds"]
     try:
-        loader_states = ckpt.restore(resume, model, optimizers, ema)
+        loader_states = restore_point(resume, model, optimizers, ema)
     except ckpt.CheckpointError as e:  # a shard refused or damaged: on every rank, DCP's load agrees
         raise Exit(f"cannot resume: {e}")
     print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
@@ -410,7 +416,6 @@ def restore(args, resume, model, optimizers, ema):
 def open_training_data(args, tokenizer, device, rank, loader_states, first_batch):
     """This process's training loaders (one per accumulation step, at their resume positions) and the first batch;
     data unreadable on any rank stops every rank with one line."""
-    from nanochat.dataset import DatasetError
     loaders, prefetched, error = [], None, None
     try:
         loaders = training_loaders(args, tokenizer, rank, loader_states, device)
@@ -440,20 +445,19 @@ def start_or_resume(args, model_config, tokenizer, rank, run_lock):
     """(the resume point (step, meta, weights, rank state), checked against this run, or None for a fresh run, on a
     tag that holds no other run (--overwrite moves one aside); the data's identity). A live run on the tag refuses us
     first (run_lock holds the tag's lock from here); every check passes before anything is written."""
-    from nanochat.dataset import DatasetError, corpus_identity
     resuming = args.resume or args.resume_from_step is not None
     try:
         run_lock.hold_existing()
         corpus = corpus_identity()
         if args.backup_dir:
-            ckpt.Backup.location(args.backup_dir, args.model_tag)  # a bad URL stops here, not after the first save
+            Backup.location(args.backup_dir, args.model_tag)  # a bad URL stops here, not after the first save
         if not resuming:
-            found = ckpt.check_fresh_start(args.model_tag, args.overwrite, args.backup_dir)
+            found = check_fresh_start(args.model_tag, args.overwrite, args.backup_dir)
             if args.overwrite:  # on every rank, so the ranks wait for rank 0's move together
                 error = None
                 if rank == 0 and found:
                     try:
-                        print0(f"--overwrite: moved the previous run ({found}) to {ckpt.move_aside(args.model_tag)}")
+                        print0(f"--overwrite: moved the previous run ({found}) to {move_aside(args.model_tag)}")
                     except OSError as e:
                         error = e
                 raise_if_any_rank_failed(error, "moving the previous run aside")
@@ -461,17 +465,17 @@ def start_or_resume(args, model_config, tokenizer, rank, run_lock):
         if args.backup_dir:
             run_lock.claim()  # restoring from the backup writes into the directory
         which = args.resume_from_step if args.resume_from_step is not None else "latest"
-        point = ckpt.load_resume_point(args.model_tag, which, rank, args.backup_dir, args.world_size,
-                                       data_ranks(args, rank))
+        point = load_resume_point(args.model_tag, which, rank, args.backup_dir, args.world_size,
+                                  data_ranks(args, rank))
         step, meta = point.step, point.meta
         ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {args.model_tag} step {step}")
-        ckpt.check_data(meta, corpus, args.allow_data_change, f"checkpoint {args.model_tag} step {step}")
-        diffs = ckpt.resume_differences(meta, model_config, batch_geometry(args), args.sharding)
+        check_data(meta, corpus, args.allow_data_change, f"checkpoint {args.model_tag} step {step}")
+        diffs = resume_differences(meta, model_config, batch_geometry(args), args.sharding)
         if diffs:
             raise Exit(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
                        f"different configuration:\n  " + "\n  ".join(diffs) +
                        "\nPass the checkpoint's values, or start a new run with another --model_tag.")
-        ckpt.check_data_positions(point, args, rank, tokenizer)  # the loaders' geometry matches by now
+        check_data_positions(point, args, rank, tokenizer)  # the loaders' geometry matches by now
     except (ckpt.CheckpointError, RankFailure, DatasetError, lifecycle.RunLockError) as e:
         raise Exit(f"cannot {'resume' if resuming else 'start'}: {e}")
     return point, corpus
@@ -514,16 +518,6 @@ class StepStats(NamedTuple):
                    math.sqrt(values[-1]) if values[-1] >= 0 else float("nan"))
 
 
-def set_schedule(optimizers, lr_multiplier, momentum):
-    """This step's learning rates (every group's initial lr x the multiplier) and Muon's momentum."""
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lr_multiplier
-        if isinstance(opt, Muon):  # DistMuon too
-            for group in opt.param_groups:
-                group["momentum"] = momentum
-
-
 def write_nan_diagnostic(path, step, losses, history, model_config):
     record = {"step": step, "step_losses": losses, "last_good": history[-5:], "model_config": model_config,
               "advice": "Lower --matrix_lr (2x), use a milder --preset (extreme -> aggressive), keep --grad_clip=1.0,"
@@ -545,7 +539,6 @@ def oom_message(args):
 def run_samples(model, tokenizer, args, metrics, step, stop):
     """Greedy completions of SAMPLE_PROMPTS, printed and logged; abandoned, token by token, once stop() is true."""
     try:
-        from nanochat.engine import Engine
         model.eval()
         engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, args.dtype))
         outputs = [[] for _ in SAMPLE_PROMPTS]

@@ -31,20 +31,21 @@ import json
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle
+from nanochat import lifecycle, planning, train_config
 from nanochat.cli import Exit, OneLineErrors, underscore_flags
-from nanochat import train_config
-from nanochat.common import (atomic_write_bytes, autodetect_device_type, compute_cleanup, compute_init, distributed,
-                             exit_on_write_error, get_dist_info, print0, save_figure)
+from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, distributed, get_dist_info, print0
+from nanochat.files import atomic_write_bytes, exit_on_write_error, save_figure
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.loss_eval import format_steps, validation_bpb
 from nanochat.metrics import read_metrics, summary_path
-from nanochat.train_config import batch_geometry, data_problem, meta_model, model_config, num_iterations_for
+from nanochat.planning import meta_model, model_config, num_iterations_for
+from nanochat.tokenizer import get_token_bytes, get_tokenizer
+from nanochat.train_config import batch_geometry, data_problem
 
 DEFAULT_GRID = {
     "plain": "--n_loops=0 --n_sup_train=1",
@@ -156,7 +157,7 @@ class Run:
     counts; plan() fills in the budget (iterations, tokens, training FLOPs) and the base_train command and tag."""
     name: str
     flags: list
-    args: argparse.Namespace
+    args: train_config.RunConfig  # base_train's parsed flags
     model: object
     parameters: int
     flops_per_token: float
@@ -217,7 +218,7 @@ def plan(args, vocab_size, world_size):
     if not given & {"--total_batch_size", "--gradient_accumulation_steps", "--device_batch_size"}:
         # base_train's automatic batch depends on the model: pin one batch, the reference total in the smallest
         # device batch that fits every config, so all of them see the same tokens in the same order
-        args.shared = args.shared + [f"--total_batch_size={train_config.B_REF}"]
+        args.shared = args.shared + [f"--total_batch_size={planning.B_REF}"]
         runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
         args.shared.append(f"--device_batch_size={min(r.args.device_batch_size for r in runs)}")
         runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
@@ -240,7 +241,8 @@ def plan(args, vocab_size, world_size):
         target = args.target_flops or args.num_iterations * max(r.flops_per_token * r.tokens_per_step
                                                                 for r in runs)
     for r in runs:
-        r.args.num_iterations, r.args.target_flops = (None, target) if target else (args.num_iterations, None)
+        horizon = (None, target) if target else (args.num_iterations, None)
+        r.args = replace(r.args, num_iterations=horizon[0], target_flops=horizon[1])
         r.iterations = num_iterations_for(r.args, r.model)[0]
         r.tokens = r.iterations * r.tokens_per_step
         r.train_flops = r.tokens * r.flops_per_token
@@ -290,7 +292,6 @@ def inference_sweep(run, max_sup, device, rank, world_size):
     """Validation bpb after each of 1 .. max_sup supervision steps (a model's step s never depends on later steps)."""
     model, tokenizer, _ = ckpt.load_model(run.tag, run.iterations, device, n_sup_train=max_sup)
     args = run.args
-    from nanochat.tokenizer import get_token_bytes
     bpb, state = validation_bpb(model, tokenizer, args, device, rank, world_size, get_token_bytes(device=device))
     if bpb is None:
         raise Exit(f"compare: {run.name}: the inference evaluation failed (see the warning above)")
@@ -364,9 +365,9 @@ def table(report):
 
 def plot(report, out):
     try:
-        import matplotlib
+        import matplotlib  # lazy: the optional matplotlib (the 'plot' extra); missing, one line says so
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: after matplotlib.use, which must precede it
     except ImportError:
         raise Exit("compare: matplotlib is not installed; pip install -e '.[plot]'")
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -414,7 +415,6 @@ def main(argv=None):
     missing = data_problem()
     if missing:
         raise Exit(f"compare: {missing}")
-    from nanochat.tokenizer import get_tokenizer
     runs = plan(args, get_tokenizer().get_vocab_size(), world_size)
     _, rank, _, _, device = compute_init(args.device_type)
     path = os.path.join(args.out, "compare.json")

@@ -26,8 +26,8 @@ import torch
 
 from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
-from nanochat.common import (exit_on_write_error, remove_stale_temporaries, temporary_path, write_error, write_failure,
-                             writing)
+from nanochat.files import (exit_on_write_error, remove_stale_temporaries, temporary_path, write_error, write_failure,
+                            writing)
 
 try:
     from tokenizers import processors
@@ -131,7 +131,7 @@ def write_export(model, tokenizer, meta, model_tag, out):
     write removes out.tmpPID and raises WriteError; those of killed exports go first."""
     remove_stale_temporaries(glob.escape(out))
     tmp, old = temporary_path(out), f"{out}.old{os.getpid()}"
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # lazy: beside its one use; transformers is loaded by now
     if not sys.stderr.isatty():  # transformers' own progress bar would fill log files, as ours never do
         hf_logging.disable_progress_bar()
     try:

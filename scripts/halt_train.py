@@ -22,9 +22,10 @@ import torch
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import Exit, OneLineErrors
-from nanochat.common import autodetect_device_type, compute_init, print0
+from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, print0
+from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_size
 from nanochat.halting import frozen_halt_head_loss
-from nanochat.train_config import autocast_for, default_dtype
+from nanochat.resume import check_fresh_start
 
 LOG_EVERY = 20
 
@@ -84,13 +85,12 @@ def main(argv=None):
     _, _, _, world_size, device = compute_init(device_type)
     if world_size > 1:
         raise Exit("halt_train: runs in one process (the head is one matrix); launch it with python -m, not torchrun")
-    from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_size
     try:
         model_tag = args.model_tag or ckpt.latest_model_tag()
         out_tag = args.out_tag or f"{model_tag}_halt"
         if out_tag == model_tag:
             raise ValueError(f"--out_tag={out_tag} is the source tag; choose a new one (the source is never changed)")
-        ckpt.check_fresh_start(out_tag, overwrite=False)
+        check_fresh_start(out_tag, overwrite=False)
         model, tokenizer, meta = ckpt.load_model(model_tag, args.step, device)
     except ValueError as e:
         raise Exit(f"halt_train: {e}")

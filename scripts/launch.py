@@ -24,6 +24,7 @@ says so). SIGTERM/SIGINT to this process is passed to torchrun, whose workers sa
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,16 +33,23 @@ import signal
 import subprocess
 import sys
 
+import torch
+
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle, memory, multinode, preflight
+from nanochat.backup import Backup
 from nanochat.cli import ArgumentParser, Exit, ExitCode
-from nanochat.common import get_base_dir, gpu_peak_flops
+from nanochat.common import gpu_peak_flops
+from nanochat.dataset import data_dir, list_parquet_files
+from nanochat.files import get_base_dir
 from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import summary_path
-from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS
-from nanochat.train_config import (PLANNER_MFU, batch_geometry, budget_lines, fit_device_batch, sharding_lines, free_ram_per_process, keeps_ema,
-                                   meta_model, model_config, parse_args)
+from nanochat.planning import (PLANNER_MFU, budget_lines, fit_device_batch, sharding_lines, free_ram_per_process,
+                               keeps_ema, meta_model, model_config)
+from nanochat.resume import previous_run, resume_differences
+from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS, get_tokenizer
+from nanochat.train_config import batch_geometry, parse_args
 
 # The device each GPU model of the table means (its name as torch reports it): the nodes are 8-GPU SXM boards.
 LAUNCH_TABLE_DEVICES = {"H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200", "B200": "NVIDIA B200",
@@ -96,7 +104,6 @@ def detect_gpus():
         return [(name.strip(), int(float(mib)) * 2**20) for name, mib in
                 (line.rsplit(",", 1) for line in out.strip().splitlines() if line.strip())]
     except (OSError, subprocess.SubprocessError, ValueError):
-        import torch
         return [(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
                 for i in range(torch.cuda.device_count())]
 
@@ -160,9 +167,9 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
         return {"gradient_accumulation_steps": per_rank // b}, [
             f"accumulation {accum} -> {per_rank // b} keeps the table's {sequences} sequences at your device batch {b}"]
     config = model_config(args, vocab_size)
-    args.plan_vocab_size = vocab_size
-    b, why = fit_device_batch(args, per_rank, max_batch=batch, memory_at=(memory_bytes, "the launcher's budget"),
-                              allow_checkpointing="activation_checkpointing" not in given)
+    b, why, args = fit_device_batch(dataclasses.replace(args, plan_vocab_size=vocab_size), per_rank, max_batch=batch,
+                                    memory_at=(memory_bytes, "the launcher's budget"),
+                                    allow_checkpointing="activation_checkpointing" not in given)
     if b is None:
         raise Exit(f"{why} (with activation checkpointing); lower DEPTH, --max_seq_len or --n_sup_train",
                    code=ExitCode.USAGE)
@@ -236,7 +243,6 @@ def memory_budget(key, device_type, gpus, nproc):
 
 def data_status(phase):
     """(shard files needed, present, data dir) for this phase; DATASET=builtin needs the built-in corpus only."""
-    from nanochat.dataset import data_dir, list_parquet_files
     needed = 2 if env("DATASET") == "builtin" else PHASES[phase]["shards"] + 1  # + the validation shard
     return needed, len(list_parquet_files()), data_dir()
 
@@ -261,13 +267,13 @@ def run_state(args, vocab, have_tokenizer, given, model):
                  f"written) in {ckpt.model_dir(tag)}; {ckpt.gigabytes(ckpt.free_bytes(ckpt.model_dir(tag)))} free")
     room = ckpt.disk_room_problem(tag, per_checkpoint, args.keep_last)
     problems += [room] if room else []
-    steps, found = ckpt.list_steps(tag), ckpt.previous_run(tag)
+    steps, found = ckpt.list_steps(tag), previous_run(tag)
     if given & {"resume", "resume_from_step", "overwrite"}:
         lines.append(f"resume       as your flags say ({', '.join(sorted(given & {'resume', 'resume_from_step', 'overwrite'}))})")
     elif steps:
         metas = [m for m in map(lambda s: readable_meta(tag, s), reversed(steps)) if m]
         config = {**args.model_config, "vocab_size": vocab}
-        diffs = ckpt.resume_differences(metas[0], config, batch_geometry(args)) if metas else ["no readable meta.json"]
+        diffs = resume_differences(metas[0], config, batch_geometry(args)) if metas else ["no readable meta.json"]
         saved_tok = metas[0].get("tokenizer_fingerprint") if metas else None
         if have_tokenizer and saved_tok and saved_tok != tokenizer_fingerprint():
             diffs.append(f"tokenizer: checkpoint {saved_tok} vs {tokenizer_fingerprint()} in the tokenizer directory")
@@ -296,7 +302,7 @@ def run_state(args, vocab, have_tokenizer, given, model):
 def backup_steps(url, tag, problems):
     """The steps the backup holds; an unreadable backup URL becomes a preflight problem."""
     try:
-        return ckpt.Backup.location(url, tag).steps()
+        return Backup.location(url, tag).steps()
     except ckpt.CheckpointError as e:
         problems.append(str(e))
         return []
@@ -310,13 +316,11 @@ def readable_meta(tag, step):
 
 
 def tokenizer_fingerprint():
-    from nanochat.tokenizer import get_tokenizer
     return get_tokenizer().fingerprint()
 
 
 def tokenizer_vocab():
     """The existing tokenizer's vocab size, or None when there is no tokenizer yet."""
-    from nanochat.tokenizer import get_tokenizer
     try:
         return get_tokenizer().get_vocab_size()
     except FileNotFoundError:
@@ -550,9 +554,10 @@ def prepare(phase, data, have_tokenizer, vocab):
 
 def oom_problem(args, vocab, budget, need):
     per_rank = args.device_batch_size * args.grad_accum
-    trial = argparse.Namespace(**{**vars(args), "plan_vocab_size": vocab})  # the fit may turn checkpointing on
-    batch, _ = fit_device_batch(trial, per_rank, max_batch=args.device_batch_size, allow_checkpointing=True,
-                                memory_at=(budget, "the launcher's budget"))
+    # trial: args as the fit leaves them, activation checkpointing maybe turned on
+    batch, _, trial = fit_device_batch(dataclasses.replace(args, plan_vocab_size=vocab), per_rank,
+                                       max_batch=args.device_batch_size, allow_checkpointing=True,
+                                       memory_at=(budget, "the launcher's budget"))
     checkpointing = trial.model_config["activation_checkpointing"] and not args.model_config["activation_checkpointing"]
     fix = ("lower DEPTH or --max_seq_len" if batch is None else
            f"use --device_batch_size={batch} --gradient_accumulation_steps={per_rank // batch}"

@@ -18,7 +18,7 @@ import sys
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import ArgumentParser, Exit
-from nanochat.common import exit_on_write_error, save_figure
+from nanochat.files import exit_on_write_error, save_figure
 from nanochat.health import smooth
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import MetricsError, read_metrics, read_results
@@ -149,9 +149,9 @@ def plot_downstream(ax, base_evals):
 def figure(run_dir):
     """The run's figure (matplotlib), five panels: see the top of this file."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: the optional matplotlib (the 'plot' extra); missing, one line says so
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: after matplotlib.use, which must precede it
     except ImportError:
         raise Exit("plot_run: matplotlib is not installed; pip install -e '.[plot]' (or pip install matplotlib)")
     records = read_metrics(run_dir)
@@ -183,7 +183,7 @@ def figure(run_dir):
 
 def plot(run_dir, out_path):
     fig = figure(run_dir)
-    import matplotlib.pyplot as plt  # figure() has checked that matplotlib is there
+    import matplotlib.pyplot as plt  # lazy: optional, and figure() has checked that it is there
     try:
         save_figure(fig, out_path, dpi=100, rest=", or pick another --out")
     finally:

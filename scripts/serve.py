@@ -65,10 +65,9 @@ except ModuleNotFoundError as e:
 
 from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
-from nanochat.common import autodetect_device_type, compute_init, device_available
+from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
 from nanochat.engine import Engine, ends_mid_character
 from nanochat.halting import forward_halting
-from nanochat.train_config import autocast_for, default_dtype
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOPS = 4  # as at OpenAI

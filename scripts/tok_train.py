@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from nanochat import checkpoint_manager as ckpt
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import progress_bar
 from nanochat.dataset import DatasetError, iter_documents, parquets_for_split, row_group_sizes
@@ -39,7 +40,6 @@ def capped_documents(max_chars, doc_cap, stats):
 
 def dependent_model_tags(fingerprint):
     """Model tags with a checkpoint whose meta.json records this tokenizer fingerprint."""
-    from nanochat import checkpoint_manager as ckpt
     root = ckpt.checkpoints_root()
     tags = set()
     for tag in sorted(os.listdir(root)) if os.path.isdir(root) else []:

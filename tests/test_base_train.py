@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from nanochat import train_config
+from nanochat import dataloader, planning, train_config
 from tests.support import processes
 from tests.support.helpers import ROOT, TINY, TINY_SHAPE, ckpt_dir, parsed, tree, weights
 
@@ -285,15 +285,15 @@ def test_the_weight_average_is_on_for_long_runs_only():
     """auto, the default, averages runs of 300+ steps only (shorter runs lost to it, see dev/LOG.md); 0
     turns it off; the launcher's memory plan counts its weight copy exactly when it is on."""
     long_run = train_config.parse_args([*TINY, "--num_iterations=1000"])
-    assert train_config.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and train_config.keeps_ema(long_run)
+    assert planning.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and planning.keeps_ema(long_run)
     short_run = train_config.parse_args([*TINY, "--num_iterations=120"])
-    assert train_config.ema_decay_for(short_run, 120) == 0 and not train_config.keeps_ema(short_run)
+    assert planning.ema_decay_for(short_run, 120) == 0 and not planning.keeps_ema(short_run)
     off = train_config.parse_args([*TINY, "--num_iterations=1000", "--ema_decay=0"])
-    assert train_config.ema_decay_for(off, 1000) == 0 and not train_config.keeps_ema(off)
-    assert train_config.ema_decay_for(train_config.parse_args([*TINY, "--ema_decay=0.9"]), 120) == 0.9
+    assert planning.ema_decay_for(off, 1000) == 0 and not planning.keeps_ema(off)
+    assert planning.ema_decay_for(train_config.parse_args([*TINY, "--ema_decay=0.9"]), 120) == 0.9
     # no step count before the run (--target_flops): count the copy unless it is off
-    assert train_config.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12"]))
-    assert not train_config.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))
+    assert planning.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12"]))
+    assert not planning.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))
 
 
 def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch):
@@ -333,7 +333,7 @@ def test_one_and_two_processes_read_the_same_data_ranks_in_each_step():
     reads = {}
     for world in (1, 2):
         args = train_config.parse_args(TINY_SHAPE + geometry, world_size=world, check_hardware=False)
-        reads[world] = ([train_config.data_ranks(args, rank) for rank in range(world)], world * args.grad_accum)
+        reads[world] = ([dataloader.data_ranks(args, rank) for rank in range(world)], world * args.grad_accum)
     assert reads[1] == ([[0, 1]], 2)
     assert reads[2] == ([[0], [1]], 2)
 
@@ -416,8 +416,7 @@ def test_a_shard_damaged_mid_run_saves_the_last_step_and_stops_with_one_line(bas
 
 def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
     from types import SimpleNamespace
-    from nanochat import checkpoint_manager as ckpt
-    from nanochat import lifecycle
+    from nanochat import lifecycle, resume
     from scripts import base_train
     args = train_config.parse_args([*TINY, "--num_iterations=6", "--warmup_steps=2", "--early_stop=3"])
     model_config = {**args.model_config, "vocab_size": 300}
@@ -428,9 +427,9 @@ def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
         args, model_config, "tok", corpus, 6, 2, val_bpb=[1.5, 1.25], elapsed_seconds=12.5,
         early_stop=early_stop.state(), cost=0.25, loader_state={"position": 3})))
     # what start_or_resume checks: the model config, batch geometry and sharding; the tokenizer; the data
-    assert ckpt.resume_differences(meta, model_config, train_config.batch_geometry(args), args.sharding) == []
+    assert resume.resume_differences(meta, model_config, train_config.batch_geometry(args), args.sharding) == []
     assert meta["tokenizer_fingerprint"] == "tok"
-    ckpt.check_data(meta, corpus, False, "step 4")  # the same data: no refusal
+    resume.check_data(meta, corpus, False, "step 4")  # the same data: no refusal
     # what the resumed run continues: the clock, the schedule (report_schedule_change) and early stopping's count
     assert meta["elapsed_seconds"] == 12.5
     assert (meta["num_iterations"], meta["warmup_steps"], meta["train_config"]["warmdown_ratio"],

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat import resume
+from nanochat.backup import Backup
 from nanochat.optim import setup_optimizers
 from scripts import base_train
 from tests.support.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree, weights
@@ -59,9 +61,9 @@ def test_rng_is_restored_when_the_run_is_on_a_non_cpu_device(base):
     random.setstate(saved["python"])
     expected = (torch.rand(4), random.random())
     torch.manual_seed(123), random.seed(123)  # anything else
-    point = ckpt.load_resume_point("rng", "latest", rank=0)
+    point = resume.load_resume_point("rng", "latest", rank=0)
     model = ckpt.build_model(point.meta["model_config"], torch.device("meta"))
-    ckpt.restore(point, model, setup_optimizers(model))
+    resume.restore(point, model, setup_optimizers(model))
     assert torch.equal(torch.rand(4), expected[0]) and random.random() == expected[1]
 
 
@@ -170,7 +172,7 @@ def test_disk_preflight_refuses_before_writing(base, monkeypatch, capsys):
 def test_backup_retention_keeps_the_newest_and_the_best(base, tmp_path):
     assert train(*FLAGS, "--save_every=1", "--keep_last=0", "--num_iterations=3", "--model_tag=ret") == 0
     base_train.update_checkpoint_bpb("ret", 1, [0.5, 0.1])  # step 1 becomes the best
-    uploads = ckpt.Backup.location(str(tmp_path / "bucket"), "ret", keep_last=1)
+    uploads = Backup.location(str(tmp_path / "bucket"), "ret", keep_last=1)
     for step in (1, 2, 3):  # one upload at a time, each waited for
         uploads.start().submit(step)
         uploads.close()
@@ -184,7 +186,7 @@ def test_backup_then_resume_from_it_into_an_empty_base_dir(base, base_dir, url, 
     url = str(tmp_path / "bucket") if url == "local" else url
     flags = [*FLAGS, "--save_every=1", f"--backup_dir={url}"]
     assert train(*flags, "--num_iterations=3", "--model_tag=bk") == 0
-    backup = ckpt.Backup.location(url, "bk")
+    backup = Backup.location(url, "bk")
     assert backup.steps()[-1] == 3  # the run waited for its last upload
     assert "backup: step 3 copied" in capsys.readouterr().out
     # a new machine: the same data and tokenizer, no checkpoints
@@ -258,9 +260,9 @@ def test_a_rank_file_from_before_plain_rng_states_still_resumes(base):
     torch.save(state, rank_file)
     assert "numpy.ndarray" in torch.serialization.get_unsafe_globals_in_checkpoint(rank_file)  # an old file indeed
     np.random.seed(0)
-    point = ckpt.load_resume_point("oldrng", "latest", rank=0)
+    point = resume.load_resume_point("oldrng", "latest", rank=0)
     model = ckpt.build_model(point.meta["model_config"], "cpu")
-    ckpt.restore(point, model, setup_optimizers(model))
+    resume.restore(point, model, setup_optimizers(model))
     assert np.random.random() == expected
     assert train(*FLAGS, "--num_iterations=4", "--model_tag=oldrng", "--resume") == 0
 

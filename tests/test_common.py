@@ -1,5 +1,6 @@
-"""nanochat/common.py: what every entry point shares; the peak-FLOPs table, where each GPU's exact device name finds
-its own datasheet figure, never a sibling's; failed writes described in one line, and stale temporary files."""
+"""nanochat/common.py and nanochat/files.py: what every entry point shares; the peak-FLOPs table, where each GPU's
+exact device name finds its own datasheet figure, never a sibling's; failed writes described in one line, and stale
+temporary files."""
 
 import errno
 import os
@@ -7,8 +8,9 @@ import sys
 
 import pytest
 
-from nanochat.common import (WriteError, atomic_write_bytes, check_writable, exit_on_write_error,
-                             gpu_peak_flops, progress_bar, remove_stale_temporaries, write_error, write_failure)
+from nanochat.common import gpu_peak_flops, progress_bar
+from nanochat.files import (WriteError, atomic_write_bytes, check_writable, exit_on_write_error,
+                            remove_stale_temporaries, write_error, write_failure)
 from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line
 
 # (torch.cuda.get_device_name, dense bf16 TFLOP/s from the vendor's datasheet)

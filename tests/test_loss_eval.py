@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat.common import RankFailure
+from nanochat.collectives import RankFailure
 from nanochat.gpt import GPT, STATE_DIAGNOSTICS
 from nanochat.loss_eval import evaluate_bpb
 from tests.support.helpers import tiny_config

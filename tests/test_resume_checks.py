@@ -154,12 +154,12 @@ def test_extending_a_finished_run_says_how_the_schedule_changes(base, capsys):
 
 
 def point(step, meta):
-    from nanochat.checkpoint_manager import ResumePoint
+    from nanochat.resume import ResumePoint
     return ResumePoint(step, meta, weights=None, rank_state=None, train_weights=None)
 
 
 def test_a_changed_warmdown_or_an_unrecorded_warmup_is_reported(capsys):
-    from nanochat.checkpoint_manager import report_schedule_change
+    from nanochat.resume import report_schedule_change
     saved = {"num_iterations": 100, "warmup_steps": 1, "train_config": {"warmdown_ratio": 0.2, "final_lr_frac": 0.0}}
     report_schedule_change(point(60, saved), (100, 1, 0.5, 0.0), "--num_iterations")
     # by hand: step index 60 is before a 20-step warmdown (1.0) and 10 steps into a 50-step one (40/50 = 0.8)

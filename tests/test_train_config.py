@@ -1,5 +1,5 @@
-"""nanochat/train_config: the compute-optimal batch and its learning-rate scaling, the automatic device batch shared
-with the launcher, and --dry_run."""
+"""nanochat/train_config and nanochat/planning: the compute-optimal batch and its learning-rate scaling, the automatic
+device batch shared with the launcher, and --dry_run."""
 
 import math
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from nanochat import memory, train_config
+from nanochat import memory, planning, train_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_80GB = ["--device_type=cuda", "--device_memory_gb=80", "--dry_run"]  # a plan for a GPU this machine lacks
@@ -37,12 +37,12 @@ def test_an_explicit_total_batch_disables_the_auto_batch_and_the_lr_scaling():
 
 def test_auto_device_batch_for_depth_12_on_8x80gb_fits_with_the_launchers_margin():
     args = parse(["--depth=12", *GPU_80GB])
-    est = memory.estimate_memory(train_config.model_config(args, 65536), args.device_batch_size, "bfloat16", 8,
-                                 train_config.keeps_ema(args))["total"]
+    est = memory.estimate_memory(planning.model_config(args, 65536), args.device_batch_size, "bfloat16", 8,
+                                 planning.keeps_ema(args))["total"]
     assert est <= memory.usable_bytes(80e9)
     bigger = args.device_batch_size * 2  # the next candidate of the 32 sequences per process does not fit
-    assert memory.estimate_memory(train_config.model_config(args, 65536), bigger, "bfloat16", 8,
-                                  train_config.keeps_ema(args))["total"] > memory.usable_bytes(80e9)
+    assert memory.estimate_memory(planning.model_config(args, 65536), bigger, "bfloat16", 8,
+                                  planning.keeps_ema(args))["total"] > memory.usable_bytes(80e9)
     assert args.compile is True  # on by default for CUDA
     assert args.world_size * args.device_batch_size * args.max_seq_len * args.grad_accum == args.total_batch_size
 
@@ -50,7 +50,7 @@ def test_auto_device_batch_for_depth_12_on_8x80gb_fits_with_the_launchers_margin
 def test_the_launcher_and_base_train_choose_the_same_device_batch(monkeypatch):
     from scripts import launch
     direct = parse(["--depth=12", *GPU_80GB])
-    # the launcher's 8xH100 fast row, 80 GB per GPU: its fit goes through train_config.fit_device_batch too
+    # the launcher's 8xH100 fast row, 80 GB per GPU: its fit goes through planning.fit_device_batch too
     _, args, _ = launch.compose("8xH100", "fast", ["--device_type=cuda"], 65536, int(80e9))
     assert args.device_batch_size == direct.device_batch_size
 
@@ -62,7 +62,7 @@ def test_compile_is_off_by_default_on_cpu_and_the_flag_wins():
 
 def test_accumulation_past_64_warns_and_names_the_flag():
     args = parse(["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--device_type=cpu"], world_size=1)
-    assert args.grad_accum > train_config.QUIET_ACCUMULATION
+    assert args.grad_accum > planning.QUIET_ACCUMULATION
     assert any("WARNING" in note and "--total_batch_size" in note for note in args.batch_notes)
 
 
@@ -96,8 +96,8 @@ def test_auto_sharding_is_fsdp_only_when_data_parallelism_cannot_hold_one_sequen
     # head's chunk: 2,048 rows of 4,096 since HEAD_CHUNK_ELEMENTS = 2**28, 1 GB more than at 1,024)
     big = parse(["--depth=64", "--n_loops=2", "--activation_checkpointing", *GPU_80GB])
     assert big.sharding == "fsdp" and "sharding fsdp (auto)" in big.sharding_note and "202.0 GB" in big.sharding_note
-    est = memory.estimate_memory(train_config.model_config(big, 65536), big.device_batch_size, "bfloat16", 8,
-                                 train_config.keeps_ema(big), "fsdp")["total"]
+    est = memory.estimate_memory(planning.model_config(big, 65536), big.device_batch_size, "bfloat16", 8,
+                                 planning.keeps_ema(big), "fsdp")["total"]
     assert est <= memory.usable_bytes(80e9)  # the batch was fitted to the sharded estimate
     small = parse(["--depth=24", "--n_embd=1536", "--n_head=24", *GPU_80GB])  # the 1B guide's shape: replicated fits
     assert small.sharding == "ddp" and "cheaper in communication" in small.sharding_note
@@ -117,21 +117,21 @@ def test_fsdp_is_refused_early_when_host_ram_cannot_hold_every_rank_building_the
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     flags = ["--depth=64", "--n_loops=2", "--activation_checkpointing", "--sharding=fsdp", "--device_type=cpu",
              "--device_memory_gb=80"]  # not a dry run: the check runs where the ranks would build
-    need = memory.sharded_build_host_bytes(train_config.model_config(parse(flags), 65536), 8)
+    need = memory.sharded_build_host_bytes(planning.model_config(parse(flags), 65536), 8)
     assert 400e9 < need < 450e9
-    monkeypatch.setattr(train_config, "host_ram_available", lambda: need - 1)
+    monkeypatch.setattr(planning, "host_ram_available", lambda: need - 1)
     with pytest.raises(SystemExit, match="each of the 8 processes on this node builds the whole float32 model"):
         train_config.parse_args(flags, world_size=8, vocab_size=65536)
-    monkeypatch.setattr(train_config, "host_ram_available", lambda: need)
+    monkeypatch.setattr(planning, "host_ram_available", lambda: need)
     assert train_config.parse_args(flags, world_size=8, vocab_size=65536).sharding == "fsdp"
-    line = next(line for line in train_config.plan_lines(parse(flags)) if line.startswith("  fsdp"))
+    line = next(line for line in planning.plan_lines(parse(flags)) if line.startswith("  fsdp"))
     assert f"needs ~{need / 8 / 1e9:.1f} GB host RAM per process" in line
 
 
 def test_the_plan_prints_the_sharding_both_choices_and_the_budget_in_steps():
     args = parse(["--depth=64", "--n_loops=2", "--activation_checkpointing", "--max_hours=31", "--peak_tflops=989", "--num_iterations=1000",
                   *GPU_80GB])
-    lines = train_config.plan_lines(args)
+    lines = planning.plan_lines(args)
     assert any(line.startswith("sharding     fsdp (auto)") for line in lines)
     assert any("ddp: ~" in line and "does NOT fit" in line for line in lines)
     assert any("fsdp (chosen): ~" in line and "parameter all-gathers per micro-step" in line for line in lines)

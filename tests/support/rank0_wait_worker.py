@@ -17,8 +17,10 @@ import time
 import torch.distributed
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat.common import (PROCESS_GROUP_TIMEOUT, RankFailure, compute_cleanup, compute_init,
-                             raise_if_any_rank_failed, run_on_rank0)
+from nanochat import resume
+from nanochat.backup import Backup
+from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
+from nanochat.common import PROCESS_GROUP_TIMEOUT, compute_cleanup, compute_init
 from nanochat.gpt import GPTConfig
 
 SLOW_S = 3 * PROCESS_GROUP_TIMEOUT.total_seconds()
@@ -37,7 +39,7 @@ def fail():
 
 def move_to_backup(model_tag, step, backup_url):
     """As on a new machine: the checkpoint only in the backup."""
-    ckpt.Backup.location(backup_url, model_tag).upload(step)
+    Backup.location(backup_url, model_tag).upload(step)
     shutil.rmtree(ckpt.model_dir(model_tag))
 
 
@@ -57,15 +59,15 @@ def steps(backup_url):
     print(f"rank {rank}: saved steps {ckpt.list_steps('slow')}", flush=True)
     torch.distributed.barrier()  # every rank has listed the save before rank 0 moves it to the backup
     run_on_rank0(lambda: move_to_backup("slow", 1, backup_url), rank)
-    ckpt.Backup.restore = slowly(ckpt.Backup.restore)
-    step = ckpt.load_resume_point("slow", "latest", rank, backup_url).step
+    Backup.restore = slowly(Backup.restore)
+    step = resume.load_resume_point("slow", "latest", rank, backup_url).step
     print(f"rank {rank}: resumed from step {step}", flush=True)
     compute_cleanup(together=True)
 
 
 def base_train(argv):
     from scripts import base_train
-    ckpt.Backup.close = slowly(ckpt.Backup.close)
+    Backup.close = slowly(Backup.close)
     base_train.main(argv)
     print(f"rank {os.environ['RANK']}: exited cleanly", flush=True)
 

@@ -1,0 +1,333 @@
+"""
+What a run will do and whether it fits, from its configuration alone (no weights, no data): the model config the flags
+resolve to, the compute-optimal batch and its learning-rate scale, the device batch the memory estimate fits, the
+sharding (--sharding=auto settled by memory), the horizon, and the plan's lines that base_train --dry_run and the
+launcher print.
+
+Every function reads a run's train_config.RunConfig (`run`) and returns values, or a new RunConfig made with
+dataclasses.replace: none changes the one it is given.
+"""
+
+import dataclasses
+import math
+import os
+
+import torch
+
+from nanochat import memory
+from nanochat.common import gpu_peak_flops
+from nanochat.gpt import GPT, GPTConfig
+
+# Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
+MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "state_update",
+               "sample_n_sup", "detach_between_steps", "activation_checkpointing", "supervision_weight_base",
+               "improvement_reward_scale", "halt_head", "n_prelude", "n_coda"]
+# The compute-optimal batch, as nanochat HEAD derives it: B_REF tokens for the depth-12 reference at its horizon
+# D_REF, and B ~ D^BATCH_EXPONENT for other horizons (Power Lines, arXiv 2505.13738), rounded to a power of 2.
+B_REF = 2 ** 19
+BATCH_EXPONENT = 0.383
+REFERENCE_DEPTH = 12
+MAX_DEVICE_BATCH = 32  # the largest automatic micro-batch (nanochat's default device batch)
+QUIET_ACCUMULATION = 64  # more micro-batches per step than this gets a warning: a small model made to crawl
+PLANNER_MFU = 0.40  # model FLOPs utilisation a compiled bf16 run of this size reaches; stated in every plan
+# Per-GPU collective bandwidths the plan prices communication at (bytes/s): PCIe-class and NVLink-class nodes
+LINK_BANDWIDTHS = {"PCIe": 25e9, "NVLink": 300e9}
+# auto starts averaging at 300 steps: at CPU scale the average hurt every 128-step run and helped every run of 337 to
+# 990 steps (dev/LOG.md, "When the weight average helps").
+EMA_AUTO_MIN_STEPS = 300
+
+
+class PlanError(ValueError):
+    """A run that cannot be planned; the message says what to change (parse_args prints it as a usage error)."""
+
+
+def ema_decay_for(run, num_iterations):
+    """The EMA decay of the run: --ema_decay, or for auto an average over about the last tenth of a long run."""
+    if run.ema_decay != "auto":
+        return run.ema_decay
+    return 1 - 10 / num_iterations if num_iterations >= EMA_AUTO_MIN_STEPS else 0.0
+
+
+def resolve_model_config(run):
+    """The effective GPTConfig fields and where each came from: explicit flag > --preset > gpt.py default. run: the
+    flags (the parsed ones, or a RunConfig, whose flag fields hold them)."""
+    defaults = GPTConfig(vocab_size=1)
+    given = lambda value, default: default if value is None else value  # noqa: E731 - 0 is a value, not "unset"
+    n_embd = given(run.n_embd, run.depth * 64)
+    values = {"n_layer": run.depth, "n_embd": n_embd, "sequence_len": run.max_seq_len,
+              "n_head": given(run.n_head, max(1, n_embd // 128))}
+    values["n_kv_head"] = given(run.n_kv_head, values["n_head"])
+    sources = {"n_layer": "--depth", "sequence_len": "--max_seq_len",
+               "n_embd": "--n_embd" if run.n_embd is not None else "derived from --depth (64 per layer)",
+               "n_head": "--n_head" if run.n_head is not None else "derived (head dim 128)",
+               "n_kv_head": "--n_kv_head" if run.n_kv_head is not None else "= n_head"}
+    preset = GPTConfig.with_refinement_preset(run.preset, vocab_size=1) if run.preset else None
+    for name in MODEL_FLAGS:
+        if getattr(run, name) is not None:
+            values[name], sources[name] = getattr(run, name), "flag"
+        elif preset and name in ("supervision_weight_base", "improvement_reward_scale"):
+            values[name], sources[name] = getattr(preset, name), f"preset {run.preset}"
+        else:
+            values[name], sources[name] = getattr(defaults, name), "gpt.py default"
+    if run.n_sup_inference is None:
+        values["n_sup_inference"], sources["n_sup_inference"] = values["n_sup_train"], "= n_sup_train"
+    return values, sources
+
+
+# ---------------------------------------------------------------------------------------------------- the batch
+def plan_batch(run):
+    """run with its batch settled: device_batch_size, grad_accum, total_batch_size, lr_scale, the sharding, and
+    batch_notes saying why. PlanError when the flags ask for a batch that cannot be.
+
+    Unset, the total batch is compute-optimal for the run's horizon (nanochat HEAD's rule) with learning rates
+    scaled by sqrt(batch / B_REF), and the device batch is the largest that the memory estimate fits."""
+    world, T = run.world_size, run.max_seq_len
+    accum, total = run.gradient_accumulation_steps, run.total_batch_size
+    run = settle_sharding(run, device_memory(run))
+    notes, lr_scale = [run.sharding_note], 1.0
+    if total is None and accum is None:
+        total, horizon, reference = optimal_batch(run)
+        micro = (run.device_batch_size or 1) * T * world  # a whole number of micro-batches (sequences) per process
+        total = max(1, round(total / micro)) * micro
+        lr_scale = math.sqrt(total / B_REF)
+        notes.append(f"total batch {total:,} tokens: compute-optimal for a horizon of {horizon:.3g} tokens "
+                     f"({B_REF:,} at the depth-{REFERENCE_DEPTH} horizon {reference:.3g}, x (horizon ratio)^"
+                     f"{BATCH_EXPONENT}, a power of 2); learning rates x {lr_scale:.4f} = sqrt(batch / "
+                     f"{B_REF:,}). --total_batch_size sets it (and keeps the learning rates)")
+    device_batch = run.device_batch_size
+    if device_batch is None:
+        per_rank = total // (T * world) if total is not None and total % (T * world) == 0 else MAX_DEVICE_BATCH
+        device_batch, why, run = fit_device_batch(run, per_rank)
+        if device_batch is None:
+            raise PlanError(why)
+        notes.append(why)
+    tokens_per_micro = device_batch * T * world
+    if total is not None:
+        given = "--total_batch_size" if run.total_batch_size is not None else "the compute-optimal total batch"
+        if total < tokens_per_micro or total % tokens_per_micro:
+            multiple = max(1, round(total / tokens_per_micro)) * tokens_per_micro
+            raise PlanError(f"{given}={total} is not a multiple of processes x device_batch_size x max_seq_len = "
+                            f"{world} x {device_batch} x {T} = {tokens_per_micro}; pass "
+                            f"--total_batch_size={multiple} (or another multiple of {tokens_per_micro}), or "
+                            f"--gradient_accumulation_steps=N for N x {tokens_per_micro} tokens per step")
+        if accum is not None and accum != total // tokens_per_micro:
+            raise PlanError(f"--total_batch_size={total} implies gradient accumulation {total // tokens_per_micro}, "
+                            f"but --gradient_accumulation_steps={accum}; give only one of them")
+        accum = total // tokens_per_micro
+    total = tokens_per_micro * accum
+    if accum > QUIET_ACCUMULATION:
+        notes.append(f"WARNING: {accum} micro-batches per optimizer step ({total:,} tokens in "
+                     f"micro-batches of {tokens_per_micro:,}): each step will be slow; a smaller --total_batch_size "
+                     f"(or --gradient_accumulation_steps) makes more, faster steps")
+    return dataclasses.replace(run, device_batch_size=device_batch, grad_accum=accum, total_batch_size=total,
+                               lr_scale=lr_scale, batch_notes=tuple(notes))
+
+
+def settle_sharding(run, memory_at):
+    """run with --sharding=auto settled in `sharding` for memory_at = (bytes per device, where from), and
+    sharding_note saying why."""
+    sharding, note = sharding_reason(run, memory_at)
+    return dataclasses.replace(run, sharding=sharding, sharding_note=note)
+
+
+def sharding_reason(run, memory_at):
+    """(the sharding, why): --sharding as asked, or for auto ddp, unless data parallelism cannot hold one sequence per
+    device even with activation checkpointing: then fsdp."""
+    if run.sharding_requested != "auto":
+        return run.sharding_requested, f"sharding {run.sharding_requested} (--sharding)"
+    if run.world_size == 1:
+        return "ddp", "sharding ddp (auto): one process, nothing to shard"
+    memory_bytes, where = memory_at
+    usable = memory.usable_bytes(memory_bytes)
+    gpt_config = model_config(run, run.plan_vocab_size).replace(activation_checkpointing=True)
+    need = {kind: memory.estimate_memory(gpt_config, 1, run.dtype, run.world_size, keeps_ema(run),
+                                         kind)["total"] for kind in ("ddp", "fsdp")}
+    sharding = "ddp" if need["ddp"] <= usable else "fsdp"
+    return sharding, (f"sharding {sharding} (auto): at 1 sequence with activation checkpointing data parallelism "
+                      f"needs ~{need['ddp'] / 1e9:.1f} GB per device, sharded over {run.world_size} processes "
+                      f"~{need['fsdp'] / 1e9:.1f} GB; {usable / 1e9:.0f} GB usable ({where})"
+                      + ("" if sharding == "fsdp" else "; replicated is cheaper in communication (--sharding=fsdp "
+                                                       "forces)"))
+
+
+def optimal_batch(run):
+    """(tokens per step, the run's horizon in tokens, the reference horizon): B_REF x (D / D_REF)^BATCH_EXPONENT
+    rounded to a power of 2, D from --target_flops or the data ratio (as the horizon rule, iterations aside)."""
+    model = meta_model(model_config(run, run.plan_vocab_size))
+    reference_flags = dataclasses.replace(run, depth=REFERENCE_DEPTH, n_embd=None, n_head=None, n_kv_head=None)
+    reference_config = dataclasses.replace(reference_flags, model_config=resolve_model_config(reference_flags)[0])
+    reference_model = meta_model(model_config(reference_config, run.plan_vocab_size))
+    reference = run.target_param_data_ratio * reference_model.num_params()
+    if run.target_flops:
+        horizon = run.target_flops / model.estimate_flops()
+    else:
+        horizon = run.target_param_data_ratio * model.num_params()
+    return 2 ** round(math.log2(B_REF * (horizon / reference) ** BATCH_EXPONENT)), horizon, reference
+
+
+def fit_device_batch(run, sequences_per_rank, max_batch=MAX_DEVICE_BATCH, allow_checkpointing=False, memory_at=None):
+    """(the largest device batch up to max_batch that divides sequences_per_rank and fits the device's memory, why,
+    run with the sharding settled for that memory); (None, what to do, run) when not even one sequence fits.
+    Activation checkpointing, when allowed and needed, is turned on in the returned run's model_config. The
+    launcher fits its table's batch with this function too. memory_at: (bytes per device, where the number comes
+    from), default device_memory(run)."""
+    memory_bytes, where = memory_at or device_memory(run)
+    run = settle_sharding(run, (memory_bytes, where))
+    config = model_config(run, run.plan_vocab_size)
+    fit = memory.fit_micro_batch(config, sequences_per_rank, min(max_batch, sequences_per_rank), memory_bytes,
+                                 run.dtype, run.world_size, allow_checkpointing=allow_checkpointing,
+                                 ema=keeps_ema(run), sharding=run.sharding)
+    if fit is None:
+        return None, (f"not even one sequence of {run.max_seq_len} tokens fits in {memory_bytes / 1e9:.0f} GB per "
+                      f"device ({where}; estimate): turn on --activation_checkpointing, or lower --max_seq_len or "
+                      f"--depth"), run
+    batch, checkpointing = fit
+    if checkpointing and not config.activation_checkpointing:
+        run = dataclasses.replace(
+            run, model_config={**run.model_config, "activation_checkpointing": True},
+            config_sources={**run.config_sources, "activation_checkpointing": "turned on to fit memory"})
+    need = memory.estimate_memory(model_config(run, run.plan_vocab_size), batch, run.dtype, run.world_size,
+                                  keeps_ema(run), run.sharding)["total"]
+    return batch, (f"device batch {batch}: the largest of at most {max_batch} that divides the {sequences_per_rank} "
+                   f"sequences per process and fits ~{need / 1e9:.1f} GB in {memory.usable_bytes(memory_bytes) / 1e9:.0f}"
+                   f" GB usable of {memory_bytes / 1e9:.0f} GB ({where})"), run
+
+
+def device_memory(run):
+    """(bytes per device, where the number comes from): --device_memory_gb, the GPU's, or free RAM per process."""
+    if run.device_memory_gb:
+        return int(run.device_memory_gb * 1e9), "--device_memory_gb"
+    if run.device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    return free_ram_per_process(run.world_size)
+
+
+def free_ram_per_process(processes):
+    """(bytes, where from): the machine's free RAM shared by the processes, the memory of a CPU run."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // processes, f"{available / 1e9:.0f} GB free RAM / {processes} processes"
+
+
+def host_ram_available():
+    """Bytes of RAM the machine can still give (MemAvailable: free plus reclaimable cache), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_ram_problem(run):
+    """A line saying why this node's RAM cannot hold what the FSDP ranks on it build before sharding, or None."""
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes on this node
+    need = memory.sharded_build_host_bytes(model_config(run, run.plan_vocab_size), processes)
+    have = host_ram_available()
+    if have is None or need <= have:
+        return None
+    return (f"--sharding=fsdp: each of the {processes} processes on this node builds the whole float32 model in host "
+            f"RAM before sharding it, ~{need / 1e9:.1f} GB in all, but {have / 1e9:.1f} GB is available; run fewer "
+            f"processes per node, or on a node with more RAM")
+
+
+def keeps_ema(run):
+    """Whether the run keeps an EMA copy of the weights (--ema_decay; auto depends on the run's length)."""
+    if run.num_iterations is None:  # the length comes from --target_flops or a data ratio: count the copy unless off
+        return run.ema_decay != 0
+    return ema_decay_for(run, run.num_iterations) > 0
+
+
+def plan_lines(run):
+    """What a run will do and cost, from its flags alone: base_train --dry_run prints these and exits."""
+    config = model_config(run, run.plan_vocab_size)
+    model = meta_model(config)
+    iterations, source = num_iterations_for(run, model)
+    memory_bytes, where = device_memory(run)
+    est = memory.estimate_memory(config, run.device_batch_size, run.dtype, run.world_size, keeps_ema(run),
+                                 run.sharding)
+    flops_per_step = model.estimate_flops() * run.total_batch_size
+    lines = [f"processes    {run.world_size} x {run.device_type}, {run.dtype}, compile {run.compile}",
+             f"model        depth {config.n_layer}, width {config.n_embd}, n_loops {config.n_loops}, "
+             f"{config.n_sup_train} supervision steps, vocab {config.vocab_size:,}: {model.num_params():,} parameters",
+             f"batch        {run.world_size} x {run.device_batch_size} sequences x {run.max_seq_len} tokens x "
+             f"{run.grad_accum} accumulation = {run.total_batch_size:,} tokens per step",
+             *[f"             {note}" for note in run.batch_notes],
+             f"memory       ~{est['total'] / 1e9:.1f} GB per device (nanochat/memory.py) of "
+             f"{memory.usable_bytes(memory_bytes) / 1e9:.0f} GB usable ({memory_bytes / 1e9:.0f} GB, {where})"
+             + ("" if est["total"] <= memory.usable_bytes(memory_bytes) else "  -> predicted OUT OF MEMORY"),
+             f"compute      {model.estimate_flops():.3e} FLOPs per token x {run.total_batch_size:,} tokens = "
+             f"{flops_per_step:.3e} FLOPs per step; {iterations} steps ({source})"]
+    peak = peak_flops(run)
+    if peak:
+        seconds = flops_per_step / (run.world_size * peak * PLANNER_MFU)
+        cost = (f", ${seconds * iterations / 3600 * run.gpu_hourly_price * run.world_size:,.2f} at "
+                f"${run.gpu_hourly_price}/GPU-hour" if run.gpu_hourly_price else "")
+        lines.append(f"time         {peak / 1e12:,.0f} TFLOP/s per device at {PLANNER_MFU:.0%} MFU: {seconds:.2f} s per "
+                     f"step, {seconds * iterations / 3600:.2f} h for {iterations} steps{cost}")
+        lines += budget_lines(run, seconds, iterations)
+    else:
+        lines.append("time         unknown: no GPU in the peak-FLOPs table here; --peak_tflops gives one")
+    return lines + sharding_lines(run, config, memory_bytes)
+
+
+def peak_flops(run, device=0):
+    """The device's dense bf16 peak FLOP/s, for MFU and the plan's time: --peak_tflops, else the GPU's entry in the
+    peak-FLOPs table (nanochat/common.py), else None (no MFU shown)."""
+    if run.peak_tflops:
+        return run.peak_tflops * 1e12
+    if run.device_type == "cuda" and torch.cuda.is_available():
+        return gpu_peak_flops(torch.cuda.get_device_name(device))
+    return None
+
+
+def sharding_lines(run, config, memory_bytes):
+    """The sharding chosen, why, what each choice needs per device and sends per step (the plan's 'sharding')."""
+    if run.world_size == 1:
+        return [f"sharding     {run.sharding}: one process, no collectives"]
+    lines = [f"sharding     {run.sharding_note.removeprefix('sharding ')}"]
+    for kind in ("ddp", "fsdp"):
+        need = memory.estimate_memory(config, run.device_batch_size, run.dtype, run.world_size, keeps_ema(run),
+                                      kind)["total"]
+        sent, gathers = memory.collective_bytes(config, kind, run.world_size, run.grad_accum, run.dtype)
+        at = ", ".join(f"{sent / bandwidth:.2f} s at {bandwidth / 1e9:.0f} GB/s ({link})"
+                       for link, bandwidth in LINK_BANDWIDTHS.items())
+        what = (f"{sum(gathers.values())} parameter all-gathers per micro-step, x {run.grad_accum} micro-steps"
+                if gathers else "one gradient reduce-scatter and one weight all-gather per step")
+        host = (f"; needs ~{memory.sharded_build_host_bytes(config, 1) / 1e9:.1f} GB host RAM per process at start "
+                f"(the whole float32 model, built before sharding)" if kind == "fsdp" else "")
+        lines.append(f"  {kind}{' (chosen)' if kind == run.sharding else ''}: ~{need / 1e9:.1f} GB per device"
+                     f"{'' if need <= memory.usable_bytes(memory_bytes) else ' (does NOT fit)'}; sends "
+                     f"~{sent / 1e9:.1f} GB per device per step ({what}): {at} if not overlapped with compute{host}")
+    return lines
+
+
+def budget_lines(run, seconds_per_step, iterations):
+    """What --max_hours buys at the planned step time: steps and tokens (the run stops there, saved)."""
+    if not run.max_hours:
+        return []
+    steps = int(run.max_hours * 3600 / seconds_per_step)
+    return [f"budget       --max_hours={run.max_hours:g}: ~{min(steps, iterations):,} of {iterations:,} steps, "
+            f"~{min(steps, iterations) * run.total_batch_size:,} tokens at {PLANNER_MFU:.0%} MFU"]
+
+
+def num_iterations_for(run, model):
+    if run.num_iterations:
+        return run.num_iterations, "--num_iterations"
+    flops_per_step = model.estimate_flops() * run.total_batch_size
+    if run.target_flops:
+        return max(1, round(run.target_flops / flops_per_step)), f"--target_flops={run.target_flops:g}"
+    tokens = run.target_param_data_ratio * model.num_params()
+    return max(1, round(tokens / run.total_batch_size)), f"--target_param_data_ratio={run.target_param_data_ratio:g}"
+
+
+def model_config(run, vocab_size):
+    """The GPTConfig a run (a RunConfig) trains."""
+    return GPTConfig(vocab_size=vocab_size, **run.model_config)
+
+
+def meta_model(config):
+    """The model without memory or init (meta device): enough for parameter and FLOP counts."""
+    with torch.device("meta"):
+        return GPT(config)
