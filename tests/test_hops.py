@@ -1,10 +1,14 @@
-"""dev/hops.py: the masked multi-hop rows, read back by a solver written here."""
+"""dev/hops.py: the masked multi-hop rows, read back by a solver written here, and the regression test of issue 32: the
+default recursion learns lookups that a plain model of its depth per supervision step cannot, and climbs."""
 
 import random
 
 import pytest
+import torch
 
-from dev.hops import masked_row, masked_vocab
+from dev.hops import batches, evaluate, masked_row, masked_vocab, train
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.optim import setup_optimizers
 from nanochat.synthetic import HopsSpec
 
 
@@ -39,3 +43,35 @@ def test_masked_rows_answer_right_and_never_show_an_answer(spec):
         digit = spec.n_symbols * (spec.n_symbols - 1) + spec.n_symbols
         assert all(digit < ids[p + 1] <= digit + spec.max_hops for p in pos[:-1]) and pos[-1] == len(ids) - 1
     assert masked_row(random.Random(1), spec) == masked_row(random.Random(1), spec)
+
+
+SPEC = HopsSpec(n_symbols=6, max_hops=3, n_queries=12)
+
+
+def trained(config, steps, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(config)
+    model.init_weights()
+    optimizers = setup_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02)
+    train(model, optimizers, SPEC, None, steps, batch=32, seed=seed, warmup=20)
+    return model
+
+
+def test_the_default_recursion_uses_its_depth():
+    """Issue 32's failure must not come back silently: one block with gpt.py's default recursion answers 3 chained
+    lookups by its last supervision step, where the same block run once (the plain model of equal parameters)
+    cannot; its steps climb, and twice as many steps as trained still beat the first draft (at this budget the answer
+    decays past the trained steps; at 2,000 steps it holds: dev/LOG.md)."""
+    val = batches([masked_row(random.Random(f"val:{i}"), SPEC) for i in range(256)], None)
+    size = dict(sequence_len=val[0].size(1), vocab_size=masked_vocab(SPEC), n_layer=1, n_head=2, n_kv_head=2,
+                n_embd=32)
+    default = trained(GPTConfig(**size), steps=400)
+    n = default.config.n_sup_train
+    acc, _ = evaluate(default, val, 2 * n, SPEC.max_hops)
+    plain = trained(GPTConfig(**size, n_loops=0, n_sup_train=1), steps=400)
+    plain_acc, _ = evaluate(plain, val, 1, SPEC.max_hops)
+    longest = SPEC.max_hops - 1
+    assert acc[n - 1, longest] >= 0.8, acc
+    assert plain_acc[0, longest] <= 0.5, plain_acc
+    assert acc[n - 1, longest] - acc[0, longest] >= 0.3, acc  # it climbs
+    assert acc[2 * n - 1, longest] - acc[0, longest] >= 0.2, acc  # and twice the steps still beat the first draft
