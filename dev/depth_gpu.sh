@@ -5,8 +5,9 @@
 # (this Python's standard library: no network needed, built on the GPU machine itself).
 #   bash dev/depth_gpu.sh                       # one GPU; writes depth_gpu/compare.md, compare.json, plots
 #   TOKENS=2e7 bash dev/depth_gpu.sh            # a shorter run
-# Estimated from GPT.estimate_flops at 40% MFU on one H100: ~9 min of training for the 5 models (plain16 2.2 min, the
-# 4x loop 2.5 min), plus compile and evaluation; it has not run on a GPU yet. Extra arguments go to base_train.
+# Estimated from GPT.estimate_flops at 40% MFU on one H100: ~13 min of training for the 5 models (plain4/8/16 0.6, 1.2
+# and 2.2 min, the 4x loop 2.5, the default recursion 6.8), plus compile and evaluation; it has not run on a GPU yet.
+# At a lower MFU, TOKENS=5e7 halves it. Extra arguments go to base_train.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$PWD/depth_gpu/base}"
