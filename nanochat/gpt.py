@@ -350,6 +350,14 @@ class Block(nn.Module):
         a = self.attn(norm(u), cos_sin, kv_cache, slot)
         return a + self.mlp(norm(u + a))
 
+    def visit(self, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0, compiled=None):
+        """One layer visit through this block: visit_layer, or `compiled`, its torch.compile twin (training only: no
+        cache, and no slot, whose int would be a compile guard). FSDP registers it as the block's forward method, so
+        a visit's n_loops+1 calls share one gather."""
+        if compiled is not None:
+            return compiled(self, x, y, z, cos_sin, n_loops, update)
+        return visit_layer(self, x, y, z, cos_sin, n_loops, update, kv_cache, slot)
+
 
 def visit_layer(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
     """One layer visit: n_loops latent updates then one answer update, each through `update` (a plain block when
@@ -464,11 +472,12 @@ class GPT(nn.Module):
         self._compiled_head_chunk = torch.compile(head_chunk_loss_and_grads, dynamic=False, backend=backend)
 
     def _visit_layer(self, layer, x, y, z, cos_sin, kv_cache, slot):
-        args = (self.transformer.h[layer], x, y, z, cos_sin, self.config.n_loops, STATE_UPDATES[self.config.state_update])
+        block, args = self.transformer.h[layer], (x, y, z, cos_sin, self.config.n_loops,
+                                                  STATE_UPDATES[self.config.state_update])
         compiled = getattr(self, "_compiled_visit", None)
         if compiled is not None and kv_cache is None and torch.is_grad_enabled():
-            return compiled(*args)  # no slot: an int argument would be a guard, one graph per layer
-        return visit_layer(*args, kv_cache, slot)
+            return block.visit(*args, compiled=compiled)
+        return block.visit(*args, kv_cache, slot)
 
     def _sweep(self, x, y, z, cos_sin, kv_cache, slot):
         for layer in range(self.config.n_layer):

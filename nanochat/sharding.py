@@ -3,9 +3,9 @@ Fully sharded training (base_train --sharding=fsdp): PyTorch's FSDP2 (`fully_sha
 gradient and its optimizer state as 1/world_size row-shards (DTensors on dim 0); a block's whole weights exist only
 while one of its visits runs.
 
-- Every Block (recursion, prelude, coda) is its own FSDP unit; `Block.delta` is registered as a forward method, so
-  each visit of the recursion gathers the block's weights and frees them after (reshard after forward), and its
-  backward gathers them again and reduce-scatters the gradient.
+- Every Block (recursion, prelude, coda) is its own FSDP unit; `Block.visit` is registered as a forward method, so
+  each layer visit of the recursion (its n_loops+1 block calls) gathers the block's weights once and frees them
+  after (reshard after forward), and its backward gathers them again and reduce-scatters the gradient.
 - The root unit (embedding, lm_head, halting head) is gathered for a whole `GPT.forward_backward` (registered as a
   forward method): its several backward calls per micro-step read lm_head throughout, so the root is not freed
   between them (reshard after backward off) and is freed when the micro-step ends.
@@ -39,7 +39,9 @@ def shard_model(model, device, param_dtype="auto"):
                    reshard_after_forward=True)
     for block in model.blocks():
         fully_shard(block, **options)
-        register_fsdp_forward_method(block, "delta")  # the recursion's call: one gather per visit
+    if model.config.n_loops:  # a plain block's visit is one block call, FSDP's forward already
+        for block in model.transformer.h:
+            register_fsdp_forward_method(block, "visit")
     # its own unit: forward_backward's last backward (into the embedding) passes no block, and FSDP reduces a unit's
     # gradient only after a backward that crosses an FSDP unit's output
     # its output in float32, as an fp32 embedding gives it under DDP: the recursion's state must not start in bf16

@@ -91,8 +91,8 @@ def test_the_plans_count_of_all_gathers_per_micro_step_is_what_fsdp_makes(tmp_pa
     from nanochat.memory import collective_bytes
     torchrun("gathers", config, tmp_path / "gathers.pt")
     _, planned = collective_bytes(GPTConfig(**worker.CONFIGS[config], detach_between_steps=True), "fsdp", 2, 1)
-    # trm-one-sweep: 3 blocks x 3 supervision steps x 2 delta calls x 2 (forward, backward) + the prelude's 2 + the
-    # coda's 2 per step + the embedding's and lm_head's 4 = 48. FSDP's prefetching adds or saves one or two around
-    # units that run out of their first order (the prelude and coda, the no-gradient sweeps): measured 50 and 68
+    # trm-one-sweep: 3 blocks x 3 supervision steps x 1 visit x 2 (forward, backward) + the prelude's 2 + the
+    # coda's 2 per step + the embedding's and lm_head's 4 = 30. FSDP's prefetching adds or saves one or two around
+    # units that run out of their first order (the prelude and coda, the no-gradient sweeps): measured 32 and 41
     counted = torch.load(tmp_path / "gathers.pt")
     assert counted == sum(planned.values()) if config == "plain" else abs(counted - sum(planned.values())) <= 2
