@@ -555,6 +555,11 @@ class GPT(nn.Module):
         return torch.cat([F.cross_entropy(self.head(h[i:i + rows]), t[i:i + rows], ignore_index=-1, reduction="none")
                           for i in range(0, h.size(0), rows)]).view(targets.shape)
 
+    def backward_part(self, tensors, grads=None, last=False):
+        """backward() for each of forward_backward's backward calls (last: its final one); sharding.shard_model wraps
+        it, as FSDP would end its iteration at every backward."""
+        backward(tensors, grads)
+
     def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None):
         """A training micro-step: the loss of model(idx, targets, n_sup=n_sup), backpropagated (scaled by loss_scale).
 
@@ -582,20 +587,20 @@ class GPT(nn.Module):
                 token_losses = self.token_losses(y_leaf, targets)
                 if s:
                     halt_losses.append(halt_head_loss(self, previous, previous_token_losses, token_losses, targets))
-                    backward([halt_losses[-1] * HALT_LOSS_WEIGHT * loss_scale])
+                    self.backward_part([halt_losses[-1] * HALT_LOSS_WEIGHT * loss_scale])
                 previous_token_losses = token_losses
             weight = weights[s] + (c.improvement_reward_scale / step_losses[-1] if s else 0.0)
-            backward([loss * weight * loss_scale])
+            self.backward_part([loss * weight * loss_scale])
             pending.append((y, y_leaf.grad))
             if c.detach_between_steps:  # the next step starts from detached states: this step's graph can go now
-                backward(*zip(*pending))
+                self.backward_part(*zip(*pending))
                 pending = []
             step_losses.append(loss.detach())
             diagnostics.append(state_diagnostics(previous, y, z))
             previous = y.detach()
         if pending:
-            backward(*zip(*pending))
-        backward([x], [x_leaf.grad])
+            self.backward_part(*zip(*pending))
+        self.backward_part([x], [x_leaf.grad], last=True)
         total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
         aux = {**loss_aux(torch.stack(step_losses)), "state": torch.stack(diagnostics)}
         if halt_losses:
