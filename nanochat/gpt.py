@@ -350,6 +350,14 @@ class Block(nn.Module):
         a = self.attn(norm(u), cos_sin, kv_cache, slot)
         return a + self.mlp(norm(u + a))
 
+    def visit(self, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0, compiled=None):
+        """One layer visit through this block: visit_layer, or `compiled`, its torch.compile twin (training only: no
+        cache, and no slot, whose int would be a compile guard). FSDP registers it as the block's forward method, so
+        a visit's n_loops+1 calls share one gather."""
+        if compiled is not None:
+            return compiled(self, x, y, z, cos_sin, n_loops, update)
+        return visit_layer(self, x, y, z, cos_sin, n_loops, update, kv_cache, slot)
+
 
 def visit_layer(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
     """One layer visit: n_loops latent updates then one answer update, each through `update` (a plain block when
@@ -464,11 +472,12 @@ class GPT(nn.Module):
         self._compiled_head_chunk = torch.compile(head_chunk_loss_and_grads, dynamic=False, backend=backend)
 
     def _visit_layer(self, layer, x, y, z, cos_sin, kv_cache, slot):
-        args = (self.transformer.h[layer], x, y, z, cos_sin, self.config.n_loops, STATE_UPDATES[self.config.state_update])
+        block, args = self.transformer.h[layer], (x, y, z, cos_sin, self.config.n_loops,
+                                                  STATE_UPDATES[self.config.state_update])
         compiled = getattr(self, "_compiled_visit", None)
         if compiled is not None and kv_cache is None and torch.is_grad_enabled():
-            return compiled(*args)  # no slot: an int argument would be a guard, one graph per layer
-        return visit_layer(*args, kv_cache, slot)
+            return block.visit(*args, compiled=compiled)
+        return block.visit(*args, kv_cache, slot)
 
     def _sweep(self, x, y, z, cos_sin, kv_cache, slot):
         for layer in range(self.config.n_layer):
@@ -546,6 +555,11 @@ class GPT(nn.Module):
         return torch.cat([F.cross_entropy(self.head(h[i:i + rows]), t[i:i + rows], ignore_index=-1, reduction="none")
                           for i in range(0, h.size(0), rows)]).view(targets.shape)
 
+    def backward_part(self, tensors, grads=None, last=False):
+        """backward() for each of forward_backward's backward calls (last: its final one); sharding.shard_model wraps
+        it, as FSDP would end its iteration at every backward."""
+        backward(tensors, grads)
+
     def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None):
         """A training micro-step: the loss of model(idx, targets, n_sup=n_sup), backpropagated (scaled by loss_scale).
 
@@ -573,20 +587,20 @@ class GPT(nn.Module):
                 token_losses = self.token_losses(y_leaf, targets)
                 if s:
                     halt_losses.append(halt_head_loss(self, previous, previous_token_losses, token_losses, targets))
-                    backward([halt_losses[-1] * HALT_LOSS_WEIGHT * loss_scale])
+                    self.backward_part([halt_losses[-1] * HALT_LOSS_WEIGHT * loss_scale])
                 previous_token_losses = token_losses
             weight = weights[s] + (c.improvement_reward_scale / step_losses[-1] if s else 0.0)
-            backward([loss * weight * loss_scale])
+            self.backward_part([loss * weight * loss_scale])
             pending.append((y, y_leaf.grad))
             if c.detach_between_steps:  # the next step starts from detached states: this step's graph can go now
-                backward(*zip(*pending))
+                self.backward_part(*zip(*pending))
                 pending = []
             step_losses.append(loss.detach())
             diagnostics.append(state_diagnostics(previous, y, z))
             previous = y.detach()
         if pending:
-            backward(*zip(*pending))
-        backward([x], [x_leaf.grad])
+            self.backward_part(*zip(*pending))
+        self.backward_part([x], [x_leaf.grad], last=True)
         total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
         aux = {**loss_aux(torch.stack(step_losses)), "state": torch.stack(diagnostics)}
         if halt_losses:

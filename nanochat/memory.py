@@ -233,26 +233,26 @@ def collective_bytes(config, sharding, world_size, grad_accum, dtype="bfloat16")
     rank), and a dict of how many parameter all-gathers one micro-step makes.
 
     ddp: one reduce-scatter of the float32 gradients and one all-gather of the float32 weights per step (ZeRO-1),
-    whatever the accumulation. fsdp, per micro-step: every block is gathered (in the compute dtype) at every call,
-    forward and again for its backward (activation checkpointing recomputes while it is gathered: no more), and
-    its float32 gradient reduce-scattered once per backward call (per supervision step when detached); the
-    embedding and lm_head twice each; then ShardedMuon's two all_to_alls of every matrix per step. Counted by
-    dev/bench_fsdp.py on Gloo: 100 all-gathers per micro-step for the TRM defaults at depth 4."""
+    whatever the accumulation. fsdp, per micro-step: every block is gathered (in the compute dtype) once per layer
+    visit (its n_loops+1 calls share it), forward and again for its backward (activation checkpointing recomputes
+    while it is gathered: no more), and its float32 gradient reduce-scattered once per backward call (per
+    supervision step when detached); the embedding twice, lm_head once (whole for the micro-step) and reduced per
+    step; then ShardedMuon's two all_to_alls of every matrix per step. Counted by dev/bench_fsdp.py on Gloo: 35
+    all-gathers per micro-step at depth 4, n_loops 2, 4 supervision steps."""
     c = config
     n_params, matrix_shapes, adamw, _, block = _param_counts(c)
     ring = (world_size - 1) / world_size
     if sharding == "ddp":
         return 8 * n_params * ring, {}
     g = DTYPE_BYTES[dtype]
-    calls = (c.n_loops + 1) if c.n_loops else 1  # Block.delta (or forward) calls per layer visit
     steps = 2 * c.n_sup_train - 1 if c.sample_n_sup else c.n_sup_train
-    grad_calls, nograd_calls = steps * calls, steps * (c.T_recursion - 1) * calls
+    grad_visits, nograd_visits = steps, steps * (c.T_recursion - 1)  # per layer; one gather per visit (Block.visit)
     backward_calls = steps if c.detach_between_steps else 1
-    gathers = {"recursion": c.n_layer * (2 * grad_calls + nograd_calls), "prelude": 2 * c.n_prelude,
-               "coda": 2 * steps * c.n_coda, "embedding and lm_head": 4}
+    gathers = {"recursion": c.n_layer * (2 * grad_visits + nograd_visits), "prelude": 2 * c.n_prelude,
+               "coda": 2 * steps * c.n_coda, "embedding and lm_head": 3}
     block_gathers = sum(gathers.values()) - gathers["embedding and lm_head"]
     reduces = c.n_layer * backward_calls + c.n_prelude + c.n_coda * steps
-    root = 2 * g * (adamw[0] + adamw[1]) + 4 * (adamw[0] + steps * adamw[1])  # gathered twice; reduced
+    root = g * (2 * adamw[0] + adamw[1]) + 4 * (adamw[0] + steps * adamw[1])  # gathered; reduced
     micro = g * block * block_gathers + 4 * block * reduces + root
     muon = 2 * 4 * sum(sum(sizes) for sizes in matrix_shapes.values())
     return (grad_accum * micro + muon) * ring, gathers

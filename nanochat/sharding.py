@@ -3,12 +3,15 @@ Fully sharded training (base_train --sharding=fsdp): PyTorch's FSDP2 (`fully_sha
 gradient and its optimizer state as 1/world_size row-shards (DTensors on dim 0); a block's whole weights exist only
 while one of its visits runs.
 
-- Every Block (recursion, prelude, coda) is its own FSDP unit; `Block.delta` is registered as a forward method, so
-  each visit of the recursion gathers the block's weights and frees them after (reshard after forward), and its
-  backward gathers them again and reduce-scatters the gradient.
+- Every Block (recursion, prelude, coda) is its own FSDP unit; `Block.visit` is registered as a forward method, so
+  each layer visit of the recursion (its n_loops+1 block calls) gathers the block's weights once and frees them
+  after (reshard after forward), and its backward gathers them again and reduce-scatters the gradient. Each unit
+  prefetches its neighbour's gather, forward and backward (set_prefetch).
 - The root unit (embedding, lm_head, halting head) is gathered for a whole `GPT.forward_backward` (registered as a
   forward method): its several backward calls per micro-step read lm_head throughout, so the root is not freed
-  between them (reshard after backward off) and is freed when the micro-step ends.
+  between them (reshard after backward off) and is freed when the micro-step ends. FSDP ends its iteration (its
+  root, whose pre-forward orders the gathers after all queued compute) at every backward; forward_backward's
+  backward calls keep it (one_iteration_per_micro_step), so no block call becomes a root of its own.
 - The optimizers work on the shards: AdamW is elementwise; ShardedMuon sends each matrix's rows to the rank that
   owns it, orthogonalises whole matrices there and sends every rank its rows of the update.
 """
@@ -39,7 +42,9 @@ def shard_model(model, device, param_dtype="auto"):
                    reshard_after_forward=True)
     for block in model.blocks():
         fully_shard(block, **options)
-        register_fsdp_forward_method(block, "delta")  # the recursion's call: one gather per visit
+    if model.config.n_loops:  # a plain block's visit is one block call, FSDP's forward already
+        for block in model.transformer.h:
+            register_fsdp_forward_method(block, "visit")
     # its own unit: forward_backward's last backward (into the embedding) passes no block, and FSDP reduces a unit's
     # gradient only after a backward that crosses an FSDP unit's output
     # its output in float32, as an fp32 embedding gives it under DDP: the recursion's state must not start in bf16
@@ -49,7 +54,46 @@ def shard_model(model, device, param_dtype="auto"):
     fully_shard(model, **options)
     model.set_reshard_after_backward(False, recurse=False)  # lm_head stays whole across a micro-step's backwards
     register_fsdp_forward_method(model, "forward_backward")
+    set_prefetch(model)
+    one_iteration_per_micro_step(model)
     return model
+
+
+def set_prefetch(model):
+    """Each unit starts its neighbour's gather as it starts itself: forward, the next layer (the embedding, the
+    prelude, the recursion's layers and the coda each in order); backward, the previous one. The unit after the last
+    layer differs by step (the coda, the next sweep, the next step after a backward): none there. FSDP's default
+    backward prefetch (the unit whose forward ran before, which in the recursion is often a no-gradient sweep's)
+    would gather blocks that backward does not need next."""
+    t = model.transformer
+    prelude, layers, coda = (list(t[name]) if name in t else [] for name in ("prelude", "h", "coda"))
+    for chain in ([t.wte, *prelude, *layers], coda):
+        for unit, following in zip(chain, chain[1:]):
+            unit.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([unit])
+    # after the first layer's backward comes the next step's forward (or, at the end, the prelude's backward); after
+    # the coda's, the trunk's only when detached (else it runs at the end). Itself (gathered: a no-op) turns FSDP's
+    # default off
+    layers[0].set_modules_to_backward_prefetch([layers[0]])
+    if coda:
+        coda[0].set_modules_to_backward_prefetch([layers[-1] if model.config.detach_between_steps else coda[0]])
+
+
+def one_iteration_per_micro_step(model):
+    """Wrap model.backward_part (each of forward_backward's backward calls) so that FSDP's iteration spans the
+    micro-step: only the last call finalises (waits on pending reductions, drops unused prefetches), and the root,
+    which FSDP's end-of-backward callback resets, is kept (its post-forward then ends the iteration)."""
+    state, backward_part = model._get_fsdp_state(), model.backward_part  # FSDP2 internals: no public API keeps it
+    assert hasattr(state._state_ctx, "iter_forward_root"), "FSDP2's root bookkeeping moved: see sharding.py"
+
+    def kept_root_backward_part(tensors, grads=None, last=False):
+        model.set_is_last_backward(last)
+        try:
+            backward_part(tensors, grads, last)
+        finally:
+            model.set_is_last_backward(True)
+        state._state_ctx.iter_forward_root = state  # forward_backward (the root's forward) is still running
+    model.backward_part = kept_root_backward_part
 
 
 def on_shards(optimizers):

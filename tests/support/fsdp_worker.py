@@ -5,7 +5,7 @@ FSDP training against one process, for tests/test_fsdp.py. Launched as
     train CONFIG DETACH COMPILE OUT   # 2 ranks
     muon OUT                          # ShardedMuon vs Muon
     memory OUT                        # each rank's peak bytes
-    gathers CONFIG OUT                # all-gathers per micro-step
+    gathers CONFIG OUT                # all-gathers and FSDP roots per micro-step
     syncs CONFIG OUT                  # host syncs per step
     dtypes OUT                        # blocks' input dtypes
 
@@ -80,7 +80,7 @@ def run_single(config, detach):
 def run_sharded(config, detach, compile_visits=False):
     from nanochat import sharding
     model = sharding.shard_model(build(config, detach), torch.device("cpu"))
-    if compile_visits:  # base_train --compile: the layer visit (and its Block.delta calls, with their gathers)
+    if compile_visits:  # base_train --compile: the layer visit (inside Block.visit, FSDP's forward method)
         model.compile_layer_visits()
     optimizers = sharding.on_shards(setup_optimizers(model, weight_decay=0.1))
     history = train(model, optimizers, [dist.get_rank()], distributed=True)
@@ -149,17 +149,23 @@ def measured_peak():
 
 
 def gathers_per_micro_step(config):
-    """Parameter all-gathers (FSDP calls torch.distributed.all_gather_single) in one forward_backward, after a first."""
+    """Parameter all-gathers (FSDP calls torch.distributed.all_gather_single) in one forward_backward, after a first,
+    the FSDP iteration roots it starts (FSDP's "FSDP::root_pre_forward" profiler ranges: a block call that becomes a
+    root orders its gather after all the compute queued before it), and whether a gathered buffer outlives it (the
+    last forward gather's, which only the root's end of iteration frees)."""
+    from torch.profiler import ProfilerActivity, profile
     from nanochat import sharding
     model = sharding.shard_model(build(config, detach=True), torch.device("cpu"))
     model.forward_backward(*batch(dist.get_rank(), 0))  # FSDP's lazy initialisation happens in the first
     real, calls = dist.all_gather_single, []
     dist.all_gather_single = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
     try:
-        model.forward_backward(*batch(dist.get_rank(), 1))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model.forward_backward(*batch(dist.get_rank(), 1))
     finally:
         dist.all_gather_single = real
-    return len(calls)
+    held = model._get_fsdp_state()._comm_ctx.all_gather_state is not None
+    return len(calls), sum(event.name == "FSDP::root_pre_forward" for event in prof.events()), held
 
 
 def syncs_per_step(config):
