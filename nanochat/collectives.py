@@ -87,3 +87,15 @@ def raise_if_any_rank_failed(error, what, failed=None):
     causes = [None] * dist.get_world_size()  # gathered only on failure: the common path stays one all_reduce
     dist.all_gather_object(causes, None if error is None else describe_error(error))
     raise RankFailure(f"{what} failed " + "; ".join(f"on rank {r}: {causes[r]}" for r in failed))
+
+
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single (the old names now warn); older torch,
+# the GPU machine's 2.11 and many cloud images, has only the old ones. Looked up at each call, so tests can hide one.
+def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, async_op=False):
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return collective(output, input, op=op, async_op=async_op)
+
+
+def all_gather_single(output, input, async_op=False):
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return collective(output, input, async_op=async_op)

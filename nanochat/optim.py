@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from nanochat.collectives import all_gather_single, reduce_scatter_single
 from nanochat.common import distributed
 
 
@@ -96,7 +97,7 @@ class DistAdamW(AdamW):
                 flat = torch.zeros(padded_len, dtype=p.grad.dtype, device=p.device)
                 flat[:p.numel()] = p.grad.reshape(-1)
                 shard = torch.empty(padded_len // world, dtype=flat.dtype, device=p.device)
-                works.append(dist.reduce_scatter_single(shard, flat, op=dist.ReduceOp.AVG, async_op=True))
+                works.append(reduce_scatter_single(shard, flat, op=dist.ReduceOp.AVG, async_op=True))
                 self._shards.append((p, group, shard, padded_len))
         for work in works:
             work.wait()
@@ -113,7 +114,7 @@ class DistAdamW(AdamW):
             shard = flat[rank * size:(rank + 1) * size].clone()
             adamw_update(shard, grad_shard * grad_scale, self.state[p], group["lr"], group["betas"], group["eps"],
                          group["weight_decay"])
-            gathers.append((p, flat, dist.all_gather_single(flat, shard, async_op=True)))
+            gathers.append((p, flat, all_gather_single(flat, shard, async_op=True)))
         for p, flat, work in gathers:
             work.wait()
             p.copy_(flat[:p.numel()].view_as(p))

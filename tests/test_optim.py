@@ -199,3 +199,35 @@ def test_dist_optimizers_on_two_gloo_ranks_match_single_process(tmp_path):
             assert not torch.equal(value, start[name]), f"{name} never moved"
         for i, value in enumerate(reference["toy"]):
             torch.testing.assert_close(got["toy"][i], value, atol=1e-5, rtol=1e-5, msg=f"rank {rank} toy {i}")
+
+
+def test_dist_adamw_uses_the_old_collective_names_on_a_torch_without_the_new(monkeypatch, tmp_path):
+    """torch before 2.13 (the GPU machine's 2.11, cloud images) has reduce_scatter_tensor and all_gather_into_tensor
+    only: DistAdamW must call those there, and update as the single-process AdamW does."""
+    import torch.distributed as dist
+
+    from nanochat.optim import DistAdamW
+    calls = []
+    for new, old in (("reduce_scatter_single", "reduce_scatter_tensor"),
+                     ("all_gather_single", "all_gather_into_tensor")):
+        real = getattr(dist, new)  # torch 2.13's old names warn and forward to these
+        monkeypatch.delattr(dist, new)
+        monkeypatch.setattr(dist, old, lambda *a, _real=real, _name=old, **k: calls.append(_name) or _real(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    start, grad = torch.randn(7, 3, generator=g), torch.randn(7, 3, generator=g)
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    for p in params:
+        p.grad = grad.clone()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        distributed = DistAdamW([dict(params=[params[0]])], lr=0.1, betas=(0.8, 0.95))
+        distributed.reduce_grads()
+        distributed.step()
+    finally:
+        dist.destroy_process_group()
+    single = AdamW([dict(params=[params[1]])], lr=0.1, betas=(0.8, 0.95))
+    single.reduce_grads()
+    single.step()
+    assert calls == ["reduce_scatter_tensor", "all_gather_into_tensor"]
+    torch.testing.assert_close(params[0].data, params[1].data)
+    assert not torch.equal(params[0].data, start)
