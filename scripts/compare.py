@@ -125,6 +125,9 @@ def parse_args(argv=None):
     p.add_argument("--evals", type=int, default=4, help="validation evals per run besides step 0")
     p.add_argument("--inference_factor", type=int, default=2, help="evaluate TRMs up to this x n_sup_train steps")
     p.add_argument("--out", default="compare_results", help="results directory")
+    p.add_argument("--only", default=None, metavar="NAME,...",
+                   help="train only these configs now (a part that fits a time limit); the table keeps every config "
+                        "an earlier invocation finished")
     p.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
     args = p.parse_args(own)
     args.argv = argv
@@ -142,6 +145,10 @@ def parse_args(argv=None):
     names = [name for name, _ in args.configs]
     if len(set(names)) != len(names):
         p.error(f"config names must be unique, got {names}")
+    args.only = args.only.split(",") if args.only else names
+    if set(args.only) - set(names):
+        p.error(f"--only {','.join(sorted(set(args.only) - set(names)))}: not a config of this comparison "
+                f"({', '.join(names)})")
     args.device_type = args.device_type or autodetect_device_type()
     args.shared = shared or (CPU_MODEL if args.device_type == "cpu" else [])
     for flag in underscore_flags(args.shared + [f for _, flags in args.configs for f in flags]):
@@ -435,6 +442,9 @@ def main(argv=None):
         if run.tag in done:
             print0(f"[{i + 1}/{len(runs)}] {run.name}: finished in an earlier invocation, skipping")
             report["runs"].append(done[run.tag])
+        elif run.name not in args.only:
+            print0(f"[{i + 1}/{len(runs)}] {run.name}: not in --only, left for another invocation")
+            continue
         else:
             print0(f"[{i + 1}/{len(runs)}] {run.name}: training {run.iterations} steps ({run.tag})")
             train(run, world_size)
