@@ -2,18 +2,25 @@
 The GPU check kit: before paying for a long run, check in minutes that this machine trains, resumes, samples and
 exports the model as the plan expects, and measure what a step costs here.
 
-    python -m dev.gpu_check                                  # CUDA at the real sizes: under 10 minutes on one H100
+    python -m dev.gpu_check --quick --nanochat DIR           # the 5-minute kit: facts and the three steps, no rustbpe
+    python -m dev.gpu_check                                  # every check at the real sizes (needs rustbpe)
     python -m dev.gpu_check --nanochat ~/src/nanochat        # also time karpathy/nanochat's GPT (a checkout of it)
     python -m dev.gpu_check --device cpu                     # every check at a tiny size (CI; under 3 minutes)
 
-The checks, in order:
-    environment, peak_flops    torch, CUDA and driver versions, the device, its peak bf16 FLOP/s from the table
+The checks, in order (--quick runs the ones marked *: no tokenizer training, so no rustbpe):
+  * environment, peak_flops    torch, CUDA and driver versions, the device, its peak bf16 FLOP/s from the table
+  * torch_lock                 the torch running here against requirements.lock's (older works, see pyproject)
+  * allocator                  whether expandable segments took effect (nanochat/cuda_allocator.py)
+  * attention                  which SDPA backend runs at the model's shape, and each backend's fwd+bwd time
+  * kv_cache_dtype             the dtype the KV cache stores under autocast
     tiny_compile               torch.compile builds and gives the eager result
-    plain_*, trm_*             a compiled depth-12 training micro-step of a plain GPT (n_loops=0, n_sup_train=1) and of
+  * plain_*, trm_*             a compiled depth-12 training micro-step of a plain GPT (n_loops=0, n_sup_train=1) and of
                                gpt.py's TRM defaults, at the planner's micro-batch (nanochat/memory.py), as base_train
                                runs it (regional compile, forward_backward, bf16 autocast on CUDA): step time, tokens/s,
-                               MFU, peak memory against the planner's estimate, recompiles and graph breaks
-    nanochat_compare           the same plain step of nanochat's own GPT (--nanochat DIR), and our time over theirs
+                               MFU (of the whole step, optimizer included), peak memory against the planner's
+                               estimate, recompiles and graph breaks
+  * nanochat_compare           the same plain step of nanochat's own GPT and optimizer (--nanochat DIR: a checkout, or
+                               a copy of its nanochat/ package), and our time over theirs
     train_run, train_resume    torchrun base_train for 30 steps with evaluation, samples and checkpoints, then a
                                second run resumed from step 20 must retrain steps 21-30 with the first run's losses
     kv_cache_logits, decode    cached against uncached generation logits (bf16 on CUDA), and decode tokens/s
@@ -48,7 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanochat import memory
+from nanochat import attention, memory
 from nanochat.cli import ExitCode
 from nanochat.common import gpu_peak_flops
 from nanochat.files import atomic_write_bytes
@@ -74,6 +81,7 @@ class Sizes:
     prompt_tokens: int
     decode_tokens: int
     process_timeout_s: int  # each subprocess of the training check
+    attention_batch: int  # the attention check's batch (at the model's heads and sequence_len)
     dtype: str = "bfloat16"
     compile_train: bool = True
 
@@ -83,13 +91,13 @@ SIZES = {
                   train_flags=["--depth=4", "--max_seq_len=512", "--device_batch_size=8", "--n_loops=1",
                                "--n_sup_train=2", "--eval_tokens=16384", "--sample_tokens=16"],
                   tokenizer=["--vocab_size=4096", "--max_chars=5000000"], prompt_tokens=128, decode_tokens=32,
-                  process_timeout_s=240),
+                  process_timeout_s=240, attention_batch=16),
     "cpu": Sizes(model=dict(n_layer=12, n_embd=32, n_head=2, n_kv_head=2, sequence_len=32, vocab_size=512),
                  sequences_per_rank=4, max_batch=4, memory_bytes=2**30, timed_steps=2,
                  train_flags=["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2",
                               "--n_loops=1", "--n_sup_train=2", "--eval_tokens=256", "--sample_tokens=4"],
                  tokenizer=["--vocab_size=300", "--max_chars=200000"], prompt_tokens=16, decode_tokens=8,
-                 process_timeout_s=120, dtype="float32", compile_train=False),
+                 process_timeout_s=120, attention_batch=2, dtype="float32", compile_train=False),
 }
 
 
@@ -175,6 +183,80 @@ def check_tiny_compile(ctx):
     return row("tiny_compile", diff <= 1e-3, f"max |compiled - eager| = {diff:.1e}", "<= 1e-3")
 
 
+# ---------------------------------------------------------------------------------------------------- facts
+MIN_TORCH = "2.11"  # the oldest torch the code runs on (pyproject.toml's range): the GPU machine's and cloud images'
+
+
+def locked_version(package, lock=os.path.join(ROOT, "requirements.lock")):
+    """The version requirements.lock pins, or None."""
+    with open(lock) as f:
+        for line in f:
+            found = re.match(rf"{re.escape(package)}==([^\s;]+)", line.strip())
+            if found:
+                return found.group(1)
+    return None
+
+
+def version_tuple(version):
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def check_torch_lock(ctx):
+    running, locked = torch.__version__, locked_version("torch")
+    ok = version_tuple(running) >= version_tuple(MIN_TORCH)
+    same = "the lock's" if locked and version_tuple(running) == version_tuple(locked) else f"lock has {locked}"
+    return row("torch_lock", ok, f"torch {running} ({same})", f">= {MIN_TORCH} (pyproject.toml); the suite passed "
+               f"on the lock's")
+
+
+def expandable_segments(snapshot):
+    """Whether the caching allocator's segments are expandable (a torch.cuda.memory_snapshot()); None: no segment."""
+    flags = [segment["is_expandable"] for segment in snapshot if "is_expandable" in segment]
+    return all(flags) if flags else None
+
+
+def check_allocator(ctx):
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    wanted = "expandable_segments:true" in conf.replace(" ", "").lower()
+    if ctx.device.type != "cuda":
+        return row("allocator", True, f"not applicable on cpu (setting: {conf!r})", "expandable segments on cuda")
+    keep = torch.empty(2**20, device=ctx.device)  # at least one segment to look at
+    found = expandable_segments(torch.cuda.memory_snapshot())
+    del keep
+    ctx.results["allocator"] = {"setting": conf, "expandable_segments": found}
+    return row("allocator", found == wanted, f"expandable segments {found} (setting {conf!r})",
+               f"{wanted}, as the setting asks")
+
+
+def check_attention(ctx):
+    config = micro_step_config(ctx, plain=True)
+    dtype = torch.float32 if ctx.sizes.dtype == "float32" else torch.bfloat16
+    q, k, v = attention.attention_inputs(ctx.sizes.attention_batch, config.n_head, config.n_kv_head,
+                                         config.sequence_len, config.n_embd // config.n_head, ctx.device, dtype)
+    runs = attention.backend_that_runs(q, k, v)
+    timings = attention.time_backends(q, k, v, repeats=ctx.sizes.timed_steps * 2)
+    ctx.results["attention"] = {"default": runs, "fwd_bwd_s": timings, "shape": list(q.shape),
+                                "fastest": attention.fastest(timings)}
+    shown = ", ".join(f"{name} {s * 1e3:.2f} ms" if isinstance(s, float) else f"{name} n/a"
+                      for name, s in timings.items())
+    return row("attention", runs in attention.BACKENDS, f"SDPA runs {runs} by default at {tuple(q.shape)} "
+               f"{ctx.sizes.dtype}; fwd+bwd: {shown}; fastest {ctx.results['attention']['fastest']}",
+               "one backend runs; each timed")
+
+
+def check_kv_cache_dtype(ctx):
+    from dev.bench_engine import random_model
+    from nanochat.engine import Engine
+    model = random_model(micro_step_config(ctx, plain=False).replace(n_layer=1), ctx.device)
+    prompt = torch.randint(0, model.config.vocab_size, (1, ctx.sizes.prompt_tokens), device=ctx.device)
+    cache = Engine(model).new_cache(1, prompt.size(1), model.config.n_sup_inference)
+    with torch.inference_mode(), ctx.autocast():
+        model(prompt, kv_cache=cache)
+    stored, wanted = cache.k[0].dtype, torch.float32 if ctx.sizes.dtype == "float32" else torch.bfloat16
+    ctx.results["kv_cache_dtype"] = str(stored)
+    return row("kv_cache_dtype", stored == wanted, f"{stored} under {ctx.sizes.dtype} autocast", str(wanted))
+
+
 # ---------------------------------------------------------------------------------------------------- micro-steps
 def micro_step_config(ctx, plain):
     config = GPTConfig(**ctx.sizes.model)
@@ -234,24 +316,25 @@ def run_micro_steps(ctx, config):
         with ctx.autocast():
             loss, _ = model.forward_backward(x, y)
         ctx.sync()
-        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
         optimizer_step(optimizers)  # base_train's update at --grad_clip=1.0
         model.zero_grad(set_to_none=True)
-        return seconds, loss.item()
+        ctx.sync()
+        return t1 - t0, time.perf_counter() - t0, loss.item()
 
-    first_s, first_loss = step()  # compiles; the optimizer state exists from here on, as in the estimate
+    _, first_s, first_loss = step()  # compiles; the optimizer state exists from here on, as in the estimate
     graphs1, _ = graph_counts()
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     timed = [step() for _ in range(ctx.sizes.timed_steps)]
     graphs2, breaks2 = graph_counts()
-    seconds = statistics.median(t for t, _ in timed)
+    seconds = statistics.median(t for _, t, _ in timed)  # the whole step: MFU counts the optimizer's time too
     tok_per_s = batch * config.sequence_len / seconds
     peak = gpu_peak_flops(device_name(ctx.device)) if ctx.device.type == "cuda" else None
     return {"batch": batch, "activation_checkpointing": checkpointing, "sequence_len": config.sequence_len,
-            "first_step_s": first_s, "step_s": seconds, "tok_per_s": tok_per_s,
-            "mfu": model.estimate_flops() * tok_per_s / peak if peak else None,
-            "losses": [first_loss] + [loss for _, loss in timed],
+            "first_step_s": first_s, "step_s": seconds, "fwd_bwd_s": statistics.median(t for t, _, _ in timed),
+            "tok_per_s": tok_per_s, "mfu": model.estimate_flops() * tok_per_s / peak if peak else None,
+            "losses": [first_loss] + [loss for _, _, loss in timed],
             "peak_memory_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None,
             "estimated_memory_bytes": memory.estimate_memory(config, batch, ctx.sizes.dtype)["total"],
             "graphs_compiled": graphs1 - graphs0, "recompiles": graphs2 - graphs1, "graph_breaks": breaks2 - breaks0}
@@ -261,8 +344,9 @@ def micro_step_rows(name, m):
     mfu = f", MFU {100 * m['mfu']:.1f}%" if m["mfu"] is not None else ", MFU n/a"
     ckpt = " + activation checkpointing" if m["activation_checkpointing"] else ""
     rows = [row(f"{name}_step", all(map(math.isfinite, m["losses"])),
-                f"batch {m['batch']}x{m['sequence_len']}{ckpt}: {m['step_s']:.3f} s fwd+bwd, "
-                f"{m['tok_per_s']:,.0f} tok/s{mfu} (first step {m['first_step_s']:.1f} s)", "finite losses")]
+                f"batch {m['batch']}x{m['sequence_len']}{ckpt}: {m['step_s']:.3f} s a step ({m['fwd_bwd_s']:.3f} s "
+                f"fwd+bwd), {m['tok_per_s']:,.0f} tok/s{mfu} (first step {m['first_step_s']:.1f} s)",
+                "finite losses")]
     est = m["estimated_memory_bytes"]
     if m["peak_memory_bytes"] is None:
         rows.append(row(f"{name}_memory", True, "not measured on cpu", f"<= {est / 1e9:.3f} GB (planner)"))
@@ -301,12 +385,20 @@ def nanochat_model(gpt, ctx, config):
     return model
 
 
+def nanochat_optimizers(model):
+    """nanochat's own optimizers for its model: HEAD has one MuonAdamW (setup_optimizer), 2025 versions a list."""
+    if hasattr(model, "setup_optimizer"):
+        return [model.setup_optimizer()]
+    return list(model.setup_optimizers())
+
+
 def time_nanochat_step(ctx, config, batch):
-    """Median seconds of a compiled forward + backward of nanochat's GPT; inside other_nanochat, since its code
-    imports its own modules while torch.compile traces it."""
+    """Median seconds of a compiled training step (forward, backward, its optimizers' step) of nanochat's GPT; inside
+    other_nanochat, since its code imports its own modules while torch.compile traces it."""
     from dev.bench_train_step import other_nanochat
     with other_nanochat(ctx.nanochat) as load:
         model = nanochat_model(load("nanochat.gpt"), ctx, config)
+        optimizers = nanochat_optimizers(model)
         compiled = torch.compile(model, dynamic=False)
         x, y = random_batch(ctx, config, batch)
 
@@ -316,11 +408,13 @@ def time_nanochat_step(ctx, config, batch):
             with ctx.autocast():
                 loss = compiled(x, y)
             loss.backward()
-            ctx.sync()
+            for optimizer in optimizers:
+                optimizer.step()
             model.zero_grad(set_to_none=True)
+            ctx.sync()
             return time.perf_counter() - t0
 
-        step()  # compiles
+        step()  # compiles (the model, and HEAD's compiled optimizer updates)
         return statistics.median(step() for _ in range(ctx.sizes.timed_steps))
 
 
@@ -334,14 +428,16 @@ def check_nanochat(ctx):
     theirs = time_nanochat_step(ctx, micro_step_config(ctx, plain=True), ours["batch"])
     ratio = ours["step_s"] / theirs
     ctx.results["nanochat"] = {"step_s": theirs, "ours_over_theirs": ratio}
-    return row("nanochat_compare", ratio <= 1.10, f"fwd+bwd: ours {ours['step_s']:.3f} s / nanochat {theirs:.3f} s "
-               f"= {ratio:.2f}", "<= 1.10 (same FLOPs)")
+    return row("nanochat_compare", ratio <= 1.10, f"step with optimizer: ours {ours['step_s']:.3f} s / nanochat "
+               f"{theirs:.3f} s = {ratio:.2f}", "<= 1.10 (about the same FLOPs)")
 
 
 # ---------------------------------------------------------------------------------------------------- training run
 def run_process(ctx, args, what):
     """A python -m subprocess in the private base dir; its output is kept in --out/logs/<what>.log."""
-    env = {**os.environ, "NANOCHAT_BASE_DIR": ctx.base_dir, "PYTHONPATH": ROOT, "WANDB_MODE": "disabled"}
+    # the repository first, then whatever was there (wheels installed to a --target directory must reach the children)
+    pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "NANOCHAT_BASE_DIR": ctx.base_dir, "PYTHONPATH": pythonpath, "WANDB_MODE": "disabled"}
     os.makedirs(os.path.join(ctx.out, "logs"), exist_ok=True)
     log = os.path.join(ctx.out, "logs", f"{what}.log")
     with open(log, "w") as f:
@@ -489,8 +585,12 @@ def check_export_hf(ctx):
 
 
 # ---------------------------------------------------------------------------------------------------- the report
-CHECKS = [check_environment, check_peak_flops, check_tiny_compile, check_plain, check_trm, check_nanochat,
-          check_train_run, check_train_resume, check_kv_cache, check_decode, check_export_hf]
+CHECKS = [check_environment, check_peak_flops, check_torch_lock, check_allocator, check_attention, check_kv_cache_dtype,
+          check_tiny_compile, check_plain, check_nanochat, check_trm, check_train_run, check_train_resume,
+          check_kv_cache, check_decode, check_export_hf]
+# The 5-minute kit (the GPU machine lent for ~15 minutes): the facts and the three steps; nothing trains a tokenizer
+QUICK = [check_environment, check_peak_flops, check_torch_lock, check_allocator, check_attention,
+         check_kv_cache_dtype, check_plain, check_nanochat, check_trm]
 
 
 def run_check(check, ctx):
@@ -505,7 +605,9 @@ def run_check(check, ctx):
     rows = rows if isinstance(rows, list) else [rows]
     for r in rows:
         print(f"[{'ok' if r['ok'] else 'FAIL':>4}] {r['name']}: {r['value']}", flush=True)
-    print(f"       ({name}: {time.perf_counter() - t0:.1f} s)", flush=True)
+    seconds = time.perf_counter() - t0
+    print(f"       ({name}: {seconds:.1f} s)", flush=True)
+    ctx.results.setdefault("check_seconds", {})[name] = round(seconds, 2)
     return rows
 
 
@@ -514,7 +616,7 @@ def markdown(report):
     lines = [f"# GPU check: {env.get('device')} ({report['device_type']}), {report['created']}", "",
              "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
              f"{sum(r['ok'] for r in report['checks'])}/{len(report['checks'])} checks passed in "
-             f"{report['wall_s']:.0f} s.", "", "| check | ok | value | expected |", "|---|---|---|---|"]
+             f"{report['wall_s']:.0f} s{' (--quick)' if report.get('quick') else ''}.", "", "| check | ok | value | expected |", "|---|---|---|---|"]
     cell = lambda text: str(text).replace("|", "\\|").replace("\n", " ")  # noqa: E731 - a | would end the cell
     lines += [f"| {r['name']} | {'ok' if r['ok'] else 'FAIL'} | {cell(r['value'])} | {cell(r['expected'])} |"
               for r in report["checks"]]
@@ -541,6 +643,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="directory for report.json, report.md and the run's files")
     parser.add_argument("--nanochat", default=None, metavar="DIR", help="a checkout of karpathy/nanochat to time")
+    parser.add_argument("--quick", action="store_true", help="only the facts and the three steps (~5 min on one "
+                        "H100): no tokenizer, training run, generation or export")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here; run on the GPU machine, or pass --device cpu")
@@ -564,11 +668,11 @@ def main(argv=None):
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # as base_train
     t0 = time.perf_counter()
-    rows = [r for check in CHECKS for r in run_check(check, ctx)]
+    rows = [r for check in (QUICK if args.quick else CHECKS) for r in run_check(check, ctx)]
     report = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device_type": device.type, "wall_s": time.perf_counter() - t0, "checks": rows,
               "environment": ctx.results.get("environment") or {}, "measurements": ctx.results,
-              "sizes": dataclasses.asdict(ctx.sizes)}
+              "sizes": dataclasses.asdict(ctx.sizes), "quick": args.quick}
     passed = all(r["ok"] for r in rows)
     if passed:  # data shards and checkpoints have nothing to tell once everything passed
         shutil.rmtree(ctx.work, ignore_errors=True)
