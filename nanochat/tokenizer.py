@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 
-import rustbpe
 import tiktoken
 import torch
 
@@ -52,6 +51,7 @@ def check_vocab_size(vocab_size):
 def train_bpe(text_iterator, vocab_size):
     """Learn merges with rustbpe, leaving room for the special tokens in vocab_size."""
     check_vocab_size(vocab_size)
+    import rustbpe  # here, not at the top: only training needs it, and GPU images without it still load tokenizers
     bpe = rustbpe.Tokenizer()
     bpe.train_from_iterator(text_iterator, vocab_size - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
     return bpe
