@@ -10,7 +10,7 @@ from dev import gpu_check
 from tests.support import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECK_NAMES = {"environment", "peak_flops", "tiny_compile",
+CHECK_NAMES = {"environment", "peak_flops", "torch_lock", "allocator", "attention", "kv_cache_dtype", "tiny_compile",
                *(f"{model}_{what}" for model in ("plain", "trm") for what in ("step", "memory", "recompiles",
                                                                              "graph_breaks")),
                "nanochat_compare", "train_run", "train_resume", "kv_cache_logits", "decode", "export_hf"}
@@ -116,6 +116,9 @@ class GPT(torch.nn.Module):
     def init_weights(self):
         torch.nn.init.normal_(self.wte.weight)
 
+    def setup_optimizer(self):  # HEAD's one optimizer; the step times it too
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
     def forward(self, idx, targets):
         from nanochat.helper import twice  # imported while torch.compile traces, as nanochat's flash_attn is
         logits = self.lm_head(twice(self.wte(idx)))
@@ -138,3 +141,50 @@ def test_nanochat_compare_times_the_checkout_beside_ours(tmp_path):
     assert hasattr(gpt, "STATE_UPDATES")
     ctx.results["plain"]["step_s"] = 1e9  # ours far slower: the check fails
     assert not gpu_check.check_nanochat(ctx)["ok"]
+
+
+def cpu_context(tmp_path):
+    return gpu_check.Context(gpu_check.torch.device("cpu"), gpu_check.SIZES["cpu"], str(tmp_path), None)
+
+
+def test_the_quick_kit_trains_no_tokenizer_and_keeps_the_facts_and_the_three_steps():
+    names = [check.__name__.removeprefix("check_") for check in gpu_check.QUICK]
+    assert names == ["environment", "peak_flops", "torch_lock", "allocator", "attention", "kv_cache_dtype", "plain",
+                     "nanochat", "trm"]
+    assert set(gpu_check.QUICK) < set(gpu_check.CHECKS)
+
+
+def test_the_facts_at_cpu_size(tmp_path):
+    ctx = cpu_context(tmp_path)
+    lock, alloc = gpu_check.check_torch_lock(ctx), gpu_check.check_allocator(ctx)
+    attention, kv = gpu_check.check_attention(ctx), gpu_check.check_kv_cache_dtype(ctx)
+    assert lock["ok"] and "2.13.0" in lock["value"] or gpu_check.torch.__version__.startswith("2.11")
+    assert alloc["ok"] and alloc["value"].startswith("not applicable on cpu")
+    assert attention["ok"] and ctx.results["attention"]["default"] in ("flash", "math")
+    timings = ctx.results["attention"]["fwd_bwd_s"]
+    assert isinstance(timings["math"], float) and str(timings["cudnn"]).startswith("not available")
+    assert kv["ok"] and ctx.results["kv_cache_dtype"] == "torch.float32"
+
+
+@pytest.mark.parametrize("segments,expected", [
+    ([{"is_expandable": True, "total_size": 2**21}], True),
+    ([{"is_expandable": True}, {"is_expandable": False}], False),
+    ([{"total_size": 2**21}], None),  # a torch whose snapshot does not say
+])
+def test_expandable_segments_read_off_a_memory_snapshot(segments, expected):
+    assert gpu_check.expandable_segments(segments) is expected
+
+
+def test_an_older_torch_than_pyproject_allows_fails_the_lock_check(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check.torch, "__version__", "2.10.1+cu128")
+    row = gpu_check.check_torch_lock(cpu_context(tmp_path))
+    assert not row["ok"] and "lock has 2.13.0" in row["value"]
+
+
+def test_subprocesses_keep_the_callers_pythonpath(tmp_path, monkeypatch):
+    """Wheels installed to a --target directory (the GPU machine has no network) reach the kit's subprocesses."""
+    monkeypatch.setenv("PYTHONPATH", "/opt/carried-wheels")
+    ctx = cpu_context(tmp_path)
+    gpu_check.run_process(ctx, ["-c", "import os; print(os.environ['PYTHONPATH'])"], "pythonpath")
+    printed = (tmp_path / "logs" / "pythonpath.log").read_text().strip().split(os.pathsep)
+    assert printed == [ROOT, "/opt/carried-wheels"]
