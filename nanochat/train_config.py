@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Any
 
+from nanochat import attention
 from nanochat.cli import OneLineErrors
 from nanochat.common import autodetect_device_type, default_dtype, device_available, get_dist_info
 from nanochat.dataset import DatasetError, parquets_for_split
@@ -127,6 +128,9 @@ def build_parser():
                          help="print the plan (batch, memory, FLOPs, time, cost) and exit without touching disk")
     runtime.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                          help="autocast dtype (default: bfloat16 on CUDA, float32 elsewhere)")
+    runtime.add_argument("--attention", choices=attention.CHOICES, default="auto",
+                         help="the SDPA kernel on CUDA: auto times each on the first batch's shape and keeps the "
+                              "fastest (logged); or flash, cudnn, efficient, math")
     runtime.add_argument("--seed", type=int, default=42)
     output = p.add_argument_group("evaluation and output")
     output.add_argument("--eval_every", type=int, default=250, help="steps between validation evals (0 = end only)")
@@ -235,6 +239,7 @@ class RunConfig:
     peak_tflops: float | None
     dry_run: bool
     dtype: str
+    attention: str  # auto | flash | cudnn | efficient | math (nanochat/attention.py)
     seed: int
     # evaluation and output
     eval_every: int

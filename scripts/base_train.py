@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle, sharding
+from nanochat import attention, lifecycle, sharding
 from nanochat.backup import Backup
 from nanochat.cli import Exit, ExitCode
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags, run_on_rank0
@@ -81,6 +81,8 @@ def train(args):
         raise Exit(no_room)
     ema = build_weight_average(args, model, model_config, device, fsdp, num_iterations)
     start_step, prior_seconds, loader_states = restore(args, resume, model, optimizers, ema)
+    attention.choose(args.attention, model.config, args.device_batch_size, device, getattr(torch, args.dtype),
+                     log=print0)  # before the first step traces any graph
     if args.compile:
         model.compile_layer_visits()
     loaders, prefetched = open_training_data(args, tokenizer, device, rank, loader_states,

@@ -1,0 +1,78 @@
+"""--attention: the choice is checked, applied through torch's SDPA switches, auto keeps the fastest, and every
+backend that runs here computes the model's attention alike."""
+
+import pytest
+import torch
+
+from nanochat import attention
+from nanochat.gpt import GPT, GPTConfig
+
+FLAGS = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled") for name in ("flash", "cudnn", "mem_efficient",
+                                                                                    "math")}
+
+
+@pytest.fixture
+def switches():
+    """The global SDPA switches, put back as they were after the test."""
+    before = {name: read() for name, read in FLAGS.items()}
+    yield lambda: {name: read() for name, read in FLAGS.items()}
+    for name, on in before.items():
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
+
+
+def test_an_unknown_choice_names_the_valid_ones():
+    with pytest.raises(ValueError, match="--attention='flash3' is unknown; choose one of auto, flash, cudnn"):
+        attention.check_choice("flash3")
+
+
+def test_a_named_backend_is_the_only_one_allowed_beside_math(switches):
+    attention.apply("cudnn")
+    assert switches() == {"flash": False, "cudnn": True, "mem_efficient": False, "math": True}
+    attention.apply("flash")
+    assert switches() == {"flash": True, "cudnn": False, "mem_efficient": False, "math": True}
+
+
+def test_auto_on_cuda_keeps_the_fastest_backend_that_ran_and_logs_why(switches, monkeypatch):
+    timings = {"flash": 1.75e-3, "cudnn": 1.06e-3, "efficient": "not available: shape", "math": 1.4e-2}
+    monkeypatch.setattr(attention, "attention_inputs", lambda *args, **kwargs: (None, None, None))
+    monkeypatch.setattr(attention, "time_backends", lambda q, k, v, repeats: timings)  # a stand-in CUDA's timings
+    logged = []
+    chosen = attention.choose("auto", GPTConfig(), 4, torch.device("cuda"), torch.bfloat16, log=logged.append)
+    assert chosen == "cudnn" and switches()["cudnn"] and not switches()["flash"]
+    assert logged == ["attention: auto chose cudnn (fwd+bwd flash 1.75 ms, cudnn 1.06 ms, efficient n/a, "
+                      "math 14.00 ms)"]
+
+
+def test_on_cpu_the_choice_leaves_torch_to_pick(switches):
+    before = switches()
+    assert attention.choose("cudnn", GPTConfig(), 4, torch.device("cpu"), torch.float32) == "default (cpu)"
+    assert switches() == before
+
+
+def test_every_backend_that_runs_here_gives_the_models_logits():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_loops=1,
+                          n_sup_train=2))
+    model.init_weights()
+    for p in model.parameters():  # zero-initialised projections would hide attention's output
+        torch.nn.init.normal_(p, std=0.2)
+    idx = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        reference = model(idx)
+        for name in ("flash", "math"):  # what a CPU runs; cudnn and efficient are CUDA's
+            with attention.only(name):
+                torch.testing.assert_close(model(idx), reference, atol=1e-5, rtol=1e-5)
+    q, k, v = attention.attention_inputs(1, 4, 2, 8, 8, torch.device("cpu"), torch.float32)
+    with attention.only("math"):
+        assert attention.backend_that_runs(q, k, v) == "math"
+
+
+def test_base_train_takes_the_flag_with_auto_by_default(capsys):
+    from nanochat import train_config
+    assert train_config.parse_args(["--depth=1"], world_size=1, check_hardware=False, vocab_size=256).attention \
+        == "auto"
+    assert train_config.parse_args(["--depth=1", "--attention=cudnn"], world_size=1, check_hardware=False,
+                                   vocab_size=256).attention == "cudnn"
+    with pytest.raises(SystemExit) as exit_:
+        train_config.parse_args(["--depth=1", "--attention=fa3"], world_size=1, check_hardware=False, vocab_size=256)
+    assert exit_.value.code == 2 and "--attention" in capsys.readouterr().err
