@@ -67,7 +67,7 @@ def test_every_backend_that_runs_here_gives_the_models_logits():
         assert attention.backend_that_runs(q, k, v) == "math"
 
 
-def test_base_train_takes_the_flag_with_auto_by_default(capsys):
+def test_base_train_takes_the_flag_with_auto_by_default():
     from nanochat import train_config
     assert train_config.parse_args(["--depth=1"], world_size=1, check_hardware=False, vocab_size=256).attention \
         == "auto"
@@ -75,4 +75,4 @@ def test_base_train_takes_the_flag_with_auto_by_default(capsys):
                                    vocab_size=256).attention == "cudnn"
     with pytest.raises(SystemExit) as exit_:
         train_config.parse_args(["--depth=1", "--attention=fa3"], world_size=1, check_hardware=False, vocab_size=256)
-    assert exit_.value.code == 2 and "--attention" in capsys.readouterr().err
+    assert "argument --attention: invalid choice: 'fa3'" in str(exit_.value.code)  # the one line the CLI prints
