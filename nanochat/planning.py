@@ -203,8 +203,10 @@ def device_memory(run):
 
 
 def free_ram_per_process(processes):
-    """(bytes, where from): the machine's free RAM shared by the processes, the memory of a CPU run."""
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """(bytes, where from): the machine's free RAM shared by the processes, the memory of a CPU run. Free counts the
+    page cache the kernel gives back on demand (MemAvailable): MemFree alone shrinks to a few GB once files were read,
+    and a machine with 19 GB to give refused a depth-2 run as if it had 2."""
+    available = host_ram_available() or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return available // processes, f"{available / 1e9:.0f} GB free RAM / {processes} processes"
 
 

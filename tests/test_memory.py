@@ -119,3 +119,14 @@ def test_fit_keeps_effective_batch_and_prefers_a_smaller_batch_to_recompute():
 def test_bad_dtype_is_rejected():
     with pytest.raises(ValueError, match="float8"):
         estimate_memory(SMALL, 1, "float8")
+
+
+def test_a_cpu_run_plans_with_the_ram_the_kernel_can_give_not_only_the_unused(monkeypatch):
+    """MemFree leaves out the page cache: after reading files a 24 GB machine showed 2 GB free and 19 GB available."""
+    from nanochat import planning
+    monkeypatch.setattr(planning, "host_ram_available", lambda: 19 * 2**30)
+    monkeypatch.setattr(planning.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 2 * 2**30 // 4096,
+                                                              "SC_PAGE_SIZE": 4096}[name])
+    assert planning.free_ram_per_process(2)[0] == 19 * 2**30 // 2
+    monkeypatch.setattr(planning, "host_ram_available", lambda: None)  # no /proc/meminfo: the portable count
+    assert planning.free_ram_per_process(2)[0] == 2**30
