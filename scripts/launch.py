@@ -532,7 +532,8 @@ def train(key, phase, extra):
     nnodes, prepared = processes(key)[1], {"dataset": env("DATASET", "fineweb"), "shards": PHASES[phase]["shards"]}
     waited = multinode.prepare_on_node0(lambda: prepare(phase, data, have_tokenizer, vocab), prepared, nnodes,
                                         env_int("NODE_RANK", 0, low=0),
-                                        env_int(multinode.WAIT_ENV, multinode.DEFAULT_WAIT_S))
+                                        env_int(multinode.WAIT_ENV, multinode.DEFAULT_WAIT_S),
+                                        probe_s=env_int(multinode.PROBE_ENV, multinode.DEFAULT_PROBE_S))
     if waited:
         raise Exit(waited, code=ExitCode.FAILED)
     run(cmd)

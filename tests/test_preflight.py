@@ -222,3 +222,39 @@ def test_a_second_node_that_never_sees_the_marker_exits_nonzero(tmp_path):
                          timeout=120, cwd=launch.__file__.rsplit("/scripts/", 1)[0], env=env)
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("launch: node 1 waited 1 s for node 0's")
+
+
+def test_a_node_whose_base_dir_is_not_node_0s_stops_within_the_probe_not_the_deadline(tmp_path):
+    """Two directories on one machine stand for two nodes that do not share NANOCHAT_BASE_DIR."""
+    node0_dir, node1_dir = tmp_path / "node0", tmp_path / "node1"
+    node0_dir.mkdir(), node1_dir.mkdir()
+    prepared = {"dataset": "fineweb", "shards": 3}
+    node0 = threading.Thread(target=multinode.prepare_on_node0, args=(lambda: time.sleep(2), prepared, 2, 0, 60),
+                             kwargs=dict(poll_s=0.05, base_dir=str(node0_dir)))
+    node0.start()
+    t0 = time.monotonic()
+    line = multinode.prepare_on_node0(lambda: pytest.fail("node 1 prepared"), prepared, 2, 1, 60, poll_s=0.05,
+                                      probe_s=0.5, base_dir=str(node1_dir))
+    assert 0.5 <= time.monotonic() - t0 < 5 and "\n" not in line
+    assert f"node 1 saw no sign of node 0 in {node1_dir} within 0.5 s" in line and multinode.PROBE_ENV in line
+    node0.join()
+    # the same two nodes sharing one directory: node 1 sees the beat, outlasts the probe and starts with node 0
+    node0 = threading.Thread(target=multinode.prepare_on_node0, args=(lambda: time.sleep(1.5), prepared, 2, 0, 60),
+                             kwargs=dict(poll_s=0.05, base_dir=str(node0_dir)))
+    node0.start()
+    assert multinode.prepare_on_node0(None, prepared, 2, 1, 60, poll_s=0.05, probe_s=0.5,
+                                      base_dir=str(node0_dir)) is None
+    node0.join()
+
+
+def test_a_node_stops_when_node_0s_heartbeat_stops_without_a_marker(tmp_path):
+    with multinode.Heartbeat(str(tmp_path), beat_s=0.05):  # node 0 prepares ...
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        waiter = threading.Thread(target=lambda: result.append(multinode.wait_for_node0(
+            {"shards": 1}, 1, 60, poll_s=0.05, probe_s=5, base_dir=str(tmp_path))))
+        result = []
+        waiter.start()
+        time.sleep(0.3)
+    waiter.join(timeout=10)  # ... and dies: no marker will come
+    assert "node 0's heartbeat" in result[0] and "stopped" in result[0] and time.monotonic() - t0 < 5
