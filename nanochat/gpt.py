@@ -351,8 +351,8 @@ class Block(nn.Module):
         return a + self.mlp(norm(u + a))
 
     def visit(self, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0, compiled=None):
-        """One layer visit through this block: visit_layer, or `compiled`, its torch.compile twin (training only: no
-        cache, and no slot, whose int would be a compile guard). FSDP registers it as the block's forward method, so
+        """One layer visit through this block: visit_layer, or `compiled`, its torch.compile twin (no cache, and no
+        slot, whose int would be a compile guard). FSDP registers it as the block's forward method, so
         a visit's n_loops+1 calls share one gather."""
         if compiled is not None:
             return compiled(self, x, y, z, cos_sin, n_loops, update)
@@ -465,17 +465,19 @@ class GPT(nn.Module):
 
     def compile_layer_visits(self, backend="inductor"):
         """Regional torch.compile: one compiled layer visit serves every layer, loop, sweep and supervision step, so
-        compile time does not grow with the recursion. Only training calls (gradient on, no KV cache) use it:
-        evaluation, the no-gradient sweeps and cached sampling run eagerly and never recompile the training graph.
-        The training loss's head chunk is compiled too: fused, its softcap and cross-entropy read the logits once."""
+        compile time does not grow with the recursion. Calls with gradient and calls without (evaluation, the
+        no-gradient sweeps) each have their own twin, so neither recompiles the other's graph; cached sampling runs
+        eagerly. The training loss's head chunk is compiled too: fused, its softcap and cross-entropy read the
+        logits once."""
         self._compiled_visit = torch.compile(visit_layer, dynamic=False, backend=backend)
+        self._compiled_eval_visit = torch.compile(visit_layer, dynamic=False, backend=backend)
         self._compiled_head_chunk = torch.compile(head_chunk_loss_and_grads, dynamic=False, backend=backend)
 
     def _visit_layer(self, layer, x, y, z, cos_sin, kv_cache, slot):
         block, args = self.transformer.h[layer], (x, y, z, cos_sin, self.config.n_loops,
                                                   STATE_UPDATES[self.config.state_update])
-        compiled = getattr(self, "_compiled_visit", None)
-        if compiled is not None and kv_cache is None and torch.is_grad_enabled():
+        compiled = getattr(self, "_compiled_visit" if torch.is_grad_enabled() else "_compiled_eval_visit", None)
+        if compiled is not None and kv_cache is None:
             return block.visit(*args, compiled=compiled)
         return block.visit(*args, kv_cache, slot)
 

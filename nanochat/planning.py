@@ -260,7 +260,8 @@ def plan_lines(run):
              f"{memory.usable_bytes(memory_bytes) / 1e9:.0f} GB usable ({memory_bytes / 1e9:.0f} GB, {where})"
              + ("" if est["total"] <= memory.usable_bytes(memory_bytes) else "  -> predicted OUT OF MEMORY"),
              f"compute      {model.estimate_flops():.3e} FLOPs per token x {run.total_batch_size:,} tokens = "
-             f"{flops_per_step:.3e} FLOPs per step; {iterations} steps ({source})"]
+             f"{flops_per_step:.3e} FLOPs per step; {iterations} steps ({source})",
+             evaluation_line(run, model, iterations, flops_per_step)]
     peak = peak_flops(run)
     if peak:
         seconds = flops_per_step / (run.world_size * peak * PLANNER_MFU)
@@ -272,6 +273,22 @@ def plan_lines(run):
     else:
         lines.append("time         unknown: no GPU in the peak-FLOPs table here; --peak_tflops gives one")
     return lines + sharding_lines(run, config, memory_bytes)
+
+
+def evaluations(run, iterations):
+    """How many validation evals a run does: at step 0, every --eval_every steps, and at the end."""
+    if not run.eval_every:
+        return 1
+    return iterations // run.eval_every + 1 + (iterations % run.eval_every != 0)
+
+
+def evaluation_line(run, model, iterations, flops_per_step):
+    """The validation evals' share of the run's compute (forward only, every supervision step, compiled)."""
+    n = evaluations(run, iterations)
+    flops = n * run.eval_tokens * model.estimate_flops(backward=False)
+    share = flops / (flops + iterations * flops_per_step)
+    return (f"evaluation   {n} evals x {run.eval_tokens:,} tokens x {model.estimate_flops(backward=False):.3e} FLOPs = "
+            f"{flops:.3e} FLOPs: {share:.1%} of the run's compute")
 
 
 def peak_flops(run, device=0):

@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from nanochat import memory, planning, train_config
+from nanochat.gpt import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_80GB = ["--device_type=cuda", "--device_memory_gb=80", "--dry_run"]  # a plan for a GPU this machine lacks
@@ -137,3 +139,18 @@ def test_the_plan_prints_the_sharding_both_choices_and_the_budget_in_steps():
     assert any("fsdp (chosen): ~" in line and "parameter all-gathers per micro-step" in line for line in lines)
     assert any(line.startswith("budget       --max_hours=31: ~") and "of 1,000 steps" in line for line in lines)
     assert any("13,421,772,800 parameters" in line for line in lines)
+
+
+def test_the_plan_states_the_evaluations_share_of_the_run():
+    run = train_config.parse_args(["--depth=2", "--num_iterations=1000", "--eval_every=250", "--eval_tokens=5242880",
+                                   "--device_batch_size=4", "--max_seq_len=64"], world_size=1, check_hardware=False,
+                                  vocab_size=256)
+    assert planning.evaluations(run, 1000) == 5  # steps 0, 250, 500, 750, 1000
+    assert planning.evaluations(run, 1001) == 6  # ... and the end
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**{**run.model_config, "vocab_size": 256}))
+    forward, train = model.estimate_flops(backward=False), model.estimate_flops()
+    line = planning.evaluation_line(run, model, 1000, train * run.total_batch_size)
+    share = 5 * 5242880 * forward / (5 * 5242880 * forward + 1000 * train * run.total_batch_size)
+    assert line.startswith("evaluation   5 evals x 5,242,880 tokens") and f"{share:.1%} of the run's compute" in line
+    assert any(l.startswith("evaluation   ") for l in planning.plan_lines(run))
