@@ -18,6 +18,13 @@ add_one = torch.compile(lambda x: x * 2 + 1)
 assert add_one(torch.ones(8, device="cuda")).sum().item() == 24
 torch.cuda.synchronize()
 """
+# in a child process: a CUDA context made by the launcher itself would hold memory on GPU 0 for the whole run
+DEVICE_OP_SNIPPET = """
+import torch
+torch.ones(8, device="cuda").add_(1).sum().item()
+torch.cuda.synchronize()
+"""
+DEVICE_OP_TIMEOUT_S = 120
 BUILD_TOOLS_FIX = ("Triton needs a C compiler and the Python headers: apt-get install build-essential python3-dev "
                    "(or pass --compile=false to train without compiling)")
 
@@ -78,15 +85,19 @@ def build_fix(driver):
 
 def device_op_problem():
     """None when a small tensor op runs on the GPU, else why not (a build without kernels for this GPU, a driver too
-    old for the build's CUDA) with the fix."""
-    import torch  # lazy: this module must import, and report, where torch itself is broken
+    old for the build's CUDA) with the fix. Run in a child process, which takes its CUDA context with it."""
     try:
-        torch.ones(8, device="cuda").add_(1).sum().item()
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001 - CUDA reports these as RuntimeError, AcceleratorError, ...
-        driver = driver_cuda_version()
-        return f"a tensor op on the GPU failed ({first_line(e)}; {stack(driver)}): {build_fix(driver)}"
-    return None
+        done = subprocess.run([sys.executable, "-c", DEVICE_OP_SNIPPET], capture_output=True, text=True,
+                              timeout=DEVICE_OP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        error = f"no answer in {DEVICE_OP_TIMEOUT_S} s"
+    else:
+        if done.returncode == 0:
+            return None
+        lines = done.stderr.strip().splitlines()
+        error = lines[-1] if lines else f"exit code {done.returncode}"
+    driver = driver_cuda_version()
+    return f"a tensor op on the GPU failed ({error}; {stack(driver)}): {build_fix(driver)}"
 
 
 def compile_problem(timeout=COMPILE_CHECK_TIMEOUT_S):

@@ -38,11 +38,14 @@ def working_gpu(monkeypatch):
     monkeypatch.setattr(torch, "ones", lambda *shape, device=None: real_ones(*shape))
 
 
-def compile_subprocess(monkeypatch, returncode=0, stderr="", hang=False):
-    """Stand-in for the compile check's subprocess; returns the commands it was asked to run."""
+def compile_subprocess(monkeypatch, returncode=0, stderr="", hang=False, op_stderr=None):
+    """Stand-in for the checks' subprocesses (the tensor op's passes unless op_stderr; the compile's as asked);
+    returns the commands of the compile checks it was asked to run."""
     calls = []
 
     def fake_run(cmd, timeout=None, **kwargs):
+        if cmd[-1] == preflight.DEVICE_OP_SNIPPET:
+            return subprocess.CompletedProcess(cmd, 1 if op_stderr else 0, "", op_stderr or "")
         calls.append(cmd)
         if hang:
             raise subprocess.TimeoutExpired(cmd, timeout)
@@ -97,13 +100,21 @@ def test_the_driver_cuda_version_is_read_from_nvidia_smi(monkeypatch, tmp_path):
 
 
 def test_a_failing_tensor_op_names_the_error_and_the_build_fix(monkeypatch, cuda_build, working_gpu):
-    def no_kernel(*shape, device=None):
-        raise RuntimeError("CUDA error: no kernel image is available for execution on the device\nmore detail")
-    monkeypatch.setattr(torch, "ones", no_kernel)
-    calls = compile_subprocess(monkeypatch)
+    calls = compile_subprocess(monkeypatch, op_stderr="Traceback ...\nmore detail\ntorch.AcceleratorError: CUDA "
+                                                       "error: no kernel image is available for execution\n")
     [line] = preflight.cuda_problems("cuda")
-    assert "RuntimeError: CUDA error: no kernel image is available" in line and PIP_FIX in line
+    assert "AcceleratorError: CUDA error: no kernel image is available" in line and PIP_FIX in line
     assert "more detail" not in line and calls == []
+
+
+def test_the_launcher_makes_no_cuda_context_of_its_own(monkeypatch, cuda_build):
+    """The tensor op runs in a child process: a context in the launcher would hold GPU 0's memory all run long."""
+    def untouchable(*args, **kwargs):
+        raise AssertionError("a tensor was made on the GPU in the launcher's process")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "ones", untouchable)
+    compile_subprocess(monkeypatch)
+    assert preflight.cuda_problems("cuda") == []
 
 
 def test_a_failing_compile_names_the_build_tools(monkeypatch, cuda_build, working_gpu):
