@@ -15,6 +15,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -23,6 +24,7 @@ from nanochat.files import WriteError, atomic_write_bytes, remove_stale_temporar
 from nanochat.health import LossSmoother, smooth
 from nanochat.loss_eval import format_steps, refinement
 
+GPU_READ_EVERY_S = 10.0  # NVML readings (3 calls per GPU) at most this often: a step's log line needs no fresher ones
 COMPILE_STEPS = 10  # the first steps of a process compile and warm up: left out of the mean step time
 # What to do once a failed write of the run's record is fixed: the checkpoints are written apart from it
 RESUME_HINT = ", then run the same command with --resume (the checkpoints saved so far are intact)"
@@ -200,15 +202,17 @@ class MetricsLog:
         if run.tensorboard is not None:
             self.sinks.append(open_optional("TensorBoard", lambda: TensorBoardSink(
                 run.tensorboard or os.path.join(run_dir, "tensorboard"))))
-        if run.device_type == "cuda":
+        if run.device_type == "cuda" and self.enabled:  # only rank 0 writes them
             self.gpus = open_optional("GPU monitoring (pip install nvidia-ml-py)", GpuMonitor)
+        self.gpus_read_at = -math.inf
         self.sinks = [s for s in self.sinks if s]
 
     def log(self, record):
         if record["kind"] == "train":
             self.smoother.update(record["step_losses"])
             self.step_times.append(record["dt"])
-            if self.gpus:
+            if self.gpus and time.monotonic() - self.gpus_read_at >= GPU_READ_EVERY_S:
+                self.gpus_read_at = time.monotonic()
                 record = {**record, **self.read_gpus()}
         if not self.enabled:
             return

@@ -128,7 +128,15 @@ def test_the_nvml_monitor_writes_gpu_utilisation_memory_and_temperature(tmp_path
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # this job's GPU only
     metrics = MetricsLog(str(tmp_path), local_args(device_type="cuda"), rank=0, resume_step=1)
     metrics.log(train_record(2, [3.0]))
-    assert read_metrics(tmp_path)["train"][-1]["gpu_temp_c"] == [38]
+    metrics.log(train_record(3, [3.0]))  # within GPU_READ_EVERY_S of the last reading: NVML is not asked again
+    assert [r.get("gpu_temp_c") for r in read_metrics(tmp_path)["train"][-2:]] == [[38], None]
+
+
+def test_only_rank_0_reads_nvml(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML())
+    metrics = MetricsLog(str(tmp_path), local_args(device_type="cuda"), rank=1, resume_step=None)
+    metrics.log(train_record(1, [3.0]))
+    assert metrics.gpus is None
 
 
 def test_without_nvml_the_run_logs_without_gpu_fields(tmp_path, monkeypatch, capsys):
