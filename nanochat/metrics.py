@@ -180,7 +180,7 @@ class MetricsLog:
     def __init__(self, run_dir, run, rank, resume_step):
         """run: the run's train_config.RunConfig (--run, --tensorboard, the device)."""
         self.path, self.enabled, self.sinks, self.gpus = os.path.join(run_dir, "metrics.jsonl"), rank == 0, [], None
-        self.failure = None
+        self.failure, self.gpus_read_at = None, -math.inf
         self.smoother, self.step_times, self.prior_step_time = LossSmoother(), [], None
         if not self.enabled:
             return
@@ -202,9 +202,8 @@ class MetricsLog:
         if run.tensorboard is not None:
             self.sinks.append(open_optional("TensorBoard", lambda: TensorBoardSink(
                 run.tensorboard or os.path.join(run_dir, "tensorboard"))))
-        if run.device_type == "cuda" and self.enabled:  # only rank 0 writes them
+        if run.device_type == "cuda":
             self.gpus = open_optional("GPU monitoring (pip install nvidia-ml-py)", GpuMonitor)
-        self.gpus_read_at = -math.inf
         self.sinks = [s for s in self.sinks if s]
 
     def log(self, record):

@@ -132,12 +132,6 @@ def test_the_nvml_monitor_writes_gpu_utilisation_memory_and_temperature(tmp_path
     assert [r.get("gpu_temp_c") for r in read_metrics(tmp_path)["train"][-2:]] == [[38], None]
 
 
-def test_only_rank_0_reads_nvml(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML())
-    metrics = MetricsLog(str(tmp_path), local_args(device_type="cuda"), rank=1, resume_step=None)
-    metrics.log(train_record(1, [3.0]))
-    assert metrics.gpus is None
-
 
 def test_without_nvml_the_run_logs_without_gpu_fields(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
