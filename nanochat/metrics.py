@@ -343,6 +343,8 @@ def report_markdown(summary, records, run, model):
                      f"{cell(summary['train_step_losses_smoothed'], s)} | {cell(summary['val_bpb'], s)} |")
     if summary["val_bpb"]:
         lines += ["", f"Validation refinement: {100 * summary['val_refinement']:.1f}%"]
+    if records.get("probe"):
+        lines += probe_section(records["probe"][-1])
     if summary["grad_norm_max"] is not None:
         lines += ["", f"Gradient norm: median {summary['grad_norm_median_last']:.3f} over the last 10% of optimizer "
                   f"steps, max {summary['grad_norm_max']:.3f}"]
@@ -352,6 +354,17 @@ def report_markdown(summary, records, run, model):
             lines += ["", f"Optimizer step {r['step']}:", ""]
             lines += [f"- {prompt!r} -> {completion!r}" for prompt, completion in r["samples"]]
     return "\n".join(lines) + "\n"
+
+
+def probe_section(probe):
+    """The last depth probe (--probe=hops): accuracy by hop count at every supervision step."""
+    lines = ["", f"## Depth probe: accuracy by hop count (optimizer step {probe['step']})", "",
+             f"Chance {probe['chance']:.3f}; {sum(probe['answers']):,} answers in {probe['documents']:,} documents. "
+             f"A recursion that uses its depth climbs down the long-hop columns.", "",
+             "| supervision step | " + " | ".join(f"{h} hops" for h in probe["hops"]) + " |",
+             "|---" * (len(probe["hops"]) + 1) + "|"]
+    lines += [f"| step_{s} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for s, row in enumerate(probe["accuracy"])]
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------- base_eval

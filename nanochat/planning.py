@@ -17,6 +17,7 @@ import torch
 from nanochat import memory
 from nanochat.common import gpu_peak_flops
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.probe import build as build_probe
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
 MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "state_update",
@@ -261,7 +262,7 @@ def plan_lines(run):
              + ("" if est["total"] <= memory.usable_bytes(memory_bytes) else "  -> predicted OUT OF MEMORY"),
              f"compute      {model.estimate_flops():.3e} FLOPs per token x {run.total_batch_size:,} tokens = "
              f"{flops_per_step:.3e} FLOPs per step; {iterations} steps ({source})",
-             evaluation_line(run, model, iterations, flops_per_step)]
+             evaluation_line(run, model, iterations, flops_per_step), *probe_lines(run, model, iterations)]
     peak = peak_flops(run)
     if peak:
         seconds = flops_per_step / (run.world_size * peak * PLANNER_MFU)
@@ -289,6 +290,18 @@ def evaluation_line(run, model, iterations, flops_per_step):
     share = flops / (flops + iterations * flops_per_step)
     return (f"evaluation   {n} evals x {run.eval_tokens:,} tokens x {model.estimate_flops(backward=False):.3e} FLOPs = "
             f"{flops:.3e} FLOPs: {share:.1%} of the run's compute")
+
+
+def probe_lines(run, model, iterations):
+    """What --probe costs: its share of the training rows (text the run does not see) and its evaluations."""
+    if run.probe == "none":
+        return []
+    probe = build_probe(run.probe, run.probe_share, run.seed, run.probe_docs)
+    doc_chars = len(probe.eval_documents()[0])  # about one token a character: answers are, the rest merges less
+    eval_flops = evaluations(run, iterations) * run.probe_docs * doc_chars * model.estimate_flops(backward=False)
+    train_flops = iterations * model.estimate_flops() * run.total_batch_size
+    return [f"probe        {run.probe}: {run.probe_share:.0%} of the training rows are hops documents (that much less "
+            f"text), and {run.probe_docs} documents at each eval: {eval_flops / train_flops:.2%} more compute"]
 
 
 def peak_flops(run, device=0):

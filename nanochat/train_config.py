@@ -25,6 +25,7 @@ from nanochat.files import get_base_dir
 from nanochat.gpt import ACTIVATIONS, REFINEMENT_PRESETS, STATE_UPDATES, GPTConfig
 from nanochat.planning import (B_REF, BATCH_EXPONENT, EMA_AUTO_MIN_STEPS, MAX_DEVICE_BATCH, PlanError,
                                host_ram_problem, plan_batch, resolve_model_config)
+from nanochat.probe import PROBES
 from nanochat.tokenizer import get_tokenizer
 
 SAMPLE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The opposite of hot is", "import os\n"]
@@ -134,6 +135,11 @@ def build_parser():
     runtime.add_argument("--seed", type=int, default=42)
     output = p.add_argument_group("evaluation and output")
     output.add_argument("--eval_every", type=int, default=250, help="steps between validation evals (0 = end only)")
+    output.add_argument("--probe", choices=PROBES, default="none",
+                        help="hops: a depth probe; --probe_share of the training rows are hops documents, and every "
+                             "eval reports accuracy by hop count at every supervision step (docs/reasoning.md)")
+    output.add_argument("--probe_share", type=float, default=0.05, help="--probe: the share of training rows")
+    output.add_argument("--probe_docs", type=int, default=256, help="--probe: documents each evaluation reads")
     output.add_argument("--eval_tokens", type=int, default=10 * 524288,
                         help="validation tokens per eval, rounded down to whole rows of --max_seq_len (the same rows "
                              "on any number of processes)")
@@ -243,6 +249,9 @@ class RunConfig:
     seed: int
     # evaluation and output
     eval_every: int
+    probe: str  # none | hops (nanochat/probe.py)
+    probe_share: float
+    probe_docs: int
     eval_tokens: int
     early_stop: int
     sample_every: int
@@ -304,6 +313,9 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     for name in ("target_flops", "target_param_data_ratio", "max_hours", "max_cost"):
         if getattr(flags, name) is not None and not getattr(flags, name) > 0:
             parser.error(f"--{name}={getattr(flags, name)} must be > 0")
+    if not 0 < flags.probe_share < 1 or flags.probe_docs < 1:
+        parser.error(f"--probe_share={flags.probe_share} must be between 0 and 1 and --probe_docs={flags.probe_docs} "
+                     f">= 1")
     if flags.overwrite and (flags.resume or flags.resume_from_step is not None):
         parser.error("--overwrite starts over and --resume continues: give one of them")
     model_config, config_sources = resolve_model_config(flags)

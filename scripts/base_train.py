@@ -37,10 +37,13 @@ from nanochat.engine import Engine
 from nanochat.files import WriteError, atomic_write_bytes, check_writable
 from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
+from nanochat.hops_eval import HopsEvalError, evaluate_hops
 from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
 from nanochat.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
 from nanochat.optim import clipped_step, lr_multiplier, muon_momentum, reduce_gradients, set_schedule, setup_optimizers
 from nanochat.planning import ema_decay_for, num_iterations_for, peak_flops, plan_lines
+from nanochat.probe import build as build_probe
+from nanochat.probe import format_probe
 from nanochat.resume import (check_data, check_data_positions, check_fresh_start, load_resume_point, move_aside,
                              report_schedule_change, resume_differences)
 from nanochat.resume import restore as restore_point
@@ -107,7 +110,8 @@ def train(args):
                   num_iterations=num_iterations, warmup_steps=warmup_steps, start_step=start_step,
                   resuming=resume is not None, flops_per_token=flops_per_token,
                   peak_flops=peak_flops(args, device), prefetched=prefetched,
-                  consumed=[loader.state_dict() for loader in loaders])
+                  consumed=[loader.state_dict() for loader in loaders],
+                  probe=build_probe(args.probe, args.probe_share, args.seed, args.probe_docs))
 
         # at each step boundary save, evaluate and sample when due; then stop, or train one more step
         step, flags = start_step, run.control.agree(device)  # a budget spent or a signal before the first step
@@ -184,6 +188,7 @@ class Run:
     resuming: bool
     flops_per_token: float
     peak_flops: Any  # FLOP/s of one device, or None: no MFU
+    probe: Any = None  # the depth probe (nanochat.probe.Probe), or None
     prefetched: Any = None  # the next step's first batch, read while the device still works on this step
     consumed: list = None  # the loaders' positions after the last trained batch: what a checkpoint resumes from
     val_bpb: Any = None  # the last evaluation's validation bpb per supervision step
@@ -260,7 +265,23 @@ class Run:
                               "val_refinement": refinement(self.val_bpb), "state": val_state})
             if self.rank == 0 and ckpt.list_steps(self.args.model_tag)[-1:] == [step]:
                 self.metrics.attempt(lambda: update_checkpoint_bpb(self.args.model_tag, step, self.val_bpb))
+        if self.probe:
+            self.evaluate_probe(step)
         return True
+
+    def evaluate_probe(self, step):
+        """Accuracy by hop count at every supervision step on the probe's documents: printed and logged."""
+        n_sup = self.published.config.n_sup_inference
+        try:
+            result = evaluate_hops(self.published, self.tokenizer, self.probe.eval_documents(), n_sup,
+                                   self.args.device_batch_size, self.device,
+                                   autocast_for(self.args.device_type, self.args.dtype), self.rank, self.world_size)
+        except (HopsEvalError, RankFailure) as e:  # a probe is a measurement, not a reason to stop the run
+            print0(f"WARNING: the depth probe was skipped: {e}")
+            return
+        print0(format_probe(result, n_sup))
+        self.metrics.log({"kind": "probe", "step": step, **result,
+                          "longest_hops_by_step": [row[-1] for row in result["accuracy"]]})
 
     def sample(self, step):
         # rank 0 alone: a signal that cuts the samples short is agreed at the next step's reduction. Sharded, every
@@ -275,6 +296,8 @@ class Run:
         try:
             for j, loader in enumerate(self.loaders):
                 x, y = self.prefetched if j == 0 else next(loader)
+                if self.probe:
+                    x, y = self.probe.mix(x, y, self.tokenizer, step, j, len(self.loaders), self.rank)
                 with autocast_for(self.args.device_type, self.args.dtype):
                     loss, aux = self.model.forward_backward(x, y, loss_scale=1 / self.args.grad_accum, n_sup=n_sup)
                 sums += StepStats.pack(loss, aux)

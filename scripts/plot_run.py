@@ -159,10 +159,14 @@ def figure(run_dir):
     if not train:
         raise MetricsError(f"{run_dir}/metrics.jsonl has no training steps yet: nothing to plot")
     model_tag = os.path.basename(os.path.normpath(run_dir))
-    fig = plt.figure(figsize=(21, 10))
-    grid = fig.add_gridspec(2, 3)
+    probes = records.get("probe", [])
+    fig = plt.figure(figsize=(21, 14 if probes else 10))
+    grid = fig.add_gridspec(3 if probes else 2, 3)
     axes = [fig.add_subplot(grid[row, col]) for row, col in ((0, 0), (0, 1), (1, 0), (1, 1))]
-    axes.append(fig.add_subplot(grid[:, 2]))
+    axes.append(fig.add_subplot(grid[:2, 2]))
+    if probes:
+        axes.append(fig.add_subplot(grid[2, :2]))
+        plot_probe(axes[5], probes)
     plot_train_loss(axes[0], train)
     plot_gaps(axes[1], train)
     if evals:
@@ -179,6 +183,18 @@ def figure(run_dir):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def plot_probe(ax, probes):
+    """The depth probe: accuracy on the longest hop count at each supervision step, over training."""
+    steps = [r["step"] for r in probes]
+    for s in range(len(probes[-1]["longest_hops_by_step"])):
+        ax.plot(steps, [r["longest_hops_by_step"][s] if s < len(r["longest_hops_by_step"]) else None for r in probes],
+                marker="o", label=f"supervision step {s + 1}")
+    ax.axhline(probes[-1]["chance"], color="gray", linestyle=":", label="chance")
+    ax.set(title=f"depth probe: {probes[-1]['hops'][-1]}-hop accuracy by supervision step (climbing steps: the "
+                 f"recursion uses its depth)", xlabel="optimizer step", ylabel="exact-match accuracy", ylim=(0, 1.02))
+    ax.legend(fontsize=8)
 
 
 def plot(run_dir, out_path):
