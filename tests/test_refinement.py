@@ -93,7 +93,8 @@ def test_greedy_final_step_agrees_with_the_answer(client, trained):
     got = refine(client, prompt="the mat", max_tokens=5, temperature=0)
     assert len(got["tokens"]) == 5 and got["finish_reason"] == "length"
     for token in got["tokens"]:
-        assert token["steps"][-1]["id"] == token["id"] and token["steps"][-1]["prob"] == token["steps"][-1]["chosen_prob"]
+        last = token["steps"][-1]
+        assert last["id"] == token["id"] and last["prob"] == last["chosen_prob"]
 
 
 @pytest.mark.parametrize("rule", ["rms:0.05", "kl:0.0001"])
