@@ -83,7 +83,7 @@ RENDERED = """(() => {
 })()"""
 
 
-def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours(trained):
+def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours_then_score_and_hops_render(trained):
     prompt = "the dog sat"
     with serving(trained) as url, Chromium(CHROMIUM, timeout_s=BROWSER_S) as browser:
         want = httpx.post(f"{url}/v1/refinement", json={"prompt": prompt, **SETTINGS}, timeout=60).json()
@@ -91,6 +91,27 @@ def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours(trained)
         fill_and_generate(browser, prompt)
         page = browser.evaluate(RENDERED)
         png = browser.screenshot()
+        browser.click("nav button[data-tab=score]")
+        browser.type_into("#text", "the cat sat on the mat.")
+        browser.click("#score button[type=submit]")
+        browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
+        heat = browser.evaluate("[...document.querySelectorAll('#heat tr.step')].map((r) => [...r.querySelectorAll('td')]"
+                                ".map((td) => [td.textContent, getComputedStyle(td).backgroundColor]))")
+        scored = httpx.post(f"{url}/v1/refinement", json={"mode": "score", "text": "the cat sat on the mat."},
+                            timeout=60).json()
+        browser.click("nav button[data-tab=hops]")
+        browser.type_into("#hopstext", "a>b b>c c>a ; a1=b c2=b")
+        browser.click("#hops button[type=submit]")
+        browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
+        hops = browser.evaluate("[...document.querySelectorAll('#queries tr')].slice(1).map((r) => "
+                                "[...r.querySelectorAll('td.right, td.wrong')].map((td) => td.className))")
+        answered = httpx.post(f"{url}/v1/refinement", json={"mode": "hops", "text": "a>b b>c c>a ; a1=b c2=b"},
+                              timeout=60).json()
+    assert [[text for text, _ in row] for row in heat] == [[f"{v:.1f}" for v in row] for row in scored["losses"]]
+    hottest = max(range(len(scored["losses"][0])), key=lambda t: scored["losses"][0][t])
+    coolest = min(range(len(scored["losses"][0])), key=lambda t: scored["losses"][0][t])
+    assert heat[0][hottest][1] != heat[0][coolest][1]  # the heat map's colours follow the loss
+    assert hops == [["right" if step["correct"] else "wrong" for step in q["steps"]] for q in answered["queries"]]
     assert page["state"] == "done", page["error"]
     tokens, n_sup = want["tokens"], want["n_sup"]
     assert len(page["steps"]) == n_sup == trained[1].config.n_sup_inference and len(tokens) == 8
