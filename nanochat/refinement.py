@@ -166,9 +166,9 @@ def token_namer(tokenizer):
 
 def halt_scores(model, halting, states, logits):
     """(n,) the rule's score after each step 1..n for one position. states: y at steps 0 (the input) .. n; logits:
-    (n, V) of steps 1..n (step 0's are computed only if the rule reads them)."""
+    (n + 1, V) of steps 0..n, or (n, V) of steps 1..n when the rule does not read step 0's."""
     drafts = [Draft(model, y) for y in states]
-    for draft, known in zip(drafts[1:], logits):
+    for draft, known in zip(drafts[len(drafts) - len(logits):], logits):
         draft.__dict__["logits"] = known  # computed already: cached_property reads the instance dict first
     score = HALTING_RULES[halting.rule]
     return torch.stack([score(model, previous, current) for previous, current in zip(drafts, drafts[1:])])
@@ -195,15 +195,18 @@ def generate(engine, req):
             x = model.embed(idx, cache)
             ys = [y for y, _ in model.refine(idx, req.n_sup, cache, x=x)]
             final = model.head(ys[-1])[:, -1]  # as model.forward computes it, so sampling picks the engine's token
-            earlier = model.head(torch.stack([y[0, -1] for y in ys[:-1]])) if len(ys) > 1 else final[:0]
+            # the other steps' (and the input's, if the rule reads it) in one matmul: one read of the head's weights
+            states = [x[0, -1]] + [y[0, -1] for y in ys]
+            others = states[:-1] if req.halting.rule == "kl" else states[1:-1]
+            earlier = model.head(torch.stack(others)) if others else final[:0]
         cache.advance(idx.size(1))
         token = sample_next(final, req.temperature, req.top_k, req.top_p, rng)
-        logits = torch.cat([earlier, final]).float()
-        probs = F.softmax(logits, dim=-1)
+        logits = torch.cat([earlier, final]).float()  # steps 1..n, after step 0's if the rule reads it
+        probs = F.softmax(logits[len(logits) - req.n_sup:], dim=-1)
         best_p, best = probs.max(dim=-1)
         chosen_p = probs[:, token[0]]
         with engine.autocast():
-            scores = halt_scores(model, req.halting, [x[0, -1]] + [y[0, -1] for y in ys], logits)
+            scores = halt_scores(model, req.halting, states, logits)
         t = token.item()
         halts.append(first_halt(scores.tolist(), req.halting.threshold))
         if t in stops:

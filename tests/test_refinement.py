@@ -75,12 +75,15 @@ def test_tokens_and_drafts_equal_base_sample_show_steps_for_the_same_seed(traine
         assert k >= 1
 
 
-def test_each_steps_token_and_probabilities_are_that_depths_forward(trained, client):
+@pytest.mark.parametrize("halt, n_sup", [(None, None), ("rms:0.05", None), ("rms:0.05", 1), ("kl:0.001", 1)])
+def test_each_steps_token_and_probabilities_are_that_depths_forward(trained, client, halt, n_sup):
     _, model, tokenizer = trained
-    got = refine(client, prompt="the cat", max_tokens=6, temperature=1.0, seed=11)
+    got = refine(client, prompt="the cat", max_tokens=6, temperature=1.0, seed=11, halt=halt, n_sup=n_sup)
     ids = tokenizer.encode("the cat", prepend="<|bos|>") + [t["id"] for t in got["tokens"]]
     start = len(ids) - len(got["tokens"]) - 1  # the position that predicts the first generated token
-    for s in range(1, model.config.n_sup_inference + 1):
+    assert got["n_sup"] == (n_sup or model.config.n_sup_inference)
+    assert all(len(token["steps"]) == got["n_sup"] for token in got["tokens"])
+    for s in range(1, got["n_sup"] + 1):
         probs = depth_probs(model, ids, s)
         for k, token in enumerate(got["tokens"]):
             step, p = token["steps"][s - 1], probs[start + k]
