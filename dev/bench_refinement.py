@@ -7,7 +7,8 @@ python -m dev.bench_refinement --n_sup 4 --vocab 4096 --threads 1      # dev/run
 
 Greedy, no stop token, so both produce the same max_tokens tokens (checked). Weights are random (every one of them,
 so the argmax is not constant); token names come from a stand-in tokenizer (the token's number), as no trained
-tokenizer is needed to time the model. Rounds alternate plain and per-step; medians are printed.
+tokenizer is needed to time the model. Rounds alternate plain and per-step; medians are printed, in wall time and in
+this thread's CPU time (with --threads 1 the steadier of the two on a shared machine).
 """
 
 import argparse
@@ -57,14 +58,17 @@ def parse_args(argv=None):
 
 
 def timed(tokens_of):
-    """(tokens, seconds to the first token, seconds per later token) of iterating tokens_of()."""
-    t0 = time.perf_counter()
+    """(tokens, [seconds to the first token, seconds per later token] in wall time, then the same in this thread's CPU
+    time: with one torch thread all the work is this thread's, and CPU time barely moves when others load the
+    machine)."""
+    wall0, cpu0 = time.perf_counter(), time.thread_time()
     tokens, first = [], None
     for token in tokens_of():
         tokens.append(token)
-        first = first or time.perf_counter() - t0
-    total = time.perf_counter() - t0
-    return tokens, first, (total - first) / max(1, len(tokens) - 1)
+        first = first or (time.perf_counter() - wall0, time.thread_time() - cpu0)
+    total = (time.perf_counter() - wall0, time.thread_time() - cpu0)
+    later = max(1, len(tokens) - 1)
+    return tokens, [first[0], (total[0] - first[0]) / later, first[1], (total[1] - first[1]) / later]
 
 
 def main(argv=None):
@@ -101,9 +105,9 @@ def main(argv=None):
     results = {"plain": [], "per-step": []}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name, run in (("plain", plain), ("per-step", per_step)):
-            tokens, first, per_token = timed(run)
+            tokens, times = timed(run)
             if round_:
-                results[name].append((first, per_token))
+                results[name].append(times)
             if name == "plain":
                 want = tokens
             elif tokens != want:
@@ -112,10 +116,13 @@ def main(argv=None):
           f"n_sup {args.n_sup}; prompt {args.prompt_tokens} tokens, {args.max_tokens} generated; halt {args.halt}; "
           f"{args.device_type}, {torch.get_num_threads()} threads; medians of {args.rounds} rounds")
     medians = {name: [statistics.median(v) for v in zip(*runs)] for name, runs in results.items()}
-    for name, (first, per_token) in medians.items():
-        print(f"{name:9s} time to first token {1e3 * first:8.2f} ms   per token {1e3 * per_token:8.3f} ms")
-    (first0, tok0), (first1, tok1) = medians["plain"], medians["per-step"]
-    print(f"overhead  time to first token {100 * (first1 / first0 - 1):+.1f}%   per token {100 * (tok1 / tok0 - 1):+.1f}%")
+    plain_times, step_times = medians["plain"], medians["per-step"]
+    for clock, at in (("wall", 0), ("cpu", 2)):
+        for name, times in medians.items():
+            print(f"{clock:4s} {name:9s} time to first token {1e3 * times[at]:8.2f} ms   "
+                  f"per token {1e3 * times[at + 1]:8.3f} ms")
+        print(f"{clock:4s} overhead  time to first token {100 * (step_times[at] / plain_times[at] - 1):+.1f}%   "
+              f"per token {100 * (step_times[at + 1] / plain_times[at + 1] - 1):+.1f}%")
 
 
 if __name__ == "__main__":

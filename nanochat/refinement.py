@@ -165,13 +165,13 @@ def token_namer(tokenizer):
 
 
 def halt_scores(model, halting, states, logits):
-    """(n,) the rule's score after each step 1..n for one position. states: y at steps 0 (the input) .. n; logits:
-    (n + 1, V) of steps 0..n, or (n, V) of steps 1..n when the rule does not read step 0's."""
-    drafts = [Draft(model, y) for y in states]
-    for draft, known in zip(drafts[len(drafts) - len(logits):], logits):
-        draft.__dict__["logits"] = known  # computed already: cached_property reads the instance dict first
-    score = HALTING_RULES[halting.rule]
-    return torch.stack([score(model, previous, current) for previous, current in zip(drafts, drafts[1:])])
+    """(n,) the rule's score after each step 1..n for one position, all steps in one call of the rule. states: y at
+    steps 0 (the input) .. n; logits: (n + 1, V) of steps 0..n, or (n, V) of steps 1..n when the rule does not read
+    logits."""
+    previous, current = Draft(model, torch.stack(states[:-1])), Draft(model, torch.stack(states[1:]))
+    if len(logits) == len(states):  # computed already: cached_property reads the instance dict first
+        previous.__dict__["logits"], current.__dict__["logits"] = logits[:-1], logits[1:]
+    return HALTING_RULES[halting.rule](model, previous, current)
 
 
 def first_halt(scores, threshold):

@@ -14,9 +14,10 @@ TINY = ["--depth", "1", "--n_embd", "32", "--n_head", "2", "--vocab", "64", "--n
 def test_the_benchmark_prints_both_timings_and_the_overhead(capsys, rule):
     bench_refinement.main(TINY + ["--halt", rule])
     out = capsys.readouterr().out
-    for name in ("plain", "per-step"):
-        assert re.search(rf"^{name} +time to first token +[\d.]+ ms +per token +[\d.]+ ms$", out, re.M), out
-    assert re.search(r"^overhead +time to first token [+-][\d.]+% +per token [+-][\d.]+%$", out, re.M), out
+    for clock in ("wall", "cpu"):
+        for name in ("plain", "per-step"):
+            assert re.search(rf"^{clock} +{name} +time to first token +[\d.]+ ms +per token +[\d.]+ ms$", out, re.M), out
+        assert re.search(rf"^{clock} +overhead +time to first token [+-][\d.]+% +per token [+-][\d.]+%$", out, re.M), out
 
 
 def test_different_tokens_are_an_error(monkeypatch):
