@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .engine import left_pad, sample_next
-from .halting import HALTING_RULES, Draft, Halting, check_halting
-from .hops_eval import encode_hops
-from .synthetic import HopsSpec, hops_answers, hops_document
+from nanochat.engine import left_pad, sample_next
+from nanochat.halting import HALTING_RULES, Draft, Halting, check_halting
+from nanochat.hops_eval import encode_hops
+from nanochat.synthetic import HopsSpec, hops_answers, hops_document
 
 MODES = ("generate", "score", "hops")
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "viewer.html")  # the viewer, served at /
