@@ -4,16 +4,20 @@ model's own forward at each depth, or against base_sample --show_steps."""
 import ast
 import json
 import random
+import time
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
 from fastapi.testclient import TestClient
 
+from nanochat import refinement
 from nanochat.engine import Engine
 from nanochat.halting import Halting, forward_halting
 from nanochat.synthetic import HopsSpec, hops_document
 from scripts import base_sample, serve
+from tests.support.server import serving
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 KEY = "sk-refinement-test"
@@ -200,3 +204,32 @@ def test_a_wrong_or_missing_key_is_a_401_but_the_page_needs_none(server):
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert KEY not in page.text
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_generation_and_frees_the_slot(trained, monkeypatch):
+    _, model, tokenizer = trained
+    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
+    made, real = [], refinement.generate
+
+    def slow(engine, req):  # a token every 50 ms: the client leaves long before the 32nd
+        for event in real(engine, req):
+            made.append(event)
+            time.sleep(0.05)
+            yield event
+
+    monkeypatch.setattr(refinement, "generate", slow)
+    body = {"prompt": "the", "max_tokens": 32, "temperature": 1.0, "stream": True}
+    with serving(serve.create_app(server)) as url:
+        with httpx.stream("POST", f"{url}/v1/refinement", json=body, timeout=30) as r:
+            lines = r.iter_lines()  # kept: a dropped line iterator closes the connection
+            first = next(lines)
+            busy = httpx.post(f"{url}/v1/refinement", json={"prompt": "the"}, timeout=30)
+        # the block's end closed the connection mid-stream: the client left
+        assert first.startswith('data: {"object": "refinement.token"')
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
+        deadline = time.monotonic() + 10
+        while server.running:
+            assert time.monotonic() < deadline, "the slot was never freed"
+            time.sleep(0.02)
+        assert len(made) < 32
+        assert httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 1}, timeout=30).status_code == 200

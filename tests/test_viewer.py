@@ -7,16 +7,13 @@ VIEWER_SCREENSHOT=dev/results/viewer.png pytest tests/test_viewer.py  # also sav
 import contextlib
 import json
 import os
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from nanochat.engine import Engine
 from scripts import serve
+from tests.support import server as support_server
 from tests.support.chromium import INSTALL, Chromium, find_chromium
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
@@ -34,24 +31,10 @@ def trained(tmp_path_factory):
 
 @contextlib.contextmanager
 def serving(trained, api_key=None):
-    """The server's app on a free port in a thread; yields its base URL."""
     _, model, tokenizer = trained
     server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
-    http = uvicorn.Server(uvicorn.Config(serve.create_app(server, api_key), log_level="warning", lifespan="off"))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not http.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        http.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with support_server.serving(serve.create_app(server, api_key)) as url:
+        yield url
 
 
 def visible(text):
