@@ -116,7 +116,11 @@ def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours_then_sco
 
 def test_the_page_asks_for_the_key_says_why_and_keeps_it_in_the_tab(trained):
     with serving(trained, api_key=KEY) as url, Chromium(CHROMIUM, timeout_s=BROWSER_S) as browser:
+        reason = httpx.get(f"{url}/v1/models", timeout=30).json()["error"]["message"]
         browser.open(f"{url}/")
+        browser.wait_for("document.body.dataset.state === 'ready'")
+        asked = browser.evaluate("[document.getElementById('keybox').hidden, "
+                                 "document.getElementById('keywhy').textContent]")
         fill_and_generate(browser, "the cat")
         refused = browser.evaluate("[document.body.dataset.state, document.getElementById('keybox').hidden, "
                                    "document.getElementById('keywhy').textContent, "
@@ -131,6 +135,8 @@ def test_the_page_asks_for_the_key_says_why_and_keeps_it_in_the_tab(trained):
         page = browser.evaluate(RENDERED)
         stored = browser.evaluate("JSON.stringify([localStorage.length, sessionStorage.length, document.cookie, "
                                   "location.href, document.getElementById('key').value])")
+    assert asked == [False, f"This server needs an API key: {reason}"]  # before any run, with the server's reason
+    assert reason.startswith("no API key")
     state, hidden, why, error = refused
     assert state == "error" and not hidden and error.startswith("401: no API key")
     assert why.startswith("This server needs an API key: no API key: send the header Authorization: Bearer <key>")
