@@ -133,6 +133,9 @@ def parse_hops(engine, got, n_sup):
     if (got["text"] is None) == (got["seed"] is None):
         raise RequestError("hops: send text (a hops document) or seed (to draw one), not both", "text")
     text = got["text"]
+    most = engine.model.config.sequence_len  # a query is at least a token: more could never fit the context
+    if got["n_queries"] is not None and got["n_queries"] > most:
+        raise RequestError(f"n_queries={got['n_queries']}: at most {most} (the model's context)", "n_queries")
     if text is None:
         try:
             spec = HopsSpec(n_queries=got["n_queries"] or HopsSpec.n_queries)

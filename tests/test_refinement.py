@@ -187,9 +187,12 @@ def test_hops_draws_the_document_of_a_seed(trained, server, monkeypatch):
     ({"mode": "hops", "text": "a>b ; a1=b", "seed": 1}, "text", "hops: send text (a hops document) or seed"),
     ({"mode": "hops", "text": "no queries"}, "text", "a document holds no hops query"),
     ({"mode": "hops", "seed": 1, "n_queries": -1}, "n_queries", "n_queries: n_queries=-1: must be >= 1"),
+    ({"mode": "hops", "seed": 1, "n_queries": 10 ** 9}, "n_queries", "n_queries=1000000000: at most 32"),
+    ('{"prompt": "x", "temperature": NaN}', "temperature", "temperature=nan: must be from 0 to 2"),  # Python's JSON
 ])
 def test_a_bad_request_is_one_400_naming_the_field(client, body, param, message):
-    r = client.post("/v1/refinement", json=body)
+    raw = isinstance(body, str)  # sent as written: json= would refuse NaN
+    r = client.post("/v1/refinement", content=body if raw else None, json=None if raw else body)
     error = r.json()["error"]
     assert r.status_code == 400 and message in error["message"] and error["param"] == param, error
 
