@@ -271,9 +271,11 @@ def hops(engine, req):
 END = object()
 
 
-async def threaded(items, release):
-    """Iterate a blocking iterator on a worker thread, so the event loop keeps serving; release() runs on the loop
-    once the worker has ended, also when the consumer stops early (the worker then stops at its next item)."""
+def threaded(items, release):
+    """Iterate a blocking iterator on a worker thread from now on, so the event loop keeps serving; returns an async
+    iterator over its items. release() runs on the loop once the worker has ended, also when the consumer stops early
+    (the worker then stops at its next item) or never starts (a client gone before the response began): started here,
+    not at the first item, the worker always ends and frees what release frees."""
     loop = asyncio.get_running_loop()
     queue, stop = asyncio.Queue(), threading.Event()
 
@@ -285,12 +287,16 @@ async def threaded(items, release):
 
     worker = loop.run_in_executor(None, work)
     worker.add_done_callback(lambda _: (release(), queue.put_nowait(END)))
-    try:
-        while (item := await queue.get()) is not END:
-            yield item
-        worker.result()  # the worker's exception, if it failed
-    finally:
-        stop.set()
+
+    async def drain():
+        try:
+            while (item := await queue.get()) is not END:
+                yield item
+            worker.result()  # the worker's exception, if it failed
+        finally:
+            stop.set()
+
+    return drain()
 
 
 async def collect(events):

@@ -2,8 +2,10 @@
 model's own forward at each depth, or against base_sample --show_steps."""
 
 import ast
+import asyncio
 import json
 import random
+import threading
 import time
 
 import httpx
@@ -236,3 +238,41 @@ def test_a_client_that_leaves_mid_stream_stops_the_generation_and_frees_the_slot
             time.sleep(0.02)
         assert len(made) < 32
         assert httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 1}, timeout=30).status_code == 200
+
+
+def test_the_worker_ends_and_releases_even_when_no_one_reads_its_items():
+    released, made = [], []
+
+    def items():
+        for i in range(3):
+            made.append(i)
+            yield i
+
+    async def never_read():
+        done = asyncio.Event()
+        refinement.threaded(items(), lambda: (released.append(True), done.set()))
+        await asyncio.wait_for(done.wait(), timeout=10)
+
+    asyncio.run(never_read())
+    assert released == [True] and made == [0, 1, 2]
+
+
+def test_a_consumer_that_stops_early_stops_the_worker():
+    released, made, gate = [], [], threading.Event()
+
+    def items():
+        for i in range(1000):
+            made.append(i)
+            yield i
+            gate.wait(timeout=10)  # the next item waits until the consumer has left
+
+    async def read_one():
+        done = asyncio.Event()
+        events = refinement.threaded(items(), lambda: (released.append(True), done.set()))
+        assert await anext(events) == 0
+        await events.aclose()
+        gate.set()
+        await asyncio.wait_for(done.wait(), timeout=10)
+
+    asyncio.run(read_one())
+    assert released == [True] and len(made) <= 2
