@@ -276,3 +276,20 @@ def test_a_consumer_that_stops_early_stops_the_worker():
 
     asyncio.run(read_one())
     assert released == [True] and len(made) <= 2
+
+
+def test_a_generation_that_fails_mid_stream_ends_with_an_error_event(client, server, monkeypatch):
+    real = refinement.generate
+
+    def fails_after_one(engine, req):
+        events = real(engine, req)
+        yield next(events)
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(refinement, "generate", fails_after_one)
+    with client.stream("POST", "/v1/refinement", json={"prompt": "the", "max_tokens": 4, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert len(lines) == 2 and json.loads(lines[0].removeprefix("data: "))["object"] == "refinement.token"
+    assert json.loads(lines[1].removeprefix("data: ")) == {
+        "error": {"message": "generation failed: out of memory", "type": "server_error"}}
+    assert server.running == 0
