@@ -26,6 +26,9 @@ POST /v1/completions  OpenAI's completions request: model (default: the served o
                       (the likeliest tokens and the chosen one), text_offset}; a completion the model ended lists its
                       end token last. With stream, server-sent events of the same shape, one per piece of text, then
                       data: [DONE].
+POST /v1/refinement   what each supervision step did, per token (generate, score a text, a hops document): the
+                      fields and answers are in nanochat/refinement.py and docs/serving.md
+GET  /                the refinement viewer, a page that renders /v1/refinement (no key needed: it holds no data)
 GET  /v1/models       the served model, named by its model tag
 GET  /health          status, step, limits and generations running (no key needed: for load balancers)
 
@@ -55,7 +58,7 @@ import torch.nn.functional as F
 try:
     import uvicorn
     from fastapi import FastAPI, Request, Security
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
     from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
     from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
     from starlette.concurrency import run_in_threadpool
@@ -63,6 +66,7 @@ try:
 except ModuleNotFoundError as e:
     sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
 
+from nanochat import refinement
 from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
@@ -533,6 +537,23 @@ def create_app(server, api_key=None):
             return StreamingResponse(server.events(job), media_type="text/event-stream", headers=headers)
         await asyncio.shield(job.worker)  # if this handler is cancelled, the slot stays taken until the thread ends
         return JSONResponse(server.completion(job), headers=headers)
+
+    @app.get("/")
+    async def viewer():  # the page holds no data and asks for the key itself, so it needs none
+        return FileResponse(refinement.PAGE, media_type="text/html")
+
+    @app.post("/v1/refinement", dependencies=keyed)
+    async def refine(request: Request):  # what each supervision step did: see nanochat/refinement.py
+        try:
+            req = refinement.parse_request(server.engine, await read_body(request), server.max_tokens_limit,
+                                           AUTO_HALTING)
+        except refinement.RequestError as e:
+            raise APIError(400, str(e), e.param) from None
+        await server.acquire()
+        events = refinement.threaded(refinement.run(server.engine, req), server.release)
+        if req.stream:
+            return StreamingResponse(refinement.sse(events), media_type="text/event-stream")
+        return JSONResponse(await refinement.collect(events))
 
     return app
 
