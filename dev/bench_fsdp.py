@@ -29,6 +29,9 @@ COUNTED = ("all_gather_single", "reduce_scatter_single", "all_to_all", "all_redu
 def counting(calls):
     """Wrap the collectives FSDP calls (torch.distributed.X at call time) to count calls and bytes."""
     for name in COUNTED:
+        if not hasattr(dist, name):  # torch < 2.13 names them all_gather_into_tensor / reduce_scatter_tensor
+            name = {"all_gather_single": "all_gather_into_tensor",
+                    "reduce_scatter_single": "reduce_scatter_tensor"}[name]
         real = getattr(dist, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):

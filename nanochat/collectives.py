@@ -99,3 +99,25 @@ def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, async_op=False):
 def all_gather_single(output, input, async_op=False):
     collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return collective(output, input, async_op=async_op)
+
+
+_ALL_TO_ALL = {"native": True}
+
+
+def all_to_all(recv, send):
+    """dist.all_to_all; where the backend has none (Gloo before torch 2.13: CPU runs on an older torch), every rank
+    gathers every rank's sends and keeps the parts addressed to it: world-size times the traffic, CPU only. Gloo
+    refuses at the call, on every rank alike, before anything is sent, so the fallback is taken by all together."""
+    if _ALL_TO_ALL["native"]:
+        try:
+            return dist.all_to_all(recv, send)
+        except RuntimeError as e:
+            if "does not support alltoall" not in str(e):
+                raise
+            _ALL_TO_ALL["native"] = False
+    stacked = torch.stack(send)
+    gathered = [torch.empty_like(stacked) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, stacked)
+    rank = dist.get_rank()
+    for source, parts in enumerate(gathered):
+        recv[source].copy_(parts[rank])

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from nanochat.collectives import all_gather_single, reduce_scatter_single
+from nanochat.collectives import all_gather_single, all_to_all, reduce_scatter_single
 from nanochat.common import distributed
 
 
@@ -287,7 +287,7 @@ class ShardedMuon(Muon):
         for k, part in enumerate(parts):
             send[k][:part.size(0)] = part
         recv = [torch.empty_like(send[0]) for _ in range(world)]
-        dist.all_to_all(recv, send)
+        all_to_all(recv, send)
         return torch.cat(recv)[:m]
 
     @staticmethod
@@ -296,7 +296,7 @@ class ShardedMuon(Muon):
         padded = torch.zeros(share * world, n, dtype=update.dtype, device=update.device)
         padded[:update.size(0)] = update
         recv = [torch.empty(share, n, dtype=update.dtype, device=update.device) for _ in range(world)]
-        dist.all_to_all(recv, list(padded.split(share)))
+        all_to_all(recv, list(padded.split(share)))
         return recv
 
 

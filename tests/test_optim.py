@@ -231,3 +231,27 @@ def test_dist_adamw_uses_the_old_collective_names_on_a_torch_without_the_new(mon
     assert calls == ["reduce_scatter_tensor", "all_gather_into_tensor"]
     torch.testing.assert_close(params[0].data, params[1].data)
     assert not torch.equal(params[0].data, start)
+
+
+def test_all_to_all_falls_back_to_a_gather_where_gloo_has_none(monkeypatch, tmp_path):
+    """Gloo before torch 2.13 refuses all_to_all (ShardedMuon's exchange): every rank gathers every send instead."""
+    import torch.distributed as dist
+
+    from nanochat import collectives
+
+    def refuse(recv, send):
+        raise RuntimeError("Backend gloo does not support alltoall")
+    monkeypatch.setattr(dist, "all_to_all", refuse)
+    monkeypatch.setitem(collectives._ALL_TO_ALL, "native", True)
+    send = [torch.randn(3, 4)]
+    recv = [torch.full((3, 4), float("nan"))]
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        collectives.all_to_all(recv, send)
+        assert collectives._ALL_TO_ALL["native"] is False  # asked once: later calls go straight to the gather
+        send2, recv2 = [torch.randn(3, 4)], [torch.empty(3, 4)]
+        collectives.all_to_all(recv2, send2)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(recv[0], send[0])
+    torch.testing.assert_close(recv2[0], send2[0])

@@ -157,13 +157,14 @@ def gathers_per_micro_step(config):
     from nanochat import sharding
     model = sharding.shard_model(build(config, detach=True), torch.device("cpu"))
     model.forward_backward(*batch(dist.get_rank(), 0))  # FSDP's lazy initialisation happens in the first
-    real, calls = dist.all_gather_single, []
-    dist.all_gather_single = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch < 2.13
+    real, calls = getattr(dist, name), []
+    setattr(dist, name, lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             model.forward_backward(*batch(dist.get_rank(), 1))
     finally:
-        dist.all_gather_single = real
+        setattr(dist, name, real)
     held = model._get_fsdp_state()._comm_ctx.all_gather_state is not None
     return len(calls), sum(event.name == "FSDP::root_pre_forward" for event in prof.events()), held
 
