@@ -366,21 +366,38 @@ class RefusedObject(pickle.UnpicklingError):
     """A checkpoint file names a Python object no checkpoint holds; the message is that object."""
 
 
-def refused_object(error):
-    """What a loader refused to build (RefusedObject's name, or the gist of torch's multi-line weights_only
-    message), or None when the error is of another kind (a truncated file)."""
+def refused_object(error, source=None):
+    """What a loader refused to build (RefusedObject's name, or the globals a torch file names that a weights_only
+    load does not build), or None when the error is of another kind (a truncated file). source: the torch file (a
+    path or file object) that failed to load."""
     if isinstance(error, RefusedObject):
         return str(error)
-    text = str(error)
-    if not isinstance(error, pickle.UnpicklingError) or "WeightsUnpickler error:" not in text:
+    if not isinstance(error, pickle.UnpicklingError):
         return None
-    gist = next(line for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() + ["?"] if line.strip())
-    return gist.strip().removeprefix("Unsupported global: GLOBAL ").split(" was not an allowed global")[0]
+    names = []
+    if source is not None:
+        try:  # torch's own opcode scan names every global without running one: its error text varies by module
+            if hasattr(source, "seek"):
+                source.seek(0)
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+        except Exception:  # noqa: BLE001 - a file its scan cannot read names nothing; the text below may
+            names = []
+        unexpected = [n for n in names if n not in LEGACY_RANK_NAMES]
+        names = unexpected or names
+    if names:
+        return ", ".join(names)
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        gist = next(line for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() + ["?"] if line.strip())
+        return gist.strip().removeprefix("Unsupported global: GLOBAL ").split(" was not an allowed global")[0]
+    if "Weights only load failed" in text:  # refused by weights_only, for a reason it words otherwise
+        return "an object a weights_only load refuses"
+    return None
 
 
 def unreadable(path, error):
     """One line on a checkpoint file that failed to load: a refused object is said to be one, not damage."""
-    refused = refused_object(error)
+    refused = refused_object(error, path if os.path.isfile(str(path)) else None)
     if refused is None:
         return f"{path} is unreadable ({describe_error(error)})"
     return (f"{path} holds something other than tensors and plain data ({refused}), {NO_CHECKPOINT_DOES}, so it was "
@@ -394,6 +411,8 @@ _reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]
 LEGACY_RANK_GLOBALS = [(_reconstruct, f"{module}._reconstruct")
                        for module in ("numpy.core.multiarray", "numpy._core.multiarray")] + [
     np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+LEGACY_RANK_NAMES = {entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
+                     for entry in LEGACY_RANK_GLOBALS}
 
 
 def load_rank_state(model_tag, step, rank):
@@ -464,7 +483,7 @@ def _safe_shard_classes():
             try:
                 plain = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
-                raise RefusedObject(f"{refused_object(e)}, in {read_item.dest_index.fqn}'s value in a .distcp "
+                raise RefusedObject(f"{refused_object(e, value)}, in {read_item.dest_index.fqn}'s value in a .distcp "
                                     f"file") from e
             # DCP's load_bytes puts the value in place; what it reads again is only what weights_only built
             again = io.BytesIO()
@@ -515,6 +534,8 @@ def load_model(model_tag=None, step="latest", device="cpu", **config_overrides):
         meta = read_meta(model_tag, step)
         weights = load_model_weights(model_tag, step, device)
     except CheckpointError as e:
+        if NO_CHECKPOINT_DOES in str(e):  # an altered file, said so in its own line: not damage
+            raise
         others = [s for s in list_steps(model_tag) if s != step]
         raise CheckpointError(f"checkpoint {model_tag} step {step} is damaged: {e}; load another with --step="
                               + (f"{others[-1]} (available: {', '.join(map(str, others))})" if others else

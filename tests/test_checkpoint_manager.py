@@ -2,12 +2,14 @@
 corrupt newest checkpoint, a full disk, a swapped tokenizer, a fresh run on a used tag, the disk preflight, backup,
 and files crafted to run code when read (rank files, a sharded checkpoint's index and values)."""
 
+import io
 import json
 import os
 import pickle
 import random
 import shutil
 import warnings
+import zipfile
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -247,6 +249,77 @@ def test_a_rank_file_that_would_run_code_is_refused_in_one_line_and_runs_nothing
     assert not marker.exists()
     torch.load(rank_file, weights_only=False)  # what the loader used to do: the file does run code
     assert marker.exists()
+
+
+class Placeholder:
+    """Pickles as print(command); crafted() renames that global, as an attacker writes any name into the pickle."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return print, (self.command,)
+
+
+def crafted(path, module, name, command):
+    """A torch file whose unpickling calls module.name(command): torch.save of Placeholder, its global renamed (pickle
+    itself writes os.system as posix.system, and refuses to pickle a global under another name)."""
+    buf = io.BytesIO()
+    torch.save({"optimizers": [], "rng": Placeholder(command), "loaders": []}, buf)
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(path, "w") as out:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("data.pkl"):
+                data = data.replace(b"c__builtin__\nprint\n", f"c{module}\n{name}\n".encode())
+            out.writestr(info.filename, data)
+
+
+class Tampered:
+    """An object of a class no checkpoint holds: what a __reduce__ payload names first."""
+
+    def __reduce__(self):
+        return Tampered, ()
+
+
+# the payloads a weights_only load refuses with torch's "module is blocked" text as well as its "WeightsUnpickler" one
+PAYLOADS = [("os", "system"), ("posix", "system"), ("builtins", "exec"), ("tests.test_checkpoint_manager", "Tampered")]
+
+
+@pytest.mark.parametrize("module, name", PAYLOADS)
+def test_every_kind_of_payload_in_a_rank_file_is_reported_as_altered_and_nothing_falls_back(base, tmp_path, capsys,
+                                                                                             module, name):
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=payload") == 0  # steps 2 and 4
+    marker = tmp_path / "ran"
+    rank_file = os.path.join(ckpt_dir(base, "payload", 4), "rank_0.pt")
+    command = f"touch {marker}" if name == "system" else f"open({str(marker)!r}, 'w')"
+    crafted(rank_file, module, name, command)
+    before = tree(ckpt_dir(base, "payload"))
+    assert train(*FLAGS, "--num_iterations=6", "--model_tag=payload", "--resume") == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and f"{rank_file} holds something other than tensors and plain data ({module}.{name})" \
+        in err[0], err
+    assert "altered" in err[0] and "weights_only" not in err[0] and "skipping" not in captured.out
+    assert not marker.exists()
+    assert tree(ckpt_dir(base, "payload")) == before  # no fallback to step 2, whose next save would overwrite step 4
+    with pytest.raises(ckpt.CheckpointError, match="altered"):
+        ckpt.load_rank_state("payload", 4, 0)
+    if name == "system":  # a real payload: what the loader would run without weights_only
+        torch.load(rank_file, weights_only=False)
+        assert marker.exists()
+
+
+def test_a_payload_in_old_model_pt_weights_is_altered_not_damaged_in_sample(base, tmp_path, capsys):
+    from scripts import base_sample
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=oldpt") == 0
+    step = ckpt_dir(base, "oldpt", 2)
+    os.remove(os.path.join(step, "model.safetensors"))
+    crafted(os.path.join(step, "model.pt"), "os", "system", f"touch {tmp_path / 'ran'}")
+    assert base_sample.main(["--model_tag=oldpt", "--device_type=cpu", "--max_tokens=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(os.system)" in err[0] and "altered" in err[0], err
+    assert "weights_only" not in err[0] and "damaged" not in err[0]
+    assert not (tmp_path / "ran").exists()
 
 
 def test_a_rank_file_from_before_plain_rng_states_still_resumes(base):
