@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanochat.engine import Engine
 from scripts import serve
@@ -116,6 +118,57 @@ def test_a_character_split_across_tokens_is_held_back_until_complete(trained):
     choice = serve.Choice(tokenizer, stops=[])
     pieces = [choice.add(token, last=False) for token in ids]
     assert pieces[-4:] == ["", "", "\u20ac", "!"] and "".join(pieces) == "a \u20ac!"
+
+
+class CharTokenizer:
+    """Token i is PIECES[i]: text whose stop strings a test can place anywhere."""
+    PIECES = ["a", "b", "ab", "ba", "aab", " "]
+
+    def decode(self, ids):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+def stream_choice(tokens, stops):
+    choice = serve.Choice(CharTokenizer(), stops)
+    pieces = []
+    for i, token in enumerate(tokens):
+        pieces.append(choice.add(token, last=i == len(tokens) - 1))
+        if choice.finish_reason:
+            break
+    return choice, pieces
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, len(CharTokenizer.PIECES) - 1), min_size=1, max_size=30),
+       stops=st.lists(st.text("ab ", min_size=1, max_size=6), max_size=4))
+def test_stop_strings_cut_where_the_first_one_found_starts(tokens, stops):
+    """The definition, token by token: after each token, if the text so far holds a stop string, the completion is
+    that text up to where the earliest of them starts; what streams out never holds the start of one unfinished."""
+    choice, pieces = stream_choice(tokens, stops)
+    text = ""
+    for i, token in enumerate(tokens):
+        text += CharTokenizer.PIECES[token]
+        found = [text.find(stop) for stop in stops if stop in text]
+        if found:
+            expected = (text[:min(found)], "stop")
+            break
+    else:
+        expected = (text, "length")
+    assert (choice.text, choice.finish_reason) == expected
+    assert "".join(pieces) == choice.text
+    shown = ""
+    for piece in pieces[:-1]:
+        shown += piece
+        assert not any(stop in shown for stop in stops)
+
+
+def test_long_stop_strings_cost_linear_time():
+    """Four stop strings of 250 KB held the only slot for ~50 s over 16 tokens when every prefix was tried per token."""
+    stops = [("ab" * 125_000)[:-1] + "x", "a" * 249_999 + "y", " " * 250_000, "ba" * 125_000]
+    start = time.perf_counter()
+    choice, pieces = stream_choice([2] * 16, stops)  # "abab...": the first stop's longest prefix, still partial
+    assert time.perf_counter() - start < 5
+    assert choice.text == "ab" * 16 and choice.finish_reason == "length" and pieces[0] == ""
 
 
 def test_models_lists_the_served_model(client):
