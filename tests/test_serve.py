@@ -413,6 +413,7 @@ BAD_REQUESTS = [
     (dict(prompt=[3, 99999]), "prompt: token id 99999 is not in the model's vocabulary (0 to 281)"),
     (dict(prompt=[[3], [-1]]), "prompt: token id -1 is not in the model's vocabulary"),
     (dict(prompt=[3] * 33), "prompt is 33 tokens"),
+    (dict(prompt=" " * 1_000_000), "the model's context is 32 tokens"),  # under 1 MiB: tiktoken used to panic
     *[(dict(prompt=bad), "prompt must be a string, a list of strings, a list of token ids, or a list of token-id "
                          "lists, none of them empty") for bad in ([], [[]], [1, "a"], ["a", [1]], [1.0], [True], 3,
                                                                   {"text": "the"}, [[[1]]])],
