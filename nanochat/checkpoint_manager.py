@@ -28,6 +28,7 @@ import io
 import os
 import pickle
 import random
+import re
 import shutil
 import warnings
 
@@ -51,11 +52,34 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or used; the message names the file and what to do."""
 
 
+# a tag is a directory name under checkpoints_root(), never a path: "../x" or "/x" would write or move elsewhere
+MODEL_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
 def checkpoints_root():
     return os.path.join(get_base_dir(), "base_checkpoints")
 
 
+def tag_problem(model_tag):
+    """Why model_tag cannot name a checkpoint directory, or None."""
+    if isinstance(model_tag, str) and MODEL_TAG.fullmatch(model_tag):
+        return None
+    return (f"model tag {model_tag!r} is not a name: use letters, digits, '.', '_' and '-' (first a letter or digit, "
+            f"at most 128 characters), no '/'; checkpoints live under {checkpoints_root()}")
+
+
+def model_tag_arg(value):
+    """argparse type of --model_tag: a name (tag_problem)."""
+    problem = tag_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def model_dir(model_tag):
+    problem = tag_problem(model_tag)
+    if problem:
+        raise CheckpointError(problem)
     return os.path.join(checkpoints_root(), model_tag)
 
 
@@ -147,7 +171,8 @@ def resolve_step(model_tag, which):
 
 
 def latest_model_tag():
-    tags = [t for t in os.listdir(checkpoints_root()) if list_steps(t)] if os.path.isdir(checkpoints_root()) else []
+    tags = [t for t in os.listdir(checkpoints_root()) if tag_problem(t) is None and list_steps(t)] \
+        if os.path.isdir(checkpoints_root()) else []
     if not tags:
         raise CheckpointError(f"no checkpoints under {checkpoints_root()}; train a model first "
                               f"(python -m scripts.base_train)")

@@ -63,7 +63,7 @@ try:
 except ModuleNotFoundError as e:
     sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
 
-from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
+from nanochat.checkpoint_manager import latest_model_tag, load_model, model_tag_arg, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
 from nanochat.engine import Engine, ends_mid_character
@@ -582,7 +582,7 @@ def create_app(server, api_key=None):
 
 def parse_args(argv=None):
     parser = ArgumentParser(description="Serve a checkpoint over OpenAI's completions API")
-    parser.add_argument("--model_tag", default=None, help="checkpoint tag (default: the most recently written)")
+    parser.add_argument("--model_tag", type=model_tag_arg, default=None, help="checkpoint tag (default: the most recently written)")
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: localhost only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 = any free port")

@@ -382,3 +382,17 @@ def test_a_sharded_value_that_would_run_code_is_refused_and_a_plain_one_loads(tm
     with pytest.raises(ckpt.RefusedObject, match=f"{OPEN}, in optim.b.step's value in a .distcp file"):
         ckpt.load_shards({"optim": {"b.step": 0}}, str(tmp_path / "step"), no_dist=True)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("tag", ["../base_data", "../../outside", "/tmp/abs", "..", "a/b", ".hidden"])
+def test_a_model_tag_is_a_name_not_a_path(base, tag, capsys):
+    from scripts import base_sample
+    before = tree(base)
+    with pytest.raises(SystemExit) as e:  # the parser's one line, as SystemExit's message (exit status 1)
+        base_train.main([*FLAGS, "--num_iterations=2", f"--model_tag={tag}", "--overwrite"])
+    assert "\n" not in str(e.value.code) and f"model tag {tag!r} is not a name" in str(e.value.code)
+    assert exit_code(base_sample.main, f"--model_tag={tag}", "--device_type=cpu") == 2
+    assert f"model tag {tag!r} is not a name" in capsys.readouterr().err
+    assert tree(base) == before and os.path.isdir(os.path.join(base, "base_data"))
+    with pytest.raises(ckpt.CheckpointError, match="is not a name"):
+        ckpt.model_dir(tag)
