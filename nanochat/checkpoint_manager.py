@@ -495,6 +495,11 @@ def _safe_shard_classes():
                 metadata = ShardIndexUnpickler(f).load()
             if not isinstance(metadata, Metadata):
                 raise RefusedObject(f"a {type(metadata).__name__} where DCP's Metadata belongs")
+            for info in (metadata.storage_data or {}).values():  # DCP reads each shard at directory / its path
+                name = getattr(info, "relative_path", None)
+                if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name \
+                        or "\\" in name:
+                    raise RefusedObject(f"a shard path {name!r} that is not a file name in the checkpoint directory")
             if metadata.storage_meta is None:  # as DCP's own reader does
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

@@ -396,3 +396,28 @@ def test_a_model_tag_is_a_name_not_a_path(base, tag, capsys):
     assert tree(base) == before and os.path.isdir(os.path.join(base, "base_data"))
     with pytest.raises(ckpt.CheckpointError, match="is not a name"):
         ckpt.model_dir(tag)
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_a_sharded_index_naming_shards_outside_the_checkpoint_is_refused(base, tmp_path, where):
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=far") == 0
+    step = ckpt_dir(base, "far", 2)
+    save_shards({"model": weights(base, "far", 2)}, step)
+    os.remove(os.path.join(step, "model.safetensors"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    index = os.path.join(step, ".metadata")
+    with open(index, "rb") as f:
+        metadata = pickle.load(f)  # the test's own file: trusted
+    for info in metadata.storage_data.values():
+        moved = elsewhere / info.relative_path
+        if not moved.exists():
+            shutil.move(os.path.join(step, info.relative_path), moved)
+        info.relative_path = str(moved) if where == "absolute" else os.path.relpath(moved, step)
+    with open(index, "wb") as f:
+        pickle.dump(metadata, f)
+    before = tree(ckpt_dir(base, "far"))
+    with pytest.raises(ckpt.CheckpointError, match="a shard path .* that is not a file name in the checkpoint "
+                                                   "directory.*the file was altered"):
+        ckpt.load_model("far", "latest")
+    assert tree(ckpt_dir(base, "far")) == before
