@@ -25,6 +25,7 @@ import functools
 import glob
 import json
 import io
+import math
 import os
 import pickle
 import random
@@ -98,12 +99,81 @@ def list_steps(model_tag):
 
 
 def read_meta(model_tag, step):
+    """A checkpoint's meta.json, checked (meta_problem): every reader may index the fields it uses."""
     path = os.path.join(step_dir(model_tag, step), "meta.json")
     try:
         with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
+            meta = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path} is unreadable ({describe_error(e)})") from e
+    problem = meta_problem(meta)
+    if problem:
+        raise CheckpointError(f"{path} is malformed ({problem}): restore it from a copy you trust, or use another "
+                              f"step")
+    return meta
+
+
+def _int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value):
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def _text(value):
+    return isinstance(value, str)
+
+
+def _optional(check):
+    return lambda value: value is None or check(value)
+
+
+def _record(**fields):
+    """A check of an object whose listed fields, where present, pass their checks."""
+    return lambda value: isinstance(value, dict) and all(check(value[k]) for k, check in fields.items() if k in value)
+
+
+# What readers of meta.json index, and the shape they need (the rest, such as user_flags, is only reported).
+# Checked by hand: pydantic, which would do it, is only installed with the server's extras.
+META_FIELDS = {
+    "step": _int,
+    "val_bpb": _optional(lambda v: isinstance(v, list) and all(_optional(_number)(x) for x in v)),
+    "tokenizer_fingerprint": _optional(_text),
+    "data": _optional(_record(fingerprint=_text, shards=_int, dir=_text)),
+    "batch_geometry": _record(world_size=_int, grad_accum=_int, device_batch_size=_int, max_seq_len=_int),
+    "train_config": _record(sharding=_text, warmdown_ratio=_optional(_number), final_lr_frac=_optional(_number)),
+    "num_iterations": _optional(_int),
+    "warmup_steps": _optional(_int),
+    "elapsed_seconds": _number,
+    "early_stop": _optional(_record(stale=_int, last_step=_optional(_int), best=_optional(
+        lambda v: isinstance(v, list) and len(v) == 2 and _int(v[0]) and _number(v[1])))),
+    "halt_train": _record(**{"from": _text}),
+}
+META_REQUIRED = {"data": ("fingerprint", "shards", "dir"), "halt_train": ("from",), "early_stop": ("best", "stale",
+                                                                                                      "last_step")}
+
+
+def meta_problem(meta):
+    """What is wrong with a meta.json's content, in words, or None."""
+    if not isinstance(meta, dict):
+        return f"a JSON {type(meta).__name__} where an object belongs"
+    config = meta.get("model_config")
+    if not isinstance(config, dict):
+        return "model_config is missing" if config is None else f"model_config is a {type(config).__name__}, not an object"
+    try:
+        GPTConfig.from_dict(config)
+    except (TypeError, ValueError) as e:
+        return f"model_config: {e}"
+    if "step" not in meta:
+        return "step is missing"
+    for name, check in META_FIELDS.items():
+        if name in meta and not check(meta[name]):
+            return f"{name} is {json.dumps(meta[name])[:80]}, which is not what a checkpoint writes there"
+        missing = [k for k in META_REQUIRED.get(name, ()) if isinstance(meta.get(name), dict) and k not in meta[name]]
+        if missing:
+            return f"{name} lacks {', '.join(missing)}"
+    return None
 
 
 def final_val_bpb(meta):
@@ -554,6 +624,19 @@ def build_model(config_dict, device):
     return model
 
 
+def weights_problem(model, weights):
+    """Why a state dict does not load into model (names and shapes, compared without touching values), or None."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    given = {k: tuple(v.shape) for k, v in weights.items()}
+    missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    wrong = [f"{k} is {list(given[k])}, the config needs {list(shape)}" for k, shape in expected.items()
+             if k in given and given[k] != shape]
+    parts = ([f"{len(missing)} weight(s) missing ({missing[0]}...)"] if missing else []) + \
+        ([f"{len(extra)} unexpected ({extra[0]}...)"] if extra else []) + \
+        ([f"{len(wrong)} of another shape ({wrong[0]})"] if wrong else [])
+    return "; ".join(parts) or None
+
+
 def load_model(model_tag=None, step="latest", device="cpu", **config_overrides):
     """(model in eval mode, tokenizer, meta) from a checkpoint; config_overrides e.g. n_sup_inference=2.
 
@@ -572,6 +655,15 @@ def load_model(model_tag=None, step="latest", device="cpu", **config_overrides):
                                  "N (it is the only one: retrain, or restore it from a backup)")) from e
     tokenizer = get_tokenizer()
     check_tokenizer(meta, tokenizer, f"checkpoint {model_tag} step {step}")
+    try:
+        with torch.device("meta"):  # shapes first: a config that disagrees with the weights allocates nothing
+            problem = weights_problem(GPT(GPTConfig.from_dict({**meta["model_config"], **config_overrides})), weights)
+    except (TypeError, ValueError, RuntimeError) as e:
+        problem = f"its model_config builds no model ({e})"
+    if problem:
+        raise CheckpointError(f"checkpoint {model_tag} step {step} does not fit together: {problem}; its weights and "
+                              f"meta.json come from different models: restore the checkpoint from a copy you trust, "
+                              f"or use another step")
     model = build_model({**meta["model_config"], **config_overrides}, device)
     model.load_state_dict(weights)
     model.eval()

@@ -421,3 +421,43 @@ def test_a_sharded_index_naming_shards_outside_the_checkpoint_is_refused(base, t
                                                    "directory.*the file was altered"):
         ckpt.load_model("far", "latest")
     assert tree(ckpt_dir(base, "far")) == before
+
+
+def malformed(meta, case):
+    """meta.json as a hand edit or a crafted file may leave it."""
+    config = meta["model_config"]
+    return {"top-level list": [meta], "model_config missing": {k: v for k, v in meta.items() if k != "model_config"},
+            "model_config a list": {**meta, "model_config": list(config.items())},
+            "unknown model_config key": {**meta, "model_config": {**config, "n_wings": 2}},
+            "model_config of another type": {**meta, "model_config": {**config, "n_layer": "two"}},
+            "data a string": {**meta, "data": "abc"},
+            "data without fingerprint": {**meta, "data": {"shards": 1, "dir": "/x"}},
+            "batch_geometry a list": {**meta, "batch_geometry": [1, 2]},
+            "batch_geometry of strings": {**meta, "batch_geometry": {**meta["batch_geometry"], "world_size": "1"}},
+            "val_bpb a number": {**meta, "val_bpb": 3},
+            "another model's shape": {**meta, "model_config": {**config, "n_embd": config["n_embd"] * 2}}}[case]
+
+
+@pytest.mark.parametrize("case", ["top-level list", "model_config missing", "model_config a list",
+                                  "unknown model_config key", "model_config of another type", "data a string",
+                                  "data without fingerprint", "batch_geometry a list", "batch_geometry of strings",
+                                  "val_bpb a number", "another model's shape"])
+def test_a_malformed_meta_json_is_one_line_everywhere(base, case, capsys):
+    from scripts import base_sample
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=meta") == 0
+    path = os.path.join(ckpt_dir(base, "meta", 2), "meta.json")
+    with open(path) as f:
+        meta = json.load(f)
+    with open(path, "w") as f:
+        json.dump(malformed(meta, case), f)
+    capsys.readouterr()
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load_model("meta", "latest")
+    assert "\n" not in str(e.value) and "meta" in str(e.value)
+    assert base_sample.main(["--model_tag=meta", "--device_type=cpu", "--max_tokens=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=meta", "--resume") == 1  # never a traceback
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "cannot resume" in err[0] and "Traceback" not in "\n".join(err), err  # a config refusal lists fields
+    assert ckpt.best_step("meta") in (None, 2) and ckpt.list_steps("meta") == [2]
