@@ -402,12 +402,18 @@ def write_shards(directory, model, train_model, optimizers):
 
 def remove_partial_saves(model_tag):
     """Remove step_N.tmp directories left by a process killed mid-save: they block nothing but hold disk."""
-    removed = []
+    removed, kept = [], []
     for path in sorted(glob.glob(os.path.join(model_dir(model_tag), "step_*.tmp"))):
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(os.path.basename(path))
+        try:
+            shutil.rmtree(path)
+            removed.append(os.path.basename(path))
+        except OSError as e:
+            kept.append(f"{os.path.basename(path)} ({e.strerror or e})")
     if removed:
         print0(f"removed {', '.join(removed)}: incomplete save(s) of an interrupted run")
+    if kept:
+        print0(f"WARNING: could not remove {', '.join(kept)}, incomplete save(s) of an interrupted run: they hold disk "
+               f"until removed by hand")
 
 
 def prune_checkpoints(model_tag, keep_last):

@@ -461,3 +461,21 @@ def test_a_malformed_meta_json_is_one_line_everywhere(base, case, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert "cannot resume" in err[0] and "Traceback" not in "\n".join(err), err  # a config refusal lists fields
     assert ckpt.best_step("meta") in (None, 2) and ckpt.list_steps("meta") == [2]
+
+
+def test_a_partial_save_that_cannot_be_removed_is_not_reported_removed(base, monkeypatch, capsys):
+    os.makedirs(os.path.join(ckpt.model_dir("tmpleft"), "step_000004.tmp"))
+    os.makedirs(os.path.join(ckpt.model_dir("tmpleft"), "step_000006.tmp"))
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, ignore_errors=False, **kwargs):  # step 4's directory as on a read-only mount
+        if not path.endswith("step_000004.tmp"):
+            return real_rmtree(path, ignore_errors=ignore_errors, **kwargs)
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", rmtree)
+    ckpt.remove_partial_saves("tmpleft")
+    out = capsys.readouterr().out
+    assert "removed step_000006.tmp:" in out and "removed step_000004.tmp" not in out
+    assert "WARNING: could not remove step_000004.tmp (Permission denied)" in out
