@@ -53,12 +53,15 @@ import torch
 import torch.nn.functional as F
 
 try:
+    import h11
     import uvicorn
     from fastapi import FastAPI, Request, Security
     from fastapi.responses import JSONResponse, StreamingResponse
     from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
     from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
     from starlette.concurrency import run_in_threadpool
+    from starlette.requests import ClientDisconnect
+    from uvicorn.protocols.http.h11_impl import H11Protocol
     from starlette.exceptions import HTTPException
 except ModuleNotFoundError as e:
     sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
@@ -70,6 +73,7 @@ from nanochat.engine import Engine, ends_mid_character
 from nanochat.halting import forward_halting
 
 MAX_BODY_BYTES = 1 << 20
+READ_TIMEOUT_S, MAX_CONNECTIONS = 30.0, 256  # the flags' defaults: nginx reads headers and body in 60 s each
 MAX_STOPS = 4  # as at OpenAI
 MAX_LOGPROBS = 20  # as vLLM's default; OpenAI's is 5
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists, none of them empty"
@@ -147,10 +151,13 @@ def key_checker(api_key):
 async def read_body(request):
     """The JSON object of a request, or a 4xx saying what is wrong with it."""
     body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:  # closed by the client, or by the read timeout (GuardedHTTP): no one to answer
+        raise APIError(400, "the client closed the connection before the request body arrived") from None
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -529,6 +536,63 @@ class Server:
             job.cancelled.set()  # the client left mid-stream: stop generating
 
 
+class GuardedHTTP(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a read deadline per request and a cap on open connections: uvicorn has
+    neither (its keep-alive timeout starts after a response, and --limit-concurrency answers only once a request's
+    headers arrive), so a client sending slowly, or never, held a connection forever. Subclassed by guarded_http."""
+    read_timeout, max_connections = READ_TIMEOUT_S, MAX_CONNECTIONS
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self.deadline = None
+        if len(self.connections) > self.max_connections:
+            self.refuse(503, "Service Unavailable", f"server busy: {self.max_connections} connections open "
+                                                    f"(--max_connections); retry later")
+        else:
+            self.arm()
+
+    def data_received(self, data):
+        super().data_received(data)
+        if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):  # the request is all here
+            self.disarm()
+        else:
+            self.arm()  # a request (a keep-alive connection's next one, too) began: it has read_timeout to arrive
+
+    def connection_lost(self, exc):
+        self.disarm()
+        super().connection_lost(exc)
+
+    def arm(self):
+        if self.deadline is None:
+            self.deadline = self.loop.call_later(self.read_timeout, self.timed_out)
+
+    def disarm(self):
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def timed_out(self):
+        self.deadline = None
+        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:  # none under way
+            self.refuse(408, "Request Timeout", f"the request did not arrive within {self.read_timeout:g} s "
+                                                f"(--read_timeout)")
+        elif not self.transport.is_closing():
+            self.transport.close()
+
+    def refuse(self, status, reason, message):
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
+                                     "server_error", "param": None, "code": None}}).encode()
+        if not self.transport.is_closing():
+            self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: "
+                                 f"{len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+            self.transport.close()
+
+
+def guarded_http(read_timeout=READ_TIMEOUT_S, max_connections=MAX_CONNECTIONS):
+    """The protocol class uvicorn.Config(http=...) takes, with these limits."""
+    return type("GuardedHTTP", (GuardedHTTP,), {"read_timeout": read_timeout, "max_connections": max_connections})
+
+
 def create_app(server, api_key=None):
     """The FastAPI app; with api_key every route but /health needs it (FastAPI's own docs pages are off: they could
     not send it, and the API is OpenAI's, documented above)."""
@@ -591,6 +655,11 @@ def parse_args(argv=None):
                         help="seconds a request waits for a busy slot (0: answer 503 at once when all are busy)")
     parser.add_argument("--max_tokens_limit", type=int, default=None, help="largest max_tokens (default: context)")
     parser.add_argument("--max_batch", type=int, default=8, help="most completions per request (prompts x n)")
+    parser.add_argument("--read_timeout", type=float, default=READ_TIMEOUT_S,
+                        help="seconds a request's headers and body may take to arrive; then 408 and the connection "
+                             "closes (a slow client no longer holds one forever)")
+    parser.add_argument("--max_connections", type=int, default=MAX_CONNECTIONS,
+                        help="open connections at most; one more is answered 503 and closed")
     parser.add_argument("--device_type", default=None, help="cuda|cpu|mps (default: autodetect)")
     parser.add_argument("--api_key", default=None,
                         help="every request but /health must send Authorization: Bearer <key> (default: "
@@ -606,7 +675,9 @@ def parse_args(argv=None):
         parser.error(f"--port={args.port}: must be from 1 to 65535 (or 0 for any free port)")
     if not (args.queue_timeout >= 0 and math.isfinite(args.queue_timeout)):
         parser.error(f"--queue_timeout={args.queue_timeout}: must be a number of seconds >= 0")
-    for name in ("max_concurrency", "max_batch", "max_tokens_limit"):
+    if not (args.read_timeout > 0 and math.isfinite(args.read_timeout)):
+        parser.error(f"--read_timeout={args.read_timeout}: must be a number of seconds > 0")
+    for name in ("max_concurrency", "max_batch", "max_tokens_limit", "max_connections"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name}={value}: must be >= 1")
@@ -627,7 +698,7 @@ def build_server(args):
     server = Server(engine, info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout,
                     args.max_batch)
     config = uvicorn.Config(create_app(server, args.api_key), host=args.host, port=args.port, log_level="warning",
-                            lifespan="off")
+                            lifespan="off", http=guarded_http(args.read_timeout, args.max_connections))
     return uvicorn.Server(config), server
 
 

@@ -714,3 +714,50 @@ def test_a_key_allow_no_auth_or_a_loopback_host_may_start(trained, monkeypatch, 
     monkeypatch.setenv("NANOCHAT_API_KEY", key)
     assert serve.main(["--model_tag", "missing", "--port", "0", "--device_type", "cpu", "--host", host, *flags]) == 2
     assert "no checkpoint found for model tag 'missing'" in capsys.readouterr().err
+
+
+def guarded_server(trained, read_timeout, max_connections):
+    _, model, tokenizer = trained
+    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    return uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off",
+                                         http=serve.guarded_http(read_timeout, max_connections)))
+
+
+def answer(sock, timeout=10):
+    """Everything the server sends before it closes the connection."""
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped(trained):
+    with running(guarded_server(trained, read_timeout=1.0, max_connections=2)) as base_url:
+        port = int(base_url.rsplit(":", 1)[1])
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"prompt\"")  # then stalls
+        idle = socket.create_connection(("127.0.0.1", port))  # sends nothing at all
+        time.sleep(0.2)
+        third = socket.create_connection(("127.0.0.1", port))
+        refused = answer(third, timeout=5)
+        assert refused.startswith(b"HTTP/1.1 503 ") and b"--max_connections" in refused
+        start = time.monotonic()
+        for sock in (slow, idle):
+            timed_out = answer(sock)
+            assert timed_out.startswith(b"HTTP/1.1 408 ") and b"--read_timeout" in timed_out
+        assert time.monotonic() - start < 3
+        assert post(base_url, REQUEST).status_code == 200  # served again, and a whole request is not cut off
+        with httpx.Client(base_url=base_url, timeout=30) as client:  # a kept-alive connection's later requests too
+            assert [client.post("/v1/completions", json=REQUEST).status_code for _ in range(3)] == [200] * 3
+        for sock in (slow, idle, third):
+            sock.close()
+
+
+@pytest.mark.parametrize("flag", ["--read_timeout=0", "--read_timeout=nan", "--max_connections=0"])
+def test_bad_limits_are_refused_in_one_line(flag, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args([flag, "--device_type=cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert flag.split("=")[0] in err[-1]
+
