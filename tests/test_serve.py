@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import uvicorn
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from nanochat.engine import Engine
@@ -761,3 +761,58 @@ def test_bad_limits_are_refused_in_one_line(flag, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert flag.split("=")[0] in err[-1]
 
+
+# ---------------------------------------------------------------- fuzzing the request body
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=20),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                          max_size=4), max_leaves=8)
+FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
+          "stream_options", "n_sup", "user", "echo", "best_of", "logprobs", "suffix", "logit_bias",
+          "frequency_penalty", "presence_penalty"]
+NEAR_VALID = {"prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 300), max_size=40),
+                                  st.lists(st.lists(st.integers(0, 300), max_size=5), max_size=3)),
+              "max_tokens": st.integers(-1, 40), "n": st.integers(-1, 9), "logprobs": st.integers(-1, 21),
+              "temperature": st.floats(-1, 3), "n_sup": st.sampled_from([0, 1, 3, 4, "auto", "kl:0.1", "rms:x", "kl"]),
+              "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5)),
+              "stream": st.booleans(), "echo": st.booleans(), "top_k": st.integers(-1, 400)}
+VALID = {"max_tokens": st.integers(1, 6), "n": st.integers(1, 2), "temperature": st.floats(0, 2), "top_p": st.floats(0, 1),
+         "top_k": st.integers(1, 300), "seed": st.integers(0, 2 ** 40), "n_sup": st.sampled_from([1, 3, "auto", "rms:inf"]),
+         "stop": st.lists(st.text("the at", min_size=1, max_size=3), max_size=4), "stream": st.booleans(),
+         "echo": st.booleans(), "logprobs": st.none() | st.integers(0, 5)}
+BODIES = st.one_of(
+    st.fixed_dictionaries({"prompt": st.text("the cat sat on mat.", max_size=25) | st.lists(st.integers(0, 281),
+                                                                                           min_size=1, max_size=20)},
+                          optional=VALID),
+    st.dictionaries(st.sampled_from(FIELDS), st.one_of(JSON_VALUES, *NEAR_VALID.values()), max_size=8),
+    st.fixed_dictionaries({"prompt": NEAR_VALID["prompt"]},
+                          optional={k: v for k, v in NEAR_VALID.items() if k != "prompt"}),
+    JSON_VALUES)
+
+
+@pytest.fixture(scope="module")
+def in_process(trained):
+    from fastapi.testclient import TestClient
+    _, model, tokenizer = trained
+    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=2)
+    with TestClient(serve.create_app(server)) as client:  # an exception in the app is raised here, so fails the test
+        yield client
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=BODIES)
+def test_no_request_body_gets_a_500_or_a_traceback(in_process, body):
+    try:
+        raw = json.dumps(body, allow_nan=True).encode()
+    except ValueError:  # a float too large for JSON text: send it as Python writes it
+        raw = repr(body).encode()
+    r = in_process.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    event(f"status {r.status_code}")  # --hypothesis-show-statistics: how many reached generation
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text[:300])
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and "\n" not in error["message"] and error["message"]
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        events = [line for line in r.text.splitlines() if line]
+        assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+    else:
+        assert r.json()["object"] == "text_completion"
