@@ -150,6 +150,10 @@ META_FIELDS = {
         lambda v: isinstance(v, list) and len(v) == 2 and _int(v[0]) and _number(v[1])))),
     "halt_train": _record(**{"from": _text}),
 }
+# Sizes the weights' shapes do not bound, so a crafted meta.json could make loading allocate or build without end;
+# each far above any model this code trains (a 1M-token context, thousands of layers or steps).
+CONFIG_LIMITS = {"sequence_len": 1 << 20, **{k: 4096 for k in ("n_layer", "n_head", "n_kv_head", "n_loops", "T_recursion",
+                                                                "n_sup_train", "n_sup_inference", "n_prelude", "n_coda")}}
 META_REQUIRED = {"data": ("fingerprint", "shards", "dir"), "halt_train": ("from",), "early_stop": ("best", "stale",
                                                                                                       "last_step")}
 
@@ -165,6 +169,9 @@ def meta_problem(meta):
         GPTConfig.from_dict(config)
     except (TypeError, ValueError) as e:
         return f"model_config: {e}"
+    too_large = next((k for k, most in CONFIG_LIMITS.items() if _int(config.get(k)) and config[k] > most), None)
+    if too_large:
+        return f"model_config.{too_large}={config[too_large]} exceeds {CONFIG_LIMITS[too_large]:,}"
     if "step" not in meta:
         return "step is missing"
     for name, check in META_FIELDS.items():

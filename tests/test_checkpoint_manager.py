@@ -14,6 +14,8 @@ import zipfile
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from nanochat import checkpoint_manager as ckpt
@@ -435,13 +437,14 @@ def malformed(meta, case):
             "batch_geometry a list": {**meta, "batch_geometry": [1, 2]},
             "batch_geometry of strings": {**meta, "batch_geometry": {**meta["batch_geometry"], "world_size": "1"}},
             "val_bpb a number": {**meta, "val_bpb": 3},
-            "another model's shape": {**meta, "model_config": {**config, "n_embd": config["n_embd"] * 2}}}[case]
+            "another model's shape": {**meta, "model_config": {**config, "n_embd": config["n_embd"] * 2}},
+            "a context no weights bound": {**meta, "model_config": {**config, "sequence_len": 2 ** 40}}}[case]
 
 
 @pytest.mark.parametrize("case", ["top-level list", "model_config missing", "model_config a list",
                                   "unknown model_config key", "model_config of another type", "data a string",
                                   "data without fingerprint", "batch_geometry a list", "batch_geometry of strings",
-                                  "val_bpb a number", "another model's shape"])
+                                  "val_bpb a number", "another model's shape", "a context no weights bound"])
 def test_a_malformed_meta_json_is_one_line_everywhere(base, case, capsys):
     from scripts import base_sample
     assert train(*FLAGS, "--num_iterations=2", "--model_tag=meta") == 0
@@ -479,3 +482,50 @@ def test_a_partial_save_that_cannot_be_removed_is_not_reported_removed(base, mon
     out = capsys.readouterr().out
     assert "removed step_000006.tmp:" in out and "removed step_000004.tmp" not in out
     assert "WARNING: could not remove step_000004.tmp (Permission denied)" in out
+
+
+# ---------------------------------------------------------------- fuzzing meta.json
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.integers(-3, 70) |
+                           st.floats() | st.text(max_size=12),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                          max_size=3), max_leaves=6)
+NESTED = ["model_config", "data", "batch_geometry", "train_config", "early_stop"]
+
+
+def test_no_meta_json_gets_a_traceback_from_sampling_or_resuming(base, capsys):
+    """Hypothesis edits one field of a real meta.json at a time (or the whole document): loading the model gives it
+    or one line, and --resume resumes or stops with one line (an exception other than SystemExit fails the test)."""
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=fz") == 0
+    path = os.path.join(ckpt_dir(base, "fz", 2), "meta.json")
+    with open(path) as f:
+        original = json.load(f)
+    fields = [(k,) for k in original] + [(k, sub) for k in NESTED if isinstance(original.get(k), dict)
+                                         for sub in original[k]] + [(k, "an_unknown_key") for k in NESTED]
+    edit = st.tuples(st.sampled_from(fields), st.one_of(st.just("delete"), JSON_VALUES))
+    capsys.readouterr()
+
+    @settings(max_examples=40, deadline=None)
+    @given(edits=st.lists(edit, min_size=1, max_size=3) | JSON_VALUES)
+    def check(edits):
+        meta = json.loads(json.dumps(original))
+        if isinstance(edits, list) and edits and isinstance(edits[0], tuple):
+            for field, value in edits:
+                holder = meta
+                for key in field[:-1]:
+                    holder = holder[key] if isinstance(holder.get(key), dict) else holder.setdefault(key, {})
+                if value == "delete":
+                    holder.pop(field[-1], None)
+                else:
+                    holder[field[-1]] = value
+        else:
+            meta = edits
+        with open(path, "w") as f:
+            json.dump(meta, f)
+        try:
+            ckpt.load_model("fz", "latest")
+        except ckpt.CheckpointError as e:
+            assert "\n" not in str(e)
+        assert train(*FLAGS, "--num_iterations=2", "--model_tag=fz", "--resume") in (0, 1)
+        assert "Traceback" not in capsys.readouterr().err
+
+    check()
