@@ -190,13 +190,14 @@ class Engine:
         return KVCache(self.model.num_attention_slots(n_sup), batch_size, max_len, pads)
 
     def generate(self, prompts, max_tokens=64, temperature=1.0, top_k=None, n_sup=None, seed=None, stop_tokens=None,
-                 top_p=None, halt=None):
+                 top_p=None, halt=None, stats=None):
         """Stream tokens: an iterator of one list per step holding each row's new token, or None once it stopped.
 
         prompts: token-id lists of any lengths. Rows stop at a stop token (not yielded) or after max_tokens.
         seed: a private generator, so the same call samples the same tokens whatever else uses torch's RNG.
         halt: per-token adaptive halting within n_sup steps (see check_halt); stats["steps"] then holds, per row, the
         steps run by the position that predicted each yielded token.
+        stats: a dict this generation's stats fill instead of self.stats (generations on several threads at once).
         Arguments are checked here, before the first token is asked for.
         """
         n_sup = self.check_n_sup(n_sup)
@@ -219,7 +220,7 @@ class Engine:
         stops = self.stop_tokens() if stop_tokens is None else set(stop_tokens)
         rng = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         return self._decode(idx, pads, [len(p) for p in prompts], max_tokens, temperature, top_k, top_p, n_sup, rng,
-                            stops, halting)
+                            stops, halting, stats)
 
     def _last_logits(self, idx, cache, n_sup, halting):
         """The last position's logits (B, V) of a forward that extends the cache, and (B,) steps it ran."""
@@ -230,7 +231,8 @@ class Engine:
             return logits[:, -1], steps[:, -1]
 
     @torch.inference_mode()
-    def _decode(self, idx, pads, lengths, max_tokens, temperature, top_k, top_p, n_sup, rng, stops, halting=None):
+    def _decode(self, idx, pads, lengths, max_tokens, temperature, top_k, top_p, n_sup, rng, stops, halting=None,
+                stats=None):
         """Prefill all rows in one forward, then feed each sampled token back one at a time."""
         if max_tokens == 0:
             return
@@ -243,17 +245,19 @@ class Engine:
             tokens = sample_next(logits, temperature, top_k, top_p, rng)
             column = tokens.tolist()  # syncs the device, so the timings are real
             if step == 0:
-                self.stats = {"prefill_tokens": sum(lengths), "prefill_s": time.perf_counter() - t0,
-                              "decode_tokens": 0, "decode_s": 0.0}
+                if stats is None:
+                    stats = self.stats = {}
+                stats.update(prefill_tokens=sum(lengths), prefill_s=time.perf_counter() - t0, decode_tokens=0,
+                             decode_s=0.0)
                 if halting:
-                    self.stats["steps"] = [[] for _ in column]
+                    stats["steps"] = [[] for _ in column]
             else:
-                self.stats["decode_tokens"] += B
-                self.stats["decode_s"] += time.perf_counter() - t0
+                stats["decode_tokens"] += B
+                stats["decode_s"] += time.perf_counter() - t0
             done = [d or t in stops for d, t in zip(done, column)]
             for row in range(B) if halting else ():
                 if not done[row]:
-                    self.stats["steps"][row].append(int(steps[row]))
+                    stats["steps"][row].append(int(steps[row]))
             yield [None if d else t for d, t in zip(done, column)]
             if all(done) or step == max_tokens - 1:
                 return

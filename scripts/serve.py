@@ -28,6 +28,8 @@ POST /v1/completions  OpenAI's completions request: model (default: the served o
                       data: [DONE].
 GET  /v1/models       the served model, named by its model tag
 GET  /health          status, step, limits and generations running (no key needed: for load balancers)
+GET  /metrics         Prometheus text format: requests by status, prompt and completion tokens, histograms of latency,
+                      time to first token, time per output token and supervision steps per token; queue depth, running
 
 Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request, 401 a
 missing or wrong API key (code "invalid_api_key"), 404 an unknown model or path, 413 a body over 1 MiB, 503 every
@@ -56,8 +58,9 @@ try:
     import h11
     import uvicorn
     from fastapi import FastAPI, Request, Security
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import ClientDisconnect
@@ -294,6 +297,10 @@ class Job:
         self.queue = asyncio.Queue()  # (index, piece, finish_reason) for streaming; None when the worker ends
         self.worker = None
         self.logprobs = [None] * len(choices)
+        self.stats = {}  # the engine's stats of this generation (steps per token under halting)
+        self.arrived = time.perf_counter()  # the handler sets it to when the request arrived, before any wait
+        self.first_at = self.last_at = None  # when the first and the last token step ended
+        self.steps_done = 0
         if max_tokens == 0:  # the prompt is scored, nothing generated
             for choice in choices:
                 choice.finish("length", "")
@@ -308,6 +315,8 @@ class Job:
         """Every row token by token, until each choice is finished or the job is cancelled."""
         try:
             for step, column in enumerate(self.columns):
+                self.last_at, self.steps_done = time.perf_counter(), step + 1
+                self.first_at = self.first_at or self.last_at
                 if self.cancelled.is_set():
                     return
                 for index, (choice, token) in enumerate(zip(self.choices, column)):
@@ -334,6 +343,49 @@ async def cancel_when_gone(request, job):
     job.cancelled.set()
 
 
+class Metrics:
+    """The server's Prometheus metrics (prometheus_client), in a registry of the server's own (tests run several)."""
+
+    def __init__(self, server):
+        self.registry = registry = CollectorRegistry()
+        latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.requests = Counter("nanochat_requests", "Completion requests answered, by HTTP status", ["status"],
+                                registry=registry)
+        self.prompt_tokens = Counter("nanochat_prompt_tokens", "Prompt tokens of completion requests served",
+                                     registry=registry)
+        self.completion_tokens = Counter("nanochat_completion_tokens", "Tokens generated", registry=registry)
+        self.latency = Histogram("nanochat_request_latency_seconds", "From a completion request's arrival (queue "
+                                 "wait included) to its last token", buckets=latency_buckets, registry=registry)
+        self.first_token = Histogram("nanochat_time_to_first_token_seconds", "From a completion request's arrival "
+                                     "to its first token", buckets=latency_buckets, registry=registry)
+        self.per_token = Histogram("nanochat_time_per_output_token_seconds", "A request's decode time per token after "
+                                   "the first", buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+                                   registry=registry)
+        self.steps = Histogram("nanochat_steps_per_token", "Supervision steps each generated token ran (fewer than "
+                               "n_sup under halting)", buckets=range(1, server.config.n_sup_inference + 1),
+                               registry=registry)
+        Gauge("nanochat_queue_depth", "Completion requests waiting for a generation slot",
+              registry=registry).set_function(lambda: server.waiting)
+        Gauge("nanochat_running", "Generations running", registry=registry).set_function(lambda: server.running)
+
+    def finished(self, job, n_sup):
+        """Record a generation that ended; n_sup: the steps each token ran when no halting rule was on."""
+        failed = not job.worker.cancelled() and job.worker.exception() is not None
+        self.requests.labels(status="500" if failed else "200").inc()
+        tokens = sum(len(choice.tokens) for choice in job.choices)
+        self.prompt_tokens.inc(sum(len(ids) for ids in job.prompts))
+        self.completion_tokens.inc(tokens)
+        end = time.perf_counter()
+        self.latency.observe(end - job.arrived)
+        if job.first_at is not None:
+            self.first_token.observe(job.first_at - job.arrived)
+        if job.steps_done > 1:
+            self.per_token.observe((job.last_at - job.first_at) / (job.steps_done - 1))
+        steps = [s for row in job.stats.get("steps", ()) for s in row] or [n_sup] * tokens
+        for s in steps:
+            self.steps.observe(s)
+
+
 class Server:
     """The engine behind the endpoints: validates requests against the model and bounds concurrent generations."""
 
@@ -349,9 +401,10 @@ class Server:
                              f"exceeds the model's {engine.model.rotary_seq_len} positions")
         self.queue_timeout = queue_timeout
         self.slots = asyncio.Semaphore(max_concurrency)
-        self.running = 0
+        self.running = self.waiting = 0
         self.bos = engine.tokenizer.get_bos_token_id()
         self.without_bos = 0  # token-id prompts that did not start with <|bos|>: see bos_warning
+        self.metrics = Metrics(self)
 
     def health(self):
         return {"status": "ok", **self.info, "sequence_len": self.config.sequence_len,
@@ -431,11 +484,14 @@ class Server:
     async def acquire(self):
         """Take a generation slot: a free one at once, else wait up to queue_timeout seconds (0: no waiting)."""
         wait = self.queue_timeout if self.slots.locked() else None
+        self.waiting += 1
         try:
             await asyncio.wait_for(self.slots.acquire(), timeout=wait)
         except asyncio.TimeoutError:
             raise APIError(503, f"server busy: {self.max_concurrency} generations running; retry later",
                            code="server_busy") from None
+        finally:
+            self.waiting -= 1
         self.running += 1
 
     def release(self, _=None):
@@ -445,11 +501,12 @@ class Server:
     def start(self, req, prompts):
         """Take a slot and start the request's generation in a worker thread; the slot is freed when it ends."""
         rows = [ids for ids in prompts for _ in range(req.n)]  # choice index = prompt index * n + j, as at OpenAI
+        stats = {}
         n_sup, halting = self.depth(req.n_sup)
         # the end tokens are Choice's to spot, so that logprobs can score the one the model chose
         columns = self.engine.generate(rows, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
                                        top_p=req.top_p, n_sup=n_sup, seed=req.seed, halt=halting,
-                                       stop_tokens=())  # checks its arguments now
+                                       stop_tokens=(), stats=stats)  # checks its arguments now
         end_tokens = self.engine.stop_tokens()
         choices = [Choice(self.engine.tokenizer, req.stop, end_tokens) for _ in rows]
         score = None
@@ -457,10 +514,12 @@ class Server:
             score = lambda prompt, choice: self.logprobs(prompt, choice, req.logprobs, req.echo, n_sup, halting)
         job = Job(prompts, rows, choices, columns, req.max_tokens,
                   req.stream_options is not None and req.stream_options.include_usage, score, req.echo)
+        job.stats = stats
         loop = asyncio.get_running_loop()
         emit = (lambda item: loop.call_soon_threadsafe(job.queue.put_nowait, item)) if req.stream else (lambda _: None)
         job.worker = asyncio.ensure_future(run_in_threadpool(job.run, emit))
         job.worker.add_done_callback(self.release)
+        job.worker.add_done_callback(lambda _: self.metrics.finished(job, n_sup or self.config.n_sup_inference))
         job.worker.add_done_callback(lambda _: job.queue.put_nowait(None))
         return job
 
@@ -601,6 +660,8 @@ def create_app(server, api_key=None):
 
     @app.exception_handler(APIError)
     async def api_error(request, e):
+        if request.url.path == "/v1/completions":
+            server.metrics.requests.labels(status=str(e.status)).inc()
         return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(HTTPException)
@@ -610,6 +671,10 @@ def create_app(server, api_key=None):
     @app.get("/health")
     async def health():
         return server.health()
+
+    @app.get("/metrics", dependencies=keyed)
+    async def metrics():
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=keyed)
     async def models():
@@ -624,6 +689,7 @@ def create_app(server, api_key=None):
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(request: Request):
+        arrived = time.perf_counter()
         req = parse_request(await read_body(request))
         prompts = server.check(req)
         warning = server.bos_warning(req, prompts)
@@ -634,6 +700,7 @@ def create_app(server, api_key=None):
         except BaseException:
             server.release()
             raise
+        job.arrived = arrived
         watcher = asyncio.ensure_future(cancel_when_gone(request, job))
         job.worker.add_done_callback(lambda _: watcher.cancel())
         if req.stream:

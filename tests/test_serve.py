@@ -816,3 +816,32 @@ def test_no_request_body_gets_a_500_or_a_traceback(in_process, body):
         assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
     else:
         assert r.json()["object"] == "text_completion"
+
+
+def test_metrics_count_requests_tokens_latency_and_steps_in_prometheus_text(trained):
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+    _, model, tokenizer = trained
+    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    with TestClient(serve.create_app(server)) as client:
+        full = client.post("/v1/completions", json={**REQUEST, "max_tokens": 5, "n": 2, "n_sup": 2}).json()
+        halted = client.post("/v1/completions", json={**REQUEST, "max_tokens": 4, "n_sup": "rms:inf"}).json()
+        assert client.post("/v1/completions", json={**REQUEST, "temperature": 9}).status_code == 400
+        r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(r.text) for s in family.samples}
+    value = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]
+    tokens = full["usage"]["completion_tokens"], halted["usage"]["completion_tokens"]
+    prompt_tokens = full["usage"]["prompt_tokens"] + halted["usage"]["prompt_tokens"]
+    assert value("nanochat_requests_total", status="200") == 2 and value("nanochat_requests_total", status="400") == 1
+    assert value("nanochat_completion_tokens_total") == sum(tokens) and tokens[0] > 0 and tokens[1] > 0
+    assert value("nanochat_prompt_tokens_total") == prompt_tokens
+    assert value("nanochat_request_latency_seconds_count") == 2 and value("nanochat_request_latency_seconds_sum") > 0
+    assert value("nanochat_time_to_first_token_seconds_count") == 2
+    assert value("nanochat_time_per_output_token_seconds_count") == 2
+    # n_sup 2 for the first request's tokens; an infinite threshold halts every token after step 1
+    assert value("nanochat_steps_per_token_count") == sum(tokens)
+    assert value("nanochat_steps_per_token_sum") == 2 * tokens[0] + 1 * tokens[1]
+    assert value("nanochat_steps_per_token_bucket", le="1.0") == tokens[1]
+    assert value("nanochat_queue_depth") == 0 and value("nanochat_running") == 0
