@@ -45,6 +45,7 @@ import ipaddress
 import json
 import math
 import os
+import queue
 import socket
 import sys
 import threading
@@ -343,6 +344,80 @@ async def cancel_when_gone(request, job):
     job.cancelled.set()
 
 
+class Batcher:
+    """Requests generate together: one batch (engine.generate_together, on a thread of its own) takes every request
+    waiting that runs the same depth (n_sup and halting) as the oldest, so concurrent requests share each forward
+    instead of taking turns; a request arriving while a batch runs joins the next one."""
+
+    DONE = object()  # the end of a request's columns
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.pending = []  # [(engine.Request, its column queue, closed Event, its stats dict)]
+        self.ready = threading.Condition()
+        self.thread = None
+        self.sizes = []  # requests per batch, the last 1000 (tests and /metrics)
+
+    def submit(self, request, stats):
+        """Queue a prepared request; returns the iterator of its columns (closing it drops the request)."""
+        entry = (request, queue.Queue(), threading.Event(), stats)
+        with self.ready:
+            self.pending.append(entry)
+            self.ready.notify()
+            if self.thread is None:
+                self.thread = threading.Thread(target=self.run, name="batcher", daemon=True)
+                self.thread.start()
+        return self.columns(entry)
+
+    def columns(self, entry):
+        _, columns, closed, _ = entry
+        try:
+            while (column := columns.get()) is not self.DONE:
+                if isinstance(column, BaseException):
+                    raise column
+                yield column
+        finally:
+            closed.set()
+
+    def run(self):
+        while True:
+            with self.ready:
+                while not self.pending:
+                    self.ready.wait()
+                depth = (self.pending[0][0].n_sup, self.pending[0][0].halting)
+                batch = [e for e in self.pending if (e[0].n_sup, e[0].halting) == depth]
+                self.pending = [e for e in self.pending if (e[0].n_sup, e[0].halting) != depth]
+            self.sizes = self.sizes[-999:] + [len(batch)]
+            self.generate(batch)
+
+    def generate(self, batch):
+        """Hand each request its column of every step, until all are done or closed; an error goes to each."""
+        spans, start = [], 0
+        for request, *_ in batch:
+            spans.append(slice(start, start + len(request.prompts)))
+            start += len(request.prompts)
+        stats = {}
+        steps = None
+        try:
+            steps = self.engine.generate_together([request for request, *_ in batch], stats)
+            for columns in steps:
+                for (_, out, closed, own), column, span in zip(batch, columns, spans):
+                    if "steps" in stats and "steps" not in own:  # the rows' lists, which later steps extend
+                        own["steps"] = stats["steps"][span]
+                    if not closed.is_set():
+                        out.put(column)
+                if all(closed.is_set() for _, _, closed, _ in batch):
+                    break
+        except Exception as e:  # noqa: BLE001 - every request of the batch must learn of it, not the thread's log
+            for _, out, _, _ in batch:
+                out.put(e)
+        finally:
+            if steps is not None:
+                steps.close()
+            for _, out, _, _ in batch:
+                out.put(self.DONE)
+
+
 class Metrics:
     """The server's Prometheus metrics (prometheus_client), in a registry of the server's own (tests run several)."""
 
@@ -405,6 +480,7 @@ class Server:
         self.bos = engine.tokenizer.get_bos_token_id()
         self.without_bos = 0  # token-id prompts that did not start with <|bos|>: see bos_warning
         self.metrics = Metrics(self)
+        self.batcher = Batcher(engine)
 
     def health(self):
         return {"status": "ok", **self.info, "sequence_len": self.config.sequence_len,
@@ -504,9 +580,10 @@ class Server:
         stats = {}
         n_sup, halting = self.depth(req.n_sup)
         # the end tokens are Choice's to spot, so that logprobs can score the one the model chose
-        columns = self.engine.generate(rows, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                       top_p=req.top_p, n_sup=n_sup, seed=req.seed, halt=halting,
-                                       stop_tokens=(), stats=stats)  # checks its arguments now
+        request = self.engine.prepare(rows, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
+                                      top_p=req.top_p, n_sup=n_sup, seed=req.seed, halt=halting,
+                                      stop_tokens=())  # checks its arguments now
+        columns = self.batcher.submit(request, stats)
         end_tokens = self.engine.stop_tokens()
         choices = [Choice(self.engine.tokenizer, req.stop, end_tokens) for _ in rows]
         score = None

@@ -523,22 +523,25 @@ class HeldEngine(Engine):
     def __init__(self, model, tokenizer, free=0, pace=0.0):
         super().__init__(model, tokenizer)
         self.go, self.free, self.pace, self.tokens_made = threading.Event(), free, pace, 0
+        self.batch_sizes = []  # requests in each batch, in order
 
     def stop_tokens(self):
         return set()
 
-    def generate(self, *args, **kwargs):
-        for i, column in enumerate(super().generate(*args, **kwargs)):
+    def generate_together(self, requests, *args, **kwargs):
+        self.batch_sizes.append(len(requests))
+        for i, column in enumerate(super().generate_together(requests, *args, **kwargs)):
             assert i < self.free or self.go.wait(timeout=10)
             time.sleep(self.pace)
             self.tokens_made += 1
             yield column
 
 
-def held_server(trained, queue_timeout=0.2, **engine_kwargs):
+def held_server(trained, queue_timeout=0.2, max_concurrency=1, **engine_kwargs):
     _, model, tokenizer = trained
     engine = HeldEngine(model, tokenizer, **engine_kwargs)
-    server = serve.Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=1, queue_timeout=queue_timeout)
+    server = serve.Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=max_concurrency,
+                          queue_timeout=queue_timeout)
     return engine, uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off"))
 
 
@@ -845,3 +848,40 @@ def test_metrics_count_requests_tokens_latency_and_steps_in_prometheus_text(trai
     assert value("nanochat_steps_per_token_sum") == 2 * tokens[0] + 1 * tokens[1]
     assert value("nanochat_steps_per_token_bucket", le="1.0") == tokens[1]
     assert value("nanochat_queue_depth") == 0 and value("nanochat_running") == 0
+
+
+def test_concurrent_requests_generate_together_and_get_what_they_get_alone(trained):
+    """The first request holds the batch at its first token while five more arrive; they then run as one batch of
+    five, streamed or not, greedy or seeded, each getting the text it gets alone."""
+    engine, http = held_server(trained, queue_timeout=5, max_concurrency=8)
+    bodies = [{"prompt": p, "max_tokens": m, "temperature": 0.0} for p, m in
+              [("the", 6), ("the cat sat", 8), ("the dog", 3), ("on the mat.", 8)]] + \
+             [{"prompt": "the", "max_tokens": 8, "temperature": 1.0, "seed": 5, "n": 2}]
+    with running(http) as base_url:
+        first = {}
+        worker = threading.Thread(target=lambda: first.update(r=post(base_url, REQUEST)))
+        worker.start()
+        wait_until_running(base_url, 1)
+        results = [None] * len(bodies)
+
+        def send(i):
+            body = {**bodies[i], "stream": i == 1}
+            if body["stream"]:
+                with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as r:
+                    events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+                results[i] = ["".join(e["choices"][0]["text"] for e in events)]
+            else:
+                results[i] = [c["text"] for c in post(base_url, body).json()["choices"]]
+
+        senders = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+        for t in senders:
+            t.start()
+        wait_until_running(base_url, 1 + len(bodies))
+        engine.go.set()
+        for t in senders + [worker]:
+            t.join(timeout=30)
+        assert first["r"].status_code == 200
+        sizes = list(engine.batch_sizes)
+        alone = [[c["text"] for c in post(base_url, body).json()["choices"]] for body in bodies]  # one by one
+        assert results == alone and all(all(texts) for texts in alone)
+    assert sizes == [1, len(bodies)] and list(engine.batch_sizes)[2:] == [1] * len(bodies)
