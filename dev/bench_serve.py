@@ -48,8 +48,10 @@ def parse_args(argv=None):
     parser.add_argument("--level_seconds", type=float, default=60.0,
                         help="no new request of a level starts after this many seconds")
     parser.add_argument("--max_tokens", type=int, default=16, help="tokens per completion (capped by the server)")
-    parser.add_argument("--max_concurrency", type=int, default=4, help="the server's --max_concurrency")
-    parser.add_argument("--queue_timeout", type=float, default=2.0, help="the server's --queue_timeout")
+    parser.add_argument("--max_concurrency", type=int, default=None, help="the server's --max_concurrency "
+                                                                          "(default: the server's default)")
+    parser.add_argument("--queue_timeout", type=float, default=None, help="the server's --queue_timeout (default: "
+                                                                          "the server's default)")
     parser.add_argument("--request_timeout", type=float, default=60.0, help="client timeout of one request (s)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -78,8 +80,9 @@ def server(base_dir, model_tag, api_key, args):
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "NANOCHAT_API_KEY": api_key,
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "scripts.serve", "--model_tag", model_tag, "--host", "127.0.0.1", "--port", "0",
-           "--device_type", "cpu", "--max_concurrency", str(args.max_concurrency),
-           "--queue_timeout", str(args.queue_timeout)]
+           "--device_type", "cpu"]
+    cmd += [] if args.max_concurrency is None else ["--max_concurrency", str(args.max_concurrency)]
+    cmd += [] if args.queue_timeout is None else ["--queue_timeout", str(args.queue_timeout)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 180
@@ -205,7 +208,8 @@ def main(argv=None):
             lengths = sorted({max(1, context // 10), max(1, context // 2), max(1, context * 9 // 10)})
             prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]  # byte tokens: in every vocabulary
             print(f"model {model_tag} step {health['step']} (context {context}); server --max_concurrency "
-                  f"{args.max_concurrency} --queue_timeout {args.queue_timeout}; {args.requests} requests per level "
+                  f"{health['max_concurrency']} --queue_timeout {args.queue_timeout or 'default'}; {args.requests} "
+                  f"requests per level "
                   f"(at most {args.level_seconds:.0f} s), max_tokens {args.max_tokens}, prompts of {lengths} tokens, "
                   f"half streamed; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
             rss_before = rss_mib(proc.pid)

@@ -2,7 +2,7 @@
 Serve a checkpoint over OpenAI's completions API (FastAPI + uvicorn), on localhost by default.
 
 pip install -e '.[serve]'
-python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrency 2
+python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrency 16
 NANOCHAT_API_KEY=<secret> python -m scripts.serve --host 0.0.0.0 ...   # other machines: with a key
 
 With a key (--api_key or NANOCHAT_API_KEY) every route but /health needs the header Authorization: Bearer <key>, as
@@ -794,7 +794,9 @@ def parse_args(argv=None):
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: localhost only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 = any free port")
-    parser.add_argument("--max_concurrency", type=int, default=1, help="generations running at once")
+    parser.add_argument("--max_concurrency", type=int, default=16,
+                        help="requests generating at once, batched together (each forward serves them all); more "
+                             "wait up to --queue_timeout")
     parser.add_argument("--queue_timeout", type=float, default=30.0,
                         help="seconds a request waits for a busy slot (0: answer 503 at once when all are busy)")
     parser.add_argument("--max_tokens_limit", type=int, default=None, help="largest max_tokens (default: context)")

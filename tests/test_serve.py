@@ -766,9 +766,12 @@ def test_bad_limits_are_refused_in_one_line(flag, capsys):
 
 
 # ---------------------------------------------------------------- fuzzing the request body
+def json_containers(inner):
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+
+
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=20),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                          max_size=4), max_leaves=8)
+                           json_containers, max_leaves=8)
 FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
           "stream_options", "n_sup", "user", "echo", "best_of", "logprobs", "suffix", "logit_bias",
           "frequency_penalty", "presence_penalty"]
