@@ -86,7 +86,7 @@ class RunLock:
         self.path = os.path.join(directory, RUN_LOCK)
 
     def hold_existing(self):
-        self.agree(lambda: os.path.lexists(self.path) and self.lock(self.open(create=False)))
+        self.agree(lambda: os.path.lexists(self.path) and self.lock(self.open_file(create=False)))
 
     def claim(self):
         self.agree(self.lock_and_sign)
@@ -109,20 +109,21 @@ class RunLock:
         except RankFailure as failure:  # rank 0 says it in its own words; the others name rank 0 and the cause
             raise error or RunLockError(str(failure)) from None
 
-    def open(self, create):
+    def open_file(self, create):
         """The lock file for reading and writing ("r+": appending would ignore the seek of lock_and_sign); never
         through a symbolic link, whose target the signature would overwrite."""
+        flags = os.O_NOFOLLOW | (os.O_CREAT if create else 0)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o644)
+            file = open(self.path, "r+", opener=lambda path, mode: os.open(path, mode | flags, 0o644))
         except OSError as e:
             if e.errno != errno.ELOOP:
                 raise
             raise RunLockError(f"{self.path} is a symbolic link (to {os.readlink(self.path)!r}), not a lock file: "
                                f"remove it, then run again") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            file.close()
             raise RunLockError(f"{self.path} is not a regular file: remove it, then run again")
-        return os.fdopen(fd, "r+")
+        return file
 
     def lock(self, file):
         try:
@@ -138,7 +139,7 @@ class RunLock:
 
     def lock_and_sign(self):
         os.makedirs(self.directory, exist_ok=True)
-        file = self.open(create=True)
+        file = self.open_file(create=True)
         if self.file and os.path.samestat(os.fstat(file.fileno()), os.fstat(self.file.fileno())):
             file.close()  # already ours: a second flock through another descriptor would wait for ourselves
         else:
