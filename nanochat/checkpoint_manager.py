@@ -152,8 +152,9 @@ META_FIELDS = {
 }
 # Sizes the weights' shapes do not bound, so a crafted meta.json could make loading allocate or build without end;
 # each far above any model this code trains (a 1M-token context, thousands of layers or steps).
-CONFIG_LIMITS = {"sequence_len": 1 << 20, **{k: 4096 for k in ("n_layer", "n_head", "n_kv_head", "n_loops", "T_recursion",
-                                                                "n_sup_train", "n_sup_inference", "n_prelude", "n_coda")}}
+CONFIG_LIMITS = {"sequence_len": 1 << 20, **{k: 4096 for k in ("n_layer", "n_head", "n_kv_head", "n_loops",
+                                                                "T_recursion", "n_sup_train", "n_sup_inference",
+                                                                "n_prelude", "n_coda")}}
 META_REQUIRED = {"data": ("fingerprint", "shards", "dir"), "halt_train": ("from",), "early_stop": ("best", "stale",
                                                                                                       "last_step")}
 
@@ -164,7 +165,8 @@ def meta_problem(meta):
         return f"a JSON {type(meta).__name__} where an object belongs"
     config = meta.get("model_config")
     if not isinstance(config, dict):
-        return "model_config is missing" if config is None else f"model_config is a {type(config).__name__}, not an object"
+        return "model_config is missing" if config is None else \
+            f"model_config is a {type(config).__name__}, not an object"
     try:
         GPTConfig.from_dict(config)
     except (TypeError, ValueError) as e:

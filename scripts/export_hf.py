@@ -153,7 +153,8 @@ def write_export(model, tokenizer, meta, model_tag, out):
 
 def parse_args(argv=None):
     parser = ArgumentParser(description="Export a checkpoint as a Hugging Face transformers model directory")
-    parser.add_argument("--model_tag", type=model_tag_arg, default=None, help="checkpoint tag (default: the most recently written)")
+    parser.add_argument("--model_tag", type=model_tag_arg, default=None,
+                        help="checkpoint tag (default: the most recently written)")
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
     parser.add_argument("--out", required=True, help="directory to write (created; see --force)")
     parser.add_argument("--force", action="store_true", help="replace an earlier export in --out")

@@ -790,7 +790,8 @@ def create_app(server, api_key=None):
 
 def parse_args(argv=None):
     parser = ArgumentParser(description="Serve a checkpoint over OpenAI's completions API")
-    parser.add_argument("--model_tag", type=model_tag_arg, default=None, help="checkpoint tag (default: the most recently written)")
+    parser.add_argument("--model_tag", type=model_tag_arg, default=None,
+                        help="checkpoint tag (default: the most recently written)")
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: localhost only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 = any free port")

@@ -739,7 +739,7 @@ def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped
     with running(guarded_server(trained, read_timeout=1.0, max_connections=2)) as base_url:
         port = int(base_url.rsplit(":", 1)[1])
         slow = socket.create_connection(("127.0.0.1", port))
-        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"prompt\"")  # then stalls
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"prompt\"")  # stalls
         idle = socket.create_connection(("127.0.0.1", port))  # sends nothing at all
         time.sleep(0.2)
         third = socket.create_connection(("127.0.0.1", port))
@@ -770,8 +770,8 @@ def json_containers(inner):
     return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
 
 
-JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=20),
-                           json_containers, max_leaves=8)
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() |
+                           st.text(max_size=20), json_containers, max_leaves=8)
 FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
           "stream_options", "n_sup", "user", "echo", "best_of", "logprobs", "suffix", "logit_bias",
           "frequency_penalty", "presence_penalty"]
@@ -781,8 +781,9 @@ NEAR_VALID = {"prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5,
               "temperature": st.floats(-1, 3), "n_sup": st.sampled_from([0, 1, 3, 4, "auto", "kl:0.1", "rms:x", "kl"]),
               "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5)),
               "stream": st.booleans(), "echo": st.booleans(), "top_k": st.integers(-1, 400)}
-VALID = {"max_tokens": st.integers(1, 6), "n": st.integers(1, 2), "temperature": st.floats(0, 2), "top_p": st.floats(0, 1),
-         "top_k": st.integers(1, 300), "seed": st.integers(0, 2 ** 40), "n_sup": st.sampled_from([1, 3, "auto", "rms:inf"]),
+VALID = {"max_tokens": st.integers(1, 6), "n": st.integers(1, 2), "temperature": st.floats(0, 2),
+         "top_p": st.floats(0, 1), "top_k": st.integers(1, 300), "seed": st.integers(0, 2 ** 40),
+         "n_sup": st.sampled_from([1, 3, "auto", "rms:inf"]),
          "stop": st.lists(st.text("the at", min_size=1, max_size=3), max_size=4), "stream": st.booleans(),
          "echo": st.booleans(), "logprobs": st.none() | st.integers(0, 5)}
 BODIES = st.one_of(
