@@ -29,7 +29,8 @@ POST /v1/completions  OpenAI's completions request: model (default: the served o
 GET  /v1/models       the served model, named by its model tag
 GET  /health          status, step, limits and generations running (no key needed: for load balancers)
 GET  /metrics         Prometheus text format: requests by status, prompt and completion tokens, histograms of latency,
-                      time to first token, time per output token and supervision steps per token; queue depth, running
+                      time to first token, time per output token, supervision steps per token and requests per
+                      batch; queue depth, running
 
 Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request, 401 a
 missing or wrong API key (code "invalid_api_key"), 404 an unknown model or path, 413 a body over 1 MiB, 503 every
@@ -351,12 +352,11 @@ class Batcher:
 
     DONE = object()  # the end of a request's columns
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, observe=lambda size: None):
+        self.engine, self.observe = engine, observe  # observe(requests in a batch), as each starts
         self.pending = []  # [(engine.Request, its column queue, closed Event, its stats dict)]
         self.ready = threading.Condition()
         self.thread = None
-        self.sizes = []  # requests per batch, the last 1000 (tests and /metrics)
 
     def submit(self, request, stats):
         """Queue a prepared request; returns the iterator of its columns (closing it drops the request)."""
@@ -387,7 +387,7 @@ class Batcher:
                 depth = (self.pending[0][0].n_sup, self.pending[0][0].halting)
                 batch = [e for e in self.pending if (e[0].n_sup, e[0].halting) == depth]
                 self.pending = [e for e in self.pending if (e[0].n_sup, e[0].halting) != depth]
-            self.sizes = self.sizes[-999:] + [len(batch)]
+            self.observe(len(batch))
             self.generate(batch)
 
     def generate(self, batch):
@@ -439,6 +439,8 @@ class Metrics:
         self.steps = Histogram("nanochat_steps_per_token", "Supervision steps each generated token ran (fewer than "
                                "n_sup under halting)", buckets=range(1, server.config.n_sup_inference + 1),
                                registry=registry)
+        self.batch_requests = Histogram("nanochat_batch_requests", "Requests generating together in a batch",
+                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
         Gauge("nanochat_queue_depth", "Completion requests waiting for a generation slot",
               registry=registry).set_function(lambda: server.waiting)
         Gauge("nanochat_running", "Generations running", registry=registry).set_function(lambda: server.running)
@@ -480,7 +482,7 @@ class Server:
         self.bos = engine.tokenizer.get_bos_token_id()
         self.without_bos = 0  # token-id prompts that did not start with <|bos|>: see bos_warning
         self.metrics = Metrics(self)
-        self.batcher = Batcher(engine)
+        self.batcher = Batcher(engine, self.metrics.batch_requests.observe)
 
     def health(self):
         return {"status": "ok", **self.info, "sequence_len": self.config.sequence_len,

@@ -852,6 +852,7 @@ def test_metrics_count_requests_tokens_latency_and_steps_in_prometheus_text(trai
     assert value("nanochat_steps_per_token_sum") == 2 * tokens[0] + 1 * tokens[1]
     assert value("nanochat_steps_per_token_bucket", le="1.0") == tokens[1]
     assert value("nanochat_queue_depth") == 0 and value("nanochat_running") == 0
+    assert value("nanochat_batch_requests_count") == 2 and value("nanochat_batch_requests_bucket", le="1.0") == 2
 
 
 def test_concurrent_requests_generate_together_and_get_what_they_get_alone(trained):
