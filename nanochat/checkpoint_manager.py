@@ -98,15 +98,16 @@ def list_steps(model_tag):
     return sorted(steps)
 
 
-def read_meta(model_tag, step):
-    """A checkpoint's meta.json, checked (meta_problem): every reader may index the fields it uses."""
+def read_meta(model_tag, step, checked=True):
+    """A checkpoint's meta.json, checked (meta_problem): every reader may index the fields it uses. checked=False:
+    the JSON as it is, for a reader of one field that must not skip a checkpoint whose other fields are malformed."""
     path = os.path.join(step_dir(model_tag, step), "meta.json")
     try:
         with open(path) as f:
             meta = json.load(f)
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path} is unreadable ({describe_error(e)})") from e
-    problem = meta_problem(meta)
+    problem = meta_problem(meta) if checked else None
     if problem:
         raise CheckpointError(f"{path} is malformed ({problem}): restore it from a copy you trust, or use another "
                               f"step")
