@@ -111,6 +111,8 @@ def read_meta(model_tag, step, checked=True):
     if problem:
         raise CheckpointError(f"{path} is malformed ({problem}): restore it from a copy you trust, or use another "
                               f"step")
+    if checked:
+        meta.setdefault("step", step)  # the directory's name says it too
     return meta
 
 
@@ -175,8 +177,6 @@ def meta_problem(meta):
     too_large = next((k for k, most in CONFIG_LIMITS.items() if _int(config.get(k)) and config[k] > most), None)
     if too_large:
         return f"model_config.{too_large}={config[too_large]} exceeds {CONFIG_LIMITS[too_large]:,}"
-    if "step" not in meta:
-        return "step is missing"
     for name, check in META_FIELDS.items():
         if name in meta and not check(meta[name]):
             return f"{name} is {json.dumps(meta[name])[:80]}, which is not what a checkpoint writes there"
