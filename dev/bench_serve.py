@@ -1,5 +1,6 @@
 """
-Load benchmark of scripts/serve.py on 127.0.0.1: requests/s, latency, time to first token, errors and server RSS.
+Load benchmark of scripts/serve.py on 127.0.0.1: requests/s, tokens/s, latency, time to first token, time per
+output token, errors and server RSS.
 
 OMP_NUM_THREADS=1 python -m dev.bench_serve --concurrency 1,4,16,64 --requests 64 --level_seconds 60
 
@@ -10,6 +11,8 @@ few seconds). For each concurrency level, that many clients send --requests comp
 tenths of the model's context). A 503 is expected once --max_concurrency generations run and a request waits
 --queue_timeout seconds; any other error (another status, a broken stream, a timeout, a malformed answer) is a defect:
 the table is printed and the exit code is 1. RSS is the server process's resident memory, from /proc (Linux).
+tokens/s counts the completion tokens of the requests served (their usage), over the level's wall time; time per
+output token (TPOT) is a streamed request's (latency - time to first token) / (tokens - 1), as vLLM's benchmark has it.
 """
 
 import argparse
@@ -45,8 +48,10 @@ def parse_args(argv=None):
     parser.add_argument("--level_seconds", type=float, default=60.0,
                         help="no new request of a level starts after this many seconds")
     parser.add_argument("--max_tokens", type=int, default=16, help="tokens per completion (capped by the server)")
-    parser.add_argument("--max_concurrency", type=int, default=4, help="the server's --max_concurrency")
-    parser.add_argument("--queue_timeout", type=float, default=2.0, help="the server's --queue_timeout")
+    parser.add_argument("--max_concurrency", type=int, default=None, help="the server's --max_concurrency "
+                                                                          "(default: the server's default)")
+    parser.add_argument("--queue_timeout", type=float, default=None, help="the server's --queue_timeout (default: "
+                                                                          "the server's default)")
     parser.add_argument("--request_timeout", type=float, default=60.0, help="client timeout of one request (s)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -75,8 +80,9 @@ def server(base_dir, model_tag, api_key, args):
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "NANOCHAT_API_KEY": api_key,
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "scripts.serve", "--model_tag", model_tag, "--host", "127.0.0.1", "--port", "0",
-           "--device_type", "cpu", "--max_concurrency", str(args.max_concurrency),
-           "--queue_timeout", str(args.queue_timeout)]
+           "--device_type", "cpu"]
+    cmd += [] if args.max_concurrency is None else ["--max_concurrency", str(args.max_concurrency)]
+    cmd += [] if args.queue_timeout is None else ["--queue_timeout", str(args.queue_timeout)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 180
@@ -98,36 +104,45 @@ def server(base_dir, model_tag, api_key, args):
 
 
 async def one_request(client, body):
-    """(error kind or None, latency s, time to first token s or None) of one completion request."""
+    """(error kind or None, latency s, time to first token s or None, completion tokens) of one completion request;
+    a streamed body asks for the usage chunk, which gives the tokens."""
     start = time.perf_counter()
     if not body["stream"]:
         r = await client.post("/v1/completions", json=body)
         if r.status_code != 200:
-            return f"{r.status_code} {r.json().get('error', {}).get('code')}", time.perf_counter() - start, None
-        choices = r.json().get("choices")
+            return f"{r.status_code} {r.json().get('error', {}).get('code')}", time.perf_counter() - start, None, 0
+        answer = r.json()
+        choices = answer.get("choices")
         ok = isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0].get("text"), str)
-        return (None if ok else "malformed answer"), time.perf_counter() - start, None
-    first, done = None, False
+        return ((None if ok else "malformed answer"), time.perf_counter() - start, None,
+                answer.get("usage", {}).get("completion_tokens", 0))
+    first, done, tokens = None, False, 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
-            return f"{r.status_code} {r.json().get('error', {}).get('code')}", time.perf_counter() - start, None
+            return f"{r.status_code} {r.json().get('error', {}).get('code')}", time.perf_counter() - start, None, 0
         async for line in r.aiter_lines():
             if not line:
                 continue
             if line == "data: [DONE]":
                 done = True
-            elif not line.startswith("data: {") or "error" in json.loads(line[6:]):
-                return "broken stream", time.perf_counter() - start, first
+                continue
+            chunk = json.loads(line[6:]) if line.startswith("data: {") else {"error": line}
+            if "error" in chunk:
+                return "broken stream", time.perf_counter() - start, first, tokens
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
             elif first is None:
                 first = time.perf_counter() - start
-    return (None if done else "stream without [DONE]"), time.perf_counter() - start, first
+    return (None if done else "stream without [DONE]"), time.perf_counter() - start, first, tokens
 
 
 async def run_level(base_url, api_key, concurrency, prompts, args):
-    """Every request of one concurrency level: a list of (error kind or None, latency, ttft, streamed), and seconds."""
+    """Every request of one concurrency level: a list of (error kind or None, latency, ttft, streamed, completion
+    tokens), and seconds."""
     bodies = [{"prompt": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "temperature": 1.0,
-               "seed": i, "stream": i % 2 == 1} for i in range(args.requests)]
+               "seed": i, "stream": i % 2 == 1, **({"stream_options": {"include_usage": True}} if i % 2 else {})}
+              for i in range(args.requests)]
     results, started = [], time.perf_counter()
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, limits=limits,
@@ -139,27 +154,31 @@ async def run_level(base_url, api_key, concurrency, prompts, args):
                 if time.perf_counter() - started > args.level_seconds:
                     return
                 try:
-                    error, latency, ttft = await one_request(client, body)
+                    error, latency, ttft, tokens = await one_request(client, body)
                 except httpx.HTTPError as e:
-                    error, latency, ttft = type(e).__name__, None, None
-                results.append((error, latency, ttft, body["stream"]))
+                    error, latency, ttft, tokens = type(e).__name__, None, None, 0
+                results.append((error, latency, ttft, body["stream"], tokens))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results, time.perf_counter() - started
 
 
-def percentile_ms(values, q):
-    return f"{np.percentile(values, q) * 1000:.0f}" if values else "-"
+def percentile_ms(values, q, decimals=0):
+    return f"{np.percentile(values, q) * 1000:.{decimals}f}" if values else "-"
 
 
-def summarize(concurrency, results, seconds):
-    """One table row of a level, and its error kinds that are defects (not the expected 503)."""
+def summarize(concurrency, results, seconds, rss=None):
+    """One table row of a level, and its error kinds that are defects (not the expected 503); rss: the server's MiB
+    after the level."""
     ok = [r for r in results if r[0] is None]
     latencies = [r[1] for r in ok]
     ttfts = [r[2] for r in ok if r[3] and r[2] is not None]
+    tpots = [(r[1] - r[2]) / (r[4] - 1) for r in ok if r[3] and r[2] is not None and r[4] > 1]
     errors = Counter(r[0] for r in results if r[0] is not None)
-    row = (f"| {concurrency} | {len(results)} | {len(ok)} | {len(ok) / seconds:.2f} | {percentile_ms(latencies, 50)} "
-           f"| {percentile_ms(latencies, 99)} | {percentile_ms(ttfts, 50)} | {percentile_ms(ttfts, 99)} | "
+    row = (f"| {concurrency} | {len(results)} | {len(ok)} | {len(ok) / seconds:.2f} | "
+           f"{sum(r[4] for r in ok) / seconds:.1f} | {percentile_ms(latencies, 50)} | {percentile_ms(latencies, 99)} | "
+           f"{percentile_ms(ttfts, 50)} | {percentile_ms(ttfts, 99)} | {percentile_ms(tpots, 50, 1)} | "
+           f"{'-' if rss is None else f'{rss:.0f}'} | "
            f"{', '.join(f'{kind}: {n}' for kind, n in sorted(errors.items())) or 'none'} |")
     return row, {kind: n for kind, n in errors.items() if kind != EXPECTED}
 
@@ -189,16 +208,18 @@ def main(argv=None):
             lengths = sorted({max(1, context // 10), max(1, context // 2), max(1, context * 9 // 10)})
             prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]  # byte tokens: in every vocabulary
             print(f"model {model_tag} step {health['step']} (context {context}); server --max_concurrency "
-                  f"{args.max_concurrency} --queue_timeout {args.queue_timeout}; {args.requests} requests per level "
+                  f"{health['max_concurrency']} --queue_timeout {args.queue_timeout or 'default'}; {args.requests} "
+                  f"requests per level "
                   f"(at most {args.level_seconds:.0f} s), max_tokens {args.max_tokens}, prompts of {lengths} tokens, "
                   f"half streamed; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
             rss_before = rss_mib(proc.pid)
-            print("| clients | requests | ok | ok req/s | p50 ms | p99 ms | TTFT p50 ms | TTFT p99 ms | errors |")
-            print("|---|---|---|---|---|---|---|---|---|")
+            print("| clients | requests | ok | ok req/s | tokens/s | p50 ms | p99 ms | TTFT p50 ms | TTFT p99 ms | "
+                  "TPOT p50 ms | RSS MiB | errors |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
             defects = Counter()
             for concurrency in args.levels:
                 results, seconds = asyncio.run(run_level(base_url, api_key, concurrency, prompts, args))
-                row, level_defects = summarize(concurrency, results, seconds)
+                row, level_defects = summarize(concurrency, results, seconds, rss_mib(proc.pid))
                 print(row, flush=True)
                 defects.update(level_defects)
             rss_after = rss_mib(proc.pid)

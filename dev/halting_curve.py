@@ -28,7 +28,8 @@ THRESHOLDS = {  # from 'halts almost nothing' to 'halts almost everything after 
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m dev.halting_curve")
-    p.add_argument("--model_tag", default=None, help="default: the most recently written model")
+    p.add_argument("--model_tag", type=ckpt.model_tag_arg, default=None,
+                   help="default: the most recently written model")
     p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
     p.add_argument("--device_batch_size", type=int, default=8)
     p.add_argument("--max_seq_len", type=int, default=None, help="default: the model's sequence_len")

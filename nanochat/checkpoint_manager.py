@@ -25,9 +25,11 @@ import functools
 import glob
 import json
 import io
+import math
 import os
 import pickle
 import random
+import re
 import shutil
 import warnings
 
@@ -51,11 +53,34 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or used; the message names the file and what to do."""
 
 
+# a tag is a directory name under checkpoints_root(), never a path: "../x" or "/x" would write or move elsewhere
+MODEL_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
 def checkpoints_root():
     return os.path.join(get_base_dir(), "base_checkpoints")
 
 
+def tag_problem(model_tag):
+    """Why model_tag cannot name a checkpoint directory, or None."""
+    if isinstance(model_tag, str) and MODEL_TAG.fullmatch(model_tag):
+        return None
+    return (f"model tag {model_tag!r} is not a name: use letters, digits, '.', '_' and '-' (first a letter or digit, "
+            f"at most 128 characters), no '/'; checkpoints live under {checkpoints_root()}")
+
+
+def model_tag_arg(value):
+    """argparse type of --model_tag: a name (tag_problem)."""
+    problem = tag_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def model_dir(model_tag):
+    problem = tag_problem(model_tag)
+    if problem:
+        raise CheckpointError(problem)
     return os.path.join(checkpoints_root(), model_tag)
 
 
@@ -73,13 +98,92 @@ def list_steps(model_tag):
     return sorted(steps)
 
 
-def read_meta(model_tag, step):
+def read_meta(model_tag, step, checked=True):
+    """A checkpoint's meta.json, checked (meta_problem): every reader may index the fields it uses. checked=False:
+    the JSON as it is, for a reader of one field that must not skip a checkpoint whose other fields are malformed."""
     path = os.path.join(step_dir(model_tag, step), "meta.json")
     try:
         with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
+            meta = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path} is unreadable ({describe_error(e)})") from e
+    problem = meta_problem(meta) if checked else None
+    if problem:
+        raise CheckpointError(f"{path} is malformed ({problem}): restore it from a copy you trust, or use another "
+                              f"step")
+    if checked:
+        meta.setdefault("step", step)  # the directory's name says it too
+    return meta
+
+
+def _int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value):
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def _text(value):
+    return isinstance(value, str)
+
+
+def _optional(check):
+    return lambda value: value is None or check(value)
+
+
+def _record(**fields):
+    """A check of an object whose listed fields, where present, pass their checks."""
+    return lambda value: isinstance(value, dict) and all(check(value[k]) for k, check in fields.items() if k in value)
+
+
+# What readers of meta.json index, and the shape they need (the rest, such as user_flags, is only reported).
+# Checked by hand: pydantic, which would do it, is only installed with the server's extras.
+META_FIELDS = {
+    "step": _int,
+    "val_bpb": _optional(lambda v: isinstance(v, list) and all(_optional(_number)(x) for x in v)),
+    "tokenizer_fingerprint": _optional(_text),
+    "data": _optional(_record(fingerprint=_text, shards=_int, dir=_text)),
+    "batch_geometry": _record(world_size=_int, grad_accum=_int, device_batch_size=_int, max_seq_len=_int),
+    "train_config": _record(sharding=_text, warmdown_ratio=_optional(_number), final_lr_frac=_optional(_number)),
+    "num_iterations": _optional(_int),
+    "warmup_steps": _optional(_int),
+    "elapsed_seconds": _number,
+    "early_stop": _optional(_record(stale=_int, last_step=_optional(_int), best=_optional(
+        lambda v: isinstance(v, list) and len(v) == 2 and _int(v[0]) and _number(v[1])))),
+    "halt_train": _record(**{"from": _text}),
+}
+# Sizes the weights' shapes do not bound, so a crafted meta.json could make loading allocate or build without end;
+# each far above any model this code trains (a 1M-token context, thousands of layers or steps).
+CONFIG_LIMITS = {"sequence_len": 1 << 20, **{k: 4096 for k in ("n_layer", "n_head", "n_kv_head", "n_loops",
+                                                                "T_recursion", "n_sup_train", "n_sup_inference",
+                                                                "n_prelude", "n_coda")}}
+META_REQUIRED = {"data": ("fingerprint", "shards", "dir"), "halt_train": ("from",), "early_stop": ("best", "stale",
+                                                                                                      "last_step")}
+
+
+def meta_problem(meta):
+    """What is wrong with a meta.json's content, in words, or None."""
+    if not isinstance(meta, dict):
+        return f"a JSON {type(meta).__name__} where an object belongs"
+    config = meta.get("model_config")
+    if not isinstance(config, dict):
+        return "model_config is missing" if config is None else \
+            f"model_config is a {type(config).__name__}, not an object"
+    try:
+        GPTConfig.from_dict(config)
+    except (TypeError, ValueError) as e:
+        return f"model_config: {e}"
+    too_large = next((k for k, most in CONFIG_LIMITS.items() if _int(config.get(k)) and config[k] > most), None)
+    if too_large:
+        return f"model_config.{too_large}={config[too_large]} exceeds {CONFIG_LIMITS[too_large]:,}"
+    for name, check in META_FIELDS.items():
+        if name in meta and not check(meta[name]):
+            return f"{name} is {json.dumps(meta[name])[:80]}, which is not what a checkpoint writes there"
+        missing = [k for k in META_REQUIRED.get(name, ()) if isinstance(meta.get(name), dict) and k not in meta[name]]
+        if missing:
+            return f"{name} lacks {', '.join(missing)}"
+    return None
 
 
 def final_val_bpb(meta):
@@ -147,7 +251,8 @@ def resolve_step(model_tag, which):
 
 
 def latest_model_tag():
-    tags = [t for t in os.listdir(checkpoints_root()) if list_steps(t)] if os.path.isdir(checkpoints_root()) else []
+    tags = [t for t in os.listdir(checkpoints_root()) if tag_problem(t) is None and list_steps(t)] \
+        if os.path.isdir(checkpoints_root()) else []
     if not tags:
         raise CheckpointError(f"no checkpoints under {checkpoints_root()}; train a model first "
                               f"(python -m scripts.base_train)")
@@ -307,12 +412,18 @@ def write_shards(directory, model, train_model, optimizers):
 
 def remove_partial_saves(model_tag):
     """Remove step_N.tmp directories left by a process killed mid-save: they block nothing but hold disk."""
-    removed = []
+    removed, kept = [], []
     for path in sorted(glob.glob(os.path.join(model_dir(model_tag), "step_*.tmp"))):
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(os.path.basename(path))
+        try:
+            shutil.rmtree(path)
+            removed.append(os.path.basename(path))
+        except OSError as e:
+            kept.append(f"{os.path.basename(path)} ({e.strerror or e})")
     if removed:
         print0(f"removed {', '.join(removed)}: incomplete save(s) of an interrupted run")
+    if kept:
+        print0(f"WARNING: could not remove {', '.join(kept)}, incomplete save(s) of an interrupted run: they hold disk "
+               f"until removed by hand")
 
 
 def prune_checkpoints(model_tag, keep_last):
@@ -366,21 +477,38 @@ class RefusedObject(pickle.UnpicklingError):
     """A checkpoint file names a Python object no checkpoint holds; the message is that object."""
 
 
-def refused_object(error):
-    """What a loader refused to build (RefusedObject's name, or the gist of torch's multi-line weights_only
-    message), or None when the error is of another kind (a truncated file)."""
+def refused_object(error, source=None):
+    """What a loader refused to build (RefusedObject's name, or the globals a torch file names that a weights_only
+    load does not build), or None when the error is of another kind (a truncated file). source: the torch file (a
+    path or file object) that failed to load."""
     if isinstance(error, RefusedObject):
         return str(error)
-    text = str(error)
-    if not isinstance(error, pickle.UnpicklingError) or "WeightsUnpickler error:" not in text:
+    if not isinstance(error, pickle.UnpicklingError):
         return None
-    gist = next(line for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() + ["?"] if line.strip())
-    return gist.strip().removeprefix("Unsupported global: GLOBAL ").split(" was not an allowed global")[0]
+    names = []
+    if source is not None:
+        try:  # torch's own opcode scan names every global without running one: its error text varies by module
+            if hasattr(source, "seek"):
+                source.seek(0)
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+        except Exception:  # noqa: BLE001 - a file its scan cannot read names nothing; the text below may
+            names = []
+        unexpected = [n for n in names if n not in LEGACY_RANK_NAMES]
+        names = unexpected or names
+    if names:
+        return ", ".join(names)
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        gist = next(line for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() + ["?"] if line.strip())
+        return gist.strip().removeprefix("Unsupported global: GLOBAL ").split(" was not an allowed global")[0]
+    if "Weights only load failed" in text:  # refused by weights_only, for a reason it words otherwise
+        return "an object a weights_only load refuses"
+    return None
 
 
 def unreadable(path, error):
     """One line on a checkpoint file that failed to load: a refused object is said to be one, not damage."""
-    refused = refused_object(error)
+    refused = refused_object(error, path if os.path.isfile(str(path)) else None)
     if refused is None:
         return f"{path} is unreadable ({describe_error(error)})"
     return (f"{path} holds something other than tensors and plain data ({refused}), {NO_CHECKPOINT_DOES}, so it was "
@@ -394,6 +522,8 @@ _reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]
 LEGACY_RANK_GLOBALS = [(_reconstruct, f"{module}._reconstruct")
                        for module in ("numpy.core.multiarray", "numpy._core.multiarray")] + [
     np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+LEGACY_RANK_NAMES = {entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
+                     for entry in LEGACY_RANK_GLOBALS}
 
 
 def load_rank_state(model_tag, step, rank):
@@ -451,6 +581,11 @@ def _safe_shard_classes():
                 metadata = ShardIndexUnpickler(f).load()
             if not isinstance(metadata, Metadata):
                 raise RefusedObject(f"a {type(metadata).__name__} where DCP's Metadata belongs")
+            for info in (metadata.storage_data or {}).values():  # DCP reads each shard at directory / its path
+                name = getattr(info, "relative_path", None)
+                if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name \
+                        or "\\" in name:
+                    raise RefusedObject(f"a shard path {name!r} that is not a file name in the checkpoint directory")
             if metadata.storage_meta is None:  # as DCP's own reader does
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -464,7 +599,7 @@ def _safe_shard_classes():
             try:
                 plain = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
-                raise RefusedObject(f"{refused_object(e)}, in {read_item.dest_index.fqn}'s value in a .distcp "
+                raise RefusedObject(f"{refused_object(e, value)}, in {read_item.dest_index.fqn}'s value in a .distcp "
                                     f"file") from e
             # DCP's load_bytes puts the value in place; what it reads again is only what weights_only built
             again = io.BytesIO()
@@ -505,6 +640,19 @@ def build_model(config_dict, device):
     return model
 
 
+def weights_problem(model, weights):
+    """Why a state dict does not load into model (names and shapes, compared without touching values), or None."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    given = {k: tuple(v.shape) for k, v in weights.items()}
+    missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    wrong = [f"{k} is {list(given[k])}, the config needs {list(shape)}" for k, shape in expected.items()
+             if k in given and given[k] != shape]
+    parts = ([f"{len(missing)} weight(s) missing ({missing[0]}...)"] if missing else []) + \
+        ([f"{len(extra)} unexpected ({extra[0]}...)"] if extra else []) + \
+        ([f"{len(wrong)} of another shape ({wrong[0]})"] if wrong else [])
+    return "; ".join(parts) or None
+
+
 def load_model(model_tag=None, step="latest", device="cpu", **config_overrides):
     """(model in eval mode, tokenizer, meta) from a checkpoint; config_overrides e.g. n_sup_inference=2.
 
@@ -515,12 +663,23 @@ def load_model(model_tag=None, step="latest", device="cpu", **config_overrides):
         meta = read_meta(model_tag, step)
         weights = load_model_weights(model_tag, step, device)
     except CheckpointError as e:
+        if NO_CHECKPOINT_DOES in str(e):  # an altered file, said so in its own line: not damage
+            raise
         others = [s for s in list_steps(model_tag) if s != step]
         raise CheckpointError(f"checkpoint {model_tag} step {step} is damaged: {e}; load another with --step="
                               + (f"{others[-1]} (available: {', '.join(map(str, others))})" if others else
                                  "N (it is the only one: retrain, or restore it from a backup)")) from e
     tokenizer = get_tokenizer()
     check_tokenizer(meta, tokenizer, f"checkpoint {model_tag} step {step}")
+    try:
+        with torch.device("meta"):  # shapes first: a config that disagrees with the weights allocates nothing
+            problem = weights_problem(GPT(GPTConfig.from_dict({**meta["model_config"], **config_overrides})), weights)
+    except (TypeError, ValueError, RuntimeError) as e:
+        problem = f"its model_config builds no model ({e})"
+    if problem:
+        raise CheckpointError(f"checkpoint {model_tag} step {step} does not fit together: {problem}; its weights and "
+                              f"meta.json come from different models: restore the checkpoint from a copy you trust, "
+                              f"or use another step")
     model = build_model({**meta["model_config"], **config_overrides}, device)
     model.load_state_dict(weights)
     model.eval()

@@ -13,6 +13,7 @@ positions, so a row shifted right by its padding computes the same logits (to fl
 
 import contextlib
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +149,19 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, rng=None):
     return (choice if indices is None else indices.gather(-1, choice)).squeeze(-1)
 
 
+class Request(NamedTuple):
+    """One request's checked arguments (Engine.prepare): its rows and how to sample them."""
+    prompts: list
+    max_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    n_sup: int
+    halting: Halting | None
+    rng: torch.Generator | None
+    stops: set
+
+
 class Engine:
     """Generation with a per-virtual-layer KV cache. Engine(model, tokenizer).complete(["Once upon"]) -> [str].
 
@@ -190,15 +204,22 @@ class Engine:
         return KVCache(self.model.num_attention_slots(n_sup), batch_size, max_len, pads)
 
     def generate(self, prompts, max_tokens=64, temperature=1.0, top_k=None, n_sup=None, seed=None, stop_tokens=None,
-                 top_p=None, halt=None):
+                 top_p=None, halt=None, stats=None):
         """Stream tokens: an iterator of one list per step holding each row's new token, or None once it stopped.
 
         prompts: token-id lists of any lengths. Rows stop at a stop token (not yielded) or after max_tokens.
         seed: a private generator, so the same call samples the same tokens whatever else uses torch's RNG.
         halt: per-token adaptive halting within n_sup steps (see check_halt); stats["steps"] then holds, per row, the
         steps run by the position that predicted each yielded token.
+        stats: a dict this generation's stats fill instead of self.stats (generations on several threads at once).
         Arguments are checked here, before the first token is asked for.
         """
+        request = self.prepare(prompts, max_tokens, temperature, top_k, n_sup, seed, stop_tokens, top_p, halt)
+        return (columns[0] for columns in self._decode([request], stats))
+
+    def prepare(self, prompts, max_tokens=64, temperature=1.0, top_k=None, n_sup=None, seed=None, stop_tokens=None,
+                top_p=None, halt=None):
+        """One request's arguments (as generate's), checked, for generate_together."""
         n_sup = self.check_n_sup(n_sup)
         halting = self.check_halt(halt)
         if not isinstance(max_tokens, int) or max_tokens < 0:
@@ -209,7 +230,7 @@ class Engine:
             raise ValueError(f"top_k={top_k}: must be >= 1, or None for no restriction")
         if top_p is not None and not 0 <= top_p <= 1:
             raise ValueError(f"top_p={top_p}: must be from 0 to 1, or None for no restriction")
-        idx, pads = left_pad(prompts)
+        idx, _ = left_pad(prompts)
         vocab_size = self.model.config.vocab_size
         if idx.min() < 0 or idx.max() >= vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {vocab_size}); got {idx.min()}..{idx.max()}")
@@ -218,8 +239,20 @@ class Engine:
                              f"longest position ({self.model.rotary_seq_len})")
         stops = self.stop_tokens() if stop_tokens is None else set(stop_tokens)
         rng = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-        return self._decode(idx, pads, [len(p) for p in prompts], max_tokens, temperature, top_k, top_p, n_sup, rng,
-                            stops, halting)
+        return Request([list(p) for p in prompts], max_tokens, temperature, top_k, top_p, n_sup, halting, rng, stops)
+
+    def generate_together(self, requests, stats=None):
+        """Several prepared requests in one batch (shared forwards): an iterator of one list per step holding, per
+        request, what generate would yield for it. Each request samples with its own options and generator, so its
+        tokens are those it gets alone (to float rounding); it stops at its own max_tokens. The requests must share
+        n_sup and halting: they run the same forwards."""
+        if len({(r.n_sup, r.halting) for r in requests}) > 1:
+            raise ValueError("requests generated together must share n_sup and halting")
+        longest = max(len(p) for r in requests for p in r.prompts) + max(r.max_tokens for r in requests)
+        if longest > self.model.rotary_seq_len:
+            raise ValueError(f"the longest prompt plus the most max_tokens, {longest}, exceeds the model's longest "
+                             f"position ({self.model.rotary_seq_len})")
+        return self._decode(requests, stats)
 
     def _last_logits(self, idx, cache, n_sup, halting):
         """The last position's logits (B, V) of a forward that extends the cache, and (B,) steps it ran."""
@@ -230,31 +263,45 @@ class Engine:
             return logits[:, -1], steps[:, -1]
 
     @torch.inference_mode()
-    def _decode(self, idx, pads, lengths, max_tokens, temperature, top_k, top_p, n_sup, rng, stops, halting=None):
-        """Prefill all rows in one forward, then feed each sampled token back one at a time."""
+    def _decode(self, requests, stats=None):
+        """Prefill every request's rows in one forward, then feed each sampled token back one at a time; each
+        request's rows are sampled together with its options (as alone, so a seeded request draws the same)."""
+        max_tokens = max(r.max_tokens for r in requests)
         if max_tokens == 0:
             return
+        n_sup, halting = requests[0].n_sup, requests[0].halting
+        prompts = [p for r in requests for p in r.prompts]
+        spans, start = [], 0
+        for r in requests:
+            spans.append((start, start + len(r.prompts)))
+            start += len(r.prompts)
+        limits = [r.max_tokens for r in requests for _ in r.prompts]
+        stops = [r.stops for r in requests for _ in r.prompts]
+        idx, pads = left_pad(prompts)
         B = idx.size(0)
         cache = self.new_cache(B, idx.size(1) + max_tokens, n_sup, pads)
         t0 = time.perf_counter()
         logits, steps = self._last_logits(idx.to(self.device), cache, n_sup, halting)
         done = [False] * B
         for step in range(max_tokens):
-            tokens = sample_next(logits, temperature, top_k, top_p, rng)
+            tokens = torch.cat([sample_next(logits[a:b], r.temperature, r.top_k, r.top_p, r.rng)
+                                for r, (a, b) in zip(requests, spans)])
             column = tokens.tolist()  # syncs the device, so the timings are real
             if step == 0:
-                self.stats = {"prefill_tokens": sum(lengths), "prefill_s": time.perf_counter() - t0,
-                              "decode_tokens": 0, "decode_s": 0.0}
+                if stats is None:
+                    stats = self.stats = {}
+                stats.update(prefill_tokens=sum(map(len, prompts)), prefill_s=time.perf_counter() - t0,
+                             decode_tokens=0, decode_s=0.0)
                 if halting:
-                    self.stats["steps"] = [[] for _ in column]
+                    stats["steps"] = [[] for _ in column]
             else:
-                self.stats["decode_tokens"] += B
-                self.stats["decode_s"] += time.perf_counter() - t0
-            done = [d or t in stops for d, t in zip(done, column)]
+                stats["decode_tokens"] += B
+                stats["decode_s"] += time.perf_counter() - t0
+            done = [d or step >= limit or t in stop for d, t, limit, stop in zip(done, column, limits, stops)]
             for row in range(B) if halting else ():
                 if not done[row]:
-                    self.stats["steps"][row].append(int(steps[row]))
-            yield [None if d else t for d, t in zip(done, column)]
+                    stats["steps"][row].append(int(steps[row]))
+            yield [[None if d else t for d, t in zip(done[a:b], column[a:b])] for a, b in spans]
             if all(done) or step == max_tokens - 1:
                 return
             t0 = time.perf_counter()

@@ -14,12 +14,14 @@ samples after every token), saves a checkpoint and exits with 128 + the signal n
 seconds (forwarded copies) count as one; a signal after that exits at once, without saving.
 """
 
+import errno
 import fcntl
 import gc
 import os
 import shlex
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -84,7 +86,7 @@ class RunLock:
         self.path = os.path.join(directory, RUN_LOCK)
 
     def hold_existing(self):
-        self.agree(lambda: os.path.exists(self.path) and self.lock(open(self.path, "r+")))
+        self.agree(lambda: os.path.lexists(self.path) and self.lock(self.open_file(create=False)))
 
     def claim(self):
         self.agree(self.lock_and_sign)
@@ -107,6 +109,22 @@ class RunLock:
         except RankFailure as failure:  # rank 0 says it in its own words; the others name rank 0 and the cause
             raise error or RunLockError(str(failure)) from None
 
+    def open_file(self, create):
+        """The lock file for reading and writing ("r+": appending would ignore the seek of lock_and_sign); never
+        through a symbolic link, whose target the signature would overwrite."""
+        flags = os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+        try:
+            file = open(self.path, "r+", opener=lambda path, mode: os.open(path, mode | flags, 0o644))
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise RunLockError(f"{self.path} is a symbolic link (to {os.readlink(self.path)!r}), not a lock file: "
+                               f"remove it, then run again") from None
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            file.close()
+            raise RunLockError(f"{self.path} is not a regular file: remove it, then run again")
+        return file
+
     def lock(self, file):
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -121,9 +139,7 @@ class RunLock:
 
     def lock_and_sign(self):
         os.makedirs(self.directory, exist_ok=True)
-        if not os.path.exists(self.path):
-            open(self.path, "a").close()
-        file = open(self.path, "r+")  # not "a+": appending would ignore the seek below
+        file = self.open_file(create=True)
         if self.file and os.path.samestat(os.fstat(file.fileno()), os.fstat(self.file.fileno())):
             file.close()  # already ours: a second flock through another descriptor would wait for ourselves
         else:

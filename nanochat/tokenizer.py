@@ -10,7 +10,9 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import tiktoken
 import torch
@@ -30,6 +32,10 @@ SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
 FILENAME = "tokenizer.json"
+# the split pattern's lookahead (\s+(?!\S)) overflows the Rust regex engine's stack on a whitespace run of ~1M
+# characters, and tiktoken and rustbpe panic; runs are cut into pieces this long, 10x below where it held in tests
+WHITESPACE_RUN = 10_000
+LONG_RUN = re.compile(r"\s{%d,}" % WHITESPACE_RUN)
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, then the special tokens
 MAX_VOCAB_SIZE = 2 ** 20  # 4x the largest vocabularies in use (262k); beyond it a typo, not a tokenizer
 
@@ -48,12 +54,26 @@ def check_vocab_size(vocab_size):
                              f"special tokens) and {MAX_VOCAB_SIZE:,}, got {vocab_size}")
 
 
+def segments(text):
+    """text as consecutive pieces with no whitespace run longer than WHITESPACE_RUN (text itself when it has none,
+    as nearly all text: then the split is the pattern's alone)."""
+    if len(text) <= WHITESPACE_RUN or not LONG_RUN.search(text):
+        return [text]
+    pieces, start = [], 0
+    for run in LONG_RUN.finditer(text):
+        for cut in range(run.start() + WHITESPACE_RUN, run.end(), WHITESPACE_RUN):
+            pieces.append(text[start:cut])
+            start = cut
+    return pieces + [text[start:]]
+
+
 def train_bpe(text_iterator, vocab_size):
     """Learn merges with rustbpe, leaving room for the special tokens in vocab_size."""
     check_vocab_size(vocab_size)
     import rustbpe  # here, not at the top: only training needs it, and GPU images without it still load tokenizers
     bpe = rustbpe.Tokenizer()
-    bpe.train_from_iterator(text_iterator, vocab_size - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
+    pieces = (piece for text in text_iterator for piece in segments(text))
+    bpe.train_from_iterator(pieces, vocab_size - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
     return bpe
 
 
@@ -141,8 +161,14 @@ class RustBPETokenizer:
             prepend = self.encode_special(prepend)
         head = [] if prepend is None else [prepend]
         if isinstance(text, str):
-            return head + self.enc.encode_ordinary(text)
-        return [head + ids for ids in self.enc.encode_ordinary_batch(text, num_threads=num_threads)]
+            return head + self.encode_ordinary(text)
+        if not any(len(t) > WHITESPACE_RUN and LONG_RUN.search(t) for t in text):
+            return [head + ids for ids in self.enc.encode_ordinary_batch(text, num_threads=num_threads)]
+        with ThreadPoolExecutor(num_threads) as pool:  # as tiktoken's batch does, each text cut by segments
+            return [head + ids for ids in pool.map(self.encode_ordinary, text)]
+
+    def encode_ordinary(self, text):
+        return [token for piece in segments(text) for token in self.enc.encode_ordinary(piece)]
 
     def decode(self, ids):
         return self.enc.decode(ids)

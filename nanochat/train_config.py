@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from nanochat import attention
+from nanochat.checkpoint_manager import model_tag_arg
 from nanochat.cli import OneLineErrors
 from nanochat.common import autodetect_device_type, default_dtype, device_available, get_dist_info
 from nanochat.dataset import DatasetError, parquets_for_split
@@ -160,7 +161,8 @@ def build_parser():
                         help="wandb run name ('dummy' = no wandb); the default comes from $WANDB_RUN")
     output.add_argument("--tensorboard", nargs="?", const="", default=None, metavar="DIR",
                         help="also log to TensorBoard, in DIR (default <run dir>/tensorboard)")
-    output.add_argument("--model_tag", default=None, help="checkpoint directory name (default d<depth>)")
+    output.add_argument("--model_tag", type=model_tag_arg, default=None,
+                        help="checkpoint directory name (default d<depth>)")
     budget = p.add_argument_group("budgets (stop cleanly with a checkpoint when spent)")
     budget.add_argument("--max_hours", type=float, default=None, help="wall-clock hours for the whole run")
     budget.add_argument("--max_cost", type=float, default=None, help="dollars for the whole run")

@@ -112,7 +112,8 @@ class NanochatLM(TemplateLM):
 def parse_args(argv=None):
     p = OneLineErrors(prog="python -m scripts.base_eval", allow_abbrev=False,
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model_tag", default=None, help="default: the most recently written model")
+    p.add_argument("--model_tag", type=ckpt.model_tag_arg, default=None,
+                   help="default: the most recently written model")
     p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
     p.add_argument("--n_sup", type=int, default=None,
                    help="evaluate steps 1..n_sup (default: n_sup_inference); more than were trained is allowed")

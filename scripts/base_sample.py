@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from nanochat.checkpoint_manager import load_model, step_arg
+from nanochat.checkpoint_manager import load_model, model_tag_arg, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
 from nanochat.engine import Engine, kv_cache_bytes_per_token
@@ -28,7 +28,8 @@ DEFAULT_PROMPTS = ["The capital of France is", "The chemical symbol of gold is",
 
 def parse_args(argv=None):
     parser = ArgumentParser(description="Print completions from a base-model checkpoint")
-    parser.add_argument("--model_tag", default=None, help="checkpoint tag (default: the most recently written)")
+    parser.add_argument("--model_tag", type=model_tag_arg, default=None,
+                        help="checkpoint tag (default: the most recently written)")
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
     parser.add_argument("--prompts_file", default=None, help="a file of prompts, one per line (blank lines skipped)")

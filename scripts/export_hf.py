@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
+from nanochat.checkpoint_manager import latest_model_tag, load_model, model_tag_arg, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.files import (exit_on_write_error, remove_stale_temporaries, temporary_path, write_error, write_failure,
                             writing)
@@ -153,7 +153,8 @@ def write_export(model, tokenizer, meta, model_tag, out):
 
 def parse_args(argv=None):
     parser = ArgumentParser(description="Export a checkpoint as a Hugging Face transformers model directory")
-    parser.add_argument("--model_tag", default=None, help="checkpoint tag (default: the most recently written)")
+    parser.add_argument("--model_tag", type=model_tag_arg, default=None,
+                        help="checkpoint tag (default: the most recently written)")
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
     parser.add_argument("--out", required=True, help="directory to write (created; see --force)")
     parser.add_argument("--force", action="store_true", help="replace an earlier export in --out")

@@ -32,9 +32,10 @@ LOG_EVERY = 20
 
 def parse_args(argv=None):
     p = OneLineErrors(prog="python -m scripts.halt_train", allow_abbrev=False)
-    p.add_argument("--model_tag", default=None, help="the checkpoint to add a head to (default: the latest written)")
+    p.add_argument("--model_tag", type=ckpt.model_tag_arg, default=None,
+                   help="the checkpoint to add a head to (default: the latest written)")
     p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
-    p.add_argument("--out_tag", default=None, help="the new tag (default: <model_tag>_halt)")
+    p.add_argument("--out_tag", type=ckpt.model_tag_arg, default=None, help="the new tag (default: <model_tag>_halt)")
     p.add_argument("--num_iterations", type=int, default=500, help="optimizer steps of the head")
     p.add_argument("--lr", type=float, default=0.001, help="AdamW learning rate of the head (0.01 overfit, dev/LOG.md)")
     p.add_argument("--device_batch_size", type=int, default=8)

@@ -2,7 +2,7 @@
 Serve a checkpoint over OpenAI's completions API (FastAPI + uvicorn), on localhost by default.
 
 pip install -e '.[serve]'
-python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrency 2
+python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrency 16
 NANOCHAT_API_KEY=<secret> python -m scripts.serve --host 0.0.0.0 ...   # other machines: with a key
 
 With a key (--api_key or NANOCHAT_API_KEY) every route but /health needs the header Authorization: Bearer <key>, as
@@ -31,6 +31,9 @@ POST /v1/refinement   what each supervision step did, per token (generate, score
 GET  /                the refinement viewer, a page that renders /v1/refinement (no key needed: it holds no data)
 GET  /v1/models       the served model, named by its model tag
 GET  /health          status, step, limits and generations running (no key needed: for load balancers)
+GET  /metrics         Prometheus text format: requests by status, prompt and completion tokens, histograms of latency,
+                      time to first token, time per output token, supervision steps per token and requests per
+                      batch; queue depth, running
 
 Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request, 401 a
 missing or wrong API key (code "invalid_api_key"), 404 an unknown model or path, 413 a body over 1 MiB, 503 every
@@ -46,6 +49,7 @@ import ipaddress
 import json
 import math
 import os
+import queue
 import socket
 import sys
 import threading
@@ -56,24 +60,29 @@ import torch
 import torch.nn.functional as F
 
 try:
+    import h11
     import uvicorn
     from fastapi import FastAPI, Request, Security
-    from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+    from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
     from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
     from starlette.concurrency import run_in_threadpool
+    from starlette.requests import ClientDisconnect
+    from uvicorn.protocols.http.h11_impl import H11Protocol
     from starlette.exceptions import HTTPException
 except ModuleNotFoundError as e:
     sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
 
 from nanochat import refinement
-from nanochat.checkpoint_manager import latest_model_tag, load_model, step_arg
+from nanochat.checkpoint_manager import latest_model_tag, load_model, model_tag_arg, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
 from nanochat.engine import Engine, ends_mid_character
 from nanochat.halting import forward_halting
 
 MAX_BODY_BYTES = 1 << 20
+READ_TIMEOUT_S, MAX_CONNECTIONS = 30.0, 256  # the flags' defaults: nginx reads headers and body in 60 s each
 MAX_STOPS = 4  # as at OpenAI
 MAX_LOGPROBS = 20  # as vLLM's default; OpenAI's is 5
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists, none of them empty"
@@ -151,10 +160,13 @@ def key_checker(api_key):
 async def read_body(request):
     """The JSON object of a request, or a 4xx saying what is wrong with it."""
     body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:  # closed by the client, or by the read timeout (GuardedHTTP): no one to answer
+        raise APIError(400, "the client closed the connection before the request body arrived") from None
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -201,9 +213,50 @@ def token_offsets(token_bytes):
     return offsets
 
 
-def partial_stop(text, stops):
-    """Length of the longest end of text that begins a stop string: held back until it is known not to be one."""
-    return max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+class StopMatcher:
+    """Finds stop strings in text fed to it piece by piece, each character looked at once per stop (Knuth-Morris-
+    Pratt): rescanning the text, or every prefix of a stop, per token costs the square of a long stop string."""
+
+    def __init__(self, stops):
+        self.stops, self.tables, self.states, self.fed = stops, None, [0] * len(stops), 0
+
+    def feed(self, text):
+        """Read text[self.fed:] (text grows by appending); returns where the earliest stop string found in it starts,
+        or None."""
+        if self.tables is None:  # built on first use, in the worker thread: a 1 MB stop takes a fraction of a second
+            self.tables = [failure_table(stop) for stop in self.stops]
+        found = None
+        for j, (stop, table) in enumerate(zip(self.stops, self.tables)):
+            k = self.states[j]
+            for i in range(self.fed, len(text)):
+                c = text[i]
+                while k and stop[k] != c:
+                    k = table[k - 1]
+                if stop[k] == c:
+                    k += 1
+                if k == len(stop):
+                    found = i + 1 - k if found is None else min(found, i + 1 - k)
+                    break  # this stop's first occurrence: a later one cannot start earlier
+            self.states[j] = k
+        self.fed = len(text)
+        return found
+
+    def partial(self):
+        """Length of the longest end of the fed text that begins a stop string: held back until it is known not to
+        be one."""
+        return max(self.states, default=0)
+
+
+def failure_table(stop):
+    """table[i]: the length of the longest proper prefix of stop[:i+1] that is also its suffix (KMP)."""
+    table, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[k] != stop[i]:
+            k = table[k - 1]
+        if stop[k] == stop[i]:
+            k += 1
+        table[i] = k
+    return table
 
 
 class Choice:
@@ -213,6 +266,7 @@ class Choice:
         self.tokenizer, self.stops, self.end_tokens = tokenizer, stops, end_tokens
         self.tokens, self.text, self.finish_reason = [], "", None  # text: what has been handed out
         self.end_token = None  # the end token the model chose, if it chose one: not text, but scored
+        self.matcher = StopMatcher(stops)
 
     def add(self, token, last):
         """The next token; returns the text that became final."""
@@ -221,14 +275,15 @@ class Choice:
         else:
             self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens)
-        cut = min((i for i in (text.find(stop) for stop in self.stops) if i >= 0), default=None)
+        # characters before a trailing U+FFFD are final; the U+FFFD may yet become a character split across tokens
+        cut = self.matcher.feed(text if last or self.end_token is not None else text.rstrip("\ufffd"))
         if cut is not None or self.end_token is not None:
             return self.finish("stop", text[:cut])
         if last:
             return self.finish("length", text)
         if ends_mid_character(text):  # wait for the rest of the character
             return ""
-        return self.finish(None, text[:len(text) - partial_stop(text, self.stops)])
+        return self.finish(None, text[:len(text) - self.matcher.partial()])
 
     def finish(self, reason, text):
         piece, self.text, self.finish_reason = text[len(self.text):], text, reason
@@ -248,6 +303,10 @@ class Job:
         self.queue = asyncio.Queue()  # (index, piece, finish_reason) for streaming; None when the worker ends
         self.worker = None
         self.logprobs = [None] * len(choices)
+        self.stats = {}  # the engine's stats of this generation (steps per token under halting)
+        self.arrived = time.perf_counter()  # the handler sets it to when the request arrived, before any wait
+        self.first_at = self.last_at = None  # when the first and the last token step ended
+        self.steps_done = 0
         if max_tokens == 0:  # the prompt is scored, nothing generated
             for choice in choices:
                 choice.finish("length", "")
@@ -262,6 +321,8 @@ class Job:
         """Every row token by token, until each choice is finished or the job is cancelled."""
         try:
             for step, column in enumerate(self.columns):
+                self.last_at, self.steps_done = time.perf_counter(), step + 1
+                self.first_at = self.first_at or self.last_at
                 if self.cancelled.is_set():
                     return
                 for index, (choice, token) in enumerate(zip(self.choices, column)):
@@ -288,6 +349,124 @@ async def cancel_when_gone(request, job):
     job.cancelled.set()
 
 
+class Batcher:
+    """Requests generate together: one batch (engine.generate_together, on a thread of its own) takes every request
+    waiting that runs the same depth (n_sup and halting) as the oldest, so concurrent requests share each forward
+    instead of taking turns; a request arriving while a batch runs joins the next one."""
+
+    DONE = object()  # the end of a request's columns
+
+    def __init__(self, engine, observe=lambda size: None):
+        self.engine, self.observe = engine, observe  # observe(requests in a batch), as each starts
+        self.pending = []  # [(engine.Request, its column queue, closed Event, its stats dict)]
+        self.ready = threading.Condition()
+        self.thread = None
+
+    def submit(self, request, stats):
+        """Queue a prepared request; returns the iterator of its columns (closing it drops the request)."""
+        entry = (request, queue.Queue(), threading.Event(), stats)
+        with self.ready:
+            self.pending.append(entry)
+            self.ready.notify()
+            if self.thread is None:
+                self.thread = threading.Thread(target=self.run, name="batcher", daemon=True)
+                self.thread.start()
+        return self.columns(entry)
+
+    def columns(self, entry):
+        _, columns, closed, _ = entry
+        try:
+            while (column := columns.get()) is not self.DONE:
+                if isinstance(column, BaseException):
+                    raise column
+                yield column
+        finally:
+            closed.set()
+
+    def run(self):
+        while True:
+            with self.ready:
+                while not self.pending:
+                    self.ready.wait()
+                depth = (self.pending[0][0].n_sup, self.pending[0][0].halting)
+                batch = [e for e in self.pending if (e[0].n_sup, e[0].halting) == depth]
+                self.pending = [e for e in self.pending if (e[0].n_sup, e[0].halting) != depth]
+            self.observe(len(batch))
+            self.generate(batch)
+
+    def generate(self, batch):
+        """Hand each request its column of every step, until all are done or closed; an error goes to each."""
+        spans, start = [], 0
+        for request, *_ in batch:
+            spans.append(slice(start, start + len(request.prompts)))
+            start += len(request.prompts)
+        stats = {}
+        steps = None
+        try:
+            steps = self.engine.generate_together([request for request, *_ in batch], stats)
+            for columns in steps:
+                for (_, out, closed, own), column, span in zip(batch, columns, spans):
+                    if "steps" in stats and "steps" not in own:  # the rows' lists, which later steps extend
+                        own["steps"] = stats["steps"][span]
+                    if not closed.is_set():
+                        out.put(column)
+                if all(closed.is_set() for _, _, closed, _ in batch):
+                    break
+        except Exception as e:  # noqa: BLE001 - every request of the batch must learn of it, not the thread's log
+            for _, out, _, _ in batch:
+                out.put(e)
+        finally:
+            if steps is not None:
+                steps.close()
+            for _, out, _, _ in batch:
+                out.put(self.DONE)
+
+
+class Metrics:
+    """The server's Prometheus metrics (prometheus_client), in a registry of the server's own (tests run several)."""
+
+    def __init__(self, server):
+        self.registry = registry = CollectorRegistry()
+        latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.requests = Counter("nanochat_requests", "Completion requests answered, by HTTP status", ["status"],
+                                registry=registry)
+        self.prompt_tokens = Counter("nanochat_prompt_tokens", "Prompt tokens of completion requests served",
+                                     registry=registry)
+        self.completion_tokens = Counter("nanochat_completion_tokens", "Tokens generated", registry=registry)
+        self.latency = Histogram("nanochat_request_latency_seconds", "From a completion request's arrival (queue "
+                                 "wait included) to its last token", buckets=latency_buckets, registry=registry)
+        self.first_token = Histogram("nanochat_time_to_first_token_seconds", "From a completion request's arrival "
+                                     "to its first token", buckets=latency_buckets, registry=registry)
+        self.per_token = Histogram("nanochat_time_per_output_token_seconds", "A request's decode time per token after "
+                                   "the first", buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+                                   registry=registry)
+        self.steps = Histogram("nanochat_steps_per_token", "Supervision steps each generated token ran (fewer than "
+                               "n_sup under halting)", buckets=range(1, server.config.n_sup_inference + 1),
+                               registry=registry)
+        self.batch_requests = Histogram("nanochat_batch_requests", "Requests generating together in a batch",
+                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
+        Gauge("nanochat_queue_depth", "Completion requests waiting for a generation slot",
+              registry=registry).set_function(lambda: server.waiting)
+        Gauge("nanochat_running", "Generations running", registry=registry).set_function(lambda: server.running)
+
+    def finished(self, job, n_sup):
+        """Record a generation that ended; n_sup: the steps each token ran when no halting rule was on."""
+        failed = not job.worker.cancelled() and job.worker.exception() is not None
+        self.requests.labels(status="500" if failed else "200").inc()
+        tokens = sum(len(choice.tokens) for choice in job.choices)
+        self.prompt_tokens.inc(sum(len(ids) for ids in job.prompts))
+        self.completion_tokens.inc(tokens)
+        end = time.perf_counter()
+        self.latency.observe(end - job.arrived)
+        if job.first_at is not None:
+            self.first_token.observe(job.first_at - job.arrived)
+        if job.steps_done > 1:
+            self.per_token.observe((job.last_at - job.first_at) / (job.steps_done - 1))
+        steps = [s for row in job.stats.get("steps", ()) for s in row] or [n_sup] * tokens
+        for s in steps:
+            self.steps.observe(s)
+
+
 class Server:
     """The engine behind the endpoints: validates requests against the model and bounds concurrent generations."""
 
@@ -303,9 +482,11 @@ class Server:
                              f"exceeds the model's {engine.model.rotary_seq_len} positions")
         self.queue_timeout = queue_timeout
         self.slots = asyncio.Semaphore(max_concurrency)
-        self.running = 0
+        self.running = self.waiting = 0
         self.bos = engine.tokenizer.get_bos_token_id()
         self.without_bos = 0  # token-id prompts that did not start with <|bos|>: see bos_warning
+        self.metrics = Metrics(self)
+        self.batcher = Batcher(engine, self.metrics.batch_requests.observe)
 
     def health(self):
         return {"status": "ok", **self.info, "sequence_len": self.config.sequence_len,
@@ -385,11 +566,14 @@ class Server:
     async def acquire(self):
         """Take a generation slot: a free one at once, else wait up to queue_timeout seconds (0: no waiting)."""
         wait = self.queue_timeout if self.slots.locked() else None
+        self.waiting += 1
         try:
             await asyncio.wait_for(self.slots.acquire(), timeout=wait)
         except asyncio.TimeoutError:
             raise APIError(503, f"server busy: {self.max_concurrency} generations running; retry later",
                            code="server_busy") from None
+        finally:
+            self.waiting -= 1
         self.running += 1
 
     def release(self, _=None):
@@ -399,11 +583,13 @@ class Server:
     def start(self, req, prompts):
         """Take a slot and start the request's generation in a worker thread; the slot is freed when it ends."""
         rows = [ids for ids in prompts for _ in range(req.n)]  # choice index = prompt index * n + j, as at OpenAI
+        stats = {}
         n_sup, halting = self.depth(req.n_sup)
         # the end tokens are Choice's to spot, so that logprobs can score the one the model chose
-        columns = self.engine.generate(rows, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                       top_p=req.top_p, n_sup=n_sup, seed=req.seed, halt=halting,
-                                       stop_tokens=())  # checks its arguments now
+        request = self.engine.prepare(rows, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
+                                      top_p=req.top_p, n_sup=n_sup, seed=req.seed, halt=halting,
+                                      stop_tokens=())  # checks its arguments now
+        columns = self.batcher.submit(request, stats)
         end_tokens = self.engine.stop_tokens()
         choices = [Choice(self.engine.tokenizer, req.stop, end_tokens) for _ in rows]
         score = None
@@ -411,10 +597,12 @@ class Server:
             score = lambda prompt, choice: self.logprobs(prompt, choice, req.logprobs, req.echo, n_sup, halting)
         job = Job(prompts, rows, choices, columns, req.max_tokens,
                   req.stream_options is not None and req.stream_options.include_usage, score, req.echo)
+        job.stats = stats
         loop = asyncio.get_running_loop()
         emit = (lambda item: loop.call_soon_threadsafe(job.queue.put_nowait, item)) if req.stream else (lambda _: None)
         job.worker = asyncio.ensure_future(run_in_threadpool(job.run, emit))
         job.worker.add_done_callback(self.release)
+        job.worker.add_done_callback(lambda _: self.metrics.finished(job, n_sup or self.config.n_sup_inference))
         job.worker.add_done_callback(lambda _: job.queue.put_nowait(None))
         return job
 
@@ -490,6 +678,63 @@ class Server:
             job.cancelled.set()  # the client left mid-stream: stop generating
 
 
+class GuardedHTTP(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a read deadline per request and a cap on open connections: uvicorn has
+    neither (its keep-alive timeout starts after a response, and --limit-concurrency answers only once a request's
+    headers arrive), so a client sending slowly, or never, held a connection forever. Subclassed by guarded_http."""
+    read_timeout, max_connections = READ_TIMEOUT_S, MAX_CONNECTIONS
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self.deadline = None
+        if len(self.connections) > self.max_connections:
+            self.refuse(503, "Service Unavailable", f"server busy: {self.max_connections} connections open "
+                                                    f"(--max_connections); retry later")
+        else:
+            self.arm()
+
+    def data_received(self, data):
+        super().data_received(data)
+        if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):  # the request is all here
+            self.disarm()
+        else:
+            self.arm()  # a request (a keep-alive connection's next one, too) began: it has read_timeout to arrive
+
+    def connection_lost(self, exc):
+        self.disarm()
+        super().connection_lost(exc)
+
+    def arm(self):
+        if self.deadline is None:
+            self.deadline = self.loop.call_later(self.read_timeout, self.timed_out)
+
+    def disarm(self):
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def timed_out(self):
+        self.deadline = None
+        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:  # none under way
+            self.refuse(408, "Request Timeout", f"the request did not arrive within {self.read_timeout:g} s "
+                                                f"(--read_timeout)")
+        elif not self.transport.is_closing():
+            self.transport.close()
+
+    def refuse(self, status, reason, message):
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
+                                     "server_error", "param": None, "code": None}}).encode()
+        if not self.transport.is_closing():
+            self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: "
+                                 f"{len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+            self.transport.close()
+
+
+def guarded_http(read_timeout=READ_TIMEOUT_S, max_connections=MAX_CONNECTIONS):
+    """The protocol class uvicorn.Config(http=...) takes, with these limits."""
+    return type("GuardedHTTP", (GuardedHTTP,), {"read_timeout": read_timeout, "max_connections": max_connections})
+
+
 def create_app(server, api_key=None):
     """The FastAPI app; with api_key every route but /health needs it (FastAPI's own docs pages are off: they could
     not send it, and the API is OpenAI's, documented above)."""
@@ -498,6 +743,8 @@ def create_app(server, api_key=None):
 
     @app.exception_handler(APIError)
     async def api_error(request, e):
+        if request.url.path == "/v1/completions":
+            server.metrics.requests.labels(status=str(e.status)).inc()
         return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(HTTPException)
@@ -507,6 +754,10 @@ def create_app(server, api_key=None):
     @app.get("/health")
     async def health():
         return server.health()
+
+    @app.get("/metrics", dependencies=keyed)
+    async def metrics():
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=keyed)
     async def models():
@@ -521,6 +772,7 @@ def create_app(server, api_key=None):
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(request: Request):
+        arrived = time.perf_counter()
         req = parse_request(await read_body(request))
         prompts = server.check(req)
         warning = server.bos_warning(req, prompts)
@@ -531,6 +783,7 @@ def create_app(server, api_key=None):
         except BaseException:
             server.release()
             raise
+        job.arrived = arrived
         watcher = asyncio.ensure_future(cancel_when_gone(request, job))
         job.worker.add_done_callback(lambda _: watcher.cancel())
         if req.stream:
@@ -560,15 +813,23 @@ def create_app(server, api_key=None):
 
 def parse_args(argv=None):
     parser = ArgumentParser(description="Serve a checkpoint over OpenAI's completions API")
-    parser.add_argument("--model_tag", default=None, help="checkpoint tag (default: the most recently written)")
+    parser.add_argument("--model_tag", type=model_tag_arg, default=None,
+                        help="checkpoint tag (default: the most recently written)")
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: localhost only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 = any free port")
-    parser.add_argument("--max_concurrency", type=int, default=1, help="generations running at once")
+    parser.add_argument("--max_concurrency", type=int, default=16,
+                        help="requests generating at once, batched together (each forward serves them all); more "
+                             "wait up to --queue_timeout")
     parser.add_argument("--queue_timeout", type=float, default=30.0,
                         help="seconds a request waits for a busy slot (0: answer 503 at once when all are busy)")
     parser.add_argument("--max_tokens_limit", type=int, default=None, help="largest max_tokens (default: context)")
     parser.add_argument("--max_batch", type=int, default=8, help="most completions per request (prompts x n)")
+    parser.add_argument("--read_timeout", type=float, default=READ_TIMEOUT_S,
+                        help="seconds a request's headers and body may take to arrive; then 408 and the connection "
+                             "closes (a slow client no longer holds one forever)")
+    parser.add_argument("--max_connections", type=int, default=MAX_CONNECTIONS,
+                        help="open connections at most; one more is answered 503 and closed")
     parser.add_argument("--device_type", default=None, help="cuda|cpu|mps (default: autodetect)")
     parser.add_argument("--api_key", default=None,
                         help="every request but /health must send Authorization: Bearer <key> (default: "
@@ -584,7 +845,9 @@ def parse_args(argv=None):
         parser.error(f"--port={args.port}: must be from 1 to 65535 (or 0 for any free port)")
     if not (args.queue_timeout >= 0 and math.isfinite(args.queue_timeout)):
         parser.error(f"--queue_timeout={args.queue_timeout}: must be a number of seconds >= 0")
-    for name in ("max_concurrency", "max_batch", "max_tokens_limit"):
+    if not (args.read_timeout > 0 and math.isfinite(args.read_timeout)):
+        parser.error(f"--read_timeout={args.read_timeout}: must be a number of seconds > 0")
+    for name in ("max_concurrency", "max_batch", "max_tokens_limit", "max_connections"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name}={value}: must be >= 1")
@@ -605,7 +868,7 @@ def build_server(args):
     server = Server(engine, info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout,
                     args.max_batch)
     config = uvicorn.Config(create_app(server, args.api_key), host=args.host, port=args.port, log_level="warning",
-                            lifespan="off")
+                            lifespan="off", http=guarded_http(args.read_timeout, args.max_connections))
     return uvicorn.Server(config), server
 
 

@@ -45,7 +45,7 @@ def dependent_model_tags(fingerprint):
     for tag in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         for step in ckpt.list_steps(tag):
             try:
-                meta = ckpt.read_meta(tag, step)
+                meta = ckpt.read_meta(tag, step, checked=False)  # a malformed one still says whose tokenizer
             except (OSError, ValueError):  # a torn meta.json is --resume's to report; it records nothing here
                 continue
             if isinstance(meta, dict) and meta.get("tokenizer_fingerprint") == fingerprint:

@@ -23,12 +23,15 @@ def test_a_tiny_load_run_reports_every_level_and_no_defect(tmp_path_factory):
     assert [row[0] for row in rows] == ["| 1", "| 4"]
     assert rows[0][1:3] == ["8", "8"] and rows[0][-1] == "none |"  # one client: every request served
     assert "503 server_busy" in rows[1][-1] and int(rows[1][2]) >= 1
+    assert float(rows[0][4]) > 0 and float(rows[0][9]) > 0  # tokens/s and time per output token
     assert "server RSS: " in result.stdout and " MiB after the last" in result.stdout
 
 
 def test_only_a_503_from_a_full_server_is_not_a_defect():
-    results = [(None, 0.1, None, False), (None, 0.3, 0.05, True), ("503 server_busy", 0.01, None, False),
-               ("500 None", 0.2, None, False), ("ReadTimeout", None, None, True), ("broken stream", 0.1, 0.02, True)]
-    row, defects = bench_serve.summarize(4, results, seconds=2.0)
+    results = [(None, 0.1, None, False, 8), (None, 0.3, 0.05, True, 11), ("503 server_busy", 0.01, None, False, 0),
+               ("500 None", 0.2, None, False, 0), ("ReadTimeout", None, None, True, 0),
+               ("broken stream", 0.1, 0.02, True, 3)]
+    row, defects = bench_serve.summarize(4, results, seconds=2.0, rss=123.4)
     assert defects == {"500 None": 1, "ReadTimeout": 1, "broken stream": 1}
-    assert row.startswith("| 4 | 6 | 2 | 1.00 | 200 | 298 | 50 | 50 |")
+    # 19 tokens in 2 s; TPOT of the streamed one: (0.3 - 0.05) s over its 10 tokens after the first
+    assert row.startswith("| 4 | 6 | 2 | 1.00 | 9.5 | 200 | 298 | 50 | 50 | 25.0 | 123 |")

@@ -2,16 +2,20 @@
 corrupt newest checkpoint, a full disk, a swapped tokenizer, a fresh run on a used tag, the disk preflight, backup,
 and files crafted to run code when read (rank files, a sharded checkpoint's index and values)."""
 
+import io
 import json
 import os
 import pickle
 import random
 import shutil
 import warnings
+import zipfile
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from nanochat import checkpoint_manager as ckpt
@@ -249,6 +253,77 @@ def test_a_rank_file_that_would_run_code_is_refused_in_one_line_and_runs_nothing
     assert marker.exists()
 
 
+class Placeholder:
+    """Pickles as print(command); crafted() renames that global, as an attacker writes any name into the pickle."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return print, (self.command,)
+
+
+def crafted(path, module, name, command):
+    """A torch file whose unpickling calls module.name(command): torch.save of Placeholder, its global renamed (pickle
+    itself writes os.system as posix.system, and refuses to pickle a global under another name)."""
+    buf = io.BytesIO()
+    torch.save({"optimizers": [], "rng": Placeholder(command), "loaders": []}, buf)
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(path, "w") as out:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("data.pkl"):
+                data = data.replace(b"c__builtin__\nprint\n", f"c{module}\n{name}\n".encode())
+            out.writestr(info.filename, data)
+
+
+class Tampered:
+    """An object of a class no checkpoint holds: what a __reduce__ payload names first."""
+
+    def __reduce__(self):
+        return Tampered, ()
+
+
+# the payloads a weights_only load refuses with torch's "module is blocked" text as well as its "WeightsUnpickler" one
+PAYLOADS = [("os", "system"), ("posix", "system"), ("builtins", "exec"), ("tests.test_checkpoint_manager", "Tampered")]
+
+
+@pytest.mark.parametrize("module, name", PAYLOADS)
+def test_every_kind_of_payload_in_a_rank_file_is_reported_as_altered_and_nothing_falls_back(base, tmp_path, capsys,
+                                                                                             module, name):
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=payload") == 0  # steps 2 and 4
+    marker = tmp_path / "ran"
+    rank_file = os.path.join(ckpt_dir(base, "payload", 4), "rank_0.pt")
+    command = f"touch {marker}" if name == "system" else f"open({str(marker)!r}, 'w')"
+    crafted(rank_file, module, name, command)
+    before = tree(ckpt_dir(base, "payload"))
+    assert train(*FLAGS, "--num_iterations=6", "--model_tag=payload", "--resume") == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and f"{rank_file} holds something other than tensors and plain data ({module}.{name})" \
+        in err[0], err
+    assert "altered" in err[0] and "weights_only" not in err[0] and "skipping" not in captured.out
+    assert not marker.exists()
+    assert tree(ckpt_dir(base, "payload")) == before  # no fallback to step 2, whose next save would overwrite step 4
+    with pytest.raises(ckpt.CheckpointError, match="altered"):
+        ckpt.load_rank_state("payload", 4, 0)
+    if name == "system":  # a real payload: what the loader would run without weights_only
+        torch.load(rank_file, weights_only=False)
+        assert marker.exists()
+
+
+def test_a_payload_in_old_model_pt_weights_is_altered_not_damaged_in_sample(base, tmp_path, capsys):
+    from scripts import base_sample
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=oldpt") == 0
+    step = ckpt_dir(base, "oldpt", 2)
+    os.remove(os.path.join(step, "model.safetensors"))
+    crafted(os.path.join(step, "model.pt"), "os", "system", f"touch {tmp_path / 'ran'}")
+    assert base_sample.main(["--model_tag=oldpt", "--device_type=cpu", "--max_tokens=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(os.system)" in err[0] and "altered" in err[0], err
+    assert "weights_only" not in err[0] and "damaged" not in err[0]
+    assert not (tmp_path / "ran").exists()
+
+
 def test_a_rank_file_from_before_plain_rng_states_still_resumes(base):
     """Rank files used to hold numpy's RNG state as it comes, with an ndarray: they load, and restore that state."""
     assert train(*FLAGS, "--num_iterations=2", "--model_tag=oldrng") == 0
@@ -309,3 +384,148 @@ def test_a_sharded_value_that_would_run_code_is_refused_and_a_plain_one_loads(tm
     with pytest.raises(ckpt.RefusedObject, match=f"{OPEN}, in optim.b.step's value in a .distcp file"):
         ckpt.load_shards({"optim": {"b.step": 0}}, str(tmp_path / "step"), no_dist=True)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("tag", ["../base_data", "../../outside", "/tmp/abs", "..", "a/b", ".hidden"])
+def test_a_model_tag_is_a_name_not_a_path(base, tag, capsys):
+    from scripts import base_sample
+    before = tree(base)
+    with pytest.raises(SystemExit) as e:  # the parser's one line, as SystemExit's message (exit status 1)
+        base_train.main([*FLAGS, "--num_iterations=2", f"--model_tag={tag}", "--overwrite"])
+    assert "\n" not in str(e.value.code) and f"model tag {tag!r} is not a name" in str(e.value.code)
+    assert exit_code(base_sample.main, f"--model_tag={tag}", "--device_type=cpu") == 2
+    assert f"model tag {tag!r} is not a name" in capsys.readouterr().err
+    assert tree(base) == before and os.path.isdir(os.path.join(base, "base_data"))
+    with pytest.raises(ckpt.CheckpointError, match="is not a name"):
+        ckpt.model_dir(tag)
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_a_sharded_index_naming_shards_outside_the_checkpoint_is_refused(base, tmp_path, where):
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=far") == 0
+    step = ckpt_dir(base, "far", 2)
+    save_shards({"model": weights(base, "far", 2)}, step)
+    os.remove(os.path.join(step, "model.safetensors"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    index = os.path.join(step, ".metadata")
+    with open(index, "rb") as f:
+        metadata = pickle.load(f)  # the test's own file: trusted
+    for info in metadata.storage_data.values():
+        moved = elsewhere / info.relative_path
+        if not moved.exists():
+            shutil.move(os.path.join(step, info.relative_path), moved)
+        info.relative_path = str(moved) if where == "absolute" else os.path.relpath(moved, step)
+    with open(index, "wb") as f:
+        pickle.dump(metadata, f)
+    before = tree(ckpt_dir(base, "far"))
+    with pytest.raises(ckpt.CheckpointError, match="a shard path .* that is not a file name in the checkpoint "
+                                                   "directory.*the file was altered"):
+        ckpt.load_model("far", "latest")
+    assert tree(ckpt_dir(base, "far")) == before
+
+
+def malformed(meta, case):
+    """meta.json as a hand edit or a crafted file may leave it."""
+    config = meta["model_config"]
+    return {"top-level list": [meta], "model_config missing": {k: v for k, v in meta.items() if k != "model_config"},
+            "model_config a list": {**meta, "model_config": list(config.items())},
+            "unknown model_config key": {**meta, "model_config": {**config, "n_wings": 2}},
+            "model_config of another type": {**meta, "model_config": {**config, "n_layer": "two"}},
+            "data a string": {**meta, "data": "abc"},
+            "data without fingerprint": {**meta, "data": {"shards": 1, "dir": "/x"}},
+            "batch_geometry a list": {**meta, "batch_geometry": [1, 2]},
+            "batch_geometry of strings": {**meta, "batch_geometry": {**meta["batch_geometry"], "world_size": "1"}},
+            "val_bpb a number": {**meta, "val_bpb": 3},
+            "another model's shape": {**meta, "model_config": {**config, "n_embd": config["n_embd"] * 2}},
+            "a context no weights bound": {**meta, "model_config": {**config, "sequence_len": 2 ** 40}}}[case]
+
+
+@pytest.mark.parametrize("case", ["top-level list", "model_config missing", "model_config a list",
+                                  "unknown model_config key", "model_config of another type", "data a string",
+                                  "data without fingerprint", "batch_geometry a list", "batch_geometry of strings",
+                                  "val_bpb a number", "another model's shape", "a context no weights bound"])
+def test_a_malformed_meta_json_is_one_line_everywhere(base, case, capsys):
+    from scripts import base_sample
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=meta") == 0
+    path = os.path.join(ckpt_dir(base, "meta", 2), "meta.json")
+    with open(path) as f:
+        meta = json.load(f)
+    with open(path, "w") as f:
+        json.dump(malformed(meta, case), f)
+    capsys.readouterr()
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load_model("meta", "latest")
+    assert "\n" not in str(e.value) and "meta" in str(e.value)
+    assert base_sample.main(["--model_tag=meta", "--device_type=cpu", "--max_tokens=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert train(*FLAGS, "--num_iterations=4", "--model_tag=meta", "--resume") == 1  # never a traceback
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "cannot resume" in err[0] and "Traceback" not in "\n".join(err), err  # a config refusal lists fields
+    assert ckpt.best_step("meta") in (None, 2) and ckpt.list_steps("meta") == [2]
+
+
+def test_a_partial_save_that_cannot_be_removed_is_not_reported_removed(base, monkeypatch, capsys):
+    os.makedirs(os.path.join(ckpt.model_dir("tmpleft"), "step_000004.tmp"))
+    os.makedirs(os.path.join(ckpt.model_dir("tmpleft"), "step_000006.tmp"))
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, ignore_errors=False, **kwargs):  # step 4's directory as on a read-only mount
+        if not path.endswith("step_000004.tmp"):
+            return real_rmtree(path, ignore_errors=ignore_errors, **kwargs)
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", rmtree)
+    ckpt.remove_partial_saves("tmpleft")
+    out = capsys.readouterr().out
+    assert "removed step_000006.tmp:" in out and "removed step_000004.tmp" not in out
+    assert "WARNING: could not remove step_000004.tmp (Permission denied)" in out
+
+
+# ---------------------------------------------------------------- fuzzing meta.json
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.integers(-3, 70) |
+                           st.floats() | st.text(max_size=12),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                          max_size=3), max_leaves=6)
+NESTED = ["model_config", "data", "batch_geometry", "train_config", "early_stop"]
+
+
+def test_no_meta_json_gets_a_traceback_from_sampling_or_resuming(base, capsys):
+    """Hypothesis edits one field of a real meta.json at a time (or the whole document): loading the model gives it
+    or one line, and --resume resumes or stops with one line (an exception other than SystemExit fails the test)."""
+    assert train(*FLAGS, "--num_iterations=2", "--model_tag=fz") == 0
+    path = os.path.join(ckpt_dir(base, "fz", 2), "meta.json")
+    with open(path) as f:
+        original = json.load(f)
+    fields = [(k,) for k in original] + [(k, sub) for k in NESTED if isinstance(original.get(k), dict)
+                                         for sub in original[k]] + [(k, "an_unknown_key") for k in NESTED]
+    edit = st.tuples(st.sampled_from(fields), st.one_of(st.just("delete"), JSON_VALUES))
+    capsys.readouterr()
+
+    @settings(max_examples=40, deadline=None)
+    @given(edits=st.lists(edit, min_size=1, max_size=3) | JSON_VALUES)
+    def check(edits):
+        meta = json.loads(json.dumps(original))
+        if isinstance(edits, list) and edits and isinstance(edits[0], tuple):
+            for field, value in edits:
+                holder = meta
+                for key in field[:-1]:
+                    holder = holder[key] if isinstance(holder.get(key), dict) else holder.setdefault(key, {})
+                if value == "delete":
+                    holder.pop(field[-1], None)
+                else:
+                    holder[field[-1]] = value
+        else:
+            meta = edits
+        with open(path, "w") as f:
+            json.dump(meta, f)
+        try:
+            ckpt.load_model("fz", "latest")
+        except ckpt.CheckpointError as e:
+            assert "\n" not in str(e)
+        assert train(*FLAGS, "--num_iterations=2", "--model_tag=fz", "--resume") in (0, 1)
+        assert "Traceback" not in capsys.readouterr().err
+
+    check()

@@ -369,3 +369,32 @@ def test_sample_cli_with_halting_shows_each_tokens_steps(trained, monkeypatch, c
     with pytest.raises(SystemExit):
         base_sample.main(argv + ["--halt", "kl"])
     assert "--halt: halting rule 'kl': write RULE:THRESHOLD" in capsys.readouterr().err
+
+
+def alone_and_together(engine, specs, **shared):
+    """Each spec's columns generated alone, and the same requests generated together in one batch."""
+    alone = [list(engine.generate(**spec, **shared)) for spec in specs]
+    together = list(engine.generate_together([engine.prepare(**spec, **shared) for spec in specs]))
+    return alone, [[columns[i] for columns in together][:len(alone[i])] for i in range(len(specs))], together
+
+
+def test_requests_generated_together_get_what_they_get_alone(trained):
+    """Greedy rows token for token, and seeded sampling (each request its own generator) draw for draw."""
+    _, model, tokenizer = trained
+    engine = Engine(model, tokenizer)
+    encode = engine.encode_prompt
+    specs = [dict(prompts=[encode("the cat sat")], max_tokens=12, temperature=0.0),
+             dict(prompts=[encode("the"), encode("the dog sat on the")], max_tokens=5, temperature=0.0),
+             dict(prompts=[encode("the mat")] * 3, max_tokens=9, temperature=1.0, seed=7, top_k=5),
+             dict(prompts=[encode("on the log. the")], max_tokens=7, temperature=0.8, seed=3, top_p=0.9),
+             dict(prompts=[encode("the cat")], max_tokens=0, temperature=0.0)]
+    alone, together, columns = alone_and_together(engine, specs)
+    assert together == alone and len(columns) == 12
+    assert all(c[1] == [None, None] for c in columns[5:]) and all(c[4] == [None] for c in columns)  # past max_tokens
+    assert any(t is not None for c in alone[2] for t in c)
+    halting, _, _ = alone_and_together(engine, specs[:2], n_sup=3, halt="rms:0.05")
+    assert halting[0] and halting[1]
+    _, together_halting, _ = alone_and_together(engine, specs[:2], n_sup=3, halt="rms:0.05")
+    assert together_halting == halting
+    with pytest.raises(ValueError, match="must share n_sup and halting"):
+        engine.generate_together([engine.prepare(**specs[0], n_sup=1), engine.prepare(**specs[1], n_sup=2)])

@@ -302,3 +302,17 @@ def test_an_entry_point_leaves_the_users_allocator_setting_alone():
         == "None"
     assert allocator_setting_at_torch_import("scripts.base_train", PYTORCH_ALLOC_CONF="max_split_size_mb:64") \
         == "max_split_size_mb:64"
+
+
+@pytest.mark.parametrize("target_exists", [True, False])
+def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path, target_exists):
+    victim = tmp_path / "victim.txt"
+    if target_exists:
+        victim.write_text("precious\n")
+    (tmp_path / "run").mkdir()
+    os.symlink(victim, tmp_path / "run" / "run.lock")
+    lock = lifecycle.RunLock(str(tmp_path / "run"), active=True)
+    for stage in (lock.hold_existing, lock.claim):
+        with pytest.raises(lifecycle.RunLockError, match="run.lock is a symbolic link .*: remove it"):
+            stage()
+    assert (victim.read_text() == "precious\n") if target_exists else not victim.exists()

@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import uvicorn
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from nanochat.engine import Engine
 from scripts import serve
@@ -116,6 +118,57 @@ def test_a_character_split_across_tokens_is_held_back_until_complete(trained):
     choice = serve.Choice(tokenizer, stops=[])
     pieces = [choice.add(token, last=False) for token in ids]
     assert pieces[-4:] == ["", "", "\u20ac", "!"] and "".join(pieces) == "a \u20ac!"
+
+
+class CharTokenizer:
+    """Token i is PIECES[i]: text whose stop strings a test can place anywhere."""
+    PIECES = ["a", "b", "ab", "ba", "aab", " "]
+
+    def decode(self, ids):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+def stream_choice(tokens, stops):
+    choice = serve.Choice(CharTokenizer(), stops)
+    pieces = []
+    for i, token in enumerate(tokens):
+        pieces.append(choice.add(token, last=i == len(tokens) - 1))
+        if choice.finish_reason:
+            break
+    return choice, pieces
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, len(CharTokenizer.PIECES) - 1), min_size=1, max_size=30),
+       stops=st.lists(st.text("ab ", min_size=1, max_size=6), max_size=4))
+def test_stop_strings_cut_where_the_first_one_found_starts(tokens, stops):
+    """The definition, token by token: after each token, if the text so far holds a stop string, the completion is
+    that text up to where the earliest of them starts; what streams out never holds the start of one unfinished."""
+    choice, pieces = stream_choice(tokens, stops)
+    text = ""
+    for i, token in enumerate(tokens):
+        text += CharTokenizer.PIECES[token]
+        found = [text.find(stop) for stop in stops if stop in text]
+        if found:
+            expected = (text[:min(found)], "stop")
+            break
+    else:
+        expected = (text, "length")
+    assert (choice.text, choice.finish_reason) == expected
+    assert "".join(pieces) == choice.text
+    shown = ""
+    for piece in pieces[:-1]:
+        shown += piece
+        assert not any(stop in shown for stop in stops)
+
+
+def test_long_stop_strings_cost_linear_time():
+    """Four stop strings of 250 KB held the only slot for ~50 s over 16 tokens when every prefix was tried per token."""
+    stops = [("ab" * 125_000)[:-1] + "x", "a" * 249_999 + "y", " " * 250_000, "ba" * 125_000]
+    start = time.perf_counter()
+    choice, pieces = stream_choice([2] * 16, stops)  # "abab...": the first stop's longest prefix, still partial
+    assert time.perf_counter() - start < 5
+    assert choice.text == "ab" * 16 and choice.finish_reason == "length" and pieces[0] == ""
 
 
 def test_models_lists_the_served_model(client):
@@ -360,6 +413,7 @@ BAD_REQUESTS = [
     (dict(prompt=[3, 99999]), "prompt: token id 99999 is not in the model's vocabulary (0 to 281)"),
     (dict(prompt=[[3], [-1]]), "prompt: token id -1 is not in the model's vocabulary"),
     (dict(prompt=[3] * 33), "prompt is 33 tokens"),
+    (dict(prompt=" " * 1_000_000), "the model's context is 32 tokens"),  # under 1 MiB: tiktoken used to panic
     *[(dict(prompt=bad), "prompt must be a string, a list of strings, a list of token ids, or a list of token-id "
                          "lists, none of them empty") for bad in ([], [[]], [1, "a"], ["a", [1]], [1.0], [True], 3,
                                                                   {"text": "the"}, [[[1]]])],
@@ -469,22 +523,25 @@ class HeldEngine(Engine):
     def __init__(self, model, tokenizer, free=0, pace=0.0):
         super().__init__(model, tokenizer)
         self.go, self.free, self.pace, self.tokens_made = threading.Event(), free, pace, 0
+        self.batch_sizes = []  # requests in each batch, in order
 
     def stop_tokens(self):
         return set()
 
-    def generate(self, *args, **kwargs):
-        for i, column in enumerate(super().generate(*args, **kwargs)):
+    def generate_together(self, requests, *args, **kwargs):
+        self.batch_sizes.append(len(requests))
+        for i, column in enumerate(super().generate_together(requests, *args, **kwargs)):
             assert i < self.free or self.go.wait(timeout=10)
             time.sleep(self.pace)
             self.tokens_made += 1
             yield column
 
 
-def held_server(trained, queue_timeout=0.2, **engine_kwargs):
+def held_server(trained, queue_timeout=0.2, max_concurrency=1, **engine_kwargs):
     _, model, tokenizer = trained
     engine = HeldEngine(model, tokenizer, **engine_kwargs)
-    server = serve.Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=1, queue_timeout=queue_timeout)
+    server = serve.Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=max_concurrency,
+                          queue_timeout=queue_timeout)
     return engine, uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off"))
 
 
@@ -660,3 +717,176 @@ def test_a_key_allow_no_auth_or_a_loopback_host_may_start(trained, monkeypatch, 
     monkeypatch.setenv("NANOCHAT_API_KEY", key)
     assert serve.main(["--model_tag", "missing", "--port", "0", "--device_type", "cpu", "--host", host, *flags]) == 2
     assert "no checkpoint found for model tag 'missing'" in capsys.readouterr().err
+
+
+def guarded_server(trained, read_timeout, max_connections):
+    _, model, tokenizer = trained
+    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    return uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off",
+                                         http=serve.guarded_http(read_timeout, max_connections)))
+
+
+def answer(sock, timeout=10):
+    """Everything the server sends before it closes the connection."""
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped(trained):
+    with running(guarded_server(trained, read_timeout=1.0, max_connections=2)) as base_url:
+        port = int(base_url.rsplit(":", 1)[1])
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"prompt\"")  # stalls
+        idle = socket.create_connection(("127.0.0.1", port))  # sends nothing at all
+        time.sleep(0.2)
+        third = socket.create_connection(("127.0.0.1", port))
+        refused = answer(third, timeout=5)
+        assert refused.startswith(b"HTTP/1.1 503 ") and b"--max_connections" in refused
+        start = time.monotonic()
+        for sock in (slow, idle):
+            timed_out = answer(sock)
+            assert timed_out.startswith(b"HTTP/1.1 408 ") and b"--read_timeout" in timed_out
+        assert time.monotonic() - start < 3
+        assert post(base_url, REQUEST).status_code == 200  # served again, and a whole request is not cut off
+        with httpx.Client(base_url=base_url, timeout=30) as client:  # a kept-alive connection's later requests too
+            assert [client.post("/v1/completions", json=REQUEST).status_code for _ in range(3)] == [200] * 3
+        for sock in (slow, idle, third):
+            sock.close()
+
+
+@pytest.mark.parametrize("flag", ["--read_timeout=0", "--read_timeout=nan", "--max_connections=0"])
+def test_bad_limits_are_refused_in_one_line(flag, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args([flag, "--device_type=cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert flag.split("=")[0] in err[-1]
+
+
+# ---------------------------------------------------------------- fuzzing the request body
+def json_containers(inner):
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() |
+                           st.text(max_size=20), json_containers, max_leaves=8)
+FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
+          "stream_options", "n_sup", "user", "echo", "best_of", "logprobs", "suffix", "logit_bias",
+          "frequency_penalty", "presence_penalty"]
+NEAR_VALID = {"prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 300), max_size=40),
+                                  st.lists(st.lists(st.integers(0, 300), max_size=5), max_size=3)),
+              "max_tokens": st.integers(-1, 40), "n": st.integers(-1, 9), "logprobs": st.integers(-1, 21),
+              "temperature": st.floats(-1, 3), "n_sup": st.sampled_from([0, 1, 3, 4, "auto", "kl:0.1", "rms:x", "kl"]),
+              "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5)),
+              "stream": st.booleans(), "echo": st.booleans(), "top_k": st.integers(-1, 400)}
+VALID = {"max_tokens": st.integers(1, 6), "n": st.integers(1, 2), "temperature": st.floats(0, 2),
+         "top_p": st.floats(0, 1), "top_k": st.integers(1, 300), "seed": st.integers(0, 2 ** 40),
+         "n_sup": st.sampled_from([1, 3, "auto", "rms:inf"]),
+         "stop": st.lists(st.text("the at", min_size=1, max_size=3), max_size=4), "stream": st.booleans(),
+         "echo": st.booleans(), "logprobs": st.none() | st.integers(0, 5)}
+BODIES = st.one_of(
+    st.fixed_dictionaries({"prompt": st.text("the cat sat on mat.", max_size=25) | st.lists(st.integers(0, 281),
+                                                                                           min_size=1, max_size=20)},
+                          optional=VALID),
+    st.dictionaries(st.sampled_from(FIELDS), st.one_of(JSON_VALUES, *NEAR_VALID.values()), max_size=8),
+    st.fixed_dictionaries({"prompt": NEAR_VALID["prompt"]},
+                          optional={k: v for k, v in NEAR_VALID.items() if k != "prompt"}),
+    JSON_VALUES)
+
+
+@pytest.fixture(scope="module")
+def in_process(trained):
+    from fastapi.testclient import TestClient
+    _, model, tokenizer = trained
+    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=2)
+    with TestClient(serve.create_app(server)) as client:  # an exception in the app is raised here, so fails the test
+        yield client
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=BODIES)
+def test_no_request_body_gets_a_500_or_a_traceback(in_process, body):
+    try:
+        raw = json.dumps(body, allow_nan=True).encode()
+    except ValueError:  # a float too large for JSON text: send it as Python writes it
+        raw = repr(body).encode()
+    r = in_process.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    event(f"status {r.status_code}")  # --hypothesis-show-statistics: how many reached generation
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text[:300])
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and "\n" not in error["message"] and error["message"]
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        events = [line for line in r.text.splitlines() if line]
+        assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+    else:
+        assert r.json()["object"] == "text_completion"
+
+
+def test_metrics_count_requests_tokens_latency_and_steps_in_prometheus_text(trained):
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+    _, model, tokenizer = trained
+    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    with TestClient(serve.create_app(server)) as client:
+        full = client.post("/v1/completions", json={**REQUEST, "max_tokens": 5, "n": 2, "n_sup": 2}).json()
+        halted = client.post("/v1/completions", json={**REQUEST, "max_tokens": 4, "n_sup": "rms:inf"}).json()
+        assert client.post("/v1/completions", json={**REQUEST, "temperature": 9}).status_code == 400
+        r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(r.text) for s in family.samples}
+    value = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]
+    tokens = full["usage"]["completion_tokens"], halted["usage"]["completion_tokens"]
+    prompt_tokens = full["usage"]["prompt_tokens"] + halted["usage"]["prompt_tokens"]
+    assert value("nanochat_requests_total", status="200") == 2 and value("nanochat_requests_total", status="400") == 1
+    assert value("nanochat_completion_tokens_total") == sum(tokens) and tokens[0] > 0 and tokens[1] > 0
+    assert value("nanochat_prompt_tokens_total") == prompt_tokens
+    assert value("nanochat_request_latency_seconds_count") == 2 and value("nanochat_request_latency_seconds_sum") > 0
+    assert value("nanochat_time_to_first_token_seconds_count") == 2
+    assert value("nanochat_time_per_output_token_seconds_count") == 2
+    # n_sup 2 for the first request's tokens; an infinite threshold halts every token after step 1
+    assert value("nanochat_steps_per_token_count") == sum(tokens)
+    assert value("nanochat_steps_per_token_sum") == 2 * tokens[0] + 1 * tokens[1]
+    assert value("nanochat_steps_per_token_bucket", le="1.0") == tokens[1]
+    assert value("nanochat_queue_depth") == 0 and value("nanochat_running") == 0
+    assert value("nanochat_batch_requests_count") == 2 and value("nanochat_batch_requests_bucket", le="1.0") == 2
+
+
+def test_concurrent_requests_generate_together_and_get_what_they_get_alone(trained):
+    """The first request holds the batch at its first token while five more arrive; they then run as one batch of
+    five, streamed or not, greedy or seeded, each getting the text it gets alone."""
+    engine, http = held_server(trained, queue_timeout=5, max_concurrency=8)
+    bodies = [{"prompt": p, "max_tokens": m, "temperature": 0.0} for p, m in
+              [("the", 6), ("the cat sat", 8), ("the dog", 3), ("on the mat.", 8)]] + \
+             [{"prompt": "the", "max_tokens": 8, "temperature": 1.0, "seed": 5, "n": 2}]
+    with running(http) as base_url:
+        first = {}
+        worker = threading.Thread(target=lambda: first.update(r=post(base_url, REQUEST)))
+        worker.start()
+        wait_until_running(base_url, 1)
+        results = [None] * len(bodies)
+
+        def send(i):
+            body = {**bodies[i], "stream": i == 1}
+            if body["stream"]:
+                with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as r:
+                    events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+                results[i] = ["".join(e["choices"][0]["text"] for e in events)]
+            else:
+                results[i] = [c["text"] for c in post(base_url, body).json()["choices"]]
+
+        senders = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+        for t in senders:
+            t.start()
+        wait_until_running(base_url, 1 + len(bodies))
+        engine.go.set()
+        for t in senders + [worker]:
+            t.join(timeout=30)
+        assert first["r"].status_code == 200
+        sizes = list(engine.batch_sizes)
+        alone = [[c["text"] for c in post(base_url, body).json()["choices"]] for body in bodies]  # one by one
+        assert results == alone and all(all(texts) for texts in alone)
+    assert sizes == [1, len(bodies)] and list(engine.batch_sizes)[2:] == [1] * len(bodies)

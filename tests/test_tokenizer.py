@@ -369,3 +369,17 @@ def test_tok_train_byte_level_refuses_to_replace_a_tokenizer_checkpoints_depend_
     assert tok_train.main(["--byte_level"]) == 1
     assert "is the tokenizer of the checkpoints of d4" in capsys.readouterr().err
     assert get_tokenizer().fingerprint() == tok.fingerprint()
+
+
+@pytest.mark.parametrize("text", [" " * 1_000_000, "a" + " \t" * 500_000 + "b", "x" + "\u3000" * 1_000_000 + "y"])
+def test_a_megabyte_of_whitespace_encodes_and_trains_without_a_panic(tok, text):
+    """The split pattern's lookahead overflowed the Rust regex stack on such runs: tiktoken and rustbpe panicked."""
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode([text, "hi"])[0]) == text
+    trained = RustBPETokenizer.from_rustbpe(train_bpe(iter([text, *TRAIN_TEXT]), 300))
+    assert trained.decode(trained.encode(text)) == text
+
+
+def test_text_without_long_whitespace_runs_encodes_as_tiktoken_alone_does(tok):
+    text = "".join(TRAIN_TEXT) + " " * 9_999 + "end"
+    assert tok.encode(text) == tok.enc.encode_ordinary(text)
