@@ -50,13 +50,15 @@ def run_script(script, base_dir, *args, path_prefix=None, timeout=180, **env):
     return finish(start_script(script, base_dir, *args, path_prefix=path_prefix, **env), timeout)
 
 
-@pytest.fixture(scope="module")
-def dry_runs(tmp_path_factory):
-    """All twelve scripts under DRY_RUN=1, started together (each spends most of its time importing torch)."""
-    base_dir = tmp_path_factory.mktemp("dry")
-    started = {(key, phase): start_script(f"scripts/train_{key}_{phase}.sh", base_dir, DRY_RUN="1")
-               for key in TABLE for phase in ("fast", "extreme")}
-    return base_dir, {name: finish(popen) for name, popen in started.items()}
+def dry_run_in_process(monkeypatch, capsys, base_dir, key, phase):
+    """(exit code, stdout) of `DRY_RUN=1 bash scripts/train_<key>_<phase>.sh` with launch.main in this process (what
+    the script runs: test_each_script_hands_its_own_row_to_the_launcher), the caller's launch environment cleared."""
+    for name in OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    monkeypatch.setenv("DRY_RUN", "1")
+    capsys.readouterr()
+    return launch.main(["train", key, phase]), capsys.readouterr().out
 
 
 def torchrun_command(stdout):
@@ -79,13 +81,13 @@ def fake_nvidia_smi(tmp_path, name, count):
 
 @pytest.mark.parametrize("phase", ["fast", "extreme"])
 @pytest.mark.parametrize("key", list(TABLE))
-def test_dry_run_prints_the_tables_command(key, phase, dry_runs):
-    base_dir, procs = dry_runs
+def test_dry_run_prints_the_tables_command(key, phase, tmp_path, monkeypatch, capsys):
+    base_dir = tmp_path
+    code, stdout = dry_run_in_process(monkeypatch, capsys, base_dir, key, phase)
+    assert code == 0, stdout
     gpus, phases = TABLE[key]
     batch, accum = phases[phase]
-    proc = procs[key, phase]
-    assert proc.returncode == 0, proc.stderr
-    options, argv = torchrun_command(proc.stdout)
+    options, argv = torchrun_command(stdout)
     assert options == ["--standalone", f"--nproc_per_node={gpus}"]
     args = parse_args(argv, world_size=gpus, check_hardware=False)  # base_train accepts it, for real
     ph = PHASE[phase]
@@ -99,13 +101,22 @@ def test_dry_run_prints_the_tables_command(key, phase, dry_runs):
     assert args.device_batch_size * args.grad_accum == batch * accum
     if (args.device_batch_size, args.grad_accum) != (batch, accum):
         assert f"device batch {batch} -> {args.device_batch_size} and accumulation {accum} -> {args.grad_accum}" \
-            in proc.stdout
+            in stdout
     if args.model_config["activation_checkpointing"]:
-        assert "activation checkpointing turned ON" in proc.stdout
+        assert "activation checkpointing turned ON" in stdout
     for needle in ("FLOPs per step", "s/step", "MFU", "cost", "guide says", f"{gpus * batch * accum} sequences"):
-        assert needle in proc.stdout
-    assert "DRY_RUN=1: nothing was run" in proc.stdout
+        assert needle in stdout
+    assert "DRY_RUN=1: nothing was run" in stdout
     assert not os.path.exists(base_dir / "base_data") and not os.path.exists(base_dir / "tokenizer")
+
+
+def test_each_script_hands_its_own_row_to_the_launcher():
+    """The dry runs above call launch.main directly; each script's one line is what connects it to its row."""
+    for key in TABLE:
+        for phase in ("fast", "extreme"):
+            with open(os.path.join(ROOT, "scripts", f"train_{key}_{phase}.sh")) as f:
+                lines = f.read().splitlines()
+            assert lines[-1] == f'exec bash "$(dirname "$0")/launch.sh" train {key} {phase} "$@"', (key, phase)
 
 
 def test_extra_arguments_win_and_env_overrides_apply(tmp_path):
