@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from nanochat.metrics import MetricsLog
-from scripts import base_loss, base_train
+from scripts import base_loss, base_train, plot_run
 from tests.support import processes
 from tests.support.helpers import ROOT, TINY, ckpt_dir, exit_code, private_base_dir, tree
 from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line, temporaries
@@ -140,21 +140,24 @@ def script(base, module, *argv, timeout=300):
     return processes.run([sys.executable, "-m", module, *argv], timeout=timeout, cwd=ROOT, env=env)
 
 
-def test_a_real_full_disk_and_a_real_read_only_mount_give_one_line_and_exit_5(base_dir, tmpfs):
+def test_a_real_full_disk_and_a_real_read_only_mount_give_one_line_and_exit_5(base_dir, tmpfs, monkeypatch, capsys):
     shutil.copytree(os.path.join(base_dir, "tokenizer"), tmpfs / "tokenizer")
     os.symlink(os.path.join(base_dir, "base_data"), tmpfs / "base_data")
-    assert script(tmpfs, "scripts.base_train", *FLAGS, "--model_tag=r").returncode == 0
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmpfs))  # in process but the last: the disk is as real either way
+    assert run(base_train.main, *FLAGS, "--model_tag=r") == 0
     filler = tmpfs / "filler"
     assert os.path.ismount(tmpfs)  # the filler must never reach a shared disk: at most 5 MB, on the tmpfs only
     subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k", "count=1280"], capture_output=True, timeout=60)
-    for module, argv, file in [("scripts.base_loss", ["--model_tag=r", "--split_tokens=256", "--device_type=cpu"],
-                                "r/base_loss_step000004.json"),
-                               ("scripts.plot_run", ["r"], "r/training.png")]:
-        done = script(tmpfs, module, *argv)
-        assert done.returncode == 5 and one_line(done.stderr), done.stderr
-        assert f"{file}: no space left on device" in done.stderr
+    for main, argv, file in [(base_loss.main, ["--model_tag=r", "--split_tokens=256", "--device_type=cpu"],
+                              "r/base_loss_step000004.json"),
+                             (plot_run.main, ["r"], "r/training.png")]:
+        capsys.readouterr()
+        assert run(main, *argv) == 5
+        err = capsys.readouterr().err
+        assert one_line(err) and f"{file}: no space left on device" in err, err
     filler.unlink()
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True, timeout=30)
+    # a real process on the real read-only mount: its exit status and stderr as a user sees them
     done = script(tmpfs, "scripts.base_train", *TINY, "--num_iterations=6", "--model_tag=r", "--resume")
     assert done.returncode == 5 and one_line(done.stderr) and "resumed" not in done.stdout
     assert "base_train: cannot write" in done.stderr and "read-only file system" in done.stderr
