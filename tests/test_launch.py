@@ -50,15 +50,20 @@ def run_script(script, base_dir, *args, path_prefix=None, timeout=180, **env):
     return finish(start_script(script, base_dir, *args, path_prefix=path_prefix, **env), timeout)
 
 
-def dry_run_in_process(monkeypatch, capsys, base_dir, key, phase):
-    """(exit code, stdout) of `DRY_RUN=1 bash scripts/train_<key>_<phase>.sh` with launch.main in this process (what
-    the script runs: test_each_script_hands_its_own_row_to_the_launcher), the caller's launch environment cleared."""
+def launch_in_process(monkeypatch, capsys, base_dir, key, phase, *extra, path_prefix=None, **env):
+    """(exit code, stdout, stderr) of `bash scripts/train_<key>_<phase>.sh` with launch.main in this process (what the
+    script runs: test_each_script_hands_its_own_row_to_the_launcher), the caller's launch environment cleared."""
     for name in OVERRIDES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
-    monkeypatch.setenv("DRY_RUN", "1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if path_prefix:  # detect_gpus runs nvidia-smi from PATH, as in a process
+        monkeypatch.setenv("PATH", f"{path_prefix}:{os.environ['PATH']}")
     capsys.readouterr()
-    return launch.main(["train", key, phase]), capsys.readouterr().out
+    code = launch.main(["train", key, phase, *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def torchrun_command(stdout):
@@ -83,8 +88,8 @@ def fake_nvidia_smi(tmp_path, name, count):
 @pytest.mark.parametrize("key", list(TABLE))
 def test_dry_run_prints_the_tables_command(key, phase, tmp_path, monkeypatch, capsys):
     base_dir = tmp_path
-    code, stdout = dry_run_in_process(monkeypatch, capsys, base_dir, key, phase)
-    assert code == 0, stdout
+    code, stdout, stderr = launch_in_process(monkeypatch, capsys, base_dir, key, phase, DRY_RUN="1")
+    assert code == 0, stderr
     gpus, phases = TABLE[key]
     batch, accum = phases[phase]
     options, argv = torchrun_command(stdout)
@@ -149,27 +154,28 @@ def test_multi_node_dry_run(tmp_path):
     assert proc.returncode != 0 and "NNODES=2 also needs NODE_RANK and MASTER_ADDR" in proc.stderr
 
 
-def test_preflight_stops_without_gpus_before_anything_runs(tmp_path):
-    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path)
-    assert proc.returncode != 0
-    assert "no GPU found" in proc.stderr and "FORCE=1" in proc.stderr and "nothing was run" in proc.stderr
+def test_preflight_stops_without_gpus_before_anything_runs(tmp_path, monkeypatch, capsys):
+    code, _, err = launch_in_process(monkeypatch, capsys, tmp_path, "8xH100", "fast")
+    assert code not in (0, None)
+    assert "no GPU found" in err and "FORCE=1" in err and "nothing was run" in err
     assert not os.path.exists(tmp_path / "base_data") and not os.path.exists(tmp_path / "tokenizer")
 
 
 @pytest.mark.parametrize("found, count, fix", [("NVIDIA A100-SXM4-80GB", 8, "scripts/train_8xA100_fast.sh"),
                                                ("NVIDIA H100 80GB HBM3", 4, "scripts/train_4xH100_fast.sh"),
                                                ("NVIDIA L40S", 2, "NPROC=2 FORCE=1")])
-def test_preflight_names_the_script_for_the_hardware_found(tmp_path, found, count, fix):
-    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, path_prefix=fake_nvidia_smi(tmp_path, found, count))
-    assert proc.returncode != 0 and f"found {count}x {found}" in proc.stderr and fix in proc.stderr
+def test_preflight_names_the_script_for_the_hardware_found(tmp_path, monkeypatch, capsys, found, count, fix):
+    code, _, err = launch_in_process(monkeypatch, capsys, tmp_path, "8xH100", "fast",
+                                     path_prefix=fake_nvidia_smi(tmp_path, found, count))
+    assert code not in (0, None) and f"found {count}x {found}" in err and fix in err, err
 
 
-def test_preflight_predicts_oom_with_the_fix(tmp_path):
-    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, "--device_batch_size=32",
-                      "--activation_checkpointing=false",
-                      path_prefix=fake_nvidia_smi(tmp_path, "NVIDIA H100 80GB HBM3", 8))
-    assert proc.returncode != 0 and "predicted out of memory" in proc.stderr
-    assert "--gradient_accumulation_steps=" in proc.stderr and "same effective batch" in proc.stderr
+def test_preflight_predicts_oom_with_the_fix(tmp_path, monkeypatch, capsys):
+    code, _, err = launch_in_process(monkeypatch, capsys, tmp_path, "8xH100", "fast", "--device_batch_size=32",
+                                     "--activation_checkpointing=false",
+                                     path_prefix=fake_nvidia_smi(tmp_path, "NVIDIA H100 80GB HBM3", 8))
+    assert code not in (0, None) and "predicted out of memory" in err, err
+    assert "--gradient_accumulation_steps=" in err and "same effective batch" in err
 
 
 def test_force_goes_on_past_a_failed_preflight(tmp_path, monkeypatch, capsys):
