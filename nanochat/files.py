@@ -35,13 +35,10 @@ WRITE_FAILURES = {
 }
 
 
-WRITE_FAILED = ExitCode.WRITE_FAILED  # the name the writers and base_train use
-
-
 class WriteError(OSError):
     """A file could not be written. The message names the file, why and what to do; entry points print it as one line
-    and exit WRITE_FAILED. An OSError, so handlers of write failures that predate it still catch it."""
-    exit_code = WRITE_FAILED
+    and exit ExitCode.WRITE_FAILED. An OSError, so handlers of write failures that predate it still catch it."""
+    exit_code = ExitCode.WRITE_FAILED
 
 
 def write_failure(error):
@@ -78,12 +75,12 @@ def writing(path, rest=""):
 @contextlib.contextmanager
 def exit_on_write_error(script):
     """Around an entry point's work: a WriteError becomes one line, '<script>: <what, why, what to do>', on stderr and
-    exit code WRITE_FAILED, no traceback."""
+    exit code ExitCode.WRITE_FAILED, no traceback."""
     try:
         yield
     except WriteError as e:
         print(f"{script}: {e}", file=sys.stderr, flush=True)
-        sys.exit(WRITE_FAILED)
+        sys.exit(ExitCode.WRITE_FAILED)
 
 
 def temporary_path(path):

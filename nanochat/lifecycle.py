@@ -8,7 +8,7 @@ a flag at the same step, and all of them save, stop or carry on together. A deci
 send it into the save barrier while the others start the next step's collectives: a deadlock.
 
 Signals: torchrun forwards a SIGTERM/SIGINT sent to the launcher to every worker and SIGKILLs them
---shutdown_timeout seconds later (default 30); schedulers (SLURM, systemd) signal every process of the job. The run
+--shutdown-timeout seconds later (default 30); schedulers (SLURM, systemd) signal every process of the job. The run
 says so at once, finishes the step or the evaluation batch in progress (evaluations check the flag after every batch,
 samples after every token), saves a checkpoint and exits with 128 + the signal number. Repeats within a few
 seconds (forwarded copies) count as one; a signal after that exits at once, without saving.

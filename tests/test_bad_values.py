@@ -32,6 +32,12 @@ TRAIN = [
     ("--max_seq_len=0", "--max_seq_len=0 must be >= 1"),
     ("--overwrite --resume", "give one of them"),
     ("--backup_dir=nosuchproto://bucket", "--backup_dir=nosuchproto://bucket: ValueError: Protocol not known"),
+    ("--device_batch=4", "unknown flag --device_batch; did you mean --device_batch_size?"),
+    ("--total_batch_size=100", "not a multiple of"),
+    ("--preset=insane", "valid presets: uniform, moderate, aggressive, extreme"),
+    ("--n_head=5", "n_embd=32 is not divisible by n_head=5"),
+    ("--model_tag=nothing_here --resume", "no checkpoint found for model tag 'nothing_here'"),
+    ("--device_type=cuda", "not available on this machine"),
 ]
 LOSS = [
     ("--device_batch_size=0", "--device_batch_size=0 must be >= 1"),

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.support import processes
@@ -42,9 +43,15 @@ def assert_same_weights(base_dir, tag_a, tag_b, step):
             torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=f"{part} {k}")
 
 
-def test_killed_on_two_processes_resumed_on_one_continues_as_the_uninterrupted_run(base_dir):
+@pytest.fixture(scope="module")
+def uninterrupted(base_dir):
+    """The tag of a 6-step run on 2 processes: what an interrupted run must end at, whatever its process counts."""
+    completed(base_train(base_dir, 2, "--num_iterations=6", "--model_tag=fs_straight"))
+    return "fs_straight"
+
+
+def test_killed_on_two_processes_resumed_on_one_continues_as_the_uninterrupted_run(base_dir, uninterrupted):
     flags = ["--num_iterations=6", "--save_every=2"]
-    completed(base_train(base_dir, 2, *flags, "--model_tag=fs_straight2"))
     proc = base_train(base_dir, 2, *flags, "--model_tag=fs_killed")
     read_until(proc, "step 00005/", timeout=150)  # after step 4's checkpoint, before step 6's
     processes.kill_all(proc)
@@ -52,12 +59,11 @@ def test_killed_on_two_processes_resumed_on_one_continues_as_the_uninterrupted_r
     assert not os.path.exists(ckpt_dir(base_dir, "fs_killed", 6))
     out = completed(base_train(base_dir, 1, *flags, "--model_tag=fs_killed", "--resume"))
     assert "resumed fs_killed from step 4" in out
-    assert_same_weights(base_dir, "fs_straight2", "fs_killed", 6)
+    assert_same_weights(base_dir, uninterrupted, "fs_killed", 6)
 
 
-def test_sigterm_on_one_process_saves_and_two_processes_continue_as_the_uninterrupted_run(base_dir):
+def test_sigterm_on_one_process_saves_and_two_processes_continue_as_the_uninterrupted_run(base_dir, uninterrupted):
     flags = ["--num_iterations=6"]
-    completed(base_train(base_dir, 1, *flags, "--model_tag=fs_straight1"))
     proc = base_train(base_dir, 1, *flags, "--model_tag=fs_term")
     read_until(proc, "step 00002/", timeout=150)
     proc.send_signal(signal.SIGTERM)
@@ -67,7 +73,7 @@ def test_sigterm_on_one_process_saves_and_two_processes_continue_as_the_uninterr
     assert 2 <= at < 6 and os.path.exists(os.path.join(ckpt_dir(base_dir, "fs_term", at), ".metadata"))
     out = completed(base_train(base_dir, 2, *flags, "--model_tag=fs_term", "--resume"))
     assert f"resumed fs_term from step {at}" in out
-    assert_same_weights(base_dir, "fs_straight1", "fs_term", 6)
+    assert_same_weights(base_dir, uninterrupted, "fs_term", 6)
 
 
 def test_budget_stop_saves_shards_that_one_process_loads_and_ddp_refuses_to_resume(base_dir):

@@ -50,13 +50,20 @@ def run_script(script, base_dir, *args, path_prefix=None, timeout=180, **env):
     return finish(start_script(script, base_dir, *args, path_prefix=path_prefix, **env), timeout)
 
 
-@pytest.fixture(scope="module")
-def dry_runs(tmp_path_factory):
-    """All twelve scripts under DRY_RUN=1, started together (each spends most of its time importing torch)."""
-    base_dir = tmp_path_factory.mktemp("dry")
-    started = {(key, phase): start_script(f"scripts/train_{key}_{phase}.sh", base_dir, DRY_RUN="1")
-               for key in TABLE for phase in ("fast", "extreme")}
-    return base_dir, {name: finish(popen) for name, popen in started.items()}
+def launch_in_process(monkeypatch, capsys, base_dir, key, phase, *extra, path_prefix=None, **env):
+    """(exit code, stdout, stderr) of `bash scripts/train_<key>_<phase>.sh` with launch.main in this process (what the
+    script runs: test_each_script_hands_its_own_row_to_the_launcher), the caller's launch environment cleared."""
+    for name in OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if path_prefix:  # detect_gpus runs nvidia-smi from PATH, as in a process
+        monkeypatch.setenv("PATH", f"{path_prefix}:{os.environ['PATH']}")
+    capsys.readouterr()
+    code = launch.main(["train", key, phase, *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def torchrun_command(stdout):
@@ -79,13 +86,13 @@ def fake_nvidia_smi(tmp_path, name, count):
 
 @pytest.mark.parametrize("phase", ["fast", "extreme"])
 @pytest.mark.parametrize("key", list(TABLE))
-def test_dry_run_prints_the_tables_command(key, phase, dry_runs):
-    base_dir, procs = dry_runs
+def test_dry_run_prints_the_tables_command(key, phase, tmp_path, monkeypatch, capsys):
+    base_dir = tmp_path
+    code, stdout, stderr = launch_in_process(monkeypatch, capsys, base_dir, key, phase, DRY_RUN="1")
+    assert code == 0, stderr
     gpus, phases = TABLE[key]
     batch, accum = phases[phase]
-    proc = procs[key, phase]
-    assert proc.returncode == 0, proc.stderr
-    options, argv = torchrun_command(proc.stdout)
+    options, argv = torchrun_command(stdout)
     assert options == ["--standalone", f"--nproc_per_node={gpus}"]
     args = parse_args(argv, world_size=gpus, check_hardware=False)  # base_train accepts it, for real
     ph = PHASE[phase]
@@ -99,13 +106,22 @@ def test_dry_run_prints_the_tables_command(key, phase, dry_runs):
     assert args.device_batch_size * args.grad_accum == batch * accum
     if (args.device_batch_size, args.grad_accum) != (batch, accum):
         assert f"device batch {batch} -> {args.device_batch_size} and accumulation {accum} -> {args.grad_accum}" \
-            in proc.stdout
+            in stdout
     if args.model_config["activation_checkpointing"]:
-        assert "activation checkpointing turned ON" in proc.stdout
+        assert "activation checkpointing turned ON" in stdout
     for needle in ("FLOPs per step", "s/step", "MFU", "cost", "guide says", f"{gpus * batch * accum} sequences"):
-        assert needle in proc.stdout
-    assert "DRY_RUN=1: nothing was run" in proc.stdout
+        assert needle in stdout
+    assert "DRY_RUN=1: nothing was run" in stdout
     assert not os.path.exists(base_dir / "base_data") and not os.path.exists(base_dir / "tokenizer")
+
+
+def test_each_script_hands_its_own_row_to_the_launcher():
+    """The dry runs above call launch.main directly; each script's one line is what connects it to its row."""
+    for key in TABLE:
+        for phase in ("fast", "extreme"):
+            with open(os.path.join(ROOT, "scripts", f"train_{key}_{phase}.sh")) as f:
+                lines = f.read().splitlines()
+            assert lines[-1] == f'exec bash "$(dirname "$0")/launch.sh" train {key} {phase} "$@"', (key, phase)
 
 
 def test_extra_arguments_win_and_env_overrides_apply(tmp_path):
@@ -138,27 +154,28 @@ def test_multi_node_dry_run(tmp_path):
     assert proc.returncode != 0 and "NNODES=2 also needs NODE_RANK and MASTER_ADDR" in proc.stderr
 
 
-def test_preflight_stops_without_gpus_before_anything_runs(tmp_path):
-    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path)
-    assert proc.returncode != 0
-    assert "no GPU found" in proc.stderr and "FORCE=1" in proc.stderr and "nothing was run" in proc.stderr
+def test_preflight_stops_without_gpus_before_anything_runs(tmp_path, monkeypatch, capsys):
+    code, _, err = launch_in_process(monkeypatch, capsys, tmp_path, "8xH100", "fast")
+    assert code not in (0, None)
+    assert "no GPU found" in err and "FORCE=1" in err and "nothing was run" in err
     assert not os.path.exists(tmp_path / "base_data") and not os.path.exists(tmp_path / "tokenizer")
 
 
 @pytest.mark.parametrize("found, count, fix", [("NVIDIA A100-SXM4-80GB", 8, "scripts/train_8xA100_fast.sh"),
                                                ("NVIDIA H100 80GB HBM3", 4, "scripts/train_4xH100_fast.sh"),
                                                ("NVIDIA L40S", 2, "NPROC=2 FORCE=1")])
-def test_preflight_names_the_script_for_the_hardware_found(tmp_path, found, count, fix):
-    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, path_prefix=fake_nvidia_smi(tmp_path, found, count))
-    assert proc.returncode != 0 and f"found {count}x {found}" in proc.stderr and fix in proc.stderr
+def test_preflight_names_the_script_for_the_hardware_found(tmp_path, monkeypatch, capsys, found, count, fix):
+    code, _, err = launch_in_process(monkeypatch, capsys, tmp_path, "8xH100", "fast",
+                                     path_prefix=fake_nvidia_smi(tmp_path, found, count))
+    assert code not in (0, None) and f"found {count}x {found}" in err and fix in err, err
 
 
-def test_preflight_predicts_oom_with_the_fix(tmp_path):
-    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, "--device_batch_size=32",
-                      "--activation_checkpointing=false",
-                      path_prefix=fake_nvidia_smi(tmp_path, "NVIDIA H100 80GB HBM3", 8))
-    assert proc.returncode != 0 and "predicted out of memory" in proc.stderr
-    assert "--gradient_accumulation_steps=" in proc.stderr and "same effective batch" in proc.stderr
+def test_preflight_predicts_oom_with_the_fix(tmp_path, monkeypatch, capsys):
+    code, _, err = launch_in_process(monkeypatch, capsys, tmp_path, "8xH100", "fast", "--device_batch_size=32",
+                                     "--activation_checkpointing=false",
+                                     path_prefix=fake_nvidia_smi(tmp_path, "NVIDIA H100 80GB HBM3", 8))
+    assert code not in (0, None) and "predicted out of memory" in err, err
+    assert "--gradient_accumulation_steps=" in err and "same effective batch" in err
 
 
 def test_force_goes_on_past_a_failed_preflight(tmp_path, monkeypatch, capsys):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from nanochat.metrics import MetricsLog
-from scripts import base_loss, base_train
+from scripts import base_loss, base_train, plot_run
 from tests.support import processes
 from tests.support.helpers import ROOT, TINY, ckpt_dir, exit_code, private_base_dir, tree
 from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line, temporaries
@@ -41,27 +41,29 @@ def break_at(mp, owner, attr, under, code, name, when=lambda *args: True):
     mp.setattr(owner, attr, hooked)
 
 
-# (the file, what writes it, called when): the writes of a run, each failing when it is due
+# (the file, what writes it, called when, how it fails): a run's writes in the order they fall due; all but the log go
+# through files.atomic_write_bytes, so both kinds of failure meet that path (the message per kind: WHY)
 RUN_WRITES = [
-    ("metrics.jsonl", MetricsLog, "log", lambda log, record: record["step"] == 3),  # between checkpoints 2 and 4
-    ("summary.json", base_train, "write_summary", lambda *args: True),
-    ("report.md", base_train, "write_summary", lambda *args: True),
-    ("meta.json", base_train, "update_checkpoint_bpb", lambda *args: True),
+    ("metrics.jsonl", MetricsLog, "log", lambda log, record: record["step"] == 3, FULL),  # between checkpoints 2, 4
+    ("summary.json", base_train, "write_summary", lambda *args: True, READ_ONLY),
+    ("report.md", base_train, "write_summary", lambda *args: True, FULL),
+    ("meta.json", base_train, "update_checkpoint_bpb", lambda *args: True, READ_ONLY),
 ]
 
 
-@pytest.mark.parametrize("code", [FULL, READ_ONLY], ids=["full", "read-only"])
-@pytest.mark.parametrize("name,owner,attr,when", RUN_WRITES, ids=[w[0] for w in RUN_WRITES])
-def test_a_failed_write_during_a_run_is_one_line_exit_5_and_resume_finishes_it(base, capsys, code, name, owner,
-                                                                               attr, when):
+def test_each_failed_write_of_a_run_is_one_line_exit_5_and_the_next_resume_gets_past_it(base, capsys):
+    """One run whose writes fail one after another: each failure stops it with one line, exit 5 and no temporary
+    file; the resume after it gets past that write and meets the next failure, and the last resume finishes."""
     run_dir = ckpt_dir(base, "w")
-    with pytest.MonkeyPatch.context() as mp:
-        break_at(mp, owner, attr, run_dir, code, name, when)
-        assert run(base_train.main, *FLAGS, "--model_tag=w") == 5
-    err = capsys.readouterr().err
-    assert one_line(err) and err.startswith(f"base_train: cannot write {run_dir}/") and f"{name}: {WHY[code]}" in err
-    assert err.endswith("then run the same command with --resume (the checkpoints saved so far are intact)\n")
-    assert temporaries(run_dir) == []
+    for i, (name, owner, attr, when, code) in enumerate(RUN_WRITES):
+        with pytest.MonkeyPatch.context() as mp:
+            break_at(mp, owner, attr, run_dir, code, name, when)
+            assert run(base_train.main, *FLAGS, "--model_tag=w", *(["--resume"] if i else [])) == 5, name
+        err = capsys.readouterr().err
+        assert one_line(err) and err.startswith(f"base_train: cannot write {run_dir}/"), err
+        assert f"{name}: {WHY[code]}" in err, err
+        assert err.endswith("then run the same command with --resume (the checkpoints saved so far are intact)\n")
+        assert temporaries(run_dir) == [], name
     assert run(base_train.main, *FLAGS, "--model_tag=w", "--resume") == 0  # the disk has room again
     with open(os.path.join(run_dir, "summary.json")) as f:
         assert json.load(f)["step"] == 4
@@ -70,19 +72,19 @@ def test_a_failed_write_during_a_run_is_one_line_exit_5_and_resume_finishes_it(b
     assert os.path.exists(os.path.join(run_dir, "report.md")) and temporaries(run_dir) == []
 
 
-@pytest.mark.parametrize("code", [FULL, READ_ONLY], ids=["full", "read-only"])
-def test_resume_into_an_unwritable_run_directory_stops_before_resuming_and_changes_nothing(base, capsys, code):
+def test_resume_into_an_unwritable_run_directory_stops_before_resuming_and_changes_nothing(base, capsys):
     assert run(base_train.main, *TINY, "--num_iterations=2", "--model_tag=ro") == 0
     run_dir = ckpt_dir(base, "ro")
     before = tree(run_dir)
-    capsys.readouterr()
-    with pytest.MonkeyPatch.context() as mp:
-        fail_writes(mp, run_dir, code)
-        assert run(base_train.main, *TINY, "--num_iterations=4", "--model_tag=ro", "--resume") == 5
-    out, err = capsys.readouterr()
-    assert one_line(err) and err.startswith("base_train: cannot write ") and WHY[code] in err
-    assert "resumed" not in out or code == FULL  # a full disk is met by the first write after resuming
-    assert tree(run_dir) == before
+    for code in (READ_ONLY, FULL):
+        capsys.readouterr()
+        with pytest.MonkeyPatch.context() as mp:
+            fail_writes(mp, run_dir, code)
+            assert run(base_train.main, *TINY, "--num_iterations=4", "--model_tag=ro", "--resume") == 5, code
+        out, err = capsys.readouterr()
+        assert one_line(err) and err.startswith("base_train: cannot write ") and WHY[code] in err, err
+        assert "resumed" not in out or code == FULL  # a full disk is met by the first write after resuming
+        assert tree(run_dir) == before, code
 
 
 def test_the_next_run_removes_what_killed_writers_left_in_its_directory_and_nothing_else(base, capsys):
@@ -101,26 +103,21 @@ def test_the_next_run_removes_what_killed_writers_left_in_its_directory_and_noth
     assert temporaries(run_dir) == [writing_now]
 
 
-@pytest.fixture
-def trained(base):
+def test_base_loss_prints_its_results_then_one_line_when_it_cannot_save_them(base, capsys):
     assert run(base_train.main, *TINY, "--num_iterations=2", "--model_tag=done") == 0
-    return ckpt_dir(base, "done")
-
-
-@pytest.mark.parametrize("code", [FULL, READ_ONLY], ids=["full", "read-only"])
-def test_base_loss_prints_its_results_then_one_line_when_it_cannot_save_them(trained, capsys, monkeypatch, code):
-    dead = dead_pid()
-    stale = os.path.join(trained, f"base_loss_step000002.json.tmp{dead}")
-    open(stale, "wb").close()
-    capsys.readouterr()
-    with pytest.MonkeyPatch.context() as mp:
-        fail_writes(mp, trained, code, "base_loss_step")
-        assert run(base_loss.main, "--model_tag=done", "--split_tokens=256", "--device_type=cpu") == 5
-    out, err = capsys.readouterr()
-    assert "val   bpb per step" in out and one_line(err)
-    assert err.startswith(f"base_loss: cannot write {trained}/base_loss_step000002.json: {WHY[code]}")
-    assert "run base_loss again to save the results printed above" in err
-    assert temporaries(trained) == []  # its own and the dead writer's
+    trained = ckpt_dir(base, "done")
+    for code in (FULL, READ_ONLY):
+        stale = os.path.join(trained, f"base_loss_step000002.json.tmp{dead_pid()}")
+        open(stale, "wb").close()
+        capsys.readouterr()
+        with pytest.MonkeyPatch.context() as mp:
+            fail_writes(mp, trained, code, "base_loss_step")
+            assert run(base_loss.main, "--model_tag=done", "--split_tokens=256", "--device_type=cpu") == 5, code
+        out, err = capsys.readouterr()
+        assert "val   bpb per step" in out and one_line(err), err
+        assert err.startswith(f"base_loss: cannot write {trained}/base_loss_step000002.json: {WHY[code]}"), err
+        assert "run base_loss again to save the results printed above" in err
+        assert temporaries(trained) == []  # its own and the dead writer's
     assert run(base_loss.main, "--model_tag=done", "--split_tokens=256", "--device_type=cpu") == 0
     assert os.listdir(trained).count("base_loss_step000002.json") == 1
 
@@ -143,21 +140,24 @@ def script(base, module, *argv, timeout=300):
     return processes.run([sys.executable, "-m", module, *argv], timeout=timeout, cwd=ROOT, env=env)
 
 
-def test_a_real_full_disk_and_a_real_read_only_mount_give_one_line_and_exit_5(base_dir, tmpfs):
+def test_a_real_full_disk_and_a_real_read_only_mount_give_one_line_and_exit_5(base_dir, tmpfs, monkeypatch, capsys):
     shutil.copytree(os.path.join(base_dir, "tokenizer"), tmpfs / "tokenizer")
     os.symlink(os.path.join(base_dir, "base_data"), tmpfs / "base_data")
-    assert script(tmpfs, "scripts.base_train", *FLAGS, "--model_tag=r").returncode == 0
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmpfs))  # in process but the last: the disk is as real either way
+    assert run(base_train.main, *FLAGS, "--model_tag=r") == 0
     filler = tmpfs / "filler"
     assert os.path.ismount(tmpfs)  # the filler must never reach a shared disk: at most 5 MB, on the tmpfs only
     subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k", "count=1280"], capture_output=True, timeout=60)
-    for module, argv, file in [("scripts.base_loss", ["--model_tag=r", "--split_tokens=256", "--device_type=cpu"],
-                                "r/base_loss_step000004.json"),
-                               ("scripts.plot_run", ["r"], "r/training.png")]:
-        done = script(tmpfs, module, *argv)
-        assert done.returncode == 5 and one_line(done.stderr), done.stderr
-        assert f"{file}: no space left on device" in done.stderr
+    for main, argv, file in [(base_loss.main, ["--model_tag=r", "--split_tokens=256", "--device_type=cpu"],
+                              "r/base_loss_step000004.json"),
+                             (plot_run.main, ["r"], "r/training.png")]:
+        capsys.readouterr()
+        assert run(main, *argv) == 5
+        err = capsys.readouterr().err
+        assert one_line(err) and f"{file}: no space left on device" in err, err
     filler.unlink()
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True, timeout=30)
+    # a real process on the real read-only mount: its exit status and stderr as a user sees them
     done = script(tmpfs, "scripts.base_train", *TINY, "--num_iterations=6", "--model_tag=r", "--resume")
     assert done.returncode == 5 and one_line(done.stderr) and "resumed" not in done.stdout
     assert "base_train: cannot write" in done.stderr and "read-only file system" in done.stderr
