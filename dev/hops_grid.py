@@ -11,13 +11,17 @@ import json
 import subprocess
 import sys
 
-# Every run: one block (width 64, 2 heads), 8 symbols, hops 1-4, batch 64, 2,000 steps; the rest is the run's own.
-TASK = "--depth 1 --n_symbols 8 --max_hops 4 --batch 64 --steps 2000 --eval_docs 512"
+# Every run: width 64, 2 heads, 8 symbols, hops 1-4; the rest is the run's own. masked: one block, batch 64, 2,000
+# steps. answers: issue 36's protocol (2 blocks, batch 32, 3,000 steps, warmup steps/40, warmdown 40%, clip 1.0,
+# 256 held-out rows per hop count).
+TASKS = {"masked": "--depth 1 --n_symbols 8 --max_hops 4 --batch 64 --steps 2000 --eval_docs 512",
+         "answers": "--format answers --depth 2 --n_symbols 8 --max_hops 4 --n_queries 8 --batch 32 --steps 3000 "
+                    "--warmup 75 --warmdown 0.4 --clip 1 --eval_docs 1024"}
 LOOP = "--n_loops 0 --n_sup 4 --detach 0 --preset uniform"  # the same block simply looped, full gradients
 DEFAULT = "--n_loops 2 --n_sup 4 --detach 1 --preset aggressive --state_update trm"  # the defaults before issue 32
 RUNS = {
     # positive controls: depth pays (plain 1 < 2 < 4 blocks), and the loop of one block reaches the deep plain model
-    "plain1": "--n_loops 0 --n_sup 1",
+    "plain1": "--n_loops 0 --n_sup 1 --depth 1",
     "plain2": "--n_loops 0 --n_sup 1 --depth 2",
     "plain4": "--n_loops 0 --n_sup 1 --depth 4",
     "loop": LOOP,
@@ -37,9 +41,9 @@ GROUPS = {"all": ["old_default", "loop", "plain1", "old_default+no_detach", "old
           "ablations": [name for name in RUNS if name.startswith(("old_default", "loop+"))]}
 
 
-def run(name, seed, out, task_extra="", suffix=""):
+def run(name, seed, out, task_extra="", suffix="", task="masked"):
     command = [sys.executable, "-m", "dev.hops", "--name", name + suffix, "--seed", str(seed), "--out", out,
-               *TASK.split(), *task_extra.split(), *RUNS[name].split()]  # later flags win: plain2's --depth too
+               *TASKS[task].split(), *task_extra.split(), *RUNS[name].split()]  # later flags win: plain2's --depth too
     print(" ".join(command[1:]), flush=True)
     subprocess.run(command, check=True)
 
@@ -63,6 +67,7 @@ def main():
     ap.add_argument("--runs", default="controls", help="comma-separated run names or groups: " + ", ".join(GROUPS))
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--out", default="dev/results/hops/grid.jsonl")
+    ap.add_argument("--task", default="masked", choices=TASKS)
     ap.add_argument("--task_extra", default="", help='dev.hops flags for every run, e.g. "--depth 2 --steps 1000"')
     ap.add_argument("--suffix", default="", help="appended to every run's name, e.g. _d2")
     ap.add_argument("--table", default=None, help="print the table of this JSONL instead of running")
@@ -74,7 +79,7 @@ def main():
     if unknown:
         sys.exit(f"unknown run {unknown[0]!r}: choose from {', '.join(list(RUNS) + list(GROUPS))}")
     for name in names:
-        run(name, args.seed, args.out, args.task_extra, args.suffix)
+        run(name, args.seed, args.out, args.task_extra, args.suffix, args.task)
 
 
 if __name__ == "__main__":
