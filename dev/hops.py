@@ -19,6 +19,7 @@ import time
 
 import torch
 
+import nanochat.gpt
 from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
 from nanochat.optim import setup_optimizers
 from nanochat.synthetic import HopsSpec, draw_table, hops_answers, hops_documents, pairs_answers, pairs_document
@@ -53,11 +54,12 @@ def masked_vocab(spec):
 BOS, SEP, EQ, SYMBOL, HOPS = 0, 1, 2, 3, 3 + 8  # the pairs-and-answers ids (issue 36); hop count k is HOPS + k - 1
 
 
-def answers_row(rng, spec, hops=None):
+def answers_row(rng, spec, hops=None, hide=False):
     """(ids, answer positions, answer ids, hops) of one pairs-and-answers row (issue 36, 8 symbols): BOS, the 8 pair
     tokens P[a][pi(a)] = 21 + 8a + pi(a) of one random 8-cycle pi in random order, then spec.n_queries queries
     SEP S[x] K[k] EQ S[pi^k(x)]. The answer is predicted at EQ and stands in the input of every later query, as in
-    a language-model corpus; ids drop the last answer (input = the first 48 of 49 tokens). hops: fix every k."""
+    a language-model corpus; ids drop the last answer (input = the first 48 of 49 tokens). hops: fix every k.
+    hide: a BLANK token stands where each answer would (the ablation: no answer is ever an input)."""
     assert spec.n_symbols == 8 and spec.max_hops <= 10, "the issue's vocabulary: 8 symbols, hop counts 1..10"
     cycle = list(range(8))
     rng.shuffle(cycle)
@@ -74,30 +76,57 @@ def answers_row(rng, spec, hops=None):
         pos.append(len(ids) - 1)
         answers.append(SYMBOL + y)
         ks.append(k)
-        ids.append(SYMBOL + y)
+        ids.append(BLANK if hide else SYMBOL + y)
     return ids[:-1], pos, answers, ks
 
 
 ANSWERS_VOCAB = HOPS + 10 + 64  # 85
+BLANK = ANSWERS_VOCAB  # the 86th id, in --format answers_hidden only
 
 
-def answers_eval_rows(seed, count, spec):
+def answers_eval_rows(seed, count, spec, hide=False):
     """The issue's evaluation: for each k in 1..max_hops, count rows whose queries all have k hops."""
     rng = random.Random(seed)
-    return [answers_row(rng, spec, k) for k in range(1, spec.max_hops + 1) for _ in range(count)]
+    return [answers_row(rng, spec, k, hide) for k in range(1, spec.max_hops + 1) for _ in range(count)]
+
+
+# Ablations of the layer visit (gpt.visit_layer), swapped in by --variant: each changes one thing of it.
+VISIT = nanochat.gpt.visit_layer  # the original, kept: --variant replaces the module's name
+
+
+def visit_xyz_both(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
+    """the answer update reads x + y + z too (no y + z split)"""
+    for i in range(n_loops + 1):
+        u = x + y + z
+        delta = block.delta(u, cos_sin, kv_cache, slot + i)
+        if i < n_loops:
+            z = update(z, u, delta, None)
+        else:
+            y = update(y, u, delta, None)
+    return y, z
+
+
+def visit_no_x(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
+    """the latent updates read y + z: x enters only as y's start (no re-injection)"""
+    return VISIT(block, torch.zeros_like(x), y, z, cos_sin, n_loops, update, kv_cache, slot)
+
+
+VARIANTS = {"default": VISIT, "xyz_both": visit_xyz_both, "no_x": visit_no_x}
 
 
 def documents(seed, count, spec):
     if FORMAT["name"] == "text":
         return hops_documents(seed, count, spec)
     rng = random.Random(f"{FORMAT['name']}:{seed}")
+    if FORMAT["name"] == "answers_hidden":
+        return [answers_row(rng, spec, hide=True) for _ in range(count)]
     row = {"masked": masked_row, "answers": answers_row, "pairs": pairs_document}[FORMAT["name"]]
     return [row(rng, spec) for _ in range(count)]
 
 
 def batches(docs, tokenizer):
     """(idx, targets, answer index per row, hops per row) of byte-level documents, each starting with <|bos|>."""
-    if FORMAT["name"] in ("masked", "answers"):  # token-id rows: (ids, answer positions, answer ids, hops)
+    if FORMAT["name"] in ("masked", "answers", "answers_hidden"):  # token-id rows: (ids, answer positions, answer ids, hops)
         ids, pos, answers, hops = (torch.tensor(column) for column in zip(*docs))
         return ids, torch.full_like(ids, -1).scatter_(1, pos, answers), pos, hops
     rows = [tokenizer.encode(d, prepend=tokenizer.get_bos_token_id()) for d in docs]
@@ -176,18 +205,22 @@ def main():
     ap.add_argument("--answers_only", type=int, default=0, help="1: the loss reads only the answer tokens")
     ap.add_argument("--eval_every", type=int, default=0)
     ap.add_argument("--adamw", type=float, default=0.0, help="one AdamW at this lr instead of Muon + AdamW")
-    ap.add_argument("--format", default="masked", choices=["masked", "answers", "pairs", "text"])
+    ap.add_argument("--format", default="masked", choices=["masked", "answers", "answers_hidden", "pairs", "text"])
     ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variant", default="default", choices=VARIANTS, help="the layer visit (an ablation)")
+    ap.add_argument("--save", default=None, help="torch.save {config, state_dict} of the trained model here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    nanochat.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
 
     tok = RustBPETokenizer.byte_level()
     spec = HopsSpec(n_symbols=args.n_symbols, max_hops=args.max_hops, n_queries=args.n_queries)
     FORMAT.update(name=args.format, answers=pairs_answers if args.format == "pairs" else hops_answers)
     length = batches(documents(0, 1, spec), tok)[0].size(1)
-    vocab = {"masked": masked_vocab(spec), "answers": ANSWERS_VOCAB}.get(args.format, tok.get_vocab_size())
+    vocab = {"masked": masked_vocab(spec), "answers": ANSWERS_VOCAB, "answers_hidden": ANSWERS_VOCAB + 1}.get(
+        args.format, tok.get_vocab_size())
     config = GPTConfig.with_refinement_preset(
         args.preset, sequence_len=length, vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
         n_kv_head=args.n_head, n_embd=args.width, n_loops=args.n_loops, n_sup_train=args.n_sup,
@@ -201,8 +234,9 @@ def main():
     else:
         optimizers = setup_optimizers(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
                                       matrix_lr=args.matrix_lr)
-    val = batches(answers_eval_rows(10_000 + args.seed, args.eval_docs // args.max_hops, spec)
-                  if args.format == "answers" else documents(10_000 + args.seed, args.eval_docs, spec), tok)
+    val = batches(answers_eval_rows(10_000 + args.seed, args.eval_docs // args.max_hops, spec,
+                                    args.format == "answers_hidden")
+                  if args.format.startswith("answers") else documents(10_000 + args.seed, args.eval_docs, spec), tok)
     start, log = time.time(), []
 
     def report(step, aux):
@@ -224,6 +258,8 @@ def main():
     trained = acc[args.n_sup - 1].tolist()
     print(f"RESULT {args.name} seed {args.seed} at step {args.n_sup}: by hops {[round(v, 2) for v in trained]}; "
           f"{args.max_hops} hops by step {[round(v, 2) for v in acc[:, -1].tolist()]}", flush=True)
+    if args.save:
+        torch.save({"config": config.to_dict(), "state_dict": model.state_dict()}, args.save)
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")

@@ -86,6 +86,10 @@ def test_answers_rows_answer_right_and_show_earlier_answers():
     assert [set(r[3]) for r in rows] == [{k} for k in range(1, 5) for _ in range(5)]
     assert all([(h, a) for h, a in zip(r[3], r[2])] == solve_answers(r[0] + [r[2][-1]])[0] for r in rows)
     assert answers_row(random.Random(1), spec) == answers_row(random.Random(1), spec)
+    hidden, shown = answers_row(random.Random(2), spec, hide=True), answers_row(random.Random(2), spec)
+    assert [hidden[0][p + 1] for p in hidden[1][:-1]] == [85] * 7  # the ablation: a blank where each answer stood
+    assert [t for i, t in enumerate(hidden[0]) if i - 1 not in hidden[1]] == \
+        [t for i, t in enumerate(shown[0]) if i - 1 not in shown[1]] and hidden[1:] == shown[1:]
 
 
 SPEC = HopsSpec(n_symbols=6, max_hops=3, n_queries=12)
