@@ -37,6 +37,10 @@ RUNS = {
     "old_default+xyz_both": DEFAULT + " --variant xyz_both",
     "old_default+no_x": DEFAULT + " --variant no_x",
     "old_default+matrix_lr/3": DEFAULT + " --matrix_lr 0.0067",  # 3x the block applications of the loop per step
+    # the same, at one supervision step: what breaks inside a step (issue 36)
+    **{f"old_default+n_sup1+{k}": DEFAULT + " --n_sup 1 " + v for k, v in {
+        "residual": "--state_update residual", "postnorm": "--state_update postnorm", "n_loops1": "--n_loops 1",
+        "xyz_both": "--variant xyz_both", "no_x": "--variant no_x", "matrix_lr/3": "--matrix_lr 0.0067"}.items()},
     # from the loop back toward the old default
     "loop+detach": LOOP + " --detach 1",
     "loop+aggressive": LOOP + " --preset aggressive",
