@@ -6,7 +6,7 @@ python -m dev.hops --name plain1 --depth 1 --n_loops 0 --n_sup 1                
 python -m dev.hops --name loop --depth 1 --n_loops 0 --n_sup 4 --detach 0 --preset uniform         # it, looped 4x
 
 --format masked (the default): one table as one token per entry, then queries whose answers are targets only (see
-masked_row). --format pairs / text: the LM documents of nanochat.synthetic (answers in the text, so later queries can
+masked_row). --format answers: issue 36's pairs-and-answers rows (answers_row), whose answers stand in the input. --format pairs / text: the LM documents of nanochat.synthetic (answers in the text, so later queries can
 reuse earlier answers). The product's GPT, its forward_backward and optimizers (Muon + AdamW), warmup then linear
 warmdown. Prints one JSON line per run (appended to --out): accuracy[step][hops] on held-out rows for steps 1..2N,
 the answer loss per step, and the training time.
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+import nanochat.gpt
 from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
 from nanochat.optim import setup_optimizers
 from nanochat.synthetic import HopsSpec, draw_table, hops_answers, hops_documents, pairs_answers, pairs_document
@@ -50,16 +51,82 @@ def masked_vocab(spec):
     return spec.n_symbols * (spec.n_symbols - 1) + spec.n_symbols + spec.max_hops + 3
 
 
+BOS, SEP, EQ, SYMBOL, HOPS = 0, 1, 2, 3, 3 + 8  # the pairs-and-answers ids (issue 36); hop count k is HOPS + k - 1
+
+
+def answers_row(rng, spec, hops=None, hide=False):
+    """(ids, answer positions, answer ids, hops) of one pairs-and-answers row (issue 36, 8 symbols): BOS, the 8 pair
+    tokens P[a][pi(a)] = 21 + 8a + pi(a) of one random 8-cycle pi in random order, then spec.n_queries queries
+    SEP S[x] K[k] EQ S[pi^k(x)]. The answer is predicted at EQ and stands in the input of every later query, as in
+    a language-model corpus; ids drop the last answer (input = the first 48 of 49 tokens). hops: fix every k.
+    hide: a BLANK token stands where each answer would (the ablation: no answer is ever an input)."""
+    assert spec.n_symbols == 8 and spec.max_hops <= 10, "the issue's vocabulary: 8 symbols, hop counts 1..10"
+    cycle = list(range(8))
+    rng.shuffle(cycle)
+    pi = dict(zip(cycle, cycle[1:] + cycle[:1]))
+    order = list(range(8))
+    rng.shuffle(order)
+    ids, pos, answers, ks = [BOS] + [HOPS + 10 + 8 * a + pi[a] for a in order], [], [], []
+    for _ in range(spec.n_queries):
+        x, k = rng.randrange(8), hops or rng.randint(1, spec.max_hops)
+        y = x
+        for _ in range(k):
+            y = pi[y]
+        ids += [SEP, SYMBOL + x, HOPS + k - 1, EQ]
+        pos.append(len(ids) - 1)
+        answers.append(SYMBOL + y)
+        ks.append(k)
+        ids.append(BLANK if hide else SYMBOL + y)
+    return ids[:-1], pos, answers, ks
+
+
+ANSWERS_VOCAB = HOPS + 10 + 64  # 85
+BLANK = ANSWERS_VOCAB  # the 86th id, in --format answers_hidden only
+
+
+def answers_eval_rows(seed, count, spec, hide=False):
+    """The issue's evaluation: for each k in 1..max_hops, count rows whose queries all have k hops."""
+    rng = random.Random(seed)
+    return [answers_row(rng, spec, k, hide) for k in range(1, spec.max_hops + 1) for _ in range(count)]
+
+
+# Ablations of the layer visit (gpt.visit_layer), swapped in by --variant: each changes one thing of it.
+VISIT = nanochat.gpt.visit_layer  # the original, kept: --variant replaces the module's name
+
+
+def visit_xyz_both(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
+    """the answer update reads x + y + z too (no y + z split)"""
+    for i in range(n_loops + 1):
+        u = x + y + z
+        delta = block.delta(u, cos_sin, kv_cache, slot + i)
+        if i < n_loops:
+            z = update(z, u, delta, None)
+        else:
+            y = update(y, u, delta, None)
+    return y, z
+
+
+def visit_no_x(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
+    """the latent updates read y + z: x enters only as y's start (no re-injection)"""
+    return VISIT(block, torch.zeros_like(x), y, z, cos_sin, n_loops, update, kv_cache, slot)
+
+
+VARIANTS = {"default": VISIT, "xyz_both": visit_xyz_both, "no_x": visit_no_x}
+
+
 def documents(seed, count, spec):
     if FORMAT["name"] == "text":
         return hops_documents(seed, count, spec)
     rng = random.Random(f"{FORMAT['name']}:{seed}")
-    return [(masked_row if FORMAT["name"] == "masked" else pairs_document)(rng, spec) for _ in range(count)]
+    if FORMAT["name"] == "answers_hidden":
+        return [answers_row(rng, spec, hide=True) for _ in range(count)]
+    row = {"masked": masked_row, "answers": answers_row, "pairs": pairs_document}[FORMAT["name"]]
+    return [row(rng, spec) for _ in range(count)]
 
 
 def batches(docs, tokenizer):
     """(idx, targets, answer index per row, hops per row) of byte-level documents, each starting with <|bos|>."""
-    if FORMAT["name"] == "masked":
+    if FORMAT["name"] in ("masked", "answers", "answers_hidden"):  # token-id rows: (ids, answer positions, answer ids, hops)
         ids, pos, answers, hops = (torch.tensor(column) for column in zip(*docs))
         return ids, torch.full_like(ids, -1).scatter_(1, pos, answers), pos, hops
     rows = [tokenizer.encode(d, prepend=tokenizer.get_bos_token_id()) for d in docs]
@@ -89,7 +156,7 @@ def evaluate(model, data, n_steps, max_hops, batch=64):
 
 
 def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, warmdown=0.3, answers_only=False,
-          report=None):
+          report=None, clip=0.0):
     """`steps` optimizer steps on fresh documents (seeded by seed and step), warmup then linear warmdown."""
     for step in range(steps):
         lrm = min(1.0, (step + 1) / warmup) * min(1.0, (1 - step / steps) / warmdown)
@@ -100,6 +167,8 @@ def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, wa
         if answers_only:
             targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))
         _, aux = model.forward_backward(idx, targets)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         for opt in optimizers:
             opt.step()
         model.zero_grad(set_to_none=True)
@@ -136,17 +205,22 @@ def main():
     ap.add_argument("--answers_only", type=int, default=0, help="1: the loss reads only the answer tokens")
     ap.add_argument("--eval_every", type=int, default=0)
     ap.add_argument("--adamw", type=float, default=0.0, help="one AdamW at this lr instead of Muon + AdamW")
-    ap.add_argument("--format", default="masked", choices=["masked", "pairs", "text"])
+    ap.add_argument("--format", default="masked", choices=["masked", "answers", "answers_hidden", "pairs", "text"])
+    ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variant", default="default", choices=VARIANTS, help="the layer visit (an ablation)")
+    ap.add_argument("--save", default=None, help="torch.save {config, state_dict} of the trained model here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    nanochat.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
 
     tok = RustBPETokenizer.byte_level()
     spec = HopsSpec(n_symbols=args.n_symbols, max_hops=args.max_hops, n_queries=args.n_queries)
     FORMAT.update(name=args.format, answers=pairs_answers if args.format == "pairs" else hops_answers)
     length = batches(documents(0, 1, spec), tok)[0].size(1)
-    vocab = masked_vocab(spec) if args.format == "masked" else tok.get_vocab_size()
+    vocab = {"masked": masked_vocab(spec), "answers": ANSWERS_VOCAB, "answers_hidden": ANSWERS_VOCAB + 1}.get(
+        args.format, tok.get_vocab_size())
     config = GPTConfig.with_refinement_preset(
         args.preset, sequence_len=length, vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
         n_kv_head=args.n_head, n_embd=args.width, n_loops=args.n_loops, n_sup_train=args.n_sup,
@@ -160,7 +234,9 @@ def main():
     else:
         optimizers = setup_optimizers(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
                                       matrix_lr=args.matrix_lr)
-    val = batches(documents(10_000 + args.seed, args.eval_docs, spec), tok)
+    val = batches(answers_eval_rows(10_000 + args.seed, args.eval_docs // args.max_hops, spec,
+                                    args.format == "answers_hidden")
+                  if args.format.startswith("answers") else documents(10_000 + args.seed, args.eval_docs, spec), tok)
     start, log = time.time(), []
 
     def report(step, aux):
@@ -173,7 +249,7 @@ def main():
             print(f"{args.name} step {step} losses {log[-1][1]} {time.time() - start:.0f}s", flush=True)
 
     train(model, optimizers, spec, tok, args.steps, args.batch, args.seed, args.warmup, args.warmdown,
-          bool(args.answers_only), report)
+          bool(args.answers_only), report, args.clip)
     train_s = time.time() - start
     acc, answer_loss = evaluate(model, val, 2 * args.n_sup, args.max_hops)
     result = {"name": args.name, "seed": args.seed, "args": vars(args), "params": model.num_params(),
@@ -182,6 +258,8 @@ def main():
     trained = acc[args.n_sup - 1].tolist()
     print(f"RESULT {args.name} seed {args.seed} at step {args.n_sup}: by hops {[round(v, 2) for v in trained]}; "
           f"{args.max_hops} hops by step {[round(v, 2) for v in acc[:, -1].tolist()]}", flush=True)
+    if args.save:
+        torch.save({"config": config.to_dict(), "state_dict": model.state_dict()}, args.save)
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")

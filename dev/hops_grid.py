@@ -11,13 +11,18 @@ import json
 import subprocess
 import sys
 
-# Every run: one block (width 64, 2 heads), 8 symbols, hops 1-4, batch 64, 2,000 steps; the rest is the run's own.
-TASK = "--depth 1 --n_symbols 8 --max_hops 4 --batch 64 --steps 2000 --eval_docs 512"
+# Every run: width 64, 2 heads, 8 symbols, hops 1-4; the rest is the run's own. masked: one block, batch 64, 2,000
+# steps. answers: issue 36's protocol (2 blocks, batch 32, 3,000 steps, warmup steps/40, warmdown 40%, clip 1.0,
+# 256 held-out rows per hop count).
+TASKS = {"masked": "--depth 1 --n_symbols 8 --max_hops 4 --batch 64 --steps 2000 --eval_docs 512",
+         "answers": "--format answers --depth 2 --n_symbols 8 --max_hops 4 --n_queries 8 --batch 32 --steps 3000 "
+                    "--warmup 75 --warmdown 0.4 --clip 1 --eval_docs 1024"}
+TASKS["answers_hidden"] = TASKS["answers"].replace("answers", "answers_hidden")  # a blank where answers stood
 LOOP = "--n_loops 0 --n_sup 4 --detach 0 --preset uniform"  # the same block simply looped, full gradients
 DEFAULT = "--n_loops 2 --n_sup 4 --detach 1 --preset aggressive --state_update trm"  # the defaults before issue 32
 RUNS = {
     # positive controls: depth pays (plain 1 < 2 < 4 blocks), and the loop of one block reaches the deep plain model
-    "plain1": "--n_loops 0 --n_sup 1",
+    "plain1": "--n_loops 0 --n_sup 1 --depth 1",
     "plain2": "--n_loops 0 --n_sup 1 --depth 2",
     "plain4": "--n_loops 0 --n_sup 1 --depth 4",
     "loop": LOOP,
@@ -27,6 +32,15 @@ RUNS = {
     "old_default+residual": DEFAULT + " --state_update residual",
     "old_default+uniform": DEFAULT + " --preset uniform",
     "old_default+n_loops0": DEFAULT + " --n_loops 0",
+    "old_default+n_sup1": DEFAULT + " --n_sup 1",  # one supervision step: the within-step recursion alone
+    "old_default+n_loops1": DEFAULT + " --n_loops 1",
+    "old_default+xyz_both": DEFAULT + " --variant xyz_both",
+    "old_default+no_x": DEFAULT + " --variant no_x",
+    "old_default+matrix_lr/3": DEFAULT + " --matrix_lr 0.0067",  # 3x the block applications of the loop per step
+    # the same, at one supervision step: what breaks inside a step (issue 36)
+    **{f"old_default+n_sup1+{k}": DEFAULT + " --n_sup 1 " + v for k, v in {
+        "residual": "--state_update residual", "postnorm": "--state_update postnorm", "n_loops1": "--n_loops 1",
+        "xyz_both": "--variant xyz_both", "no_x": "--variant no_x", "matrix_lr/3": "--matrix_lr 0.0067"}.items()},
     # from the loop back toward the old default
     "loop+detach": LOOP + " --detach 1",
     "loop+aggressive": LOOP + " --preset aggressive",
@@ -37,9 +51,11 @@ GROUPS = {"all": ["old_default", "loop", "plain1", "old_default+no_detach", "old
           "ablations": [name for name in RUNS if name.startswith(("old_default", "loop+"))]}
 
 
-def run(name, seed, out, task_extra="", suffix=""):
+def run(name, seed, out, task_extra="", suffix="", task="masked", save_dir=None):
     command = [sys.executable, "-m", "dev.hops", "--name", name + suffix, "--seed", str(seed), "--out", out,
-               *TASK.split(), *task_extra.split(), *RUNS[name].split()]  # later flags win: plain2's --depth too
+               *TASKS[task].split(), *task_extra.split(), *RUNS[name].split()]  # later flags win: plain2's --depth too
+    if save_dir:
+        command += ["--save", f"{save_dir}/{name}{suffix}_seed{seed}.pt"]
     print(" ".join(command[1:]), flush=True)
     subprocess.run(command, check=True)
 
@@ -63,6 +79,8 @@ def main():
     ap.add_argument("--runs", default="controls", help="comma-separated run names or groups: " + ", ".join(GROUPS))
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--out", default="dev/results/hops/grid.jsonl")
+    ap.add_argument("--task", default="masked", choices=TASKS)
+    ap.add_argument("--save_dir", default=None, help="save every trained model here (dev.hops --save)")
     ap.add_argument("--task_extra", default="", help='dev.hops flags for every run, e.g. "--depth 2 --steps 1000"')
     ap.add_argument("--suffix", default="", help="appended to every run's name, e.g. _d2")
     ap.add_argument("--table", default=None, help="print the table of this JSONL instead of running")
@@ -74,7 +92,7 @@ def main():
     if unknown:
         sys.exit(f"unknown run {unknown[0]!r}: choose from {', '.join(list(RUNS) + list(GROUPS))}")
     for name in names:
-        run(name, args.seed, args.out, args.task_extra, args.suffix)
+        run(name, args.seed, args.out, args.task_extra, args.suffix, args.task, args.save_dir)
 
 
 if __name__ == "__main__":

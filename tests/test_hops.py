@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from dev.hops import batches, evaluate, masked_row, masked_vocab, train
+from dev.hops import ANSWERS_VOCAB, answers_eval_rows, answers_row, batches, evaluate, masked_row, masked_vocab, train
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.optim import setup_optimizers
 from nanochat.synthetic import HopsSpec
@@ -43,6 +43,53 @@ def test_masked_rows_answer_right_and_never_show_an_answer(spec):
         digit = spec.n_symbols * (spec.n_symbols - 1) + spec.n_symbols
         assert all(digit < ids[p + 1] <= digit + spec.max_hops for p in pos[:-1]) and pos[-1] == len(ids) - 1
     assert masked_row(random.Random(1), spec) == masked_row(random.Random(1), spec)
+
+
+def solve_answers(ids):
+    """[(hops, answer id)] of a pairs-and-answers row from the issue's vocabulary alone: BOS=0, SEP=1, EQ=2, S[x]=3+x,
+    K[k]=10+k, P[a][b]=21+8a+b; queries SEP S[x] K[k] EQ, each answered by the token after EQ."""
+    assert ids[0] == 0
+    table = {}
+    for t in ids[1:9]:
+        a, b = divmod(t - 21, 8)
+        table[a] = b
+    answers = []
+    for i in range(9, len(ids), 5):
+        sep, s, k, eq = ids[i:i + 4]
+        assert (sep, eq) == (1, 2)
+        y = s - 3
+        for _ in range(k - 10):
+            y = table[y]
+        answers.append((k - 10, 3 + y))
+    return answers, table
+
+
+def test_answers_rows_answer_right_and_show_earlier_answers():
+    spec = HopsSpec(n_symbols=8, max_hops=4, n_queries=8)
+    rng = random.Random(0)
+    hops_seen = set()
+    for _ in range(300):
+        ids, pos, answers, hops = answers_row(rng, spec)
+        assert len(ids) == 48 and max(ids) < ANSWERS_VOCAB == 85
+        solved, table = solve_answers(ids + [answers[-1]])
+        assert [(h, a) for h, a in zip(hops, answers)] == solved
+        # one cycle through all 8 symbols: walking 8 steps from 0 visits each once
+        walk = [0]
+        for _ in range(7):
+            walk.append(table[walk[-1]])
+        assert sorted(walk) == list(range(8)) and table[walk[-1]] == 0
+        assert pos == [12 + 5 * i for i in range(8)] and all(ids[p] == 2 for p in pos)
+        assert [ids[p + 1] for p in pos[:-1]] == answers[:-1]  # earlier answers stand in the input
+        hops_seen.update(hops)
+    assert hops_seen == {1, 2, 3, 4}
+    rows = answers_eval_rows(7, 5, spec)
+    assert [set(r[3]) for r in rows] == [{k} for k in range(1, 5) for _ in range(5)]
+    assert all([(h, a) for h, a in zip(r[3], r[2])] == solve_answers(r[0] + [r[2][-1]])[0] for r in rows)
+    assert answers_row(random.Random(1), spec) == answers_row(random.Random(1), spec)
+    hidden, shown = answers_row(random.Random(2), spec, hide=True), answers_row(random.Random(2), spec)
+    assert [hidden[0][p + 1] for p in hidden[1][:-1]] == [85] * 7  # the ablation: a blank where each answer stood
+    assert [t for i, t in enumerate(hidden[0]) if i - 1 not in hidden[1]] == \
+        [t for i, t in enumerate(shown[0]) if i - 1 not in shown[1]] and hidden[1:] == shown[1:]
 
 
 SPEC = HopsSpec(n_symbols=6, max_hops=3, n_queries=12)
