@@ -1,6 +1,5 @@
 """Tests for the OpenAI-compatible server: the official openai client against the real server on 127.0.0.1."""
 
-import contextlib
 import json
 import os
 import re
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 
 from nanochat.engine import Engine
 from scripts import serve
+from tests.support.server import running
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -493,25 +493,6 @@ def test_health(url, trained):
 
 
 # ---------------------------------------------------------------- slots, in-process servers with controlled engines
-
-@contextlib.contextmanager
-def running(http):
-    """Run a uvicorn.Server in a thread on a socket bound to a free port; yield its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not http.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        http.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
 
 def post(url, body, timeout=30):
     return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)

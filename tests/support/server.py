@@ -12,7 +12,13 @@ import uvicorn
 @contextlib.contextmanager
 def serving(app, start_timeout_s=10):
     """Yields the base URL; the server stops (joined with a timeout) when the block ends."""
-    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    with running(uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off")), start_timeout_s) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running(http, start_timeout_s=10):
+    """A configured uvicorn.Server (its own limits, timeouts) run in a thread on a free port; yields its base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
