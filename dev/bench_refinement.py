@@ -13,16 +13,15 @@ this thread's CPU time (with --threads 1 the steadier of the two on a shared mac
 
 import argparse
 import json
-import math
 import statistics
 import time
 
 import torch
 
 from dev.bench_args import add_model_flags, build_config
+from dev.bench_engine import random_model
 from nanochat import refinement
 from nanochat.engine import Engine
-from nanochat.gpt import GPT
 from nanochat.halting import Halting
 
 
@@ -78,13 +77,7 @@ def main(argv=None):
     device = torch.device(args.device_type)
     config = build_config(args, sequence_len=max(256, args.prompt_tokens), n_loops=args.n_loops, T_recursion=1,
                           n_sup_train=args.n_sup)
-    torch.manual_seed(0)
-    model = GPT(config).to(device)
-    model.init_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(std=1.0 / math.sqrt(p.size(-1)))
-    model.eval()
+    model = random_model(config, device)  # every weight random: each step's logits differ
     engine = Engine(model, NumberNames())
     prompt = torch.randint(0, config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1))
     prompt = prompt.tolist()
