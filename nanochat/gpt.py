@@ -156,7 +156,15 @@ def decay_update(state, u, delta, retain):
     return torch.sigmoid(retain) * state + delta
 
 
-STATE_UPDATES = {"residual": residual_update, "postnorm": postnorm_update, "trm": trm_update, "decay": decay_update}
+def stream_step_end(y, z):
+    """Renormalise the carried state at the end of a supervision step: within a step "stream" is a deep
+    transformer's residual stream (state + D, nothing diluted), across steps it stays bounded at RMS 1."""
+    return norm(y), norm(z)
+
+
+STATE_UPDATES = {"residual": residual_update, "postnorm": postnorm_update, "trm": trm_update, "decay": decay_update,
+                 "stream": residual_update}
+STEP_ENDS = {"stream": stream_step_end}  # what a state update does to y and z between supervision steps, if anything
 DECAY_INIT_LOGIT = 2.0  # sigmoid(2) = 0.88: close to the residual sum at first, still a contraction
 
 
@@ -507,6 +515,8 @@ class GPT(nn.Module):
             yield y, z
             if c.detach_between_steps:
                 y, z = y.detach(), (z.detach() if z is not None else None)
+            if c.n_loops and c.state_update in STEP_ENDS:
+                y, z = STEP_ENDS[c.state_update](y, z)
 
     def head(self, y):
         logits = self.lm_head(norm(y)).float()
