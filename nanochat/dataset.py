@@ -472,6 +472,7 @@ def build_synthetic(family, seed=0, docs=SYNTHETIC_DOCS, n_symbols=16, max_hops=
         raise DatasetError(f"--synthetic_docs={docs}: need at least 2 (one is held out for validation)")
     try:
         spec = HopsSpec(n_symbols=n_symbols, max_hops=max_hops, n_queries=n_queries)
+        next(iter_hops_documents(seed, 1, spec, family))  # a family's own limits, before anything is written
     except ValueError as e:  # HopsSpec names its fields; the user typed the flags
         message = str(e)
         for field, flag in HOPS_FLAGS.items():
@@ -485,7 +486,7 @@ def build_synthetic(family, seed=0, docs=SYNTHETIC_DOCS, n_symbols=16, max_hops=
     if list_parquet_files(directory):
         refuse_to_mix(directory)  # before generating: build_corpus would refuse only after writing it all
     stats = new_stats()
-    build_corpus(iter_hops_documents(seed, docs, spec), stats, source, directory)
+    build_corpus(iter_hops_documents(seed, docs, spec, family), stats, source, directory)
 
 
 def import_corpus(paths, skip_bad_lines=False, directory=None, text_column="text"):
@@ -503,8 +504,9 @@ def main(argv=None):
     mode.add_argument("--from", dest="paths", nargs="+", metavar="PATH",
                       help=".txt/.jsonl/.parquet files or dirs, or hf:NAME[:config][:split]")
     mode.add_argument("--synthetic", metavar="FAMILY",
-                      help="generate a reasoning corpus: hops (chained lookups in a permutation table; "
-                           "docs/reasoning.md)")
+                      help="generate a reasoning corpus: hops (chained lookups in a permutation table) or "
+                           "hops_pairs (the same, one character per table entry; --hops_symbols<=8); "
+                           "docs/reasoning.md")
     parser.add_argument("--seed", type=int, default=0,
                         help="--synthetic: the corpus is a function of this and the spec")
     parser.add_argument("--synthetic_docs", type=int, default=SYNTHETIC_DOCS,

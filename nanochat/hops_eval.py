@@ -17,7 +17,7 @@ import math
 import torch
 
 from nanochat.collectives import raise_if_any_rank_failed, reduce_with_flags
-from nanochat.synthetic import SEPARATOR, hops_answers
+from nanochat.synthetic import hops_answers, table_size
 
 
 class HopsEvalError(ValueError):
@@ -30,8 +30,8 @@ def encode_hops(tokenizer, text, answer_ids=None):
     answer_ids: a cache of answer character -> token id, shared across documents."""
     answers = hops_answers(text)
     if not answers:
-        raise HopsEvalError(f"a document holds no hops query ('x3=y'): {text[:60]!r}...; evaluate a corpus made by "
-                            "python -m nanochat.dataset --synthetic=hops")
+        raise HopsEvalError(f"a document holds no hops query ('x3=y' or ' 3xy'): {text[:60]!r}...; evaluate a "
+                            "corpus made by python -m nanochat.dataset --synthetic=hops (or =hops_pairs)")
     answer_ids = {} if answer_ids is None else answer_ids
     ids, out, start = [tokenizer.get_bos_token_id()], [], 0
     for a in answers:
@@ -47,11 +47,6 @@ def encode_hops(tokenizer, text, answer_ids=None):
         start = a.position + 1
     ids += tokenizer.encode(text[start:]) if start < len(text) else []
     return ids, out
-
-
-def table_symbols(text):
-    """How many symbols a document's table lists: chance accuracy is one over it."""
-    return len(text.split(SEPARATOR)[0].split())
 
 
 @torch.no_grad()
@@ -95,7 +90,7 @@ def evaluate_hops(model, tokenizer, documents, n_steps, batch_size=32, device="c
         "answer_bpb": [(nats[s].sum() / (math.log(2) * nbytes.sum())).item() for s in range(n_steps)],
         "answer_bpb_by_hops": [[(nats[s, h] / (math.log(2) * nbytes[h])).item() for h in hops]
                                for s in range(n_steps)],
-        "chance": len(documents) / sum(table_symbols(text) for text in documents),  # 1/n for one spec
+        "chance": len(documents) / sum(table_size(text) for text in documents),  # 1/n for one spec
         "documents": len(documents),
     }
 

@@ -14,10 +14,10 @@ copies each value onto its key: a model answers h hops with about h + 1 attentio
 """
 
 import random
+import re
 import string
 from dataclasses import dataclass
 
-SYNTHETIC_FAMILIES = ("hops",)
 SEPARATOR = " ; "  # between the table and the queries
 
 
@@ -79,32 +79,55 @@ def pair_char(k, v, n):
 
 def pairs_document(rng, spec):
     """The same task with each table entry k -> v written as ONE character (pair_char), and each query as " 3ac":
-    hops, x, then the answer, predicted at x's own position. One lookup is then one attention layer."""
+    hops, x, then the answer, predicted at x's own position. One lookup is then one attention layer; as in "hops",
+    earlier answers stand in the text (issue 36's pairs-and-answers format, in characters)."""
     n, letters = spec.n_symbols, string.ascii_lowercase
+    if n * (n - 1) > len(PAIR_ALPHABET):
+        raise ValueError(f"n_symbols={n}: the pairs format writes each table entry as one character, which allows "
+                         f"at most 8 symbols")
     f, order, queries = draw_table(rng, list(range(n)), spec)
     return ("".join(pair_char(k, f[k], n) for k in order) + SEPARATOR +
             " ".join(f"{h}{letters[x]}{letters[y]}" for x, h, y in queries))
 
 
+PAIRS_QUERY = re.compile(r"(\d)[a-z]([a-z])")  # " 3ac": hops, x, the answer
+
+
 def pairs_answers(text):
-    body = text.split(SEPARATOR, 1)
-    start = len(body[0]) + len(SEPARATOR)
-    return [Answer(start + i + 2, int(text[start + i]), text[start + i + 2]) for i in range(0, len(body[1]), 4)]
+    """The answers of a pairs document; none when the text is not one."""
+    if SEPARATOR not in text:
+        return []
+    start = text.index(SEPARATOR) + len(SEPARATOR)
+    return [Answer(m.start(2), int(m.group(1)), m.group(2)) for m in PAIRS_QUERY.finditer(text, start)]
 
 
-def iter_hops_documents(seed, count, spec=HopsSpec()):
+# family -> how one document is drawn; "hops_pairs" is the pairs-and-answers format: one character per table entry
+FAMILIES = {"hops": hops_document, "hops_pairs": pairs_document}
+SYNTHETIC_FAMILIES = tuple(FAMILIES)
+
+
+def iter_hops_documents(seed, count, spec=HopsSpec(), family="hops"):
     """hops_documents one at a time: a corpus of millions of documents never sits in memory as a list."""
-    rng = random.Random(f"hops:{seed}:{spec.n_symbols}:{spec.max_hops}:{spec.n_queries}")
+    prefix = "hops" if family == "hops" else family  # "hops" keeps the seeds of the corpora built before families
+    rng = random.Random(f"{prefix}:{seed}:{spec.n_symbols}:{spec.max_hops}:{spec.n_queries}")
     for _ in range(count):
-        yield hops_document(rng, spec)
+        yield FAMILIES[family](rng, spec)
 
 
-def hops_documents(seed, count, spec=HopsSpec()):
-    """`count` documents, deterministic in (seed, spec)."""
-    return list(iter_hops_documents(seed, count, spec))
+def hops_documents(seed, count, spec=HopsSpec(), family="hops"):
+    """`count` documents, deterministic in (seed, spec, family)."""
+    return list(iter_hops_documents(seed, count, spec, family))
 
 
 def hops_answers(text):
-    """The answers of a hops document, read from its text: every "=" is followed by one answer character, and the
-    digit before it is the hop count."""
+    """The answers of a document of either family, read from its text. "hops": every "=" is followed by one answer
+    character, and the digit before it is the hop count. "hops_pairs" (no "=" anywhere): pairs_answers."""
+    if "=" not in text:
+        return pairs_answers(text)
     return [Answer(i + 1, int(text[i - 1]), text[i + 1]) for i, ch in enumerate(text) if ch == "="]
+
+
+def table_size(text):
+    """How many symbols a document's table lists (one entry each): chance accuracy is one over it."""
+    table = text.split(SEPARATOR)[0]
+    return len(table.split()) if " " in table else len(table)

@@ -267,6 +267,18 @@ def test_synthetic_hops_writes_train_and_val_shards_deterministically(tmp_path, 
     assert sorted(dataset.iter_documents("val")) != sorted(val)
 
 
+def test_synthetic_hops_pairs_is_the_pairs_family_and_refuses_too_many_symbols(tmp_path, monkeypatch, capsys):
+    from nanochat.synthetic import HopsSpec, hops_documents
+    flags = ["--synthetic=hops_pairs", "--synthetic_docs=50", "--hops_max=3", "--hops_queries=5"]
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / "pairs"))
+    assert dataset.main(flags + ["--hops_symbols=8"]) == 0
+    got = sorted(list(dataset.iter_documents("train")) + list(dataset.iter_documents("val")))
+    assert got == sorted(hops_documents(0, 50, HopsSpec(n_symbols=8, max_hops=3, n_queries=5), "hops_pairs"))
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / "too_many"))
+    assert dataset.main(flags + ["--hops_symbols=9"]) != 0
+    assert "at most 8 symbols" in capsys.readouterr().err and not (tmp_path / "too_many").exists()
+
+
 def test_synthetic_source_names_the_flags_that_rebuild_it(tmp_path, capsys):
     assert dataset.main(HOPS) == 0
     directory = dataset.data_dir()

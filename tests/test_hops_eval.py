@@ -230,3 +230,13 @@ def test_base_loss_hops_refuses_another_corpus(hops_checkpoint, tmp_path, monkey
     with pytest.raises(SystemExit, match="--hops evaluates every supervision step, not halting; drop --halt"):
         base_loss.main(["--model_tag=hops", "--device_type=cpu", "--hops", "--halt=kl:0.1"])
     assert tree(hops_checkpoint) == before
+
+
+def test_pairs_documents_are_read_from_their_own_text():
+    text = hops_documents(2, 1, SPEC, family="hops_pairs")[0]  # "<8 table characters> ; 3ac 1bd ..."
+    ids, answers = encode_hops(BYTES, text)
+    queries = text.split(" ; ")[1].split()
+    assert [(hops, token) for _, hops, token, _ in answers] == [(int(q[0]), ord(q[2])) for q in queries]
+    assert all(ids[i] == token and ids[i - 1] == ord(q[1]) for (i, _, token, _), q in zip(answers, queries))
+    result = evaluate_hops(FakeModel(oracle), BYTES, [text], n_steps=1)  # no '=' in it: the guesser sees zeros
+    assert result["chance"] == pytest.approx(1 / 8) and sum(result["answers"]) == len(queries)

@@ -86,3 +86,44 @@ def test_every_document_of_a_spec_has_the_same_length(spec):
 def test_bad_spec_says_which_field(fields, message):
     with pytest.raises(ValueError, match=message):
         HopsSpec(**fields)
+
+
+# ----------------------------------------------------------------------------- hops_pairs (issue 36's format in text)
+
+def parse_pairs(text, n):
+    """The pairs family read by hand: each table character decoded by trying every (key, value) of n symbols."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!#$%&()*+-/<>?@[]^_{|}~"
+    code = {}
+    for k in range(n):
+        for v in (v for v in range(n) if v != k):
+            code[alphabet[len(code)]] = (k, v)
+    table_text, query_text = text.split(" ; ")
+    table = dict(code[ch] for ch in table_text)
+    assert len(table) == n == len(table_text)
+    queries, offset = [], len(table_text) + 3
+    for query in query_text.split(" "):
+        digit, x, answer = query
+        queries.append(("abcdefgh".index(x), int(digit), "abcdefgh".index(answer), offset + 2))
+        offset += len(query) + 1
+    return table, queries
+
+
+def test_pairs_family_answers_right_and_shows_earlier_answers():
+    from nanochat.synthetic import table_size
+    spec, seen = HopsSpec(n_symbols=8, max_hops=4, n_queries=8), set()
+    documents = hops_documents(3, 200, spec, family="hops_pairs")
+    assert documents != hops_documents(3, 200, spec) and documents == hops_documents(3, 200, spec, "hops_pairs")
+    for text in documents:
+        table, queries = parse_pairs(text, 8)
+        assert sorted(table.values()) == list(range(8)) and lookups_to_reach(table, 0, 0, 8) == [8]  # one cycle
+        for x, digit, answer, _ in queries:
+            assert lookups_to_reach(table, x, answer, spec.max_hops) == [digit]
+            seen.add(digit)
+        got = [(a.position, a.hops, "abcdefgh".index(a.answer)) for a in hops_answers(text)]
+        assert got == [(i, digit, answer) for _, digit, answer, i in queries]
+        assert table_size(text) == 8
+    assert seen == {1, 2, 3, 4}
+    assert table_size(hops_documents(0, 1, HopsSpec(n_symbols=6))[0]) == 6  # the "hops" family's table too
+    assert hops_answers("no table here") == [] and hops_answers("AB ; nothing") == []
+    with pytest.raises(ValueError, match="at most 8 symbols"):
+        hops_documents(0, 1, HopsSpec(n_symbols=9), family="hops_pairs")
