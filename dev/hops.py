@@ -111,7 +111,16 @@ def visit_no_x(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
     return VISIT(block, torch.zeros_like(x), y, z, cos_sin, n_loops, update, kv_cache, slot)
 
 
-VARIANTS = {"default": VISIT, "xyz_both": visit_xyz_both, "no_x": visit_no_x}
+def visit_z_postnorm(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
+    """the latent keeps itself: z <- norm(z + D(x + y + z)), x and y read but not re-added into z (issue 36)"""
+    for i in range(n_loops):
+        u = x + y + z
+        z = nanochat.gpt.norm(z + block.delta(u, cos_sin, kv_cache, slot + i))
+    u = y + z
+    return update(y, u, block.delta(u, cos_sin, kv_cache, slot + n_loops), None), z
+
+
+VARIANTS = {"default": VISIT, "xyz_both": visit_xyz_both, "no_x": visit_no_x, "z_postnorm": visit_z_postnorm}
 
 
 def documents(seed, count, spec):
