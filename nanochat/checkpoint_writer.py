@@ -64,15 +64,22 @@ class CheckpointWriter:
         self.jobs.put(work)
 
     def work(self):
-        while (job := self.jobs.get()) is not None:
-            try:
-                if self.error is None:
-                    job()
-            except Exception as e:  # noqa: BLE001 - kept for the main thread: wait() raises it there
-                self.error = e
-            finally:
+        while True:
+            job = self.jobs.get()
+            if job is None:
                 self.jobs.task_done()
-        self.jobs.task_done()
+                return
+            self.run(job)
+            del job  # the snapshot it holds is freed now, not when the next job arrives
+
+    def run(self, job):
+        try:
+            if self.error is None:
+                job()
+        except Exception as e:  # noqa: BLE001 - kept for the main thread: wait() raises it there
+            self.error = e
+        finally:
+            self.jobs.task_done()
 
     def wait(self):
         """Block until everything submitted is done; raise the first failure among it."""
