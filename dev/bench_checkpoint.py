@@ -63,7 +63,8 @@ def main():
             with CheckpointWriter(background) as writer:
                 blocked, done = timed_saves(writer, model, optimizers, args.saves, name)
             print(f"{name:>11}: blocked {', '.join(f'{t:.2f}' for t in blocked)} s (median "
-                  f"{statistics.median(blocked):.2f} s); checkpoint in place after median {statistics.median(done):.2f} s")
+                  f"{statistics.median(blocked):.2f} s); checkpoint in place after median "
+                  f"{statistics.median(done):.2f} s")
 
 
 if __name__ == "__main__":
