@@ -14,8 +14,7 @@ import queue
 import threading
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat.common import distributed
-from nanochat.common import print0
+from nanochat.common import distributed, print0
 
 
 def can_write_in_background(model):
