@@ -32,6 +32,7 @@ import random
 import re
 import shutil
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -335,6 +336,42 @@ def _out_of_space(error, directory, need):
         or free_bytes(directory) < need
 
 
+def host_copy(value):
+    """value with every tensor copied into CPU memory and every dict, list and tuple rebuilt: a snapshot that the
+    training's next steps cannot change."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: host_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(host_copy(v) for v in value)
+    return value
+
+
+@dataclass
+class Snapshot:
+    """What one rank's checkpoint files will hold, in CPU memory: weights by file name, the rank file, meta.json."""
+    model_tag: str
+    step: int
+    rank: int
+    need: int  # bytes a checkpoint takes, for the full-disk advice
+    weights: dict
+    rank_file: dict
+    meta: bytes
+
+
+def snapshot(model_tag, step, model, optimizers, meta, rank_state, rank=0, train_model=None, sharded=False):
+    """The state save_checkpoint writes, copied to CPU memory. Sharded: only the rank file and meta.json (DCP
+    writes the weights and optimizer state)."""
+    modules = {} if sharded else {WEIGHTS: model, TRAIN_WEIGHTS: train_model}
+    weights = {name: {k: v.contiguous() for k, v in host_copy(module.state_dict()).items()}
+               for name, module in modules.items() if module is not None}
+    rank_file = {"rng": rng_state(), **rank_state} if sharded else \
+        {"optimizers": [opt.state_dict() for opt in optimizers], "rng": rng_state(), **rank_state}
+    return Snapshot(model_tag, step, rank, checkpoint_bytes(model), weights, host_copy(rank_file),
+                    json.dumps({**meta, "step": step}, indent=2).encode())
+
+
 def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0, train_model=None):
     """Every rank calls this. rank_state: this rank's dataloader state (and anything else per-rank). model: the
     weights to publish (those evaluated and sampled); train_model: the weights training goes on from, when they
@@ -343,9 +380,18 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
     A failure on any rank removes the partial save and raises CheckpointError on every rank; a full disk says so,
     with the bytes a checkpoint needs."""
     from nanochat import sharding  # lazy: it loads FSDP (~1.5 s); sampling and serving need not
-    final, tmp = step_dir(model_tag, step), step_dir(model_tag, step) + ".tmp"
     sharded = sharding.is_sharded(model)
-    need = checkpoint_bytes(model)
+    state = snapshot(model_tag, step, model, optimizers, meta, rank_state, rank, train_model, sharded)
+    shards = (lambda tmp: write_shards(tmp, model, train_model, optimizers)) if sharded else None
+    return write_snapshot(state, shards)
+
+
+def write_snapshot(state, shards=None):
+    """Write a snapshot into step_N.tmp, fsynced, then rename it into place; shards(tmp): the sharded weights' writer,
+    a collective. Every rank calls this; a failure on any rank removes the partial save and raises CheckpointError on
+    every rank."""
+    model_tag, step, rank, need = state.model_tag, state.step, state.rank, state.need
+    final, tmp = step_dir(model_tag, step), step_dir(model_tag, step) + ".tmp"
 
     def together(what, work, rank0_only=False):
         if rank0_only:  # the others wait in short collectives: writing the weights may outlast the group's timeout
@@ -377,11 +423,9 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
             os.makedirs(tmp)
 
     def publish():
-        for name, module in ((WEIGHTS, model), (TRAIN_WEIGHTS, train_model)):
-            if module is not None and not sharded:
-                weights = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
-                _write(os.path.join(tmp, name), safetensors_bytes(weights))
-        _write(os.path.join(tmp, "meta.json"), json.dumps({**meta, "step": step}, indent=2).encode())
+        for name, weights in state.weights.items():
+            _write(os.path.join(tmp, name), safetensors_bytes(weights))
+        _write(os.path.join(tmp, "meta.json"), state.meta)
         fsync_dir(tmp)
         if os.path.exists(final):  # re-saving a step (e.g. after resume)
             shutil.rmtree(final)
@@ -390,11 +434,9 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
 
     rank_file = os.path.join(tmp, f"rank_{rank}.pt")
     together("preparing the directory", prepare)
-    together(f"writing {os.path.basename(rank_file)}",
-             lambda: _write(rank_file, {"rng": rng_state(), **rank_state} if sharded else
-                            {"optimizers": [opt.state_dict() for opt in optimizers], "rng": rng_state(), **rank_state}))
-    if sharded:
-        together("writing the shards", lambda: write_shards(tmp, model, train_model, optimizers))
+    together(f"writing {os.path.basename(rank_file)}", lambda: _write(rank_file, state.rank_file))
+    if shards:
+        together("writing the shards", lambda: shards(tmp))
     together("writing the model and meta.json", publish, rank0_only=True)
     return final
 

@@ -17,10 +17,11 @@ PROCESS_GROUP_TIMEOUT = timedelta(seconds=float(os.environ.get("NANOCHAT_PROCESS
 RANK0_POLL_S = min(5.0, PROCESS_GROUP_TIMEOUT.total_seconds() / 10)  # the longest one wait in run_on_rank0
 
 
-def print0(*args, **kwargs):
-    """print on rank 0 only (flushes, so progress shows through pipes and tee)."""
+def print0(*args, sep=" ", end="\n", **kwargs):
+    """print on rank 0 only (flushes, so progress shows through pipes and tee), the line and its end in one write:
+    unbuffered, print writes them apart, and another rank's line could land between them."""
     if int(os.environ.get("RANK", 0)) == 0:
-        print(*args, **kwargs, flush=True)
+        print(sep.join(map(str, args)) + end, end="", **kwargs, flush=True)
 
 
 def progress_enabled():

@@ -153,6 +153,9 @@ def build_parser():
     output.add_argument("--save_every_minutes", type=float, default=30,
                         help="wall-clock minutes between checkpoints (0 = off)")
     output.add_argument("--keep_last", type=int, default=3, help="checkpoints kept besides the best (0 = keep all)")
+    output.add_argument("--async_checkpoint", type=str2bool, nargs="?", const=True, default=True,
+                        help="write checkpoints in a background thread: a save stops training only to copy the state "
+                             "to CPU memory (0 = write before training goes on; runs of several processes always do)")
     output.add_argument("--backup_dir", default=None,
                         help="also copy each checkpoint, in the background, to this fsspec URL (gs://bucket/dir, "
                              "s3://..., a local path); --keep_last applies there too, and --resume pulls from it "
@@ -261,6 +264,7 @@ class RunConfig:
     save_every: int
     save_every_minutes: float
     keep_last: int
+    async_checkpoint: bool
     backup_dir: str | None
     run: str
     tensorboard: str | None

@@ -28,6 +28,7 @@ import torch
 from nanochat import checkpoint_manager as ckpt
 from nanochat import attention, lifecycle, sharding
 from nanochat.backup import Backup
+from nanochat.checkpoint_writer import CheckpointWriter, can_write_in_background
 from nanochat.cli import Exit, ExitCode
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags, run_on_rank0
 from nanochat.common import autocast_for, compute_cleanup, compute_init, print0
@@ -102,12 +103,13 @@ def train(args):
     backup = Backup.location(args.backup_dir, args.model_tag, args.keep_last).start() \
         if args.backup_dir and rank == 0 else None
 
-    with lifecycle.StopSignals() as signals:
+    background = args.async_checkpoint and can_write_in_background(model)
+    with lifecycle.StopSignals() as signals, CheckpointWriter(background) as writer:  # its write finished on any exit
         run = Run(args=args, model=model, ema=ema, optimizers=optimizers, loaders=loaders, tokenizer=tokenizer,
                   token_bytes=token_bytes, device=device, rank=rank, world_size=world_size, metrics=metrics,
                   control=lifecycle.RunControl(args, prior_seconds, price_per_hour, signals),
-                  early_stop=early_stop_for(args, resume), backup=backup, model_config=model_config, corpus=corpus,
-                  num_iterations=num_iterations, warmup_steps=warmup_steps, start_step=start_step,
+                  early_stop=early_stop_for(args, resume), backup=backup, writer=writer, model_config=model_config,
+                  corpus=corpus, num_iterations=num_iterations, warmup_steps=warmup_steps, start_step=start_step,
                   resuming=resume is not None, flops_per_token=flops_per_token,
                   peak_flops=peak_flops(args, device), prefetched=prefetched,
                   consumed=[loader.state_dict() for loader in loaders],
@@ -180,6 +182,7 @@ class Run:
     control: Any  # lifecycle.RunControl: the clock, the budgets and the flags every rank agrees on
     early_stop: Any  # lifecycle.EarlyStop
     backup: Any  # rank 0's checkpoint uploader (backup.Backup), or None
+    writer: Any  # checkpoint_writer.CheckpointWriter: saves, and what follows each, in the background or at once
     model_config: dict
     corpus: dict  # the data's identity, recorded in every checkpoint
     num_iterations: int
@@ -223,18 +226,28 @@ class Run:
                                elapsed_seconds=self.control.elapsed(), early_stop=self.early_stop.state(),
                                cost=self.control.cost(), loader_state=self.consumed[0])
         try:
-            path = ckpt.save_checkpoint(self.args.model_tag, step, self.published, self.optimizers, meta,
-                                        {"loaders": self.consumed}, self.rank,
-                                        train_model=self.model if self.ema else None)
+            path = self.writer.save(self.args.model_tag, step, self.published, self.optimizers, meta,
+                                    {"loaders": self.consumed}, self.rank,
+                                    train_model=self.model if self.ema else None)
         except ckpt.CheckpointError as e:
             raise Exit(str(e), code=ExitCode.WRITE_FAILED)
         self.control.saved()
-        print0(f"saved checkpoint {path}")
+        self.writer.submit(lambda: print0(f"saved checkpoint {path}"))
+
+    def wait_for_checkpoint(self):
+        """The checkpoint write in flight finished; its failure stops the run as a failed save does."""
+        try:
+            self.writer.wait()
+        except ckpt.CheckpointError as e:
+            raise Exit(str(e), code=ExitCode.WRITE_FAILED)
 
     def prune_and_back_up(self, step):
-        """After a save, on rank 0: the checkpoints beyond --keep_last removed, the new one queued for the backup."""
-        if self.rank != 0:
-            return
+        """After a save, on rank 0: the checkpoints beyond --keep_last removed, the new one queued for the backup; once
+        its write is done."""
+        if self.rank == 0:
+            self.writer.submit(lambda: self.prune_and_submit_backup(step))
+
+    def prune_and_submit_backup(self, step):
         removed = ckpt.prune_checkpoints(self.args.model_tag, self.args.keep_last)
         if removed:
             print0(f"pruned checkpoints at steps {removed} (keeping the last {self.args.keep_last} and the best)")
@@ -263,11 +276,15 @@ class Run:
             self.early_stop.record(step, self.val_bpb[-1])
             self.metrics.log({"kind": "eval", "step": step, "val_bpb": self.val_bpb,
                               "val_refinement": refinement(self.val_bpb), "state": val_state})
-            if self.rank == 0 and ckpt.list_steps(self.args.model_tag)[-1:] == [step]:
-                self.metrics.attempt(lambda: update_checkpoint_bpb(self.args.model_tag, step, self.val_bpb))
+            if self.rank == 0:  # once step's checkpoint, if it saves one, is written
+                self.writer.submit(lambda bpb=self.val_bpb: self.record_checkpoint_bpb(step, bpb))
         if self.probe:
             self.evaluate_probe(step)
         return True
+
+    def record_checkpoint_bpb(self, step, val_bpb):
+        if ckpt.list_steps(self.args.model_tag)[-1:] == [step]:
+            self.metrics.attempt(lambda: update_checkpoint_bpb(self.args.model_tag, step, val_bpb))
 
     def evaluate_probe(self, step):
         """Accuracy by hop count at every supervision step on the probe's documents: printed and logged."""
@@ -371,6 +388,7 @@ class Run:
     def finish(self, step):
         """The run's summary (rank 0), the metrics closed and the backup's uploads drained; every rank stops together
         when rank 0 could not write its files."""
+        self.wait_for_checkpoint()
         if self.rank == 0 and step > 0:  # a fresh run stopped before its first step has nothing to summarize
             self.metrics.attempt(lambda: write_summary(ckpt.model_dir(self.args.model_tag), self.args, step,
                                                        self.control.elapsed(), self.control.price_per_hour,

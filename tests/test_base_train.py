@@ -456,6 +456,7 @@ def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_t
     from types import SimpleNamespace
     from nanochat import checkpoint_manager as ckpt
     from nanochat import lifecycle
+    from nanochat.checkpoint_writer import CheckpointWriter
     from nanochat.loss_eval import EvaluationStopped, refinement
     from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
@@ -474,7 +475,7 @@ def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_t
     logged = []
     parts = {f.name: None for f in dataclasses.fields(base_train.Run)}  # only what evaluation uses is given
     run = base_train.Run(**{**parts, "args": train_config.parse_args([*TINY, "--model_tag=alone"]), "rank": 0,
-                            "early_stop": lifecycle.EarlyStop(2),
+                            "early_stop": lifecycle.EarlyStop(2), "writer": CheckpointWriter(background=False),
                             "metrics": SimpleNamespace(log=logged.append, attempt=lambda write: write())})
     assert run.evaluate(4) is True
     assert run.val_bpb == [1.5, 1.25] and run.last_eval_step == 4

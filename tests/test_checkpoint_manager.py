@@ -512,7 +512,9 @@ def test_no_meta_json_gets_a_traceback_from_sampling_or_resuming(base, capsys):
             for field, value in edits:
                 holder = meta
                 for key in field[:-1]:
-                    holder = holder[key] if isinstance(holder.get(key), dict) else holder.setdefault(key, {})
+                    if not isinstance(holder.get(key), dict):  # an earlier edit made it a value: an object again
+                        holder[key] = {}
+                    holder = holder[key]
                 if value == "delete":
                     holder.pop(field[-1], None)
                 else:
