@@ -35,7 +35,6 @@ from nanochat.dataloader import data_ranks, training_loaders
 from nanochat.dataset import DatasetError, corpus_identity
 from nanochat.engine import Engine
 from nanochat.files import WriteError, atomic_write_bytes, check_writable
-from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
 from nanochat.hops_eval import HopsEvalError, evaluate_hops
 from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
@@ -47,6 +46,7 @@ from nanochat.probe import format_probe
 from nanochat.resume import (check_data, check_data_positions, check_fresh_start, load_resume_point, move_aside,
                              report_schedule_change, resume_differences)
 from nanochat.resume import restore as restore_point
+from nanochat.supervision import STATE_DIAGNOSTICS
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.train_config import SAMPLE_PROMPTS, batch_geometry, data_problem, parse_args
 from nanochat.weight_average import WeightAverage
@@ -520,8 +520,8 @@ def early_stop_for(args, resume):
 
 class StepStats(NamedTuple):
     """One optimizer step's numbers, averaged over micro-steps and ranks: the total (weighted) loss, every
-    supervision step's loss, the recursion's state diagnostics per step (gpt.STATE_DIAGNOSTICS) and the gradient
-    norm. They travel packed in one tensor, so the step reads the device once."""
+    supervision step's loss, the recursion's state diagnostics per step (supervision.STATE_DIAGNOSTICS) and the
+    gradient norm. They travel packed in one tensor, so the step reads the device once."""
     total: float
     losses: list
     state: list
