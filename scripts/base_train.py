@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat import attention, lifecycle, sharding
+from nanochat import attention, checkpoint_model, lifecycle, sharding
 from nanochat.backup import Backup
 from nanochat.cli import Exit, ExitCode
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags, run_on_rank0
@@ -400,9 +400,9 @@ def build_model(model_config, device, fsdp, dtype):
     then sharded: only each rank's rows reach the device, which could not hold the whole model. Sharded weights are
     gathered in bf16 on GPUs for a bf16 run (dtype: --dtype); a float32 run keeps them float32."""
     if not fsdp:
-        return ckpt.build_model(model_config, device)
+        return checkpoint_model.build_model(model_config, device)
     param_dtype = torch.bfloat16 if device.type == "cuda" and dtype == "bfloat16" else None
-    return sharding.shard_model(ckpt.build_model(model_config, torch.device("cpu")), device, param_dtype)
+    return sharding.shard_model(checkpoint_model.build_model(model_config, torch.device("cpu")), device, param_dtype)
 
 
 def build_optimizers(model, args, fsdp):
