@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -41,14 +41,14 @@ from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
 from nanochat.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
 from nanochat.optim import clipped_step, lr_multiplier, muon_momentum, reduce_gradients, set_schedule, setup_optimizers
 from nanochat.planning import ema_decay_for, num_iterations_for, peak_flops, plan_lines
+from nanochat.probe import Probe, format_probe
 from nanochat.probe import build as build_probe
-from nanochat.probe import format_probe
 from nanochat.resume import (check_data, check_data_positions, check_fresh_start, load_resume_point, move_aside,
                              report_schedule_change, resume_differences)
 from nanochat.resume import restore as restore_point
 from nanochat.supervision import STATE_DIAGNOSTICS
-from nanochat.tokenizer import get_token_bytes, get_tokenizer
-from nanochat.train_config import SAMPLE_PROMPTS, batch_geometry, data_problem, parse_args
+from nanochat.tokenizer import RustBPETokenizer, get_token_bytes, get_tokenizer
+from nanochat.train_config import SAMPLE_PROMPTS, RunConfig, batch_geometry, data_problem, parse_args
 from nanochat.weight_average import WeightAverage
 
 
@@ -166,20 +166,20 @@ def train(args):
 class Run:
     """The run's components and the state its stages share, in named attributes; each stage is a method (save,
     evaluate_and_sample, optimizer_step, log_step, finish), so a test can call one alone."""
-    args: Any  # the run's train_config.RunConfig
-    model: Any  # the weights trained; evaluation, samples and checkpoints see `published`
-    ema: Any  # the weight average (WeightAverage), or None
+    args: RunConfig
+    model: torch.nn.Module  # the weights trained (a GPT, sharded under FSDP); the rest see `published`
+    ema: WeightAverage | None
     optimizers: list
     loaders: list  # this process's training loaders, one per accumulation step
-    tokenizer: Any
-    token_bytes: Any  # bytes per token id, for bits per byte
+    tokenizer: RustBPETokenizer
+    token_bytes: torch.Tensor  # bytes per token id, for bits per byte
     device: torch.device
     rank: int
     world_size: int
-    metrics: Any  # MetricsLog
-    control: Any  # lifecycle.RunControl: the clock, the budgets and the flags every rank agrees on
-    early_stop: Any  # lifecycle.EarlyStop
-    backup: Any  # rank 0's checkpoint uploader (backup.Backup), or None
+    metrics: MetricsLog
+    control: lifecycle.RunControl  # the clock, the budgets and the flags every rank agrees on
+    early_stop: lifecycle.EarlyStop
+    backup: Backup | None  # rank 0's checkpoint uploader
     model_config: dict
     corpus: dict  # the data's identity, recorded in every checkpoint
     num_iterations: int
@@ -187,12 +187,12 @@ class Run:
     start_step: int  # the step this process started (or resumed) at
     resuming: bool
     flops_per_token: float
-    peak_flops: Any  # FLOP/s of one device, or None: no MFU
-    probe: Any = None  # the depth probe (nanochat.probe.Probe), or None
-    prefetched: Any = None  # the next step's first batch, read while the device still works on this step
-    consumed: list = None  # the loaders' positions after the last trained batch: what a checkpoint resumes from
-    val_bpb: Any = None  # the last evaluation's validation bpb per supervision step
-    last_eval_step: Any = None  # the step it measured (None before the first)
+    peak_flops: float | None  # FLOP/s of one device; None: no MFU
+    probe: Probe | None = None  # the depth probe
+    prefetched: tuple | None = None  # (inputs, targets) of the next step's first batch, read while the device works
+    consumed: list | None = None  # the loaders' positions after the last trained batch: what a checkpoint resumes from
+    val_bpb: list | None = None  # the last evaluation's validation bpb per supervision step
+    last_eval_step: int | None = None  # the step it measured (None before the first)
     history: list = field(default_factory=list)  # every step's losses, for the NaN diagnostic
     health: Health = field(default_factory=Health)
 
