@@ -19,6 +19,7 @@ import torch
 from dev.bench_args import add_model_flags, build_config
 from nanochat import checkpoint_manager as ckpt
 from nanochat.checkpoint_writer import CheckpointWriter
+from nanochat.files import gigabytes
 from nanochat.gpt import GPT
 from nanochat.optim import setup_optimizers
 
@@ -56,7 +57,7 @@ def main():
     args = parser.parse_args()
     model, optimizers = build(args)
     print(f"depth {args.depth}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, a checkpoint "
-          f"~{ckpt.gigabytes(ckpt.checkpoint_bytes(model))}, torch threads {torch.get_num_threads()}")
+          f"~{gigabytes(ckpt.checkpoint_bytes(model))}, torch threads {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as base:
         os.environ["NANOCHAT_BASE_DIR"] = base
         for name, background in (("synchronous", False), ("background", True)):

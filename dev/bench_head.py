@@ -21,14 +21,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-import nanochat.gpt as gpt
+import nanochat.supervision as supervision
 
 VARIANTS = ("eager", "compiled", "chunked", "chunked-compiled")
 
 
 def plain_head_loss(h, weight, targets):
     logits = F.linear(h, weight).float()
-    return F.cross_entropy(gpt.SOFTCAP * torch.tanh(logits / gpt.SOFTCAP), targets, ignore_index=-1)
+    return F.cross_entropy(supervision.SOFTCAP * torch.tanh(logits / supervision.SOFTCAP), targets, ignore_index=-1)
 
 
 def head_loss_fn(variant):
@@ -36,9 +36,9 @@ def head_loss_fn(variant):
         return plain_head_loss
     if variant == "compiled":
         return torch.compile(plain_head_loss, dynamic=False)
-    chunk = gpt.head_chunk_loss_and_grads
+    chunk = supervision.head_chunk_loss_and_grads
     chunk = torch.compile(chunk, dynamic=False) if variant == "chunked-compiled" else chunk
-    return lambda h, weight, targets: gpt.ChunkedHeadLoss.apply(h, weight, targets, chunk)
+    return lambda h, weight, targets: supervision.ChunkedHeadLoss.apply(h, weight, targets, chunk)
 
 
 def status_kib(field):

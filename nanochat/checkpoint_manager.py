@@ -16,33 +16,32 @@ nanochat/resume.py's; the copy at a backup URL, nanochat/backup.py's.
 
 No file of a checkpoint can run code when read, so a checkpoint from a backup or another machine is only data: weights
 are safetensors, rank files load with torch.load(weights_only=True), and a sharded checkpoint is read through
-shard_reader and shard_planner. A file holding anything else is refused in one line naming what it holds.
+nanochat/safe_load.py's shard_reader and shard_planner. A file holding anything else is refused in one line naming
+what it holds. The model a checkpoint's config builds is nanochat/checkpoint_model.py's; the RNG states a rank file
+holds, common.rng_state's.
 """
 
 import argparse
 import errno
-import functools
 import glob
 import json
-import io
 import math
 import os
-import pickle
-import random
 import re
 import shutil
 import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
+from nanochat.checkpoint_model import build_model, weights_problem
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
-from nanochat.common import describe_error, print0
-from nanochat.files import fsync_dir, get_base_dir
+from nanochat.common import describe_error, print0, rng_state
+from nanochat.files import free_bytes, fsync_dir, get_base_dir, gigabytes
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.safe_load import LEGACY_RANK_GLOBALS, NO_CHECKPOINT_DOES, load_shards, shard_reader, unreadable
 from nanochat.tokenizer import get_tokenizer, tokenizer_dir
 
 WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
@@ -273,37 +272,10 @@ def check_tokenizer(meta, tokenizer, what):
 
 
 # ---------------------------------------------------------------------------------------------------- saving
-def rng_state():
-    """Every generator's state as tensors and plain data: numpy's key array as a list, so that rank files load with
-    weights_only=True."""
-    name, keys, *rest = np.random.get_state()
-    return {"python": random.getstate(), "numpy": (name, keys.tolist(), *rest), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]  # keys: a list, or an ndarray in rank files written before lists
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"].cpu())  # torch only takes CPU byte tensors, whatever the run's device
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
-
-
 def checkpoint_bytes(model):
     """Estimated bytes of one checkpoint: the weights, plus optimizer state of at most two tensors per weight
     (AdamW's moments; Muon keeps one). Works on a meta-device model."""
     return 3 * sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
-
-def free_bytes(path):
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return shutil.disk_usage(path).free
-
-
-def gigabytes(n):
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def disk_room_problem(model_tag, per_checkpoint, keep_last):
@@ -512,62 +484,6 @@ def read_shards(directory, part, device="cpu"):
     return {key[len(prefix):]: value for key, value in state.items()}
 
 
-NO_CHECKPOINT_DOES = "which no checkpoint does"  # in every refusal of a crafted file: --resume stops, never skips
-
-
-class RefusedObject(pickle.UnpicklingError):
-    """A checkpoint file names a Python object no checkpoint holds; the message is that object."""
-
-
-def refused_object(error, source=None):
-    """What a loader refused to build (RefusedObject's name, or the globals a torch file names that a weights_only
-    load does not build), or None when the error is of another kind (a truncated file). source: the torch file (a
-    path or file object) that failed to load."""
-    if isinstance(error, RefusedObject):
-        return str(error)
-    if not isinstance(error, pickle.UnpicklingError):
-        return None
-    names = []
-    if source is not None:
-        try:  # torch's own opcode scan names every global without running one: its error text varies by module
-            if hasattr(source, "seek"):
-                source.seek(0)
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
-        except Exception:  # noqa: BLE001 - a file its scan cannot read names nothing; the text below may
-            names = []
-        unexpected = [n for n in names if n not in LEGACY_RANK_NAMES]
-        names = unexpected or names
-    if names:
-        return ", ".join(names)
-    text = str(error)
-    if "WeightsUnpickler error:" in text:
-        gist = next(line for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() + ["?"] if line.strip())
-        return gist.strip().removeprefix("Unsupported global: GLOBAL ").split(" was not an allowed global")[0]
-    if "Weights only load failed" in text:  # refused by weights_only, for a reason it words otherwise
-        return "an object a weights_only load refuses"
-    return None
-
-
-def unreadable(path, error):
-    """One line on a checkpoint file that failed to load: a refused object is said to be one, not damage."""
-    refused = refused_object(error, path if os.path.isfile(str(path)) else None)
-    if refused is None:
-        return f"{path} is unreadable ({describe_error(error)})"
-    return (f"{path} holds something other than tensors and plain data ({refused}), {NO_CHECKPOINT_DOES}, so it was "
-            f"not read: the file was altered or is not a checkpoint; restore the checkpoint from a copy you trust, "
-            f"or use another step")
-
-
-# Rank files written before rng_state saved numpy's keys as a list hold a numpy array: numpy's own reconstruction of
-# an array and its dtype, which build data and call nothing else (numpy 1 and 2 pickle the function under two names).
-_reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]
-LEGACY_RANK_GLOBALS = [(_reconstruct, f"{module}._reconstruct")
-                       for module in ("numpy.core.multiarray", "numpy._core.multiarray")] + [
-    np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-LEGACY_RANK_NAMES = {entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
-                     for entry in LEGACY_RANK_GLOBALS}
-
-
 def load_rank_state(model_tag, step, rank):
     """A rank's optimizer states, loader positions and RNG states, on the CPU: RNG states must stay there, and
     Optimizer.load_state_dict moves each state tensor to its parameter's device. weights_only: a crafted rank file
@@ -578,121 +494,6 @@ def load_rank_state(model_tag, step, rank):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a truncated file raises whatever its reader raises
         raise CheckpointError(unreadable(path, e)) from e
-
-
-# What torch.distributed.checkpoint pickles into a sharded checkpoint's index (.metadata), by module; torch dtypes
-# (torch.float32, ...) are admitted by type in ShardIndexUnpickler.
-SHARD_INDEX_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
-                                              "MetadataIndex", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},  # a layout (torch.strided) by its name
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
-    "pathlib._local": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # Python >= 3.13
-    "collections": {"OrderedDict"},
-}
-
-
-class ShardIndexUnpickler(pickle.Unpickler):
-    """Unpickles a sharded checkpoint's .metadata admitting only the classes DCP writes there (SHARD_INDEX_GLOBALS)
-    and torch dtypes: anything else, such as the os.system a crafted index names to run code, is a RefusedObject."""
-
-    def find_class(self, module, name):
-        if name in SHARD_INDEX_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):  # vars: no lazy imports
-            return vars(torch)[name]
-        raise RefusedObject(f"{module}.{name}")
-
-
-@functools.cache
-def _safe_shard_classes():
-    """(reader, planner) classes over torch.distributed.checkpoint's, defined when a sharded checkpoint is first read:
-    importing DCP costs seconds that loading a safetensors checkpoint need not pay."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader  # lazy: as the docstring says
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta  # lazy: as the docstring says
-
-    class Reader(FileSystemReader):
-        """FileSystemReader whose read_metadata unpickles the index with ShardIndexUnpickler: DCP's own calls
-        pickle.load, so a crafted .metadata in a run directory (or a restored backup) would run code when read."""
-
-        def read_metadata(self, *args, **kwargs):
-            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-                metadata = ShardIndexUnpickler(f).load()
-            if not isinstance(metadata, Metadata):
-                raise RefusedObject(f"a {type(metadata).__name__} where DCP's Metadata belongs")
-            for info in (metadata.storage_data or {}).values():  # DCP reads each shard at directory / its path
-                name = getattr(info, "relative_path", None)
-                if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name \
-                        or "\\" in name:
-                    raise RefusedObject(f"a shard path {name!r} that is not a file name in the checkpoint directory")
-            if metadata.storage_meta is None:  # as DCP's own reader does
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    class Planner(DefaultLoadPlanner):
-        """DefaultLoadPlanner whose non-tensor values (AdamW's step) load with weights_only=True: DCP's own
-        load_bytes unpickles them with weights_only=False, so a crafted .distcp file would run code."""
-
-        def load_bytes(self, read_item, value):
-            try:
-                plain = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as e:
-                raise RefusedObject(f"{refused_object(e, value)}, in {read_item.dest_index.fqn}'s value in a .distcp "
-                                    f"file") from e
-            # DCP's load_bytes puts the value in place; what it reads again is only what weights_only built
-            again = io.BytesIO()
-            torch.save(plain, again)
-            again.seek(0)
-            super().load_bytes(read_item, again)
-
-    return Reader, Planner
-
-
-def shard_reader(directory):
-    """A torch.distributed.checkpoint reader of directory that refuses any object but DCP's own in its index."""
-    return _safe_shard_classes()[0](directory)
-
-
-def shard_planner():
-    """A torch.distributed.checkpoint load planner that refuses any object but plain data in a saved value."""
-    return _safe_shard_classes()[1]()
-
-
-def load_shards(state, directory, **kwargs):
-    """dcp.load of state from directory through shard_reader and shard_planner. DCP's CheckpointException (a
-    BaseException whose message is every rank's traceback) is raised as its first rank's own error."""
-    import torch.distributed.checkpoint as dcp  # lazy: DCP costs ~1 s to import, paid only by sharded checkpoints
-    from torch.distributed.checkpoint.api import CheckpointException  # lazy: as dcp above
-    try:
-        dcp.load(state, storage_reader=shard_reader(directory), planner=shard_planner(), **kwargs)
-    except CheckpointException as e:
-        raise next(iter(e.failures.values()))[0] from e
-
-
-def build_model(config_dict, device):
-    config = GPTConfig.from_dict(config_dict)
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device=device)
-    model.init_weights()  # fills the rotary buffers; the weights are overwritten by the checkpoint
-    return model
-
-
-def weights_problem(model, weights):
-    """Why a state dict does not load into model (names and shapes, compared without touching values), or None."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    given = {k: tuple(v.shape) for k, v in weights.items()}
-    missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
-    wrong = [f"{k} is {list(given[k])}, the config needs {list(shape)}" for k, shape in expected.items()
-             if k in given and given[k] != shape]
-    parts = ([f"{len(missing)} weight(s) missing ({missing[0]}...)"] if missing else []) + \
-        ([f"{len(extra)} unexpected ({extra[0]}...)"] if extra else []) + \
-        ([f"{len(wrong)} of another shape ({wrong[0]})"] if wrong else [])
-    return "; ".join(parts) or None
 
 
 def load_model(model_tag=None, step="latest", device="cpu", **config_overrides):

@@ -3,9 +3,11 @@ Collectives live in nanochat/collectives.py, files and atomic writes in nanochat
 
 import contextlib
 import os
+import random
 import sys
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -95,6 +97,24 @@ def compute_cleanup(together=False):
 
 def distributed():
     return dist.is_available() and dist.is_initialized()
+
+
+def rng_state():
+    """Every generator's state as tensors and plain data: numpy's key array as a list, so that rank files load with
+    weights_only=True."""
+    name, keys, *rest = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (name, keys.tolist(), *rest), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state):
+    """Put rng_state's generators back (a checkpoint's, on resume)."""
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]  # keys: a list, or an ndarray in rank files written before lists
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"].cpu())  # torch only takes CPU byte tensors, whatever the run's device
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def describe_error(error):

@@ -1,6 +1,6 @@
 """Files that survive a crash and failures that say what to do: the base directory, atomic writes (a temporary file
 beside the target, fsynced, renamed into place), the temporaries a killed writer leaves, and WriteError, the one-line
-description every failed write gives."""
+description every failed write gives; and the free space of a disk."""
 
 import contextlib
 import errno
@@ -126,6 +126,18 @@ def check_writable(directory):
         with open(probe, "wb"):
             pass
         os.remove(probe)
+
+
+def free_bytes(path):
+    """Bytes free on the disk that holds path (or would: its nearest existing parent)."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def gigabytes(n):
+    """n bytes for a reader: GB from 0.1 GB, MB below."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def process_alive(pid):

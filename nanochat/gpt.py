@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .halting import halt_head_loss
+from .supervision import (SOFTCAP, ChunkedHeadLoss, chunked_token_losses, deep_supervision_loss,
+                          head_chunk_loss_and_grads, loss_aux, state_diagnostics, supervision_weights)
 
 ACTIVATIONS = ("relu_squared", "swiglu", "geglu")
 
@@ -181,27 +183,6 @@ def apply_rotary_emb(x, cos, sin):
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], 3)
 
 
-def supervision_weights(n_sup, base):
-    """w_s = base**s / sum_j base**j: later (better) steps weigh more."""
-    powers = [base ** s for s in range(n_sup)]
-    return [p / sum(powers) for p in powers]
-
-
-def deep_supervision_loss(step_losses, base, scale):
-    """total = sum_s w_s loss_s - scale * sum_{s>=1} (sg(loss_{s-1}) - loss_s) / sg(loss_{s-1}).
-
-    The stop-gradient means a step can never earn reward by making the previous draft worse. Because of it the
-    reward acts as an extra weight scale/loss_{s-1} on each later step's loss, which at typical losses (~3-10)
-    dominates the base**s weights.
-    """
-    weights = supervision_weights(len(step_losses), base)
-    total = sum(w * loss for w, loss in zip(weights, step_losses))
-    for prev, cur in zip(step_losses[:-1], step_losses[1:]):
-        prev = prev.detach()
-        total = total - scale * (prev - cur) / prev
-    return total
-
-
 def backward(tensors, grads=None):
     """torch.autograd.backward outside any autocast region: forward_backward interleaves forward and backward, and
     backward must run in the dtypes autocast chose in forward, not be autocast again."""
@@ -209,84 +190,8 @@ def backward(tensors, grads=None):
         torch.autograd.backward(tensors, grads)
 
 
-def refinement(values):
-    """(first - last) / first: the fraction of the first draft's loss that the later steps removed (per-step losses,
-    a list or a tensor: no branch on the values, so a tensor's costs no host sync)."""
-    return (values[0] - values[-1]) / values[0]
-
-
-def loss_aux(step_losses):
-    return {"step_losses": step_losses, "refinement": refinement(step_losses)}
-
-
-STATE_DIAGNOSTICS = ("rms_y", "rms_z", "rms_update", "cos_update_y")
-
-
-@torch.no_grad()
-def state_diagnostics(previous_y, y, z):
-    """(4,) float32 for one supervision step: RMS of y and of z, RMS of the step's update y - y_prev, and the cosine
-    between that update and y_prev. A recursion that settles has a shrinking update; an unbounded one a growing
-    RMS of y and an update ever more parallel to y."""
-    rms = lambda t: t.float().square().mean().sqrt()
-    update = (y - previous_y).float()
-    cos = F.cosine_similarity(update.flatten(0, -2), previous_y.float().flatten(0, -2), dim=-1).mean()
-    return torch.stack([rms(y), rms(z) if z is not None else torch.zeros((), device=y.device), rms(update), cos])
-
-
-# ---------------------------------------------------------------------------------------------------- the head's loss
 HALT_BIAS_INIT = -5.0  # sigmoid(-5) = 0.007: the halting head starts never halting, so every step trains first (TRM)
 HALT_LOSS_WEIGHT = 0.1  # the head's BCE in forward_backward; it reads a detached y, so this scales only its own grads
-SOFTCAP = 15.0  # logits = SOFTCAP * tanh(lm_head(norm(y)) / SOFTCAP)
-# The training loss runs the head this many logits at a time: a chunk's float32 (rows, vocab) tensors are 1 GB,
-# not the micro-batch's tens of GB; 4,096 rows at vocab 65,536, enough rows for the GPU's matmuls (1,024 were not).
-HEAD_CHUNK_ELEMENTS = 2 ** 28
-
-
-def head_chunk_loss_and_grads(h, weight, targets, grad_scale):
-    """For rows h (n, C) of norm(y): the summed softcapped cross-entropy (targets -1 ignored) and its gradients with
-    respect to h and weight, times grad_scale (a 0-dim tensor: a Python float would be a compile guard)."""
-    # in place where a float32 (rows, vocab) tensor is not read again: eager then allocates three, not eight
-    logits = F.linear(h, weight)
-    t = logits.float().div_(SOFTCAP).tanh_()
-    capped = SOFTCAP * t
-    lse = torch.logsumexp(capped, dim=-1)
-    valid = targets != -1
-    picked = targets.clamp(min=0).unsqueeze(1)
-    loss = torch.where(valid, lse - capped.gather(1, picked).squeeze(1), 0.0).sum()
-    # d loss / d capped = softmax - one-hot; through the softcap d capped / d logits = 1 - t^2
-    d_capped = capped.sub_(lse.unsqueeze(1)).exp_().scatter_add_(1, picked, -torch.ones_like(picked, dtype=t.dtype))
-    d_logits = d_capped.mul_((valid * grad_scale).unsqueeze(1)).mul_(t.square_().neg_().add_(1)).to(logits.dtype)
-    return loss, d_logits @ weight, d_logits.t() @ h
-
-
-class ChunkedHeadLoss(torch.autograd.Function):
-    """Mean softcapped cross-entropy of lm_head over rows h (N, C), HEAD_CHUNK_ELEMENTS logits at a time.
-
-    Each chunk's gradients are computed in forward, while its logits exist (training backpropagates every head's
-    loss at once anyway), so backward only scales them: no (N, vocab) float32 tensor is ever stored or rebuilt.
-    chunk_fn is head_chunk_loss_and_grads, or its compiled twin."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, chunk_fn):
-        device = h.device.type  # under autocast: cast lm_head once here, not once per chunk
-        lowp = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        weight_lowp = weight.to(lowp)
-        grad_scale = 1.0 / (targets != -1).sum()  # the mean over the targets that count, as F.cross_entropy
-        rows = max(1, HEAD_CHUNK_ELEMENTS // weight.size(0))
-        # float32 sum of the chunks' partials: FSDP's bf16 weight would otherwise round the running sum at every chunk
-        loss, grad_h, grad_weight = 0.0, torch.empty_like(h), torch.zeros_like(weight, dtype=torch.float32)
-        for i in range(0, h.size(0), rows):
-            chunk_loss, grad_h[i:i + rows], chunk_grad_weight = chunk_fn(h[i:i + rows], weight_lowp,
-                                                                         targets[i:i + rows], grad_scale)
-            loss = loss + chunk_loss
-            grad_weight += chunk_grad_weight
-        ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
-        return loss * grad_scale
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_h, grad_weight = ctx.saved_tensors
-        return grad_h * grad_loss, grad_weight * grad_loss, None, None
 
 
 class CausalSelfAttention(nn.Module):
@@ -566,15 +471,13 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def token_losses(self, y, targets):
-        """Per-token cross-entropy (targets -1 give 0) of y's logits, HEAD_CHUNK_ELEMENTS logits at a time."""
-        h, t = self.apply_coda(y).flatten(0, -2), targets.flatten()
-        rows = max(1, HEAD_CHUNK_ELEMENTS // self.config.vocab_size)
-        return torch.cat([F.cross_entropy(self.head(h[i:i + rows]), t[i:i + rows], ignore_index=-1, reduction="none")
-                          for i in range(0, h.size(0), rows)]).view(targets.shape)
+        """Per-token cross-entropy (targets -1 give 0) of y's logits, one chunk of logits at a time."""
+        return chunked_token_losses(self.head, self.apply_coda(y).flatten(0, -2), targets, self.config.vocab_size)
 
     def backward_part(self, tensors, grads=None, last=False):
-        """backward() for each of forward_backward's backward calls (last: its final one); sharding.shard_model wraps
-        it, as FSDP would end its iteration at every backward."""
+        """backward() for each of forward_backward's backward calls; last marks the final one (into the embedding).
+        Unsharded every call is the same; sharding.one_iteration_per_micro_step replaces this method with one that
+        lets FSDP finish its iteration only at the last (FSDP would end it at every backward)."""
         backward(tensors, grads)
 
     def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None):

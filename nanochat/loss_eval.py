@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from nanochat import gpt
+from nanochat import supervision
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags
 from nanochat.common import autocast_for, distributed, print0, progress_bar
 from nanochat.dataloader import evaluation_batches, evaluation_size
@@ -20,7 +20,7 @@ class EvaluationStopped(Exception):
 @torch.no_grad()
 def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None, stop=None):
     """(bpb, state): per supervision step, sum of per-token nats over sum of bytes of the target tokens, in bits;
-    and the recursion's state diagnostics per step (gpt.STATE_DIAGNOSTICS) on rank 0's first batch, as lists.
+    and the recursion's state diagnostics per step (supervision.STATE_DIAGNOSTICS) on rank 0's first batch, as lists.
 
     Special tokens have byte length 0 and are left out of both sums; targets of -1 (ignored) likewise.
     batches: an iterator of (x, y), or a function returning one (called inside the failure guard, so a loader that
@@ -30,8 +30,8 @@ def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None, 
     all_reduce, none on one process), and a stop on any rank raises EvaluationStopped on every rank.
     """
     n = n_sup or model.config.n_sup_train  # what model(x, y) runs when n_sup is None
-    # nats of each step, bytes, then the state diagnostics (gpt.STATE_DIAGNOSTICS per step)
-    width = len(gpt.STATE_DIAGNOSTICS)
+    # nats of each step, bytes, then the state diagnostics (supervision.STATE_DIAGNOSTICS per step)
+    width = len(supervision.STATE_DIAGNOSTICS)
     sums = torch.zeros(n + 1 + width * n, dtype=torch.float64, device=token_bytes.device)
     diagnosing = not distributed() or torch.distributed.get_rank() == 0
     error, failed, stopped = None, [], []
@@ -75,9 +75,10 @@ def format_state(state):
 
 
 def refinement(values):
-    """gpt.refinement for reports: 0 for None or [] (a skipped evaluation) and for a first value of 0, where
-    gpt.refinement would raise. Kept apart because gpt's must not branch: on a tensor a branch is a host sync."""
-    return gpt.refinement(values) if values and values[0] else 0.0
+    """supervision.refinement for reports: 0 for None or [] (a skipped evaluation) and for a first value of 0, where
+    supervision.refinement would raise. Kept apart because that one must not branch: on a tensor a branch is a host
+    sync."""
+    return supervision.refinement(values) if values and values[0] else 0.0
 
 
 def format_steps(values, digits=4, names=False):

@@ -8,7 +8,8 @@ The peak comes at the backward of the last supervision step's head, when every s
     + activations saved for backward by every block application with gradient (each loop, layer and supervision
       step; the no-grad sweeps of T_recursion > 1 save nothing), and the gradient of each step's answer state
     + what ONE supervision step's head holds: GPT.forward_backward backpropagates each head as soon as its loss is
-      known, and the chunked head (gpt.ChunkedHeadLoss) keeps (B, T, n_embd) tensors only, never (B, T, vocab)
+      known, and the chunked head (supervision.ChunkedHeadLoss) keeps (B, T, n_embd) tensors only, never
+      (B, T, vocab)
     + the transient working set: the head's chunk of logits and the lm_head gradient it accumulates, or one
       recomputed layer visit under activation checkpointing.
 
@@ -29,7 +30,8 @@ import math
 
 import torch
 
-from nanochat.gpt import GPT, HEAD_CHUNK_ELEMENTS, GPTConfig, mlp_hidden
+from nanochat.gpt import GPT, GPTConfig, mlp_hidden
+from nanochat.supervision import HEAD_CHUNK_ELEMENTS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Of a GPU's memory, how much a training process can count on: the rest goes to the CUDA context, NCCL buffers,
@@ -65,8 +67,8 @@ def _head_bytes_per_token(config):
 
 
 def _head_chunk_bytes(config, tokens):
-    """The chunked head's working set: eager gpt.head_chunk_loss_and_grads peaks at 3 float32 tensors the size of
-    one chunk's logits (3.8 with autocast's bf16 logits and gradient; measured on CPU), counted as 4; and the
+    """The chunked head's working set: eager supervision.head_chunk_loss_and_grads peaks at 3 float32 tensors the
+    size of one chunk's logits (3.8 with autocast's bf16 logits and gradient; measured on CPU), counted as 4; and the
     float32 lm_head gradient it accumulates over the chunks."""
     chunk_rows = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // config.vocab_size))
     return 4 * 4 * chunk_rows * config.vocab_size + 4 * config.vocab_size * config.n_embd

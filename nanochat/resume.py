@@ -7,16 +7,16 @@ import time
 from typing import NamedTuple
 
 from nanochat.backup import Backup
-from nanochat.checkpoint_manager import (NO_CHECKPOINT_DOES, SHARD_INDEX, TRAIN_WEIGHTS, CheckpointError, list_steps,
-                                         load_model_weights, load_rank_state, load_shards, model_dir, read_meta,
-                                         resolve_step, set_rng_state, shard_reader, step_dir, unreadable)
+from nanochat.checkpoint_manager import (SHARD_INDEX, TRAIN_WEIGHTS, CheckpointError, list_steps, load_model_weights,
+                                         load_rank_state, model_dir, read_meta, resolve_step, step_dir)
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
-from nanochat.common import get_dist_info, print0
+from nanochat.common import get_dist_info, print0, set_rng_state
 from nanochat.dataloader import training_loaders
 from nanochat.dataset import DatasetError
 from nanochat.gpt import GPTConfig
 from nanochat.lifecycle import RUN_LOCK
 from nanochat.optim import lr_multiplier
+from nanochat.safe_load import NO_CHECKPOINT_DOES, load_shards, shard_reader, unreadable
 
 # ---------------------------------------------------------------------------------------------------- a new run
 def previous_run(model_tag):

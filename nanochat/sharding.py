@@ -89,7 +89,7 @@ def one_iteration_per_micro_step(model):
     def kept_root_backward_part(tensors, grads=None, last=False):
         model.set_is_last_backward(last)
         try:
-            backward_part(tensors, grads, last)
+            backward_part(tensors, grads)
         finally:
             model.set_is_last_backward(True)
         state._state_ctx.iter_forward_root = state  # forward_backward (the root's forward) is still running

@@ -21,12 +21,12 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat import attention, lifecycle, sharding
+from nanochat import attention, checkpoint_model, lifecycle, sharding
 from nanochat.backup import Backup
 from nanochat.checkpoint_writer import CheckpointWriter, can_write_in_background
 from nanochat.cli import Exit, ExitCode
@@ -36,20 +36,20 @@ from nanochat.dataloader import data_ranks, training_loaders
 from nanochat.dataset import DatasetError, corpus_identity
 from nanochat.engine import Engine
 from nanochat.files import WriteError, atomic_write_bytes, check_writable
-from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.health import Health
 from nanochat.hops_eval import HopsEvalError, evaluate_hops
 from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
 from nanochat.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
 from nanochat.optim import clipped_step, lr_multiplier, muon_momentum, reduce_gradients, set_schedule, setup_optimizers
 from nanochat.planning import ema_decay_for, num_iterations_for, peak_flops, plan_lines
+from nanochat.probe import Probe, format_probe
 from nanochat.probe import build as build_probe
-from nanochat.probe import format_probe
 from nanochat.resume import (check_data, check_data_positions, check_fresh_start, load_resume_point, move_aside,
                              report_schedule_change, resume_differences)
 from nanochat.resume import restore as restore_point
-from nanochat.tokenizer import get_token_bytes, get_tokenizer
-from nanochat.train_config import SAMPLE_PROMPTS, batch_geometry, data_problem, parse_args
+from nanochat.supervision import STATE_DIAGNOSTICS
+from nanochat.tokenizer import RustBPETokenizer, get_token_bytes, get_tokenizer
+from nanochat.train_config import SAMPLE_PROMPTS, RunConfig, batch_geometry, data_problem, parse_args
 from nanochat.weight_average import WeightAverage
 
 
@@ -168,21 +168,21 @@ def train(args):
 class Run:
     """The run's components and the state its stages share, in named attributes; each stage is a method (save,
     evaluate_and_sample, optimizer_step, log_step, finish), so a test can call one alone."""
-    args: Any  # the run's train_config.RunConfig
-    model: Any  # the weights trained; evaluation, samples and checkpoints see `published`
-    ema: Any  # the weight average (WeightAverage), or None
+    args: RunConfig
+    model: torch.nn.Module  # the weights trained (a GPT, sharded under FSDP); the rest see `published`
+    ema: WeightAverage | None
     optimizers: list
     loaders: list  # this process's training loaders, one per accumulation step
-    tokenizer: Any
-    token_bytes: Any  # bytes per token id, for bits per byte
+    tokenizer: RustBPETokenizer
+    token_bytes: torch.Tensor  # bytes per token id, for bits per byte
     device: torch.device
     rank: int
     world_size: int
-    metrics: Any  # MetricsLog
-    control: Any  # lifecycle.RunControl: the clock, the budgets and the flags every rank agrees on
-    early_stop: Any  # lifecycle.EarlyStop
-    backup: Any  # rank 0's checkpoint uploader (backup.Backup), or None
-    writer: Any  # checkpoint_writer.CheckpointWriter: saves, and what follows each, in the background or at once
+    metrics: MetricsLog
+    control: lifecycle.RunControl  # the clock, the budgets and the flags every rank agrees on
+    early_stop: lifecycle.EarlyStop
+    backup: Backup | None  # rank 0's checkpoint uploader
+    writer: CheckpointWriter  # saves, and what follows each, in the background or at once
     model_config: dict
     corpus: dict  # the data's identity, recorded in every checkpoint
     num_iterations: int
@@ -190,12 +190,12 @@ class Run:
     start_step: int  # the step this process started (or resumed) at
     resuming: bool
     flops_per_token: float
-    peak_flops: Any  # FLOP/s of one device, or None: no MFU
-    probe: Any = None  # the depth probe (nanochat.probe.Probe), or None
-    prefetched: Any = None  # the next step's first batch, read while the device still works on this step
-    consumed: list = None  # the loaders' positions after the last trained batch: what a checkpoint resumes from
-    val_bpb: Any = None  # the last evaluation's validation bpb per supervision step
-    last_eval_step: Any = None  # the step it measured (None before the first)
+    peak_flops: float | None  # FLOP/s of one device; None: no MFU
+    probe: Probe | None = None  # the depth probe
+    prefetched: tuple | None = None  # (inputs, targets) of the next step's first batch, read while the device works
+    consumed: list | None = None  # the loaders' positions after the last trained batch: what a checkpoint resumes from
+    val_bpb: list | None = None  # the last evaluation's validation bpb per supervision step
+    last_eval_step: int | None = None  # the step it measured (None before the first)
     history: list = field(default_factory=list)  # every step's losses, for the NaN diagnostic
     health: Health = field(default_factory=Health)
 
@@ -418,9 +418,9 @@ def build_model(model_config, device, fsdp, dtype):
     then sharded: only each rank's rows reach the device, which could not hold the whole model. Sharded weights are
     gathered in bf16 on GPUs for a bf16 run (dtype: --dtype); a float32 run keeps them float32."""
     if not fsdp:
-        return ckpt.build_model(model_config, device)
+        return checkpoint_model.build_model(model_config, device)
     param_dtype = torch.bfloat16 if device.type == "cuda" and dtype == "bfloat16" else None
-    return sharding.shard_model(ckpt.build_model(model_config, torch.device("cpu")), device, param_dtype)
+    return sharding.shard_model(checkpoint_model.build_model(model_config, torch.device("cpu")), device, param_dtype)
 
 
 def build_optimizers(model, args, fsdp):
@@ -538,8 +538,8 @@ def early_stop_for(args, resume):
 
 class StepStats(NamedTuple):
     """One optimizer step's numbers, averaged over micro-steps and ranks: the total (weighted) loss, every
-    supervision step's loss, the recursion's state diagnostics per step (gpt.STATE_DIAGNOSTICS) and the gradient
-    norm. They travel packed in one tensor, so the step reads the device once."""
+    supervision step's loss, the recursion's state diagnostics per step (supervision.STATE_DIAGNOSTICS) and the
+    gradient norm. They travel packed in one tensor, so the step reads the device once."""
     total: float
     losses: list
     state: list

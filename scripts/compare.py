@@ -40,10 +40,10 @@ from nanochat import lifecycle, planning, train_config
 from nanochat.cli import Exit, OneLineErrors, underscore_flags
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, distributed, get_dist_info, print0
 from nanochat.files import atomic_write_bytes, exit_on_write_error, save_figure
-from nanochat.gpt import STATE_DIAGNOSTICS
 from nanochat.loss_eval import format_steps, validation_bpb
 from nanochat.metrics import read_metrics, summary_path
 from nanochat.planning import meta_model, model_config, num_iterations_for
+from nanochat.supervision import STATE_DIAGNOSTICS
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.train_config import batch_geometry, data_problem
 

@@ -21,6 +21,7 @@ import sys
 import torch
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat.checkpoint_model import build_model
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, print0
 from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_size
@@ -56,7 +57,7 @@ def with_halt_head(model, device):
     """(the model with a halting head, whether the head is new): its own, or a fresh one (GPT.init_weights)."""
     if model.config.halt_head:
         return model, False
-    fresh = ckpt.build_model({**model.config.to_dict(), "halt_head": True}, device)
+    fresh = build_model({**model.config.to_dict(), "halt_head": True}, device)
     missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("halt_head.") for k in missing), (missing, unexpected)
     return fresh, True

@@ -41,7 +41,7 @@ from nanochat.backup import Backup
 from nanochat.cli import ArgumentParser, Exit, ExitCode
 from nanochat.common import gpu_peak_flops
 from nanochat.dataset import data_dir, list_parquet_files
-from nanochat.files import get_base_dir
+from nanochat.files import free_bytes, get_base_dir, gigabytes
 from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import summary_path
@@ -249,7 +249,7 @@ def data_status(phase):
 
 def disk_problem(needed, present, directory):
     missing = 0 if env("DATASET") == "builtin" else max(0, needed - present)
-    free = ckpt.free_bytes(directory)
+    free = free_bytes(directory)
     if missing * SHARD_BYTES > free:
         return (f"{missing} shards to download need ~{missing * SHARD_BYTES / 1e9:.0f} GB, {directory} has "
                 f"{free / 1e9:.0f} GB free: free space or point NANOCHAT_DATA_DIR at a bigger disk")
@@ -262,9 +262,9 @@ def run_state(args, vocab, have_tokenizer, given, model):
     tag, flags, lines, problems = args.model_tag, [], [], []
     per_checkpoint = ckpt.checkpoint_bytes(model)
     copies = args.keep_last + 2 if args.keep_last else "all"
-    lines.append(f"checkpoints  ~{ckpt.gigabytes(per_checkpoint)} each, every {args.save_every} steps and "
+    lines.append(f"checkpoints  ~{gigabytes(per_checkpoint)} each, every {args.save_every} steps and "
                  f"{args.save_every_minutes:g} min, keeping {copies} (--keep_last={args.keep_last}, the best, one being "
-                 f"written) in {ckpt.model_dir(tag)}; {ckpt.gigabytes(ckpt.free_bytes(ckpt.model_dir(tag)))} free")
+                 f"written) in {ckpt.model_dir(tag)}; {gigabytes(free_bytes(ckpt.model_dir(tag)))} free")
     room = ckpt.disk_room_problem(tag, per_checkpoint, args.keep_last)
     problems += [room] if room else []
     steps, found = ckpt.list_steps(tag), previous_run(tag)

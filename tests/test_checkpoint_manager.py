@@ -21,7 +21,9 @@ import torch
 from nanochat import checkpoint_manager as ckpt
 from nanochat import resume
 from nanochat.backup import Backup
+from nanochat.checkpoint_model import build_model
 from nanochat.optim import setup_optimizers
+from nanochat.safe_load import RefusedObject, load_shards
 from scripts import base_train
 from tests.support.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree, weights
 from tests.support.unwritable import FullDiskFile
@@ -66,7 +68,7 @@ def test_rng_is_restored_when_the_run_is_on_a_non_cpu_device(base):
     expected = (torch.rand(4), random.random())
     torch.manual_seed(123), random.seed(123)  # anything else
     point = resume.load_resume_point("rng", "latest", rank=0)
-    model = ckpt.build_model(point.meta["model_config"], torch.device("meta"))
+    model = build_model(point.meta["model_config"], torch.device("meta"))
     resume.restore(point, model, setup_optimizers(model))
     assert torch.equal(torch.rand(4), expected[0]) and random.random() == expected[1]
 
@@ -336,7 +338,7 @@ def test_a_rank_file_from_before_plain_rng_states_still_resumes(base):
     assert "numpy.ndarray" in torch.serialization.get_unsafe_globals_in_checkpoint(rank_file)  # an old file indeed
     np.random.seed(0)
     point = resume.load_resume_point("oldrng", "latest", rank=0)
-    model = ckpt.build_model(point.meta["model_config"], "cpu")
+    model = build_model(point.meta["model_config"], "cpu")
     resume.restore(point, model, setup_optimizers(model))
     assert np.random.random() == expected
     assert train(*FLAGS, "--num_iterations=4", "--model_tag=oldrng", "--resume") == 0
@@ -379,10 +381,10 @@ def test_a_sharded_value_that_would_run_code_is_refused_and_a_plain_one_loads(tm
     marker = tmp_path / "ran"
     save_shards({"optim": {"a.step": 3, "b.step": RunsCode(marker)}}, tmp_path / "step")
     state = {"optim": {"a.step": 0}}
-    ckpt.load_shards(state, str(tmp_path / "step"), no_dist=True)
+    load_shards(state, str(tmp_path / "step"), no_dist=True)
     assert state == {"optim": {"a.step": 3}}
-    with pytest.raises(ckpt.RefusedObject, match=f"{OPEN}, in optim.b.step's value in a .distcp file"):
-        ckpt.load_shards({"optim": {"b.step": 0}}, str(tmp_path / "step"), no_dist=True)
+    with pytest.raises(RefusedObject, match=f"{OPEN}, in optim.b.step's value in a .distcp file"):
+        load_shards({"optim": {"b.step": 0}}, str(tmp_path / "step"), no_dist=True)
     assert not marker.exists()
 
 

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import nanochat.gpt as gpt_module
-from nanochat.gpt import (GPT, STATE_DIAGNOSTICS, STATE_UPDATES, GPTConfig, deep_supervision_loss,
-                          supervision_weights)
+import nanochat.supervision as supervision
+from nanochat.gpt import GPT, STATE_UPDATES, GPTConfig
+from nanochat.supervision import STATE_DIAGNOSTICS, deep_supervision_loss, supervision_weights
 from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
 from tests.support.helpers import ROOT, random_model, tiny_config
 
@@ -337,7 +338,7 @@ def test_editing_the_default_lines_changes_plain_gptconfig(tmp_path, monkeypatch
     assert edited.count("= 10.0") > source.count("= 10.0") and edited.count("= 2.0") > source.count("= 2.0")
     path = tmp_path / "gpt_edited.py"
     path.write_text(edited)
-    # inside the nanochat package, as gpt.py runs: its relative imports (.halting) resolve there
+    # inside the nanochat package, as gpt.py runs: its relative imports (.halting, .supervision) resolve there
     spec = importlib.util.spec_from_file_location("nanochat.gpt_edited", path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "nanochat.gpt_edited", module)
@@ -472,7 +473,7 @@ def test_the_residual_state_grows_with_the_step_count():
 
 
 def test_state_diagnostics_measure_the_update():
-    from nanochat.gpt import state_diagnostics
+    from nanochat.supervision import state_diagnostics
     previous = torch.ones(2, 3, 4)
     y = 3 * torch.ones(2, 3, 4)  # update 2 * previous: parallel
     z = torch.full((2, 3, 4), -2.0)
@@ -507,12 +508,13 @@ def test_a_config_saved_before_state_update_existed_loads_as_the_residual_recurs
 
 def test_an_old_checkpoint_gives_the_same_logits_as_before(tmp_path, monkeypatch):
     from nanochat import checkpoint_manager as ckpt
+    from nanochat.checkpoint_model import build_model
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     config = tiny_config(n_loops=1, n_sup_train=2, state_update="residual")  # what every old checkpoint is
     model = random_model(config).eval()
     meta = {"model_config": {k: v for k, v in config.to_dict().items() if k not in ("state_update", "sample_n_sup")}}
     ckpt.save_checkpoint("old", 1, model, [], meta, rank_state={})
-    loaded = ckpt.build_model(ckpt.read_meta("old", 1)["model_config"], "cpu")
+    loaded = build_model(ckpt.read_meta("old", 1)["model_config"], "cpu")
     loaded.load_state_dict(ckpt.load_model_weights("old", 1, "cpu"))
     idx = random_batch(config)[0]
     with torch.no_grad():
@@ -615,7 +617,7 @@ def head_batch(config):
 @pytest.mark.parametrize("detach", [False, True])
 def test_chunked_head_gives_the_loss_and_gradients_of_the_plain_head(detach, autocast, atol, rtol, monkeypatch):
     config = tiny_config(n_loops=2, T_recursion=2, n_sup_train=3, state_update="trm", detach_between_steps=detach)
-    monkeypatch.setattr(gpt_module, "HEAD_CHUNK_ELEMENTS", 5 * config.vocab_size)  # 48 rows: 9 chunks of 5, one of 3
+    monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", 5 * config.vocab_size)  # 48 rows: 9 chunks of 5, one of 3
     chunked = random_model(config)
     plain = twin(chunked, config)
     plain.step_loss = plain_step_loss(plain)
@@ -646,13 +648,13 @@ def test_a_bf16_lm_head_gradient_is_summed_over_many_chunks_in_float32(autocast,
     h, targets = torch.randn(N, C), torch.randint(0, V, (N,))
     weight = (torch.randn(V, C) / 8).bfloat16()
     w64 = weight.double().requires_grad_()
-    reference = F.cross_entropy(gpt_module.SOFTCAP * torch.tanh(F.linear(h.double(), w64) / gpt_module.SOFTCAP), targets)
+    reference = F.cross_entropy(supervision.SOFTCAP * torch.tanh(F.linear(h.double(), w64) / supervision.SOFTCAP), targets)
     reference = torch.autograd.grad(reference, w64)[0]
-    monkeypatch.setattr(gpt_module, "HEAD_CHUNK_ELEMENTS", V)  # one row a chunk
+    monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", V)  # one row a chunk
     w = weight.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = gpt_module.ChunkedHeadLoss.apply(h if autocast else h.bfloat16(), w, targets,
-                                                gpt_module.head_chunk_loss_and_grads)
+        loss = supervision.ChunkedHeadLoss.apply(h if autocast else h.bfloat16(), w, targets,
+                                                 supervision.head_chunk_loss_and_grads)
     grad = torch.autograd.grad(loss, w)[0]
     assert grad.dtype == torch.bfloat16
     # each partial and the final cast round to bf16 (2^-9 relative, 0.4% measured); a bf16 running sum gave 4.8%
@@ -668,11 +670,11 @@ def test_inductor_compiled_head_chunk_matches_the_plain_head(autocast):
     weight = torch.randn(100, 32, requires_grad=True)
     targets = torch.randint(0, 100, (24,))
     targets[:3] = -1
-    compiled = torch.compile(gpt_module.head_chunk_loss_and_grads, dynamic=False, backend="inductor")
+    compiled = torch.compile(supervision.head_chunk_loss_and_grads, dynamic=False, backend="inductor")
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         logits = F.linear(h, weight).float()
-        plain = F.cross_entropy(gpt_module.SOFTCAP * torch.tanh(logits / gpt_module.SOFTCAP), targets, ignore_index=-1)
-        loss = gpt_module.ChunkedHeadLoss.apply(h, weight, targets, compiled)
+        plain = F.cross_entropy(supervision.SOFTCAP * torch.tanh(logits / supervision.SOFTCAP), targets, ignore_index=-1)
+        loss = supervision.ChunkedHeadLoss.apply(h, weight, targets, compiled)
     atol, rtol = (2e-3, 2e-2) if autocast else (1e-6, 1e-5)
     torch.testing.assert_close(loss, plain, atol=atol, rtol=rtol)
     for grad, grad_ref in zip(torch.autograd.grad(loss, (h, weight)), torch.autograd.grad(plain, (h, weight))):
@@ -681,7 +683,7 @@ def test_inductor_compiled_head_chunk_matches_the_plain_head(autocast):
 
 def test_training_never_makes_the_whole_batch_logits(monkeypatch):
     config = tiny_config(vocab_size=512, n_sup_train=2)
-    monkeypatch.setattr(gpt_module, "HEAD_CHUNK_ELEMENTS", 8 * config.vocab_size)
+    monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", 8 * config.vocab_size)
     model = random_model(config)
     idx, targets = random_batch(config, B=4)
     chunk_logits, head_chunk = [], gpt_module.head_chunk_loss_and_grads

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from nanochat.collectives import RankFailure
-from nanochat.gpt import GPT, STATE_DIAGNOSTICS
+from nanochat.gpt import GPT
+from nanochat.supervision import STATE_DIAGNOSTICS
 from nanochat.loss_eval import evaluate_bpb
 from tests.support.helpers import tiny_config
 
@@ -132,16 +133,16 @@ def evaluation_peak(config, batch, dtype="float32"):
 
 def test_evaluation_holds_one_chunk_of_logits_however_large_the_batch(monkeypatch):
     # it built three (B, T, vocab) float32 tensors per batch, which the memory plan never counted
-    from nanochat import gpt
+    from nanochat import supervision
     config = tiny_config(**LARGE_VOCAB)
-    monkeypatch.setattr(gpt, "HEAD_CHUNK_ELEMENTS", 32 * config.vocab_size)  # 32 rows of 256 or 512 a batch
+    monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", 32 * config.vocab_size)  # 32 rows of 256 or 512 a batch
     small, large = evaluation_peak(config, 4), evaluation_peak(config, 8)
     chunk_logits = 4 * 32 * config.vocab_size  # bytes of one chunk's float32 logits (1 MB; the batch's: 8 and 16 MB)
     assert large - small < chunk_logits, (small, large)  # measured: 0.2 MB more (the states); before, 25 MB
 
 
 def test_evaluation_gives_the_losses_of_the_whole_batch_logits_exactly(monkeypatch):
-    from nanochat import gpt
+    from nanochat import supervision
     from tests.support.helpers import random_model
     config = tiny_config(vocab_size=512, n_coda=1, n_sup_train=3)
     model = random_model(config, every_weight=True)
@@ -150,7 +151,7 @@ def test_evaluation_gives_the_losses_of_the_whole_batch_logits_exactly(monkeypat
     for autocast in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             whole = model(idx, targets, loss_reduction="none").detach()  # with gradient: the whole batch's logits
-            monkeypatch.setattr(gpt, "HEAD_CHUNK_ELEMENTS", 5 * config.vocab_size)
+            monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", 5 * config.vocab_size)
             with torch.no_grad():
                 chunked = model(idx, targets, loss_reduction="none")
             monkeypatch.undo()
@@ -164,8 +165,8 @@ def test_evaluation_gives_the_losses_of_the_whole_batch_logits_exactly(monkeypat
     (LARGE_VOCAB, 8, "bfloat16"),
 ], ids=["fp32", "bf16", "large-vocab", "large-vocab-bf16"])
 def test_the_plans_evaluation_estimate_is_within_35_percent_of_the_measured_peak(config, batch, dtype, monkeypatch):
-    from nanochat import gpt, memory
-    monkeypatch.setattr(gpt, "HEAD_CHUNK_ELEMENTS", 32 * 8192)
+    from nanochat import memory, supervision
+    monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", 32 * 8192)
     monkeypatch.setattr(memory, "HEAD_CHUNK_ELEMENTS", 32 * 8192)
     config = tiny_config(**config)
     estimate, measured = memory.evaluation_bytes(config, batch, dtype), evaluation_peak(config, batch, dtype)

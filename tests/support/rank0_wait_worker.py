@@ -19,6 +19,7 @@ import torch.distributed
 from nanochat import checkpoint_manager as ckpt
 from nanochat import resume
 from nanochat.backup import Backup
+from nanochat.checkpoint_model import build_model
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
 from nanochat.common import PROCESS_GROUP_TIMEOUT, compute_cleanup, compute_init
 from nanochat.gpt import GPTConfig
@@ -51,7 +52,7 @@ def steps(backup_url):
         raise_if_any_rank_failed(run_on_rank0(fail, rank), "the work")
     except RankFailure as e:
         print(f"rank {rank}: {e}", flush=True)
-    model = ckpt.build_model(GPTConfig(sequence_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, n_embd=8).to_dict(), "cpu")
+    model = build_model(GPTConfig(sequence_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, n_embd=8).to_dict(), "cpu")
     real_write = ckpt._write
     ckpt._write = lambda path, data: (slowly(real_write) if path.endswith(ckpt.WEIGHTS) else real_write)(path, data)
     ckpt.save_checkpoint("slow", 1, model, [], {"model_config": model.config.to_dict()}, {"loaders": []}, rank)
