@@ -153,11 +153,6 @@ def trm_update(state, u, delta, retain):
     return norm(u + delta)
 
 
-def unit_update(state, u, delta, retain):
-    """norm(norm(u) + D): TRM's replacement with the input at RMS 1, so D weighs as much as in a residual stream."""
-    return norm(norm(u) + delta)
-
-
 def decay_update(state, u, delta, retain):
     """a * state + D with a = sigmoid(retain) in (0, 1) per channel: a contraction (Parcae), bounded by |D| / (1 - a)."""
     return torch.sigmoid(retain) * state + delta
@@ -170,7 +165,7 @@ def stream_step_end(y, z):
 
 
 STATE_UPDATES = {"residual": residual_update, "postnorm": postnorm_update, "trm": trm_update, "decay": decay_update,
-                 "stream": residual_update, "unit": unit_update}
+                 "stream": residual_update}
 STEP_ENDS = {"stream": stream_step_end}  # what a state update does to y and z between supervision steps, if anything
 DECAY_INIT_LOGIT = 2.0  # sigmoid(2) = 0.88: close to the residual sum at first, still a contraction
 

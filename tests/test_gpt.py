@@ -694,3 +694,23 @@ def test_training_never_makes_the_whole_batch_logits(monkeypatch):
     model.forward_backward(idx, targets)
     # 2 steps of 4 x 16 rows, 8 rows a chunk; with no chunk larger than 8 rows' logits
     assert len(chunk_logits) == 2 * 4 * 16 // 8 and max(chunk_logits) == 8 * config.vocab_size
+
+
+@torch.no_grad()
+def test_stream_is_a_residual_stream_renormalised_between_steps():
+    torch.manual_seed(0)
+    config = GPTConfig(sequence_len=8, vocab_size=32, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, state_update="stream")
+    model = GPT(config)
+    model.init_weights()
+    for p in model.parameters():  # non-zero output projections: every block writes something
+        p.add_(0.1 * torch.randn_like(p))
+    idx = torch.randint(0, 32, (2, 8))
+    (y1, z1), (y2, z2) = model.refine(idx, 2)
+    residual = GPT(config.replace(state_update="residual"))
+    residual.load_state_dict(model.state_dict())
+    (r1, _), (r2, _) = residual.refine(idx, 2)
+    assert torch.equal(y1, r1)  # within a step: the residual sum
+    rms = lambda t: t.pow(2).mean(-1).sqrt()
+    assert not torch.allclose(rms(y1), torch.ones(2, 8), atol=0.05)  # ... which grows past RMS 1
+    y, z = model._sweep(model.embed(idx), gpt_module.norm(y1), gpt_module.norm(z1), model.rotary(8), None, 0)
+    assert torch.allclose(y2, y) and torch.allclose(z2, z) and not torch.allclose(y2, r2)  # step 2 starts at RMS 1
