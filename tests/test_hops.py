@@ -4,11 +4,9 @@ default recursion learns lookups that a plain model of its depth per supervision
 import random
 
 import pytest
-import torch
 
-from dev.hops import ANSWERS_VOCAB, answers_eval_rows, answers_row, batches, evaluate, masked_row, masked_vocab, train
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import setup_optimizers
+from dev.hops import ANSWERS_VOCAB, answers_eval_rows, answers_row, evaluate, masked_row, masked_vocab
+from dev.hops_quick import SPEC, quick_config, trained, validation_rows
 from nanochat.synthetic import HopsSpec
 
 
@@ -92,30 +90,16 @@ def test_answers_rows_answer_right_and_show_earlier_answers():
         [t for i, t in enumerate(shown[0]) if i - 1 not in shown[1]] and hidden[1:] == shown[1:]
 
 
-SPEC = HopsSpec(n_symbols=6, max_hops=3, n_queries=12)
-
-
-def trained(config, steps, seed=0):
-    torch.manual_seed(seed)
-    model = GPT(config)
-    model.init_weights()
-    optimizers = setup_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02)
-    train(model, optimizers, SPEC, None, steps, batch=32, seed=seed, warmup=20)
-    return model
-
-
 def test_the_default_recursion_uses_its_depth():
     """Issue 32's failure must not come back silently: one block with gpt.py's default recursion answers 3 chained
     lookups by its last supervision step, where the same block run once (the plain model of equal parameters)
     cannot; its steps climb, and twice as many steps as trained still beat the first draft (at this budget the answer
     decays past the trained steps; at 2,000 steps it holds: dev/LOG.md)."""
-    val = batches([masked_row(random.Random(f"val:{i}"), SPEC) for i in range(256)], None)
-    size = dict(sequence_len=val[0].size(1), vocab_size=masked_vocab(SPEC), n_layer=1, n_head=2, n_kv_head=2,
-                n_embd=32)
-    default = trained(GPTConfig(**size), steps=400)
+    val = validation_rows()
+    default = trained(quick_config(val), steps=400)
     n = default.config.n_sup_train
     acc, _ = evaluate(default, val, 2 * n, SPEC.max_hops)
-    plain = trained(GPTConfig(**size, n_loops=0, n_sup_train=1), steps=400)
+    plain = trained(quick_config(val, n_loops=0, n_sup_train=1), steps=400)
     plain_acc, _ = evaluate(plain, val, 1, SPEC.max_hops)
     longest = SPEC.max_hops - 1
     assert acc[n - 1, longest] >= 0.8, acc
