@@ -102,8 +102,8 @@ def wait_for_node0(prepared, node_rank, deadline_s, poll_s=POLL_S, probe_s=DEFAU
     start = time.monotonic()
     first_beat = last_beat = read_json(heartbeat_path(base_dir))
     alive, moved_at = False, start
-    shared = (f"NANOCHAT_BASE_DIR must be a directory shared by every node (the same path on a network filesystem) "
-              f"where node 0 runs the same script")
+    shared = ("NANOCHAT_BASE_DIR must be a directory shared by every node (the same path on a network filesystem) "
+              "where node 0 runs the same script")
     while read_marker(base_dir) != prepared:
         now = time.monotonic()
         beat = read_json(heartbeat_path(base_dir))
