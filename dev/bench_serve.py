@@ -54,6 +54,8 @@ def parse_args(argv=None):
                                                                           "the server's default)")
     parser.add_argument("--request_timeout", type=float, default=60.0, help="client timeout of one request (s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n_sup", default=None, help="each request's n_sup: a number of steps, or RULE:THRESHOLD "
+                        "to halt per token (docs/serving.md; default: the model's)")
     args = parser.parse_args(argv)
     try:
         args.levels = [int(n) for n in args.concurrency.split(",")]
@@ -140,8 +142,9 @@ async def one_request(client, body):
 async def run_level(base_url, api_key, concurrency, prompts, args):
     """Every request of one concurrency level: a list of (error kind or None, latency, ttft, streamed, completion
     tokens), and seconds."""
+    depth = {"n_sup": int(args.n_sup) if args.n_sup.isdigit() else args.n_sup} if args.n_sup else {}
     bodies = [{"prompt": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "temperature": 1.0,
-               "seed": i, "stream": i % 2 == 1, **({"stream_options": {"include_usage": True}} if i % 2 else {})}
+               "seed": i, "stream": i % 2 == 1, **depth, **({"stream_options": {"include_usage": True}} if i % 2 else {})}
               for i in range(args.requests)]
     results, started = [], time.perf_counter()
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
