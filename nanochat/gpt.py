@@ -101,7 +101,8 @@ class GPTConfig:
         if not isinstance(self.halt_head, bool):
             raise ValueError(f"GPTConfig.halt_head={self.halt_head!r}: must be True or False")
         if self.state_dtype not in STATE_DTYPES:
-            raise ValueError(f"GPTConfig.state_dtype={self.state_dtype!r} is unknown; choose one of {list(STATE_DTYPES)}")
+            raise ValueError(f"GPTConfig.state_dtype={self.state_dtype!r} is unknown; choose one of "
+                             f"{list(STATE_DTYPES)}")
         if self.state_update not in STATE_UPDATES:
             raise ValueError(f"GPTConfig.state_update={self.state_update!r} is unknown; choose one of "
                              f"{tuple(STATE_UPDATES)}")

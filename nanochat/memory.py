@@ -47,8 +47,8 @@ def _state_bytes(config):
 def _block_bytes_per_token(config, dtype):
     """Bytes that one block application D(u) = attn + mlp saves for backward, per token.
 
-    The residual stream is float32 (or GPTConfig.state_dtype); under autocast (bf16/fp16) every linear saves its own low-precision copy of its
-    input, and q and k stay in that precision through the rotary embedding and QK-norm.
+    The residual stream is float32 (or GPTConfig.state_dtype); under autocast (bf16/fp16) every linear saves its
+    own low-precision copy of its input, and q and k stay in that precision through the rotary embedding and QK-norm.
     """
     C = config.n_embd
     Ckv = config.n_kv_head * (config.n_embd // config.n_head)
@@ -157,8 +157,9 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
 
 def evaluation_bytes(config, device_batch_size, dtype="bfloat16"):
     """Evaluation's working set (loss_eval.evaluate_bpb) beside the weights and optimizer state: no gradient and no
-    stored activation; the states x, y, z (float32 or GPTConfig.state_dtype) and the diagnostics' previous y, every step's per-token losses, and at
-    its peak either one block application's tensors or the head's chunk of logits (GPT.token_losses)."""
+    stored activation; the states x, y, z (float32 or GPTConfig.state_dtype) and the diagnostics' previous y, every
+    step's per-token losses, and at its peak either one block application's tensors or the head's chunk of logits
+    (GPT.token_losses)."""
     c = config
     tokens = device_batch_size * c.sequence_len
     chunk_rows = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // c.vocab_size))
