@@ -15,6 +15,7 @@ With T_recursion > 1 the gradient into the previous supervision step is therefor
 consume the carried y and z), which is the paper's behaviour. n_loops = 0 is a plain block y <- B_l(y), no z.
 """
 
+import functools
 import math
 from dataclasses import dataclass, fields, replace
 
@@ -40,7 +41,8 @@ REFINEMENT_PRESETS = {
 
 
 # Config fields added after checkpoints existed, and the behaviour those checkpoints were trained with.
-FIELDS_BEFORE_THEY_EXISTED = {"state_update": "residual", "sample_n_sup": False}
+FIELDS_BEFORE_THEY_EXISTED = {"state_update": "residual", "sample_n_sup": False, "state_dtype": "float32"}
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -61,6 +63,8 @@ class GPTConfig:
     # True: each optimizer step trains a random number of supervision steps, uniform on 1 .. 2*n_sup_train-1 (mean
     # n_sup_train, so the same compute): every step must be a good answer, and stay one when run longer (Huginn).
     sample_n_sup: bool = False
+    # the recursion state x, y, z's dtype: "bfloat16" keeps it in bf16 under autocast (the head and losses stay float32)
+    state_dtype: str = "float32"
     detach_between_steps: bool = True  # carry y, z detached between steps (TRM paper); see forward_backward
     activation_checkpointing: bool = False  # recompute each layer visit in backward instead of storing it
     # a learned halting head sigmoid(Linear(norm(y))), trained alongside on a detached y (see halt_head_loss)
@@ -96,6 +100,9 @@ class GPTConfig:
                              f"the input, so the no-gradient sweeps would cut the embedding off from the loss")
         if not isinstance(self.halt_head, bool):
             raise ValueError(f"GPTConfig.halt_head={self.halt_head!r}: must be True or False")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"GPTConfig.state_dtype={self.state_dtype!r} is unknown; choose one of "
+                             f"{list(STATE_DTYPES)}")
         if self.state_update not in STATE_UPDATES:
             raise ValueError(f"GPTConfig.state_update={self.state_update!r} is unknown; choose one of "
                              f"{tuple(STATE_UPDATES)}")
@@ -272,6 +279,16 @@ class Block(nn.Module):
         return visit_layer(self, x, y, z, cos_sin, n_loops, update, kv_cache, slot)
 
 
+@functools.cache
+def state_update_in(name, state_dtype):
+    """STATE_UPDATES[name], its result cast to state_dtype (GPTConfig.state_dtype); one function per pair, so a
+    compiled layer visit does not recompile."""
+    update, dtype = STATE_UPDATES[name], STATE_DTYPES[state_dtype]
+    if dtype == torch.float32:
+        return update  # today's: the float32 state promotes every update's result
+    return lambda state, u, delta, retain: update(state, u, delta, retain).to(dtype)
+
+
 def visit_layer(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
     """One layer visit: n_loops latent updates then one answer update, each through `update` (a plain block when
     n_loops=0, exactly nanochat's)."""
@@ -388,7 +405,7 @@ class GPT(nn.Module):
 
     def _visit_layer(self, layer, x, y, z, cos_sin, kv_cache, slot):
         block, args = self.transformer.h[layer], (x, y, z, cos_sin, self.config.n_loops,
-                                                  STATE_UPDATES[self.config.state_update])
+                                                  state_update_in(self.config.state_update, self.config.state_dtype))
         compiled = getattr(self, "_compiled_visit" if torch.is_grad_enabled() else "_compiled_eval_visit", None)
         if compiled is not None and kv_cache is None:
             return block.visit(*args, compiled=compiled)
@@ -408,6 +425,10 @@ class GPT(nn.Module):
         c = self.config
         cos_sin = self.rotary(idx.size(1), kv_cache)
         x = self.embed(idx, kv_cache) if x is None else x
+        if c.state_dtype != "float32":  # cast once here; each state update casts its result (state_update_in)
+            if not torch.is_autocast_enabled(x.device.type) and self.lm_head.weight.dtype == torch.float32:
+                raise ValueError(f"GPTConfig.state_dtype={c.state_dtype!r} needs autocast: run under torch.autocast")
+            x = x.to(STATE_DTYPES[c.state_dtype])
         y = x
         z = torch.zeros_like(x) if c.n_loops else None
         slots_per_sweep = c.n_layer * (c.n_loops + 1)  # a plain block (n_loops=0) attends once

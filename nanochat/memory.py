@@ -39,17 +39,22 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 USABLE_FRACTION = 0.85
 
 
+def _state_bytes(config):
+    """Bytes per element of the recursion state x, y, z (GPTConfig.state_dtype; float32 unless bf16 is asked for)."""
+    return 2 if config.state_dtype == "bfloat16" else 4
+
+
 def _block_bytes_per_token(config, dtype):
     """Bytes that one block application D(u) = attn + mlp saves for backward, per token.
 
-    The residual stream is float32; under autocast (bf16/fp16) every linear saves its own low-precision copy of its
-    input, and q and k stay in that precision through the rotary embedding and QK-norm.
+    The residual stream is float32 (or GPTConfig.state_dtype); under autocast (bf16/fp16) every linear saves its
+    own low-precision copy of its input, and q and k stay in that precision through the rotary embedding and QK-norm.
     """
     C = config.n_embd
     Ckv = config.n_kv_head * (config.n_embd // config.n_head)
     act = DTYPE_BYTES[dtype]
     autocast = act < 4
-    residual_inputs = 2 * 4 * C  # u and u + attn(u), saved by the two RMSNorms
+    residual_inputs = 2 * _state_bytes(config) * C  # u and u + attn(u), saved by the two RMSNorms
     # fp32: the norm outputs are shared by the linears that read them; autocast casts them once per linear
     linear_inputs = (4 if autocast else 2) * act * C
     rotary = act * (C + Ckv)  # rotated q and k, saved by QK-norm
@@ -120,14 +125,15 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
     # DistAdamW: exp_avg and exp_avg_sq for this rank's 1/world_size slice of each (zero-padded) parameter
     adamw_state = 2 * sum(math.ceil(n / world_size) for n in adamw)
     # a bounded state update saves its float32 result's input for the norm (or the state, for the decay's gradient)
-    block = _block_bytes_per_token(c, dtype) + (4 * c.n_embd if c.n_loops and c.state_update != "residual" else 0)
+    S = _state_bytes(c)
+    block = _block_bytes_per_token(c, dtype) + (S * c.n_embd if c.n_loops and c.state_update != "residual" else 0)
     deepest = 2 * c.n_sup_train - 1 if c.sample_n_sup else c.n_sup_train
     steps_alive = 1 if c.detach_between_steps else deepest  # trunk graphs alive at once (see forward_backward)
     visits = steps_alive * c.n_layer  # layer visits with gradient (the last sweep of each supervision step)
     deltas_per_visit = c.n_loops + 1 if c.n_loops else 1
     if c.activation_checkpointing:
         # a checkpointed visit keeps only its inputs y and z (x is shared); backward recomputes one visit at a time
-        activations = visits * (2 if c.n_loops else 1) * 4 * c.n_embd * tokens
+        activations = visits * (2 if c.n_loops else 1) * S * c.n_embd * tokens
         recompute = deltas_per_visit * block * tokens
     else:
         activations = visits * deltas_per_visit * block * tokens
@@ -135,7 +141,7 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
     # the prelude's graph waits for the final backward into the embedding; one step's coda for that step's head
     activations += (c.n_prelude + c.n_coda) * _block_bytes_per_token(c, dtype) * tokens
     # one head at a time; every step's answer state and its gradient wait for the trunk's backward
-    logits = _head_bytes_per_token(c) * tokens + steps_alive * 2 * 4 * c.n_embd * tokens
+    logits = _head_bytes_per_token(c) * tokens + steps_alive * 2 * S * c.n_embd * tokens
     transient = max(_head_chunk_bytes(c, tokens), recompute)
     if sharding == "fsdp":
         parts = _sharded_state(n_params, n_matrix, adamw, buffers, largest_block, dtype, world_size, ema)
@@ -151,12 +157,13 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
 
 def evaluation_bytes(config, device_batch_size, dtype="bfloat16"):
     """Evaluation's working set (loss_eval.evaluate_bpb) beside the weights and optimizer state: no gradient and no
-    stored activation; float32 states x, y, z and the diagnostics' previous y, every step's per-token losses, and at
-    its peak either one block application's tensors or the head's chunk of logits (GPT.token_losses)."""
+    stored activation; the states x, y, z (float32 or GPTConfig.state_dtype) and the diagnostics' previous y, every
+    step's per-token losses, and at its peak either one block application's tensors or the head's chunk of logits
+    (GPT.token_losses)."""
     c = config
     tokens = device_batch_size * c.sequence_len
     chunk_rows = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // c.vocab_size))
-    states = 4 * (4 * c.n_embd + c.n_sup_inference) * tokens
+    states = (4 * _state_bytes(c) * c.n_embd + 4 * c.n_sup_inference) * tokens
     return states + max(_block_bytes_per_token(c, dtype) * tokens, 4 * 4 * chunk_rows * c.vocab_size)
 
 

@@ -23,7 +23,7 @@ from nanochat.cli import OneLineErrors
 from nanochat.common import autodetect_device_type, default_dtype, device_available, get_dist_info
 from nanochat.dataset import DatasetError, parquets_for_split
 from nanochat.files import get_base_dir
-from nanochat.gpt import ACTIVATIONS, REFINEMENT_PRESETS, STATE_UPDATES, GPTConfig
+from nanochat.gpt import ACTIVATIONS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
 from nanochat.planning import (B_REF, BATCH_EXPONENT, EMA_AUTO_MIN_STEPS, MAX_DEVICE_BATCH, PlanError,
                                host_ram_problem, plan_batch, resolve_model_config)
 from nanochat.probe import PROBES
@@ -72,6 +72,8 @@ def build_parser():
     model.add_argument("--activation_fn", choices=list(ACTIVATIONS), default=None)
     model.add_argument("--state_update", choices=list(STATE_UPDATES), default=None,
                        help="how the recursion writes into its states y, z (residual = unbounded sum)")
+    model.add_argument("--state_dtype", choices=list(STATE_DTYPES), default=None,
+                       help="dtype of the recursion state x, y, z under autocast (default float32)")
     model.add_argument("--sample_n_sup", type=str2bool, nargs="?", const=True, default=None,
                        help="train a random number of supervision steps per batch, 1..2*n_sup_train-1")
     model.add_argument("--detach_between_steps", type=str2bool, nargs="?", const=True, default=None)
@@ -214,6 +216,7 @@ class RunConfig:
     n_sup_inference: int | None
     activation_fn: str | None
     state_update: str | None
+    state_dtype: str | None
     sample_n_sup: bool | None
     detach_between_steps: bool | None
     activation_checkpointing: bool | None
@@ -352,6 +355,8 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
         "sharding_requested": flags.sharding,  # auto is settled by the batch's memory budget (planning.plan_batch)
         "plan_vocab_size": vocab_size or tokenizer_vocab_size() or GPTConfig.vocab_size,  # tok_train's default too
         "argv": argv})
+    if run.model_config["state_dtype"] != "float32" and run.dtype == "float32":
+        parser.error(f"--state_dtype={run.model_config['state_dtype']} needs autocast: add --dtype=bfloat16")
     try:
         run = plan_batch(run)
     except PlanError as e:

@@ -57,8 +57,9 @@ def measured_peak(config, batch, dtype, tmp_path):
     (SMALL.replace(state_update="trm", n_sup_train=3), 4, "float32"),
     (SMALL.replace(state_update="decay"), 4, "bfloat16"),
     (SMALL.replace(n_loops=1, n_prelude=2, n_coda=2), 4, "float32"),
+    (SMALL.replace(sequence_len=256, n_embd=256, state_dtype="bfloat16"), 4, "bfloat16"),  # a bf16 recursion state
 ], ids=["fp32", "bf16", "detach", "checkpointing", "large-vocab", "plain-swiglu-gqa", "vocab-8k-4-steps", "trm",
-        "decay-bf16", "prelude-coda"])
+        "decay-bf16", "prelude-coda", "bf16-state"])
 def test_estimate_within_25_percent_of_measured_peak(config, batch, dtype, tmp_path):
     estimate = estimate_memory(config, batch, dtype)["total"]
     measured = measured_peak(config, batch, dtype, tmp_path)
@@ -114,6 +115,13 @@ def test_fit_keeps_effective_batch_and_prefers_a_smaller_batch_to_recompute():
     assert fit_micro_batch(deep, 64, 32, memory, allow_checkpointing=False)[0] < b
     # nothing fits in 1 GB
     assert fit_micro_batch(d12, 64, 32, 1e9) is None
+
+
+def test_a_bf16_state_plans_less_memory_than_a_float32_state():
+    config = SMALL.replace(sequence_len=256, n_embd=256)
+    fp32, bf16 = (estimate_memory(config.replace(state_dtype=d), 4, "bfloat16") for d in ("float32", "bfloat16"))
+    assert bf16["activations"] < fp32["activations"] and bf16["logits"] < fp32["logits"]
+    assert bf16["total"] < fp32["total"]
 
 
 def test_bad_dtype_is_rejected():

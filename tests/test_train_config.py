@@ -154,3 +154,12 @@ def test_the_plan_states_the_evaluations_share_of_the_run():
     share = 5 * 5242880 * forward / (5 * 5242880 * forward + 1000 * train * run.total_batch_size)
     assert line.startswith("evaluation   5 evals x 5,242,880 tokens") and f"{share:.1%} of the run's compute" in line
     assert any(l.startswith("evaluation   ") for l in planning.plan_lines(run))
+
+
+def test_state_dtype_reaches_the_model_config_and_the_plan_and_needs_autocast():
+    fp32, bf16 = (parse(GPU_80GB + ["--depth=12", f"--state_dtype={d}"], world_size=1) for d in ("float32", "bfloat16"))
+    assert bf16.model_config["state_dtype"] == "bfloat16" and bf16.config_sources["state_dtype"] == "flag"
+    assert parse(GPU_80GB + ["--depth=12"], world_size=1).model_config["state_dtype"] == "float32"
+    assert bf16.device_batch_size >= fp32.device_batch_size  # the planner counts the smaller state
+    with pytest.raises(SystemExit, match="--state_dtype=bfloat16 needs autocast: add --dtype=bfloat16"):
+        parse(["--depth=2", "--device_type=cpu", "--dtype=float32", "--state_dtype=bfloat16", "--dry_run"], 1)
