@@ -33,6 +33,7 @@ RUNS = {
     "old_default+stream": DEFAULT + " --state_update stream",  # residual within a step, renormalised between steps
     "old_default+z_postnorm": DEFAULT + " --variant z_postnorm",  # z <- norm(z + D): x, y not re-added into z
     "old_default+stream+no_detach": DEFAULT + " --state_update stream --detach 0",  # credit for what a step leaves
+    "old_default+no_detach+uniform": DEFAULT + " --detach 0 --preset uniform",  # trained as the loop is
     "old_default+stream+no_detach+uniform": DEFAULT + " --state_update stream --detach 0 --preset uniform",
     "old_default+uniform": DEFAULT + " --preset uniform",
     "old_default+n_loops0": DEFAULT + " --n_loops 0",
