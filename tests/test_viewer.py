@@ -42,6 +42,14 @@ def visible(text):
     return text.replace(" ", "\u00b7").replace("\n", "\u21b5").replace("\t", "\u2192") or "\u2205"
 
 
+def submit_tab(browser, tab, field, text):
+    """Open a tab of the page, type text into its field, submit, and wait until the request has ended."""
+    browser.click(f"nav button[data-tab={tab}]")
+    browser.type_into(field, text)
+    browser.click(f"#{tab} button[type=submit]")
+    browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
+
+
 def fill_and_generate(browser, prompt):
     browser.wait_for("['ready', 'error'].includes(document.body.dataset.state)")
     browser.type_into("#prompt", prompt)
@@ -74,18 +82,12 @@ def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours_then_sco
         fill_and_generate(browser, prompt)
         page = browser.evaluate(RENDERED)
         png = browser.screenshot()
-        browser.click("nav button[data-tab=score]")
-        browser.type_into("#text", "the cat sat on the mat.")
-        browser.click("#score button[type=submit]")
-        browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
+        submit_tab(browser, "score", "#text", "the cat sat on the mat.")
         heat = browser.evaluate("[...document.querySelectorAll('#heat tr.step')].map((r) => [...r.querySelectorAll('td')]"
                                 ".map((td) => [td.textContent, getComputedStyle(td).backgroundColor]))")
         scored = httpx.post(f"{url}/v1/refinement", json={"mode": "score", "text": "the cat sat on the mat."},
                             timeout=60).json()
-        browser.click("nav button[data-tab=hops]")
-        browser.type_into("#hopstext", "a>b b>c c>a ; a1=b c2=b")
-        browser.click("#hops button[type=submit]")
-        browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
+        submit_tab(browser, "hops", "#hopstext", "a>b b>c c>a ; a1=b c2=b")
         hops = browser.evaluate("[...document.querySelectorAll('#queries tr')].slice(1).map((r) => "
                                 "[...r.querySelectorAll('td.right, td.wrong')].map((td) => td.className))")
         answered = httpx.post(f"{url}/v1/refinement", json={"mode": "hops", "text": "a>b b>c c>a ; a1=b c2=b"},
