@@ -144,7 +144,8 @@ async def run_level(base_url, api_key, concurrency, prompts, args):
     tokens), and seconds."""
     depth = {"n_sup": int(args.n_sup) if args.n_sup.isdigit() else args.n_sup} if args.n_sup else {}
     bodies = [{"prompt": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "temperature": 1.0,
-               "seed": i, "stream": i % 2 == 1, **depth, **({"stream_options": {"include_usage": True}} if i % 2 else {})}
+               "seed": i, "stream": i % 2 == 1, **depth,
+               **({"stream_options": {"include_usage": True}} if i % 2 else {})}
               for i in range(args.requests)]
     results, started = [], time.perf_counter()
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
