@@ -26,7 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .halting import halt_head_loss
 from .supervision import (SOFTCAP, ChunkedHeadLoss, chunked_token_losses, deep_supervision_loss,
-                          head_chunk_loss_and_grads, loss_aux, state_diagnostics, supervision_weights)
+                          head_chunk_loss_and_grads, loss_aux, reward_weight, state_diagnostics,
+                          supervision_weights)
 
 ACTIVATIONS = ("relu_squared", "swiglu", "geglu")
 
@@ -66,6 +67,9 @@ class GPTConfig:
     # the recursion state x, y, z's dtype: "bfloat16" keeps it in bf16 under autocast (the head and losses stay float32)
     state_dtype: str = "float32"
     detach_between_steps: bool = True  # carry y, z detached between steps (TRM paper); see forward_backward
+    # with detach_between_steps: detach only after every k-th step, so gradients run back through up to k steps
+    # (truncated backpropagation; 1 = the TRM's one-step gradient, n_sup_train = full)
+    backprop_steps: int = 1
     activation_checkpointing: bool = False  # recompute each layer visit in backward instead of storing it
     # a learned halting head sigmoid(Linear(norm(y))), trained alongside on a detached y (see halt_head_loss)
     halt_head: bool = False
@@ -82,7 +86,8 @@ class GPTConfig:
             self.n_sup_inference = self.n_sup_train
         for name, minimum in [("sequence_len", 1), ("vocab_size", 1), ("n_layer", 1), ("n_head", 1),
                               ("n_kv_head", 1), ("n_embd", 1), ("n_loops", 0), ("T_recursion", 1),
-                              ("n_sup_train", 1), ("n_sup_inference", 1), ("n_prelude", 0), ("n_coda", 0)]:
+                              ("n_sup_train", 1), ("n_sup_inference", 1), ("n_prelude", 0), ("n_coda", 0),
+                              ("backprop_steps", 1)]:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"GPTConfig.{name}={value!r}: must be an integer >= {minimum}")
@@ -433,16 +438,20 @@ class GPT(nn.Module):
         z = torch.zeros_like(x) if c.n_loops else None
         slots_per_sweep = c.n_layer * (c.n_loops + 1)  # a plain block (n_loops=0) attends once
         slot = c.n_prelude
-        for _ in range(n_sup):
+        for step in range(n_sup):
             for sweep in range(c.T_recursion):
                 with torch.set_grad_enabled(torch.is_grad_enabled() and sweep == c.T_recursion - 1):
                     y, z = self._sweep(x, y, z, cos_sin, kv_cache, slot)
                 slot += slots_per_sweep
             yield y, z
-            if c.detach_between_steps:
+            if self.cuts_after(step):
                 y, z = y.detach(), (z.detach() if z is not None else None)
             if c.n_loops and c.state_update in STEP_ENDS:
                 y, z = STEP_ENDS[c.state_update](y, z)
+
+    def cuts_after(self, step):
+        """Whether the state is detached after supervision step `step` (0-based): truncated backpropagation."""
+        return self.config.detach_between_steps and (step + 1) % self.config.backprop_steps == 0
 
     def head(self, y):
         logits = self.lm_head(norm(y)).float()
@@ -502,8 +511,9 @@ class GPT(nn.Module):
         Each supervision step's head is backpropagated as soon as its loss is known, into the lm_head and into a
         gradient for that step's answer state y_s; its logits exist one chunk at a time (ChunkedHeadLoss), never as
         a (B, T, vocab) float32 tensor. The trunk (the recursion) is backpropagated from all
-        the y_s at the end, or, with detach_between_steps, step by step, so that only one step's activations are
-        alive either. The gradients equal those of total.backward(): d total / d loss_s = w_s + c / sg(loss_{s-1}).
+        the y_s at the end, or, with detach_between_steps, step by step (every backprop_steps steps), so that only
+        one step's activations (one chunk's) are alive either. The gradients equal those of total.backward():
+        d total / d loss_s = w_s + c / max(sg(loss_{s-1}), REWARD_LOSS_FLOOR).
         Returns (total, aux) like model(idx, targets), detached, plus aux["state"]: state_diagnostics per step.
         With a halting head, its BCE (halt_head_loss, weight HALT_LOSS_WEIGHT) is backpropagated too and reported as
         aux["halt_loss"] (mean over the steps that have a next one); it is not part of total.
@@ -525,10 +535,10 @@ class GPT(nn.Module):
                     halt_losses.append(halt_head_loss(self, previous, previous_token_losses, token_losses, targets))
                     self.backward_part([halt_losses[-1] * HALT_LOSS_WEIGHT * loss_scale])
                 previous_token_losses = token_losses
-            weight = weights[s] + (c.improvement_reward_scale / step_losses[-1] if s else 0.0)
+            weight = weights[s] + (reward_weight(step_losses[-1], c.improvement_reward_scale) if s else 0.0)
             self.backward_part([loss * weight * loss_scale])
             pending.append((y, y_leaf.grad))
-            if c.detach_between_steps:  # the next step starts from detached states: this step's graph can go now
+            if self.cuts_after(s):  # the next step starts from detached states: these steps' graphs can go now
                 self.backward_part(*zip(*pending))
                 pending = []
             step_losses.append(loss.detach())

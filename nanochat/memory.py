@@ -17,7 +17,8 @@ Under FSDP (--sharding=fsdp) the weights, gradients, optimizer state and EMA are
 whole at the peak is one block's gathered weights and gradient (plus the next block's, prefetched), and lm_head's,
 gathered for the whole micro-step; autocast keeps no weight copies (the gathered weights are already bf16 on CUDA).
 
-With detach_between_steps, the trunk is backpropagated step by step as well, so one step's activations are alive.
+With detach_between_steps, the trunk is backpropagated step by step as well (every backprop_steps steps), so one
+step's activations (backprop_steps steps') are alive.
 With sample_n_sup, a batch may train up to 2 * n_sup_train - 1 steps: the estimate covers that deepest batch.
 
 The counts follow eager PyTorch tensor by tensor (listed in _block_bytes_per_token). torch.compile fuses pointwise
@@ -128,7 +129,8 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
     S = _state_bytes(c)
     block = _block_bytes_per_token(c, dtype) + (S * c.n_embd if c.n_loops and c.state_update != "residual" else 0)
     deepest = 2 * c.n_sup_train - 1 if c.sample_n_sup else c.n_sup_train
-    steps_alive = 1 if c.detach_between_steps else deepest  # trunk graphs alive at once (see forward_backward)
+    # trunk graphs alive at once (see forward_backward): one chunk of backprop_steps when detached
+    steps_alive = min(c.backprop_steps, deepest) if c.detach_between_steps else deepest
     visits = steps_alive * c.n_layer  # layer visits with gradient (the last sweep of each supervision step)
     deltas_per_visit = c.n_loops + 1 if c.n_loops else 1
     if c.activation_checkpointing:
@@ -256,7 +258,7 @@ def collective_bytes(config, sharding, world_size, grad_accum, dtype="bfloat16")
     g = DTYPE_BYTES[dtype]
     steps = 2 * c.n_sup_train - 1 if c.sample_n_sup else c.n_sup_train
     grad_visits, nograd_visits = steps, steps * (c.T_recursion - 1)  # per layer; one gather per visit (Block.visit)
-    backward_calls = steps if c.detach_between_steps else 1
+    backward_calls = math.ceil(steps / c.backprop_steps) if c.detach_between_steps else 1
     gathers = {"recursion": c.n_layer * (2 * grad_visits + nograd_visits), "prelude": 2 * c.n_prelude,
                "coda": 2 * steps * c.n_coda, "embedding and lm_head": 3}
     block_gathers = sum(gathers.values()) - gathers["embedding and lm_head"]

@@ -76,7 +76,8 @@ def set_prefetch(model):
     # default off
     layers[0].set_modules_to_backward_prefetch([layers[0]])
     if coda:
-        coda[0].set_modules_to_backward_prefetch([layers[-1] if model.config.detach_between_steps else coda[0]])
+        detached_each_step = model.config.detach_between_steps and model.config.backprop_steps == 1
+        coda[0].set_modules_to_backward_prefetch([layers[-1] if detached_each_step else coda[0]])
 
 
 def one_iteration_per_micro_step(model):

@@ -20,18 +20,27 @@ def supervision_weights(n_sup, base):
     return [p / sum(powers) for p in powers]
 
 
+# The reward divides by the previous step's loss, floored here: a solved step's float32 loss is exactly 0 (softcapped
+# logits at +-15 put log-sum-exp within rounding of the target's), and 1/0 turned a solved hops run into NaN.
+REWARD_LOSS_FLOOR = 0.01
+
+
+def reward_weight(previous_loss, scale):
+    """The improvement reward's weight on a step's loss: scale / max(sg(previous step's loss), REWARD_LOSS_FLOOR)."""
+    return scale / previous_loss.detach().clamp(min=REWARD_LOSS_FLOOR)
+
+
 def deep_supervision_loss(step_losses, base, scale):
-    """total = sum_s w_s loss_s - scale * sum_{s>=1} (sg(loss_{s-1}) - loss_s) / sg(loss_{s-1}).
+    """total = sum_s w_s loss_s - scale * sum_{s>=1} (sg(loss_{s-1}) - loss_s) / max(sg(loss_{s-1}), floor).
 
     The stop-gradient means a step can never earn reward by making the previous draft worse. Because of it the
-    reward acts as an extra weight scale/loss_{s-1} on each later step's loss, which at typical losses (~3-10)
-    dominates the base**s weights.
+    reward acts as an extra weight scale/loss_{s-1} on each later step's loss (reward_weight), which at typical
+    losses (~3-10) dominates the base**s weights.
     """
     weights = supervision_weights(len(step_losses), base)
     total = sum(w * loss for w, loss in zip(weights, step_losses))
     for prev, cur in zip(step_losses[:-1], step_losses[1:]):
-        prev = prev.detach()
-        total = total - scale * (prev - cur) / prev
+        total = total - reward_weight(prev, scale) * (prev.detach() - cur)
     return total
 
 

@@ -77,6 +77,8 @@ def build_parser():
     model.add_argument("--sample_n_sup", type=str2bool, nargs="?", const=True, default=None,
                        help="train a random number of supervision steps per batch, 1..2*n_sup_train-1")
     model.add_argument("--detach_between_steps", type=str2bool, nargs="?", const=True, default=None)
+    model.add_argument("--backprop_steps", type=int, default=None,
+                       help="with --detach_between_steps: detach every k-th step (truncated backpropagation; 1 = TRM)")
     model.add_argument("--activation_checkpointing", type=str2bool, nargs="?", const=True, default=None)
     model.add_argument("--n_prelude", type=int, default=None, help="plain blocks before the recursion, run once")
     model.add_argument("--n_coda", type=int, default=None, help="plain blocks after the recursion, before the head")
@@ -219,6 +221,7 @@ class RunConfig:
     state_dtype: str | None
     sample_n_sup: bool | None
     detach_between_steps: bool | None
+    backprop_steps: int | None
     activation_checkpointing: bool | None
     n_prelude: int | None
     n_coda: int | None
@@ -331,7 +334,8 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     try:
         GPTConfig(vocab_size=1, **model_config)
     except ValueError as e:
-        parser.error(f"{e} (set --n_embd/--n_head/--n_kv_head or pick another --depth)")
+        shape = any(name in str(e) for name in ("n_embd", "n_head", "head dimension"))  # n_head covers n_kv_head
+        parser.error(f"{e}" + (" (set --n_embd/--n_head/--n_kv_head or pick another --depth)" if shape else ""))
     device_type = flags.device_type or autodetect_device_type()
     if device_type not in ("cuda", "cpu", "mps"):
         parser.error(f"--device_type={device_type} is not one of cuda, cpu, mps")

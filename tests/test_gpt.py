@@ -259,6 +259,46 @@ def test_improvement_reward_stops_gradient_into_previous_step():
     torch.testing.assert_close(losses.grad, torch.tensor(expected))
 
 
+def test_a_solved_step_keeps_the_reward_finite():
+    # a solved step's float32 loss is exactly 0 (softcapped logits at +-15); the reward's weight on the next step is
+    # then scale / 0.01 (REWARD_LOSS_FLOOR), not inf: before the floor, hops runs that solved the task went NaN
+    from nanochat.supervision import REWARD_LOSS_FLOOR, ChunkedHeadLoss, head_chunk_loss_and_grads
+    weight = torch.full((8, 4), -50.0)
+    weight[3] = 50.0
+    solved = ChunkedHeadLoss.apply(torch.ones(2, 4), weight, torch.full((2,), 3), head_chunk_loss_and_grads)
+    assert solved.item() == 0.0  # the premise: the loss reaches exactly zero
+    losses = torch.stack([torch.tensor(1.0), solved, torch.tensor(0.5)]).requires_grad_()
+    total = deep_supervision_loss(list(losses.unbind()), 5.0, 1.0)
+    total.backward()
+    assert torch.isfinite(total) and torch.isfinite(losses.grad).all()
+    w = supervision_weights(3, 5.0)
+    torch.testing.assert_close(losses.grad, torch.tensor([w[0], w[1] + 1.0, w[2] + 1.0 / REWARD_LOSS_FLOOR]))
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_backprop_steps_truncates_the_gradient_every_k_steps(k):
+    # k=1 is the detached TRM gradient, k=n_sup_train full backpropagation; k=2 is neither, and equals a model whose
+    # states are detached by hand after steps 2 and 4 only
+    def grads(**overrides):
+        model = random_model(tiny_config(n_sup_train=4, **overrides), every_weight=True)
+        model.forward_backward(*random_batch(model.config))
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    truncated = grads(detach_between_steps=True, backprop_steps=k)
+    reference = {1: lambda: grads(detach_between_steps=True), 4: lambda: grads(detach_between_steps=False)}
+    if k in reference:
+        torch.testing.assert_close(truncated, reference[k](), atol=1e-6, rtol=1e-5)
+    else:
+        assert not torch.allclose(truncated, grads(detach_between_steps=True), atol=1e-6)
+        assert not torch.allclose(truncated, grads(detach_between_steps=False), atol=1e-6)
+        model = random_model(tiny_config(n_sup_train=4, detach_between_steps=False), every_weight=True)
+        cuts = [False, True, False, True]
+        model.cuts_after = lambda step: cuts[step]
+        model.forward_backward(*random_batch(model.config))
+        by_hand = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        torch.testing.assert_close(truncated, by_hand, atol=1e-6, rtol=1e-5)
+
+
 def test_model_gradient_is_the_stop_gradient_linearisation():
     # through the model: grad(total) == grad(sum_k coef_k * loss_k) with coef_k = w_k + c / sg(loss_{k-1})
     config = tiny_config(n_sup_train=3, improvement_reward_scale=2.0)

@@ -83,6 +83,9 @@ def test_the_parts_move_the_way_the_model_does():
     # detach_between_steps backpropagates the trunk step by step too: one step's activations alive at a time
     detached = estimate_memory(d12.replace(detach_between_steps=True), 1)
     assert detached["activations"] == plain["activations"] / 4
+    # truncated backpropagation through 2 steps: two steps' activations alive at a time
+    truncated = estimate_memory(d12.replace(detach_between_steps=True, backprop_steps=2), 1)
+    assert truncated["activations"] == plain["activations"] / 2
     # a sampled depth of up to 2 * 4 - 1 steps keeps the deepest batch's activations
     assert estimate_memory(d12.replace(sample_n_sup=True), 1)["activations"] == plain["activations"] * 7 / 4
     # no-grad sweeps (T_recursion > 1) store nothing
