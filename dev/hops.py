@@ -148,10 +148,11 @@ def batches(docs, tokenizer):
 
 @torch.no_grad()
 def evaluate(model, data, n_steps, max_hops, batch=64):
-    idx, targets, pos, hops = data
-    correct = torch.zeros(n_steps, max_hops + 1)
-    count = torch.zeros(max_hops + 1)
-    answer_loss = torch.zeros(n_steps)
+    device = model.lm_head.weight.device
+    idx, targets, pos, hops = (t.to(device) for t in data)
+    correct = torch.zeros(n_steps, max_hops + 1, device=device)
+    count = torch.zeros(max_hops + 1, device=device)
+    answer_loss = torch.zeros(n_steps, device=device)
     for i in range(0, idx.size(0), batch):
         x, t, p, h = idx[i:i + batch], targets[i:i + batch], pos[i:i + batch], hops[i:i + batch]
         count += torch.bincount(h.flatten(), minlength=max_hops + 1)
@@ -159,9 +160,9 @@ def evaluate(model, data, n_steps, max_hops, batch=64):
             logits = model.head(model.apply_coda(y)).gather(1, p[..., None].expand(-1, -1, model.config.vocab_size))
             want = t.gather(1, p)
             right = (logits.argmax(-1) == want).float()
-            correct[s] += torch.zeros(max_hops + 1).index_add_(0, h.flatten(), right.flatten())
+            correct[s] += torch.zeros_like(count).index_add_(0, h.flatten(), right.flatten())
             answer_loss[s] += torch.nn.functional.cross_entropy(logits.flatten(0, 1), want.flatten(), reduction="sum")
-    return (correct / count.clamp(min=1))[:, 1:], answer_loss / count.sum()
+    return (correct / count.clamp(min=1))[:, 1:].cpu(), (answer_loss / count.sum()).cpu()
 
 
 def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, warmdown=0.3, answers_only=False,
@@ -172,7 +173,8 @@ def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, wa
         for opt in optimizers:
             for g in opt.param_groups:
                 g["lr"] = g["initial_lr"] * lrm
-        idx, targets, pos, _ = batches(documents(f"{seed}:{step}", batch, spec), tokenizer)
+        idx, targets, pos, _ = (t.to(model.lm_head.weight.device)
+                                for t in batches(documents(f"{seed}:{step}", batch, spec), tokenizer))
         if answers_only:
             targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))
         _, aux = model.forward_backward(idx, targets)
@@ -199,6 +201,7 @@ def main():
     ap.add_argument("--T_recursion", type=int, default=1)
     ap.add_argument("--state_update", default="trm")
     ap.add_argument("--detach", type=int, default=1)
+    ap.add_argument("--backprop_steps", type=int, default=1, help="with --detach 1: detach after every k-th step")
     ap.add_argument("--preset", default="aggressive", choices=REFINEMENT_PRESETS)
     ap.add_argument("--matrix_lr", type=float, default=0.02)
     ap.add_argument("--embedding_lr", type=float, default=0.2)
@@ -210,6 +213,7 @@ def main():
     ap.add_argument("--n_queries", type=int, default=16)
     ap.add_argument("--eval_docs", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cuda: float32 on the GPU (the rows stay drawn on the CPU)")
     ap.add_argument("--extra", default="{}", help="JSON of further GPTConfig fields")
     ap.add_argument("--answers_only", type=int, default=0, help="1: the loss reads only the answer tokens")
     ap.add_argument("--eval_every", type=int, default=0)
@@ -234,9 +238,11 @@ def main():
         args.preset, sequence_len=length, vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
         n_kv_head=args.n_head, n_embd=args.width, n_loops=args.n_loops, n_sup_train=args.n_sup,
         T_recursion=args.T_recursion, state_update=args.state_update, detach_between_steps=bool(args.detach),
+        backprop_steps=args.backprop_steps,
         **json.loads(args.extra))
     model = GPT(config)
-    model.init_weights()
+    model.init_weights()  # on the CPU: the same initial weights on every device
+    model.to(args.device)
     if args.adamw:
         optimizers = [torch.optim.AdamW(model.parameters(), lr=args.adamw, betas=(0.9, 0.98), weight_decay=0.0)]
         optimizers[0].param_groups[0]["initial_lr"] = args.adamw

@@ -4,12 +4,16 @@ after another, and their table (accuracy by hops at the trained step, and on the
 
 python -m dev.hops_grid --runs controls,ablations --seed 42 --out dev/results/hops/grid.jsonl
 python -m dev.hops_grid --table dev/results/hops/grid.jsonl
+python -m dev.hops_grid --task answers --runs loop,plain2 --seeds 42,43 --jobs 6 --device cuda   # side by side
 """
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 # Every run: width 64, 2 heads, 8 symbols, hops 1-4; the rest is the run's own. masked: one block, batch 64, 2,000
 # steps. answers: issue 36's protocol (2 blocks, batch 32, 3,000 steps, warmup steps/40, warmdown 40%, clip 1.0,
@@ -49,6 +53,11 @@ RUNS = {
     # from the loop back toward the old default
     "loop+detach": LOOP + " --detach 1",
     "loop+aggressive": LOOP + " --preset aggressive",
+    # truncated backpropagation: gradients through 2 steps, detached every 2nd (issue 36)
+    "loop+bp2": LOOP + " --detach 1 --backprop_steps 2",
+    "old_default+bp2": DEFAULT + " --backprop_steps 2",
+    "old_default+bp2+uniform": DEFAULT + " --backprop_steps 2 --preset uniform",
+    "old_default+n_loops1+no_detach+uniform": DEFAULT + " --n_loops 1 --detach 0 --preset uniform",
 }
 GROUPS = {"all": ["old_default", "loop", "plain1", "old_default+no_detach", "old_default+n_loops0", "loop+detach",
                   "loop+aggressive", "old_default+residual", "old_default+uniform", "plain2", "plain4"],
@@ -56,13 +65,36 @@ GROUPS = {"all": ["old_default", "loop", "plain1", "old_default+no_detach", "old
           "ablations": [name for name in RUNS if name.startswith(("old_default", "loop+"))]}
 
 
-def run(name, seed, out, task_extra="", suffix="", task="masked", save_dir=None):
-    command = [sys.executable, "-m", "dev.hops", "--name", name + suffix, "--seed", str(seed), "--out", out,
-               *TASKS[task].split(), *task_extra.split(), *RUNS[name].split()]  # later flags win: plain2's --depth too
+def command(name, seed, out, task_extra="", suffix="", task="masked", save_dir=None):
+    words = [sys.executable, "-m", "dev.hops", "--name", name + suffix, "--seed", str(seed), "--out", out,
+             *TASKS[task].split(), *task_extra.split(), *RUNS[name].split()]  # later flags win: plain2's --depth too
     if save_dir:
-        command += ["--save", f"{save_dir}/{name}{suffix}_seed{seed}.pt"]
-    print(" ".join(command[1:]), flush=True)
-    subprocess.run(command, check=True)
+        words += ["--save", f"{save_dir}/{name}{suffix}_seed{seed}.pt"]
+    return words
+
+
+def run_all(commands, jobs, log):
+    """Run the commands, `jobs` at a time. Each one writes to LOG.partI while it runs (a timeout leaves those to
+    read), then its output goes to `log` in one piece and its RESULT line to stdout."""
+    lock = threading.Lock()
+
+    def one(i, words):
+        part = f"{log}.part{i}"
+        with open(part, "w") as f:
+            f.write(" ".join(words[1:]) + "\n")
+            f.flush()
+            code = subprocess.run(words, stdout=f, stderr=subprocess.STDOUT).returncode
+        with open(part) as f:
+            text = f.read()
+        os.remove(part)
+        with lock, open(log, "a") as f:
+            f.write(text + "\n")
+            print(next((line for line in text.splitlines() if line.startswith("RESULT")),
+                       f"FAILED ({code}): {text[-400:]}"), flush=True)
+        return code
+
+    with ThreadPoolExecutor(jobs) as pool:
+        return max(pool.map(one, range(len(commands)), commands), default=0)
 
 
 def table(path):
@@ -83,6 +115,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", default="controls", help="comma-separated run names or groups: " + ", ".join(GROUPS))
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds, each run on each (overrides --seed)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs side by side (output kept whole in OUT.log)")
+    ap.add_argument("--device", default="cpu", help="dev.hops --device for every run")
     ap.add_argument("--out", default="dev/results/hops/grid.jsonl")
     ap.add_argument("--task", default="masked", choices=TASKS)
     ap.add_argument("--save_dir", default=None, help="save every trained model here (dev.hops --save)")
@@ -96,8 +131,16 @@ def main():
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         sys.exit(f"unknown run {unknown[0]!r}: choose from {', '.join(list(RUNS) + list(GROUPS))}")
-    for name in names:
-        run(name, args.seed, args.out, args.task_extra, args.suffix, args.task, args.save_dir)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
+    extra = f"{args.task_extra} --device {args.device}"
+    commands = [command(name, seed, args.out, extra, args.suffix, args.task, args.save_dir)
+                for name in names for seed in seeds]
+    if args.jobs == 1:
+        for words in commands:
+            print(" ".join(words[1:]), flush=True)
+            subprocess.run(words, check=True)
+    else:
+        sys.exit(run_all(commands, args.jobs, args.out + ".log"))
 
 
 if __name__ == "__main__":
