@@ -2,6 +2,7 @@
 never waits for it, and pulled back by --resume when the local directory is empty."""
 
 import json
+import math
 import os
 import posixpath
 import shutil
@@ -106,8 +107,17 @@ class Backup:
         for name in names:
             self.fs.put_file(os.path.join(local, name), self.remote(step, name))
 
+    def remote_bpb(self, step):
+        """The final-step validation bpb a backed-up meta.json records, or None where it records no number: a damaged
+        or altered remote file neither stops retention nor passes for the best step."""
+        try:
+            bpb = final_val_bpb(json.loads(self.fs.cat_file(self.remote(step, "meta.json"))))
+        except (ValueError, TypeError, AttributeError, IndexError, KeyError, RecursionError):  # not JSON, a dict, a list
+            return None
+        return bpb if type(bpb) in (int, float) and math.isfinite(bpb) else None
+
     def prune(self):
-        bpb = {s: final_val_bpb(json.loads(self.fs.cat_file(self.remote(s, "meta.json")))) for s in self.steps()}
+        bpb = {s: self.remote_bpb(s) for s in self.steps()}
         for s in steps_to_prune(bpb, self.keep_last):
             self.fs.rm(self.remote(s), recursive=True)
 

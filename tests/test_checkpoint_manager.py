@@ -187,6 +187,23 @@ def test_backup_retention_keeps_the_newest_and_the_best(base, tmp_path):
         os.listdir(ckpt_dir(base, "ret", 3)))
 
 
+@pytest.mark.parametrize("damage", [b"not json", b"[1, 2]", b'{"val_bpb": "0.01"}', b'{"val_bpb": [NaN]}',
+                                    b'{"val_bpb": [true]}', b"[" * 100_000])
+def test_backup_retention_reads_a_damaged_remote_meta_as_unscored(tmp_path, damage):
+    # the remote copy is outside the run's control: a meta.json that records no number must neither stop the
+    # retention (it ran on the upload thread and warned at every save) nor keep a step as the best
+    uploads = Backup.location(str(tmp_path / "bucket"), "dmg", keep_last=1)
+    for step, bpb in ((1, 0.9), (2, 0.1), (3, 0.5)):
+        os.makedirs(uploads.remote(step))
+        with open(uploads.remote(step, "meta.json"), "w") as f:
+            json.dump({"val_bpb": [bpb]}, f)
+    with open(uploads.remote(2, "meta.json"), "wb") as f:  # the best step's record, altered
+        f.write(damage)
+    assert [uploads.remote_bpb(s) for s in (1, 2, 3)] == [0.9, None, 0.5]
+    uploads.prune()
+    assert uploads.steps() == [3]  # the newest; step 2 no longer counts as the best, step 1 was never it
+
+
 @pytest.mark.parametrize("url", ["memory://backup", "local"])
 def test_backup_then_resume_from_it_into_an_empty_base_dir(base, base_dir, url, tmp_path, monkeypatch, capsys):
     url = str(tmp_path / "bucket") if url == "local" else url
