@@ -329,13 +329,19 @@ class GPT(nn.Module):
 
     # ---------------------------------------------------------------- initialisation
     @torch.no_grad()
-    def init_weights(self):
+    def init_weights(self, write=None):
+        """Draw every weight from torch's RNG, module by module. write(weight, draw) puts draw's values (draw fills a
+        tensor of weight's shape in place) into the weight: by default draw(weight) itself; sharded, write_rows
+        (nanochat/sharding.py) draws the whole weight on the CPU and keeps this rank's rows, so a sharded model gets
+        the same numbers as the unsharded one from the same seed."""
+        write = write or (lambda weight, draw: draw(weight))
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 fan_out, fan_in = module.weight.shape
-                nn.init.normal_(module.weight, mean=0.0, std=1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in)))
+                std = 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
+                write(module.weight, functools.partial(nn.init.normal_, mean=0.0, std=std))
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=1.0)
+                write(module.weight, functools.partial(nn.init.normal_, mean=0.0, std=1.0))
         # zero the output projections: every block starts as the identity, and the head predicts uniform
         nn.init.zeros_(self.lm_head.weight)
         for block in self.blocks():

@@ -197,10 +197,13 @@ def _sharded_state(n_params, n_matrix, adamw, buffers, block, dtype, world_size,
 
 
 def sharded_build_host_bytes(config, processes):
-    """Host RAM that starting `processes` FSDP ranks on one node needs: each builds and initialises the whole float32
-    model on the CPU before sharding it (base_train.build_model), all at once."""
-    n_params, _, _, buffers, _ = _param_counts(config)
-    return processes * (4 * n_params + buffers)
+    """Host RAM that starting `processes` FSDP ranks on one node needs, all at once: each shards the model before its
+    weights exist and draws them one at a time whole on the CPU, keeping its rows (sharding.build_sharded_model), so
+    it holds the largest float32 weight (the embedding or lm_head at usual sizes) beyond its shards, which are on the
+    device (on a CPU device they are the device memory the plan counts)."""
+    with torch.device("meta"):  # shapes only; every block has the same weights, one is enough
+        model = GPT(config.replace(n_layer=1, n_prelude=0, n_coda=0))
+    return processes * 4 * max(p.numel() for p in model.parameters())
 
 
 def usable_bytes(total_bytes):

@@ -225,15 +225,16 @@ def host_ram_available():
 
 
 def host_ram_problem(run):
-    """A line saying why this node's RAM cannot hold what the FSDP ranks on it build before sharding, or None."""
+    """A line saying why this node's RAM cannot hold the weight each FSDP rank on it draws whole to initialise its
+    shards, or None."""
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes on this node
     need = memory.sharded_build_host_bytes(model_config(run, run.plan_vocab_size), processes)
     have = host_ram_available()
     if have is None or need <= have:
         return None
-    return (f"--sharding=fsdp: each of the {processes} processes on this node builds the whole float32 model in host "
-            f"RAM before sharding it, ~{need / 1e9:.1f} GB in all, but {have / 1e9:.1f} GB is available; run fewer "
-            f"processes per node, or on a node with more RAM")
+    return (f"--sharding=fsdp: each of the {processes} processes on this node draws the model's largest float32 weight "
+            f"whole in host RAM to initialise its shards, ~{need / 1e9:.1f} GB in all, but {have / 1e9:.1f} GB is "
+            f"available; run fewer processes per node, or on a node with more RAM")
 
 
 def keeps_ema(run):
@@ -329,7 +330,7 @@ def sharding_lines(run, config, memory_bytes):
         what = (f"{sum(gathers.values())} parameter all-gathers per micro-step, x {run.grad_accum} micro-steps"
                 if gathers else "one gradient reduce-scatter and one weight all-gather per step")
         host = (f"; needs ~{memory.sharded_build_host_bytes(config, 1) / 1e9:.1f} GB host RAM per process at start "
-                f"(the whole float32 model, built before sharding)" if kind == "fsdp" else "")
+                f"(its largest float32 weight, drawn whole to initialise the shards)" if kind == "fsdp" else "")
         lines.append(f"  {kind}{' (chosen)' if kind == run.sharding else ''}: ~{need / 1e9:.1f} GB per device"
                      f"{'' if need <= memory.usable_bytes(memory_bytes) else ' (does NOT fit)'}; sends "
                      f"~{sent / 1e9:.1f} GB per device per step ({what}): {at} if not overlapped with compute{host}")

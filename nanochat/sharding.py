@@ -20,7 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from nanochat.gpt import GPT, GPTConfig
 from nanochat.optim import AdamW, Muon, ShardedMuon
 
 
@@ -57,6 +60,33 @@ def shard_model(model, device, param_dtype="auto"):
     set_prefetch(model)
     one_iteration_per_micro_step(model)
     return model
+
+
+def build_sharded_model(config_dict, device, param_dtype="auto"):
+    """GPT(GPTConfig.from_dict(config_dict)) sharded (shard_model) before any weight exists: built on the meta device,
+    sharded, given this rank's storage on `device`, then initialised from torch's CPU RNG one weight at a time
+    (write_rows), so its weights equal those GPT.init_weights gives the unsharded model on the CPU from the same seed,
+    and a rank's host memory holds at most one whole weight beyond its shards."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_dict(config_dict))
+    shard_model(model, device, param_dtype)
+    model.to_empty(device=device)  # FSDP re-pads each rank's shard here (FSDPModule._apply)
+    model.init_weights(write=write_rows)  # the rotary buffers too, computed on the device
+    return model
+
+
+@torch.no_grad()
+def write_rows(weight, draw):
+    """GPT.init_weights' writer for a sharded model: the whole weight drawn on the CPU (every rank draws it alike,
+    the RNG stream the unsharded model's init consumes), then this rank's part of it copied into its shard."""
+    whole = torch.empty(weight.shape, dtype=weight.dtype, device="cpu")
+    draw(whole)
+    if not isinstance(weight, DTensor):
+        weight.copy_(whole)
+        return
+    # the rows (Shard(0), uneven counts as torch.chunk splits them, as FSDP pads) this rank holds
+    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    weight.to_local().copy_(whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
 
 
 def set_prefetch(model):

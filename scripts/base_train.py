@@ -414,13 +414,14 @@ def checkpoint_meta(args, model_config, tokenizer_fingerprint, corpus, num_itera
 
 # ---------------------------------------------------------------------------------------------------- its stages
 def build_model(model_config, device, fsdp, dtype):
-    """The model; under --sharding=fsdp built and initialised whole in CPU memory (every rank alike, from the seed),
-    then sharded: only each rank's rows reach the device, which could not hold the whole model. Sharded weights are
-    gathered in bf16 on GPUs for a bf16 run (dtype: --dtype); a float32 run keeps them float32."""
+    """The model; under --sharding=fsdp sharded before its weights exist, each weight then drawn whole on the CPU
+    (every rank alike, from the seed: the weights the unsharded model gets there) and only each rank's rows kept on
+    the device, so neither the device nor host memory ever holds the whole model. Sharded weights are gathered in bf16
+    on GPUs for a bf16 run (dtype: --dtype); a float32 run keeps them float32."""
     if not fsdp:
         return checkpoint_model.build_model(model_config, device)
     param_dtype = torch.bfloat16 if device.type == "cuda" and dtype == "bfloat16" else None
-    return sharding.shard_model(checkpoint_model.build_model(model_config, torch.device("cpu")), device, param_dtype)
+    return sharding.build_sharded_model(model_config, device, param_dtype)
 
 
 def build_optimizers(model, args, fsdp):

@@ -100,3 +100,38 @@ def test_a_micro_step_gathers_each_block_once_per_visit_under_one_fsdp_root(tmp_
     # would start one of its own
     assert roots == 1
     assert not held
+
+
+def test_a_model_initialised_sharded_has_the_weights_the_unsharded_init_gives(tmp_path):
+    from nanochat.checkpoint_model import build_model
+    from nanochat.gpt import GPTConfig
+    torchrun("metainit", tmp_path / "metainit.pt")
+    got = torch.load(tmp_path / "metainit.pt")
+    torch.manual_seed(0)  # the unsharded model's init on the CPU, from the seed the sharded build had
+    model = build_model(GPTConfig(**worker.META_CONFIG).to_dict(), torch.device("cpu"))
+    expected = model.state_dict()
+    # the config exercises what it is meant to: uneven rows, an empty shard, the decay update's per-channel weights
+    assert got["shards"]["lm_head.weight"] == (33, 32) and got["shards"]["halt_head.bias"] == (1,)
+    assert "transformer.h.1.retain_y" in expected and "transformer.h.1.retain_z" in expected
+    assert got["state"].keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got["state"][name], value), name
+    assert got["gathered"].keys() == dict(model.named_parameters()).keys()
+    for name, value in model.named_parameters():
+        assert torch.equal(got["gathered"][name], value), name
+    assert torch.equal(got["cos"], model.cos) and torch.equal(got["sin"], model.sin)
+
+
+def test_a_sharded_build_holds_one_weight_beyond_its_shards_in_host_memory(tmp_path):
+    # it built the whole float32 model on the CPU first: 54 GB per process at depth 64
+    from nanochat.gpt import GPTConfig
+    from nanochat.memory import sharded_build_host_bytes
+    planned = sharded_build_host_bytes(GPTConfig(**worker.BUILD_MEMORY_CONFIG), 1)  # one weight, the embedding's
+    torchrun("buildmemory", tmp_path / "memory.pt")
+    for rank, m in enumerate(torch.load(tmp_path / "memory.pt")):
+        beyond = m["growth"] - m["shards"]  # on a CPU device the rank's shards live in host memory; on a GPU, not
+        print(f"rank {rank}: peak RSS growth {m['growth'] / 1e6:.0f} MB building a {m['model'] / 1e6:.0f} MB model, "
+              f"{beyond / 1e6:.0f} MB beyond its {m['shards'] / 1e6:.0f} MB of shards (planned "
+              f"{planned / 1e6:.0f} MB)")
+        assert planned < 0.15 * m["model"]  # so that the bound below is well under the half a shard leaves out
+        assert beyond < planned + 0.15 * m["model"], f"rank {rank}: {beyond:,} bytes beyond the shards"

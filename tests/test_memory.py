@@ -141,3 +141,13 @@ def test_a_cpu_run_plans_with_the_ram_the_kernel_can_give_not_only_the_unused(mo
     assert planning.free_ram_per_process(2)[0] == 19 * 2**30 // 2
     monkeypatch.setattr(planning, "host_ram_available", lambda: None)  # no /proc/meminfo: the portable count
     assert planning.free_ram_per_process(2)[0] == 2**30
+
+
+def test_a_sharded_build_needs_the_largest_float32_weight_of_host_ram_per_process():
+    # sharding.build_sharded_model draws one weight at a time whole on the CPU; each process built the whole model
+    from nanochat.memory import sharded_build_host_bytes
+    depth64 = GPTConfig(vocab_size=65536, n_layer=64, n_head=32, n_kv_head=32, n_embd=4096, n_prelude=1, n_coda=1)
+    assert sharded_build_host_bytes(depth64, 8) == 8 * 4 * 65536 * 4096  # lm_head (and wte): 8.6 GB, not 430 GB
+    # a small vocabulary: the gated MLP's input projection, 2 x 1408 rows of 512, is the largest
+    gated = GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=4, n_embd=512, activation_fn="swiglu")
+    assert sharded_build_host_bytes(gated, 1) == 4 * 2 * 1408 * 512

@@ -8,6 +8,8 @@ FSDP training against one process, for tests/test_fsdp.py. Launched as
     gathers CONFIG OUT                # all-gathers and FSDP roots per micro-step
     syncs CONFIG OUT                  # host syncs per step
     dtypes OUT                        # blocks' input dtypes
+    metainit OUT                      # the weights of a model initialised sharded
+    buildmemory OUT                   # host memory a sharded build takes
 
 `train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
 clipped_step) on a model sharded by nanochat.sharding; rank r trains on batch r. run_single (called by the test in its
@@ -210,6 +212,57 @@ def block_input_dtypes(sharded):
     return seen
 
 
+# 65 vocabulary rows and the halting head's 1 don't divide 2 ranks (FSDP pads; rank 1 holds none of the head); the
+# decay update gives every recursive block its retain_y and retain_z
+META_CONFIG = dict(sequence_len=16, vocab_size=65, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, n_loops=1,
+                   state_update="decay", halt_head=True, n_prelude=1, n_coda=1)
+
+
+def meta_initialised():
+    """The model sharding.build_sharded_model initialises from seed 0: its state dict gathered (full_tensor), its
+    parameters as FSDP gathers them for compute (unshard: what forward reads), each rank's shard shapes, and its
+    rotary tables."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from nanochat import sharding
+    torch.manual_seed(0)
+    model = sharding.build_sharded_model(GPTConfig(**META_CONFIG).to_dict(), torch.device("cpu"))
+    shards = {k: tuple(v.to_local().shape) for k, v in model.state_dict().items()}
+    state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    gathered = {k: v.detach().clone() for k, v in model.named_parameters() if not isinstance(v, DTensor)}
+    for unit in units:
+        unit.reshard()
+    return {"state": state, "gathered": gathered, "shards": shards, "cos": model.cos, "sin": model.sin}
+
+
+BUILD_MEMORY_CONFIG = dict(sequence_len=64, vocab_size=8192, n_layer=8, n_head=4, n_kv_head=4, n_embd=512)
+
+
+def host_bytes(field):
+    """This process's VmRSS (resident now) or VmHWM (the peak resident so far) in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def build_memory():
+    """How much this rank's resident host memory peaks above where it was while base_train's build_model builds the
+    sharded model (~134 MB float32) on the CPU, after a tiny build has paid the one-off costs (FSDP's and DTensor's
+    first use, the device mesh); with the model's bytes and this rank's shards'."""
+    from scripts.base_train import build_model
+    tiny = dict(sequence_len=8, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=8)
+    build_model(GPTConfig(**tiny).to_dict(), torch.device("cpu"), True, "float32")
+    torch.manual_seed(0)
+    start = host_bytes("VmRSS")
+    model = build_model(GPTConfig(**BUILD_MEMORY_CONFIG).to_dict(), torch.device("cpu"), True, "float32")
+    growth = host_bytes("VmHWM") - start
+    params = list(model.parameters())
+    return {"growth": growth, "model": sum(p.numel() * p.element_size() for p in params),
+            "shards": sum(p.to_local().numel() * p.element_size() for p in params)}
+
+
 def toy_matrices():
     g = torch.Generator().manual_seed(3)
     return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MUON_SHAPES]
@@ -222,7 +275,16 @@ def toy_grads(step):
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    if sys.argv[1] == "dtypes":
+    if sys.argv[1] == "metainit":
+        result = meta_initialised()
+        if dist.get_rank() == 0:
+            torch.save(result, sys.argv[2])
+    elif sys.argv[1] == "buildmemory":
+        measured = [None] * dist.get_world_size()
+        dist.all_gather_object(measured, build_memory())
+        if dist.get_rank() == 0:
+            torch.save(measured, sys.argv[2])
+    elif sys.argv[1] == "dtypes":
         result = {"fsdp": block_input_dtypes(sharded=True), "ddp": block_input_dtypes(sharded=False)}
         if dist.get_rank() == 0:
             torch.save(result, sys.argv[2])
