@@ -124,21 +124,34 @@ def format_hops(result):
     return "\n".join(lines)
 
 
-def plot_hops(result, path, title=""):
-    """Accuracy vs supervision step, one line per hop count, saved to path (needs matplotlib: the 'plot' extra)."""
+def save_plot(path, title, lines, chance, trained_steps=None):
+    """Accuracy vs supervision step, one line per (label, accuracies), saved to path (needs matplotlib: the 'plot'
+    extra)."""
     import matplotlib  # lazy: the optional matplotlib (the 'plot' extra), ~0.9 s, for the plot only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # lazy: after matplotlib.use, which must precede it
     fig, ax = plt.subplots(figsize=(6, 4))
-    steps = range(1, len(result["accuracy"]) + 1)
-    for j, h in enumerate(result["hops"]):
-        ax.plot(steps, [row[j] for row in result["accuracy"]], marker="o", label=f"{h} hop{'s' * (h > 1)}")
-    ax.axhline(result["chance"], color="gray", linestyle=":", label="chance")
-    if result.get("n_sup_train"):
-        ax.axvline(result["n_sup_train"], color="gray", linestyle="--", linewidth=0.8, label="trained steps")
+    for label, accuracies in lines:
+        ax.plot(range(1, len(accuracies) + 1), accuracies, marker="o", label=label)
+    ax.axhline(chance, color="gray", linestyle=":", label="chance")
+    if trained_steps:
+        ax.axvline(trained_steps, color="gray", linestyle="--", linewidth=0.8, label="trained steps")
     ax.set(xlabel="supervision step", ylabel="exact-match accuracy", ylim=(0, 1.02), title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_hops(result, path, title=""):
+    """One model's accuracy vs supervision step, one line per hop count."""
+    lines = [(f"{h} hop{'s' * (h > 1)}", [row[j] for row in result["accuracy"]]) for j, h in enumerate(result["hops"])]
+    save_plot(path, title, lines, result["chance"], result.get("n_sup_train"))
+
+
+def plot_models(results, path, title=""):
+    """The longest hop count's accuracy vs supervision step, one line per model ({label: result}): a recursion that
+    uses its depth stands above the plain model of its parameters, whose steps all answer alike."""
+    lines = [(f"{label}, {r['hops'][-1]} hops", [row[-1] for row in r["accuracy"]]) for label, r in results.items()]
+    save_plot(path, title, lines, min(r["chance"] for r in results.values()))
 

@@ -232,6 +232,27 @@ def test_base_loss_hops_refuses_another_corpus(hops_checkpoint, tmp_path, monkey
     assert tree(hops_checkpoint) == before
 
 
+def test_plot_hops_compares_the_newest_result_of_each_tag(tmp_path, monkeypatch, capsys):
+    from dev import plot_hops
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    runs = {"trm": {10: [[0.9, 0.5], [1.0, 0.6]], 20: [[1.0, 0.7], [1.0, 0.95]]}, "plain": {20: [[1.0, 0.25]]}}
+    for tag, by_step in runs.items():
+        os.makedirs(tmp_path / "base_checkpoints" / tag)
+        for step, accuracy in by_step.items():
+            result = {"hops": [1, 2], "accuracy": accuracy, "chance": 0.2}
+            (tmp_path / "base_checkpoints" / tag / f"hops_eval_step{step:06d}.json").write_text(json.dumps(result))
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(SystemExit, match=r"no hops_eval_step\*.json for --model_tag=none: run `python -m "
+                                         r"scripts.base_loss --model_tag=none --hops` first"):
+        plot_hops.main(["trm", "none", "--out", str(tmp_path / "no.png")])
+    assert sorted(os.listdir(tmp_path)) == before
+    pytest.importorskip("matplotlib")
+    plot_hops.main(["trm", "plain", "--out", str(tmp_path / "cmp.png")])
+    out = capsys.readouterr().out
+    assert "trm (2 hops): 0.70 0.95" in out and "plain (2 hops): 0.25" in out  # step 20's rows, the longest hops
+    assert os.path.getsize(tmp_path / "cmp.png") > 0
+
+
 def test_pairs_documents_are_read_from_their_own_text():
     text = hops_documents(2, 1, SPEC, family="hops_pairs")[0]  # "<8 table characters> ; 3ac 1bd ..."
     ids, answers = encode_hops(BYTES, text)
