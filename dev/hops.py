@@ -6,7 +6,7 @@ python -m dev.hops --name plain1 --depth 1 --n_loops 0 --n_sup 1                
 python -m dev.hops --name loop --depth 1 --n_loops 0 --n_sup 4 --detach 0 --preset uniform         # it, looped 4x
 
 --format masked (the default): one table as one token per entry, then queries whose answers are targets only (see
-masked_row). --format answers: issue 36's pairs-and-answers rows (answers_row), whose answers stand in the input. --format pairs / text: the LM documents of nanochat.synthetic (answers in the text, so later queries can
+masked_row). --format chains: variable-binding rows, a depth task of another shape (chains_row). --format answers: issue 36's pairs-and-answers rows (answers_row), whose answers stand in the input. --format pairs / text: the LM documents of nanochat.synthetic (answers in the text, so later queries can
 reuse earlier answers). The product's GPT, its forward_backward and optimizers (Muon + AdamW), warmup then linear
 warmdown. Prints one JSON line per run (appended to --out): accuracy[step][hops] on held-out rows for steps 1..2N,
 the answer loss per step, and the training time.
@@ -49,6 +49,42 @@ def masked_row(rng, spec):
 
 def masked_vocab(spec):
     return spec.n_symbols * (spec.n_symbols - 1) + spec.n_symbols + spec.max_hops + 3
+
+
+CHAIN_DIGITS = 8  # the values a chain of variables can end in (--format chains)
+
+
+def chains_row(rng, spec):
+    """(ids, answer positions, answer ids, hops) of one variable-binding row, a depth task unlike the cycles: the
+    spec.n_symbols variables form chains of spec.max_hops (v1 = digit, v2 = v1, v3 = v2, ...), each assignment one
+    token, listed in random order after <|bos|>; then a separator and spec.n_queries queries, each a variable alone,
+    whose answer (a target only, never an input) is the digit its chain ends in, reached in its depth's lookups."""
+    n, length = spec.n_symbols, spec.max_hops
+    assert n % length == 0, "n_symbols must be a multiple of max_hops: whole chains"
+    names = list(range(n))
+    rng.shuffle(names)
+    bind, val, var, digit = 0, n * n, n * n + n * CHAIN_DIGITS, n * n + n * CHAIN_DIGITS + n
+    statements, value, depth = [], {}, {}
+    for c in range(n // length):
+        chain, d = names[c * length:(c + 1) * length], rng.randrange(CHAIN_DIGITS)
+        statements.append(val + chain[0] * CHAIN_DIGITS + d)
+        statements += [bind + b * n + a for a, b in zip(chain, chain[1:])]  # b = a
+        for h, v in enumerate(chain, start=1):
+            value[v], depth[v] = d, h
+    rng.shuffle(statements)
+    ids = [digit + CHAIN_DIGITS + 1] + statements + [digit + CHAIN_DIGITS]  # <|bos|>, the assignments, separator
+    pos, answers, hops = [], [], []
+    for _ in range(spec.n_queries):
+        x = rng.randrange(n)
+        ids.append(var + x)
+        pos.append(len(ids) - 1)
+        answers.append(digit + value[x])
+        hops.append(depth[x])
+    return ids, pos, answers, hops
+
+
+def chains_vocab(spec):
+    return spec.n_symbols * (spec.n_symbols + CHAIN_DIGITS + 1) + CHAIN_DIGITS + 2
 
 
 BOS, SEP, EQ, SYMBOL, HOPS = 0, 1, 2, 3, 3 + 8  # the pairs-and-answers ids (issue 36); hop count k is HOPS + k - 1
@@ -129,13 +165,13 @@ def documents(seed, count, spec):
     rng = random.Random(f"{FORMAT['name']}:{seed}")
     if FORMAT["name"] == "answers_hidden":
         return [answers_row(rng, spec, hide=True) for _ in range(count)]
-    row = {"masked": masked_row, "answers": answers_row, "pairs": pairs_document}[FORMAT["name"]]
+    row = {"masked": masked_row, "chains": chains_row, "answers": answers_row, "pairs": pairs_document}[FORMAT["name"]]
     return [row(rng, spec) for _ in range(count)]
 
 
 def batches(docs, tokenizer):
     """(idx, targets, answer index per row, hops per row) of byte-level documents, each starting with <|bos|>."""
-    if FORMAT["name"] in ("masked", "answers", "answers_hidden"):  # token-id rows: (ids, answer positions, answer ids, hops)
+    if FORMAT["name"] in ("masked", "chains", "answers", "answers_hidden"):  # token-id rows: (ids, answer positions, answer ids, hops)
         ids, pos, answers, hops = (torch.tensor(column) for column in zip(*docs))
         return ids, torch.full_like(ids, -1).scatter_(1, pos, answers), pos, hops
     rows = [tokenizer.encode(d, prepend=tokenizer.get_bos_token_id()) for d in docs]
@@ -218,7 +254,8 @@ def main():
     ap.add_argument("--answers_only", type=int, default=0, help="1: the loss reads only the answer tokens")
     ap.add_argument("--eval_every", type=int, default=0)
     ap.add_argument("--adamw", type=float, default=0.0, help="one AdamW at this lr instead of Muon + AdamW")
-    ap.add_argument("--format", default="masked", choices=["masked", "answers", "answers_hidden", "pairs", "text"])
+    ap.add_argument("--format", default="masked", choices=["masked", "chains", "answers", "answers_hidden", "pairs",
+                                                                 "text"])
     ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--variant", default="default", choices=VARIANTS, help="the layer visit (an ablation)")
@@ -232,7 +269,7 @@ def main():
     spec = HopsSpec(n_symbols=args.n_symbols, max_hops=args.max_hops, n_queries=args.n_queries)
     FORMAT.update(name=args.format, answers=pairs_answers if args.format == "pairs" else hops_answers)
     length = batches(documents(0, 1, spec), tok)[0].size(1)
-    vocab = {"masked": masked_vocab(spec), "answers": ANSWERS_VOCAB, "answers_hidden": ANSWERS_VOCAB + 1}.get(
+    vocab = {"masked": masked_vocab(spec), "chains": chains_vocab(spec), "answers": ANSWERS_VOCAB, "answers_hidden": ANSWERS_VOCAB + 1}.get(
         args.format, tok.get_vocab_size())
     config = GPTConfig.with_refinement_preset(
         args.preset, sequence_len=length, vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,

@@ -14,7 +14,7 @@ import time
 import torch
 
 import nanochat.gpt
-from dev.hops import VARIANTS, batches, evaluate, masked_row, masked_vocab, train
+from dev.hops import FORMAT, VARIANTS, batches, chains_row, chains_vocab, evaluate, masked_row, masked_vocab, train
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.optim import setup_optimizers
 from nanochat.synthetic import HopsSpec
@@ -22,13 +22,19 @@ from nanochat.synthetic import HopsSpec
 SPEC = HopsSpec(n_symbols=6, max_hops=3, n_queries=12)
 
 
+# chains: 12 variables in 4 chains of 3, so guessing among a row's digits is right 1/4 of the time
+ROWS = {"masked": (masked_row, masked_vocab, SPEC), "chains": (chains_row, chains_vocab, HopsSpec(12, 3, 12))}
+
+
 def validation_rows(count=256):
-    return batches([masked_row(random.Random(f"val:{i}"), SPEC) for i in range(count)], None)
+    row, _, spec = ROWS[FORMAT["name"]]
+    return batches([row(random.Random(f"val:{i}"), spec) for i in range(count)], None)
 
 
 def quick_config(val, **fields):
-    return GPTConfig(sequence_len=val[0].size(1), vocab_size=masked_vocab(SPEC), n_layer=1, n_head=2, n_kv_head=2,
-                     n_embd=32, **fields)
+    shape = dict(n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+    return GPTConfig(sequence_len=val[0].size(1), vocab_size=ROWS[FORMAT["name"]][1](ROWS[FORMAT["name"]][2]),
+                     **{**shape, **fields})
 
 
 def trained(config, steps, seed=0):
@@ -36,7 +42,7 @@ def trained(config, steps, seed=0):
     model = GPT(config)
     model.init_weights()
     optimizers = setup_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02)
-    train(model, optimizers, SPEC, None, steps, batch=32, seed=seed, warmup=20)
+    train(model, optimizers, ROWS[FORMAT["name"]][2], None, steps, batch=32, seed=seed, warmup=20)
     return model
 
 
@@ -46,9 +52,11 @@ def main():
     ap.add_argument("--variant", default="default", choices=VARIANTS, help="the layer visit (dev/hops.py)")
     ap.add_argument("--config", default="{}", help="JSON of further GPTConfig fields")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--format", default="masked", choices=ROWS, help="chains: the variable-binding rows (dev/hops.py)")
     ap.add_argument("--steps", type=int, default=400)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    FORMAT["name"] = args.format
     nanochat.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
     val = validation_rows()
     start = time.time()
@@ -56,8 +64,9 @@ def main():
                     args.seed)
     acc, _ = evaluate(model, val, 2 * model.config.n_sup_train, SPEC.max_hops)
     by_step = " ".join(f"{a:.2f}" for a in acc[:, SPEC.max_hops - 1].tolist())
-    print(f"{args.state_update} {args.variant} {args.config} seed {args.seed} ({time.time() - start:.0f} s): "
-          f"{SPEC.max_hops} hops by step {by_step}")
+    by_hops = " ".join(f"{a:.2f}" for a in acc[model.config.n_sup_train - 1].tolist())
+    print(f"{args.format} {args.state_update} {args.variant} {args.config} seed {args.seed} ({time.time() - start:.0f} s): "
+          f"{SPEC.max_hops} hops by step {by_step}; at step {model.config.n_sup_train} by hops {by_hops}")
 
 
 if __name__ == "__main__":
