@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from dev.hops import ANSWERS_VOCAB, answers_eval_rows, answers_row, evaluate, masked_row, masked_vocab
+from dev.hops import (ANSWERS_VOCAB, CHAIN_DIGITS, answers_eval_rows, answers_row, chains_row, chains_vocab, evaluate,
+                      masked_row, masked_vocab)
 from dev.hops_quick import SPEC, quick_config, trained, validation_rows
 from nanochat.synthetic import HopsSpec
 
@@ -41,6 +42,27 @@ def test_masked_rows_answer_right_and_never_show_an_answer(spec):
         digit = spec.n_symbols * (spec.n_symbols - 1) + spec.n_symbols
         assert all(digit < ids[p + 1] <= digit + spec.max_hops for p in pos[:-1]) and pos[-1] == len(ids) - 1
     assert masked_row(random.Random(1), spec) == masked_row(random.Random(1), spec)
+
+
+def test_chains_rows_resolve_each_variable_through_its_chain():
+    spec = HopsSpec(n_symbols=12, max_hops=3, n_queries=12)
+    n, rng = spec.n_symbols, random.Random(0)
+    val, var, digit = n * n, n * n + n * CHAIN_DIGITS, n * n + n * CHAIN_DIGITS + n
+    depths_seen = set()
+    for _ in range(200):
+        ids, pos, answers, hops = chains_row(rng, spec)
+        statements = ids[1:1 + n]
+        binds = {t // n: t % n for t in statements if t < val}  # lhs = rhs
+        values = {(t - val) // CHAIN_DIGITS: (t - val) % CHAIN_DIGITS for t in statements if val <= t < var}
+        assert len(binds) + len(values) == n and len(values) == n // spec.max_hops  # each variable assigned once
+        for p, answer, h in zip(pos, answers, hops):
+            x, lookups = ids[p] - var, 1
+            while x not in values:
+                x, lookups = binds[x], lookups + 1
+            assert (answer, h) == (digit + values[x], lookups)
+        assert pos == list(range(n + 2, len(ids))) and max(ids) < chains_vocab(spec)  # answers are never inputs
+        depths_seen.update(hops)
+    assert depths_seen == {1, 2, 3}
 
 
 def solve_answers(ids):
@@ -91,10 +113,11 @@ def test_answers_rows_answer_right_and_show_earlier_answers():
 
 
 def test_the_default_recursion_uses_its_depth():
-    """Issue 32's failure must not come back silently: one block with gpt.py's default recursion answers 3 chained
-    lookups by its last supervision step, where the same block run once (the plain model of equal parameters)
-    cannot; its steps climb, and twice as many steps as trained still beat the first draft (at this budget the answer
-    decays past the trained steps; at 2,000 steps it holds: dev/LOG.md)."""
+    """Issue 32's failure must not come back silently; issue 36's three criteria at the CPU's budget: one block with
+    gpt.py's default recursion answers 3 chained lookups where the same block run once (the plain model of equal
+    parameters) cannot, by 0.25 or more; its steps climb by 0.15 unless the first already answers above 0.85; and
+    twice as many steps as trained hold the answer (within 0.05 at the full budget, dev/LOG.md; 0.15 at this one,
+    where the default before issue 36, aggressive and detached, lost 0.21)."""
     val = validation_rows()
     default = trained(quick_config(val), steps=400)
     n = default.config.n_sup_train
@@ -102,7 +125,7 @@ def test_the_default_recursion_uses_its_depth():
     plain = trained(quick_config(val, n_loops=0, n_sup_train=1), steps=400)
     plain_acc, _ = evaluate(plain, val, 1, SPEC.max_hops)
     longest = SPEC.max_hops - 1
-    assert acc[n - 1, longest] >= 0.8, acc
     assert plain_acc[0, longest] <= 0.5, plain_acc
-    assert acc[n - 1, longest] - acc[0, longest] >= 0.3, acc  # it climbs
-    assert acc[2 * n - 1, longest] - acc[0, longest] >= 0.2, acc  # and twice the steps still beat the first draft
+    assert acc[n - 1, longest] - plain_acc[0, longest] >= 0.25, (acc, plain_acc)
+    assert acc[0, longest] > 0.85 or acc[n - 1, longest] - acc[0, longest] >= 0.15, acc  # it climbs, or needn't
+    assert acc[2 * n - 1, longest] >= acc[n - 1, longest] - 0.15, acc  # and holds past the trained steps
