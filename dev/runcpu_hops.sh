@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Does the recursion use its depth? On a CPU with no network, through the product's scripts: the hops corpus
+# (6-symbol cycles, 1-3 hops, earlier answers in the text) -> a byte-level tokenizer -> base_train of gpt.py's default
+# recursion and of the plain model of the same block, side by side on one core each -> base_loss --hops -> one plot of
+# the 3-hop accuracy at every supervision step. Times and results: dev/LOG.md (issue 36).
+# Everything lands in $NANOCHAT_BASE_DIR (default ~/.cache/nanochat-hops); STEPS=N trains longer or shorter.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat-hops}"
+STEPS="${STEPS:-1000}"
+start=$(date +%s)
+
+echo "== 1/5 environment"
+bash dev/setup_env.sh plot
+py=.venv/bin/python
+
+echo "== 2/5 the hops corpus and a byte-level tokenizer (each answer one token, scored by exact match)"
+$py -m nanochat.dataset --synthetic=hops_pairs --hops_symbols=6 --hops_max=3 --synthetic_docs=60000
+if [ ! -f "$NANOCHAT_BASE_DIR/tokenizer/tokenizer.json" ]; then
+    $py -m scripts.tok_train --byte_level
+fi
+
+echo "== 3/5 train the default recursion (1 block) and the plain block beside it, $STEPS steps each"
+# One block of width 64; the plain model is the same block run once (n_loops 0, one supervision step). The learning
+# rates are those of dev/hops.py's lookups. A tag that has checkpoints continues (--resume) instead of refusing.
+train() {
+    local tag=$1; shift
+    local resume=""
+    if compgen -G "$NANOCHAT_BASE_DIR/base_checkpoints/$tag/step_*" > /dev/null; then resume="--resume"; fi
+    OMP_NUM_THREADS=1 $py -m scripts.base_train --device_type=cpu --depth=1 --n_embd=64 --n_head=2 --max_seq_len=128 \
+        --device_batch_size=32 --total_batch_size=4096 --num_iterations="$STEPS" --warmup_steps=20 \
+        --warmdown_ratio=0.3 --matrix_lr=0.02 --embedding_lr=0.2 --unembedding_lr=0.004 --ema_decay=0 \
+        --eval_every=250 --eval_tokens=8192 --sample_every=0 --save_every=250 --keep_last=1 \
+        --model_tag="$tag" ${resume:+"$resume"} "$@" > "$NANOCHAT_BASE_DIR/$tag.log" 2>&1 \
+        || { echo "base_train $tag failed: see $NANOCHAT_BASE_DIR/$tag.log" >&2; return 1; }
+}
+train hops_trm &
+trm=$!
+train hops_plain --n_loops=0 --n_sup_train=1 &
+plain=$!
+if ! wait $trm; then kill $plain 2>/dev/null; exit 1; fi
+wait $plain
+tail -n 1 "$NANOCHAT_BASE_DIR/hops_trm.log" "$NANOCHAT_BASE_DIR/hops_plain.log"
+
+echo "== 4/5 accuracy by hop count at every supervision step"
+for tag in hops_trm hops_plain; do
+    $py -m scripts.base_loss --device_type=cpu --model_tag=$tag --hops --hops_docs=1000
+done
+
+echo "== 5/5 plot"
+$py -m dev.plot_hops hops_trm hops_plain --out "$NANOCHAT_BASE_DIR/hops_demo.png"
+echo
+echo "done in $(( $(date +%s) - start )) s"
