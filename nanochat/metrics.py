@@ -109,7 +109,7 @@ def scalars(record):
 class WandbSink:
     def __init__(self, run):
         import wandb  # lazy: an optional package (pip install -e '.[wandb]'), needed only with --run
-        self.run = wandb.init(project="nanochat-trm", name=run.run, config=json_safe(dataclasses.asdict(run)),
+        self.run = wandb.init(project="nanochat-trm", name=run.wandb_run, config=json_safe(dataclasses.asdict(run)),
                               resume="allow")
 
     def log(self, values, step):
@@ -197,7 +197,7 @@ class MetricsLog:
         elif resume_step is None and os.path.exists(self.path):
             with writing(self.path, RESUME_HINT):
                 os.remove(self.path)
-        if run.run != "dummy":
+        if run.wandb_run != "dummy":
             self.sinks.append(open_optional("wandb", lambda: WandbSink(run)))
         if run.tensorboard is not None:
             self.sinks.append(open_optional("TensorBoard", lambda: TensorBoardSink(

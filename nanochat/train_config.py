@@ -164,7 +164,7 @@ def build_parser():
                         help="also copy each checkpoint, in the background, to this fsspec URL (gs://bucket/dir, "
                              "s3://..., a local path); --keep_last applies there too, and --resume pulls from it "
                              "when the local directory is empty")
-    output.add_argument("--run", default=os.environ.get("WANDB_RUN", "dummy"),
+    output.add_argument("--run", dest="wandb_run", metavar="RUN", default=os.environ.get("WANDB_RUN", "dummy"),
                         help="wandb run name ('dummy' = no wandb); the default comes from $WANDB_RUN")
     output.add_argument("--tensorboard", nargs="?", const="", default=None, metavar="DIR",
                         help="also log to TensorBoard, in DIR (default <run dir>/tensorboard)")
@@ -272,7 +272,7 @@ class RunConfig:
     keep_last: int
     async_checkpoint: bool
     backup_dir: str | None
-    run: str
+    wandb_run: str  # --run: the wandb run's name, "dummy" for none
     tensorboard: str | None
     model_tag: str
     # budgets

@@ -371,10 +371,10 @@ def test_explicit_accumulation_sets_the_batch():
 
 def test_wandb_run_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("WANDB_RUN", "from_env")
-    assert parsed(TINY_SHAPE)["run"] == "from_env"
-    assert parsed(TINY_SHAPE + ["--run=from_flag"])["run"] == "from_flag"
+    assert parsed(TINY_SHAPE)["wandb_run"] == "from_env"
+    assert parsed(TINY_SHAPE + ["--run=from_flag"])["wandb_run"] == "from_flag"
     monkeypatch.delenv("WANDB_RUN")
-    assert parsed(TINY_SHAPE)["run"] == "dummy"
+    assert parsed(TINY_SHAPE)["wandb_run"] == "dummy"
 
 
 # the learning rates at 0: the weights never move, so no evaluation after the first beats it

@@ -101,7 +101,7 @@ def test_dry_run_prints_the_tables_command(key, phase, tmp_path, monkeypatch, ca
     assert (args.depth, args.model_config["n_loops"], args.compile, args.dtype, args.grad_clip) == (
         12, 2, True, "bfloat16", 1.0)
     assert (args.save_every, args.eval_every, args.sample_every) == (200, 100, 100)
-    assert args.model_tag == args.run == f"{key}_{phase}"
+    assert args.model_tag == args.wandb_run == f"{key}_{phase}"
     # the memory fit may change batch and accumulation, never the effective batch; the plan says what changed
     assert args.device_batch_size * args.grad_accum == batch * accum
     if (args.device_batch_size, args.grad_accum) != (batch, accum):
