@@ -296,16 +296,13 @@ def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_wh
 def test_the_weight_average_is_on_for_long_runs_only():
     """auto, the default, averages runs of 300+ steps only (shorter runs lost to it, see dev/LOG.md); 0
     turns it off; the launcher's memory plan counts its weight copy exactly when it is on."""
-    long_run = train_config.parse_args([*TINY, "--num_iterations=1000"])
-    assert planning.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and planning.keeps_ema(long_run)
-    short_run = train_config.parse_args([*TINY, "--num_iterations=120"])
-    assert planning.ema_decay_for(short_run, 120) == 0 and not planning.keeps_ema(short_run)
-    off = train_config.parse_args([*TINY, "--num_iterations=1000", "--ema_decay=0"])
-    assert planning.ema_decay_for(off, 1000) == 0 and not planning.keeps_ema(off)
-    assert planning.ema_decay_for(train_config.parse_args([*TINY, "--ema_decay=0.9"]), 120) == 0.9
+    auto, off = (train_config.parse_args([*TINY, *flags]).ema_decay for flags in ([], ["--ema_decay=0"]))
+    assert planning.ema_decay_for(auto, 1000) == pytest.approx(0.99) and planning.keeps_ema(auto, 1000)
+    assert planning.ema_decay_for(auto, 120) == 0 and not planning.keeps_ema(auto, 120)
+    assert planning.ema_decay_for(off, 1000) == 0 and not planning.keeps_ema(off, 1000)
+    assert planning.ema_decay_for(train_config.parse_args([*TINY, "--ema_decay=0.9"]).ema_decay, 120) == 0.9
     # no step count before the run (--target_flops): count the copy unless it is off
-    assert planning.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12"]))
-    assert not planning.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))
+    assert planning.keeps_ema(auto, None) and not planning.keeps_ema(off, None)
 
 
 def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch):
@@ -337,7 +334,7 @@ def test_the_default_total_batch_is_fixed_and_the_accumulation_follows_the_proce
 
 
 def test_one_and_two_processes_read_the_same_data_ranks_in_each_step():
-    """The loaders of process r read data ranks data_ranks(args, r) of world_size x grad_accum; with a fixed total
+    """The loaders of process r read data ranks data_ranks(r, grad_accum) of world_size x grad_accum; with a fixed total
     batch, 1 and 2 processes split the stream into the same ranks and read all of them every step. (That equal data
     ranks give equal training is the two-process Gloo test above.)"""
     # 2 accumulation steps on 1 process, 1 on 2
@@ -345,7 +342,7 @@ def test_one_and_two_processes_read_the_same_data_ranks_in_each_step():
     reads = {}
     for world in (1, 2):
         args = train_config.parse_args(TINY_SHAPE + geometry, world_size=world, check_hardware=False)
-        reads[world] = ([dataloader.data_ranks(args, rank) for rank in range(world)], world * args.grad_accum)
+        reads[world] = ([dataloader.data_ranks(rank, args.grad_accum) for rank in range(world)], world * args.grad_accum)
     assert reads[1] == ([[0, 1]], 2)
     assert reads[2] == ([[0], [1]], 2)
 
@@ -474,7 +471,7 @@ def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_t
     monkeypatch.setattr(base_train, "validation_bpb", validation)
     logged = []
     parts = {f.name: None for f in dataclasses.fields(base_train.Run)}  # only what evaluation uses is given
-    run = base_train.Run(**{**parts, "args": train_config.parse_args([*TINY, "--model_tag=alone"]), "rank": 0,
+    run = base_train.Run(**{**parts, "run_config": train_config.parse_args([*TINY, "--model_tag=alone"]), "rank": 0,
                             "early_stop": lifecycle.EarlyStop(2), "writer": CheckpointWriter(background=False),
                             "metrics": SimpleNamespace(log=logged.append, attempt=lambda write: write())})
     assert run.evaluate(4) is True

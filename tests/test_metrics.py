@@ -32,7 +32,7 @@ def write_lines(path, lines):
 
 
 def local_args(**kw):
-    return Namespace(**{"run": "dummy", "tensorboard": None, "device_type": "cpu", **kw})
+    return Namespace(**{"wandb_run": "dummy", "tensorboard": None, "device_type": "cpu", **kw})
 
 
 # ---------------------------------------------------------------------------------------------------- reading

@@ -40,11 +40,11 @@ def test_an_explicit_total_batch_disables_the_auto_batch_and_the_lr_scaling():
 def test_auto_device_batch_for_depth_12_on_8x80gb_fits_with_the_launchers_margin():
     args = parse(["--depth=12", *GPU_80GB])
     est = memory.estimate_memory(planning.model_config(args, 65536), args.device_batch_size, "bfloat16", 8,
-                                 planning.keeps_ema(args))["total"]
+                                 planning.keeps_ema(args.ema_decay, args.num_iterations))["total"]
     assert est <= memory.usable_bytes(80e9)
     bigger = args.device_batch_size * 2  # the next candidate of the 32 sequences per process does not fit
     assert memory.estimate_memory(planning.model_config(args, 65536), bigger, "bfloat16", 8,
-                                  planning.keeps_ema(args))["total"] > memory.usable_bytes(80e9)
+                                  planning.keeps_ema(args.ema_decay, args.num_iterations))["total"] > memory.usable_bytes(80e9)
     assert args.compile is True  # on by default for CUDA
     assert args.world_size * args.device_batch_size * args.max_seq_len * args.grad_accum == args.total_batch_size
 
@@ -99,7 +99,7 @@ def test_auto_sharding_is_fsdp_only_when_data_parallelism_cannot_hold_one_sequen
     big = parse(["--depth=64", "--n_loops=2", "--activation_checkpointing", *GPU_80GB])
     assert big.sharding == "fsdp" and "sharding fsdp (auto)" in big.sharding_note and "202.0 GB" in big.sharding_note
     est = memory.estimate_memory(planning.model_config(big, 65536), big.device_batch_size, "bfloat16", 8,
-                                 planning.keeps_ema(big), "fsdp")["total"]
+                                 planning.keeps_ema(big.ema_decay, big.num_iterations), "fsdp")["total"]
     assert est <= memory.usable_bytes(80e9)  # the batch was fitted to the sharded estimate
     small = parse(["--depth=24", "--n_embd=1536", "--n_head=24", *GPU_80GB])  # the 1B guide's shape: replicated fits
     assert small.sharding == "ddp" and "cheaper in communication" in small.sharding_note
@@ -146,8 +146,8 @@ def test_the_plan_states_the_evaluations_share_of_the_run():
     run = train_config.parse_args(["--depth=2", "--num_iterations=1000", "--eval_every=250", "--eval_tokens=5242880",
                                    "--device_batch_size=4", "--max_seq_len=64"], world_size=1, check_hardware=False,
                                   vocab_size=256)
-    assert planning.evaluations(run, 1000) == 5  # steps 0, 250, 500, 750, 1000
-    assert planning.evaluations(run, 1001) == 6  # ... and the end
+    assert planning.evaluations(run.eval_every, 1000) == 5  # steps 0, 250, 500, 750, 1000
+    assert planning.evaluations(run.eval_every, 1001) == 6  # ... and the end
     with torch.device("meta"):
         model = GPT(GPTConfig(**{**run.model_config, "vocab_size": 256}))
     forward, train = model.estimate_flops(backward=False), model.estimate_flops()
