@@ -246,10 +246,10 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     counts = []
     for n, tag in ((2, "syncs_a"), (5, "syncs_b")):
-        args = train_config.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", ema,
+        run_config = train_config.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", ema,
                                         f"--model_tag={tag}{ema[-1]}"])
         with host_syncs() as reads:
-            base_train.train(args)
+            base_train.train(run_config)
         counts.append(len(reads))
     assert counts[1] - counts[0] == 3, counts
 
@@ -285,8 +285,8 @@ def test_sampled_depth_trains_logs_and_plots(base_dir):
 
 def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_what_is_off():
     from scripts import base_train
-    args = train_config.parse_args([*TINY, "--device_batch_size=8", "--gradient_accumulation_steps=2"])
-    message = base_train.oom_message(args)
+    run_config = train_config.parse_args([*TINY, "--device_batch_size=8", "--gradient_accumulation_steps=2"])
+    message = base_train.oom_message(run_config)
     assert "--device_batch_size (e.g. 4) with --gradient_accumulation_steps=4" in message
     assert "--detach_between_steps" not in message  # on by default
     off = base_train.oom_message(train_config.parse_args([*TINY, "--detach_between_steps=false"]))
@@ -341,8 +341,9 @@ def test_one_and_two_processes_read_the_same_data_ranks_in_each_step():
     geometry = ["--max_seq_len=32", "--device_batch_size=8192", "--total_batch_size=524288"]
     reads = {}
     for world in (1, 2):
-        args = train_config.parse_args(TINY_SHAPE + geometry, world_size=world, check_hardware=False)
-        reads[world] = ([dataloader.data_ranks(rank, args.grad_accum) for rank in range(world)], world * args.grad_accum)
+        run_config = train_config.parse_args(TINY_SHAPE + geometry, world_size=world, check_hardware=False)
+        reads[world] = ([dataloader.data_ranks(rank, run_config.grad_accum) for rank in range(world)],
+                        world * run_config.grad_accum)
     assert reads[1] == ([[0, 1]], 2)
     assert reads[2] == ([[0], [1]], 2)
 
@@ -427,23 +428,24 @@ def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
     from types import SimpleNamespace
     from nanochat import lifecycle, resume
     from scripts import base_train
-    args = train_config.parse_args([*TINY, "--num_iterations=6", "--warmup_steps=2", "--early_stop=3"])
-    model_config = {**args.model_config, "vocab_size": 300}
+    run_config = train_config.parse_args([*TINY, "--num_iterations=6", "--warmup_steps=2", "--early_stop=3"])
+    model_config = {**run_config.model_config, "vocab_size": 300}
     corpus = {"fingerprint": "abc123", "dir": "/data", "shards": 3}
     early_stop = lifecycle.EarlyStop(3)
     early_stop.record(4, 1.25)
     meta = json.loads(json.dumps(base_train.checkpoint_meta(  # as meta.json holds it
-        args, model_config, "tok", corpus, 6, 2, val_bpb=[1.5, 1.25], elapsed_seconds=12.5,
+        run_config, model_config, "tok", corpus, 6, 2, val_bpb=[1.5, 1.25], elapsed_seconds=12.5,
         early_stop=early_stop.state(), cost=0.25, loader_state={"position": 3})))
     # what start_or_resume checks: the model config, batch geometry and sharding; the tokenizer; the data
-    assert resume.resume_differences(meta, model_config, train_config.batch_geometry(args), args.sharding) == []
+    assert resume.resume_differences(meta, model_config, train_config.batch_geometry(run_config),
+                                     run_config.sharding) == []
     assert meta["tokenizer_fingerprint"] == "tok"
     resume.check_data(meta, corpus, False, "step 4")  # the same data: no refusal
     # what the resumed run continues: the clock, the schedule (report_schedule_change) and early stopping's count
     assert meta["elapsed_seconds"] == 12.5
     assert (meta["num_iterations"], meta["warmup_steps"], meta["train_config"]["warmdown_ratio"],
-            meta["train_config"]["final_lr_frac"]) == (6, 2, args.warmdown_ratio, args.final_lr_frac)
-    resumed = base_train.early_stop_for(args, SimpleNamespace(step=4, meta=meta))
+            meta["train_config"]["final_lr_frac"]) == (6, 2, run_config.warmdown_ratio, run_config.final_lr_frac)
+    resumed = base_train.early_stop_for(run_config, SimpleNamespace(step=4, meta=meta))
     assert (resumed.best, resumed.stale, resumed.last_step) == ([4, 1.25], 0, 4)
     assert meta["val_bpb"] == [1.5, 1.25] and meta["dataloader"] == {"position": 3}
 
