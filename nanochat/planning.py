@@ -244,11 +244,11 @@ def host_ram_available():
     return None
 
 
-def host_ram_problem(run_config):
-    """A line saying why this node's RAM cannot hold the weight each FSDP rank on it draws whole to initialise its
-    shards, or None."""
+def host_ram_problem(config):
+    """A line saying why this node's RAM cannot hold the weight each FSDP rank on it draws whole to initialise the
+    shards of a model of GPTConfig `config`, or None."""
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes on this node
-    need = memory.sharded_build_host_bytes(model_config(run_config, run_config.plan_vocab_size), processes)
+    need = memory.sharded_build_host_bytes(config, processes)
     have = host_ram_available()
     if have is None or need <= have:
         return None
@@ -294,7 +294,7 @@ def plan_lines(run_config):
                 f"${run_config.gpu_hourly_price}/GPU-hour" if run_config.gpu_hourly_price else "")
         lines.append(f"time         {peak / 1e12:,.0f} TFLOP/s per device at {PLANNER_MFU:.0%} MFU: {seconds:.2f} s per "
                      f"step, {seconds * iterations / 3600:.2f} h for {iterations} steps{cost}")
-        lines += budget_lines(run_config, seconds, iterations)
+        lines += budget_lines(run_config.max_hours, run_config.total_batch_size, seconds, iterations)
     else:
         lines.append("time         unknown: no GPU in the peak-FLOPs table here; --peak_tflops gives one")
     return lines + sharding_lines(run_config, config, memory_bytes)
@@ -361,13 +361,13 @@ def sharding_lines(run_config, config, memory_bytes):
     return lines
 
 
-def budget_lines(run_config, seconds_per_step, iterations):
+def budget_lines(max_hours, tokens_per_step, seconds_per_step, iterations):
     """What --max_hours buys at the planned step time: steps and tokens (the run stops there, saved)."""
-    if not run_config.max_hours:
+    if not max_hours:
         return []
-    steps = int(run_config.max_hours * 3600 / seconds_per_step)
-    return [f"budget       --max_hours={run_config.max_hours:g}: ~{min(steps, iterations):,} of {iterations:,} steps, "
-            f"~{min(steps, iterations) * run_config.total_batch_size:,} tokens at {PLANNER_MFU:.0%} MFU"]
+    steps = int(max_hours * 3600 / seconds_per_step)
+    return [f"budget       --max_hours={max_hours:g}: ~{min(steps, iterations):,} of {iterations:,} steps, "
+            f"~{min(steps, iterations) * tokens_per_step:,} tokens at {PLANNER_MFU:.0%} MFU"]
 
 
 def num_iterations_for(run_config, model):

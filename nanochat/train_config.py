@@ -368,7 +368,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     except PlanError as e:
         parser.error(str(e))
     if run_config.sharding == "fsdp" and check_hardware and not run_config.dry_run:
-        problem = host_ram_problem(run_config)
+        problem = host_ram_problem(GPTConfig(vocab_size=run_config.plan_vocab_size, **run_config.model_config))
         if problem:  # before anything is built: every rank would otherwise die swapping or OOM-killed mid-build
             parser.error(problem)
     if run_config.num_iterations is not None and run_config.num_iterations < 1:

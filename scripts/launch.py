@@ -416,7 +416,7 @@ def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab
                 f"cost         ${row['price']:.2f}/hour per node x {nnodes} x {hours(seconds * iterations)} = "
                 f"${cost:,.0f} (guide's figure: ${lo * iterations / 3600 * row['price']:,.0f}-"
                 f"${hi * iterations / 3600 * row['price']:,.0f} on one node)",
-                *budget_lines(run_config, seconds, iterations)]
+                *budget_lines(run_config.max_hours, run_config.total_batch_size, seconds, iterations)]
         if seconds > 2 * hi or seconds < lo / 2:
             out.append(f"WARNING      the guide's {lo}-{hi} s/step and the FLOPs-based {seconds:.2f} s/step disagree "
                        f"by more than 2x: budget with the FLOPs-based figure and watch the measured dt in the log "
