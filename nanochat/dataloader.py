@@ -212,16 +212,15 @@ def read_evaluation_rows(key):
 
 
 # ---------------------------------------------------------------------------------------------------- training
-def data_ranks(run, rank):
-    """The data ranks (of world_size x grad_accum) that process `rank` reads in its micro-steps, in order. run: the
-    run's train_config.RunConfig (its batch geometry)."""
-    return [rank * run.grad_accum + j for j in range(run.grad_accum)]
+def data_ranks(rank, grad_accum):
+    """The data ranks (of world_size x grad_accum) that process `rank` reads in its micro-steps, in order."""
+    return [rank * grad_accum + j for j in range(grad_accum)]
 
 
-def training_loaders(run, tokenizer, rank, resume_states, device="cpu"):
+def training_loaders(run_config, tokenizer, rank, resume_states, device="cpu"):
     """Process `rank`'s training loaders, one per micro-step (its data ranks), at their resume positions (None: the
-    start), for the batch geometry of run (a RunConfig). Also how a resume checks that the saved positions exist in
-    the current data."""
-    return [DataLoader(tokenizer, run.device_batch_size, run.max_seq_len, "train", device=device, rank=data_rank,
-                       world_size=run.world_size * run.grad_accum, resume_state=state)
-            for data_rank, state in zip(data_ranks(run, rank), resume_states)]
+    start), for the batch geometry of run_config (a RunConfig). Also how a resume checks that the saved positions
+    exist in the current data."""
+    return [DataLoader(tokenizer, run_config.device_batch_size, run_config.max_seq_len, "train", device=device,
+                       rank=data_rank, world_size=run_config.world_size * run_config.grad_accum, resume_state=state)
+            for data_rank, state in zip(data_ranks(rank, run_config.grad_accum), resume_states)]

@@ -164,9 +164,10 @@ def acknowledge(sig):
 class RunControl:
     """The run's clock, budgets and save cadence, and the stop/save flags every rank agrees on once per step."""
 
-    def __init__(self, run, prior_seconds, price_per_hour, signals):
-        """run: the run's train_config.RunConfig (its budgets and --save_every_minutes)."""
-        self.run, self.prior_seconds, self.price_per_hour, self.signals = run, prior_seconds, price_per_hour, signals
+    def __init__(self, max_hours, max_cost, save_every_minutes, prior_seconds, price_per_hour, signals):
+        """max_hours, max_cost, save_every_minutes: the flags (None or 0: off)."""
+        self.max_hours, self.max_cost, self.save_every_minutes = max_hours, max_cost, save_every_minutes
+        self.prior_seconds, self.price_per_hour, self.signals = prior_seconds, price_per_hour, signals
         self.t_start = self.last_save = time.time()
 
     def elapsed(self):
@@ -178,17 +179,17 @@ class RunControl:
 
     def budget_spent(self):
         """The budget flag that is spent on this rank's clock, e.g. '--max_hours=2.0', or None."""
-        if self.run.max_hours is not None and self.elapsed() >= self.run.max_hours * 3600:
-            return f"--max_hours={self.run.max_hours}"
-        if self.run.max_cost is not None and self.cost() >= self.run.max_cost:
-            return f"--max_cost={self.run.max_cost}"
+        if self.max_hours is not None and self.elapsed() >= self.max_hours * 3600:
+            return f"--max_hours={self.max_hours}"
+        if self.max_cost is not None and self.cost() >= self.max_cost:
+            return f"--max_cost={self.max_cost}"
         return None
 
     def saved(self):
         self.last_save = time.time()
 
     def local_flags(self, data_failed, write_failed):
-        minutes = self.run.save_every_minutes
+        minutes = self.save_every_minutes
         return [self.signals.received is not None, self.budget_spent() is not None,
                 bool(minutes) and time.time() - self.last_save >= minutes * 60, data_failed, write_failed]
 
@@ -209,8 +210,8 @@ class RunControl:
             name = self.signals.received.name if self.signals.received else "a stop signal"
             return f"{name} received (rank {', '.join(map(str, flags['signal']))})"
         if flags["budget"]:
-            spent = self.budget_spent() or " / ".join(f"--{k}={getattr(self.run, k)}" for k in ("max_hours", "max_cost")
-                                                      if getattr(self.run, k) is not None)
+            spent = self.budget_spent() or " / ".join(f"--{k}={getattr(self, k)}" for k in ("max_hours", "max_cost")
+                                                      if getattr(self, k) is not None)
             return f"budget spent ({spent})"
         return None
 

@@ -107,10 +107,9 @@ def scalars(record):
 
 # ---------------------------------------------------------------------------------------------------- sinks
 class WandbSink:
-    def __init__(self, run):
+    def __init__(self, name, config):
         import wandb  # lazy: an optional package (pip install -e '.[wandb]'), needed only with --run
-        self.run = wandb.init(project="nanochat-trm", name=run.run, config=json_safe(dataclasses.asdict(run)),
-                              resume="allow")
+        self.run = wandb.init(project="nanochat-trm", name=name, config=json_safe(config), resume="allow")
 
     def log(self, values, step):
         self.run.log(values, step=step)
@@ -177,8 +176,8 @@ class MetricsLog:
     stops together at the next agreement (base_train): rank 0 alone leaving would strand the others in a collective.
     """
 
-    def __init__(self, run_dir, run, rank, resume_step):
-        """run: the run's train_config.RunConfig (--run, --tensorboard, the device)."""
+    def __init__(self, run_dir, run_config, rank, resume_step):
+        """run_config: the run's train_config.RunConfig (--run, --tensorboard, the device)."""
         self.path, self.enabled, self.sinks, self.gpus = os.path.join(run_dir, "metrics.jsonl"), rank == 0, [], None
         self.failure, self.gpus_read_at = None, -math.inf
         self.smoother, self.step_times, self.prior_step_time = LossSmoother(), [], None
@@ -197,12 +196,13 @@ class MetricsLog:
         elif resume_step is None and os.path.exists(self.path):
             with writing(self.path, RESUME_HINT):
                 os.remove(self.path)
-        if run.run != "dummy":
-            self.sinks.append(open_optional("wandb", lambda: WandbSink(run)))
-        if run.tensorboard is not None:
+        if run_config.wandb_run != "dummy":
+            self.sinks.append(open_optional("wandb", lambda: WandbSink(run_config.wandb_run,
+                                                                       dataclasses.asdict(run_config))))
+        if run_config.tensorboard is not None:
             self.sinks.append(open_optional("TensorBoard", lambda: TensorBoardSink(
-                run.tensorboard or os.path.join(run_dir, "tensorboard"))))
-        if run.device_type == "cuda":
+                run_config.tensorboard or os.path.join(run_dir, "tensorboard"))))
+        if run_config.device_type == "cuda":
             self.gpus = open_optional("GPU monitoring (pip install nvidia-ml-py)", GpuMonitor)
         self.sinks = [s for s in self.sinks if s]
 
@@ -306,33 +306,34 @@ def summarize(records, model_tag, step, seconds, price_per_hour, model, tokenize
         "tokenizer": tokenizer_fingerprint, "git_commit": git_commit()})
 
 
-def write_summary(run_dir, run, step, seconds, price_per_hour, model, tokenizer_fingerprint):
-    """summary.json for the launch scripts' success check, report.md for people; both from metrics.jsonl. run: the
-    run's train_config.RunConfig."""
+def write_summary(run_dir, run_config, step, seconds, price_per_hour, model, tokenizer_fingerprint):
+    """summary.json for the launch scripts' success check, report.md for people; both from metrics.jsonl.
+    run_config: the run's train_config.RunConfig."""
     records = read_metrics(run_dir)
-    summary = summarize(records, run.model_tag, step, seconds, price_per_hour, model, tokenizer_fingerprint)
+    summary = summarize(records, run_config.model_tag, step, seconds, price_per_hour, model, tokenizer_fingerprint)
     atomic_write_bytes(summary_path(run_dir), json.dumps(summary, indent=2, allow_nan=False).encode(), RESUME_HINT)
-    report = report_markdown(summary, records, run, model) + downstream_section(run_dir)
+    report = report_markdown(summary, records, run_config, model) + downstream_section(run_dir)
     atomic_write_bytes(os.path.join(run_dir, "report.md"), report.encode(), RESUME_HINT)
     print0(f"report: {os.path.join(run_dir, 'report.md')}")
     return summary
 
 
-def report_markdown(summary, records, run, model):
-    device = run.device_type
+def report_markdown(summary, records, run_config, model):
+    device = run_config.device_type
     if device == "cuda":
         device += f" ({torch.cuda.get_device_name()})"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# Run report: {run.model_tag}", "",
+    lines = [f"# Run report: {run_config.model_tag}", "",
              f"- written: {date}",
              f"- git commit: {summary['git_commit']}",
              f"- tokenizer: {summary['tokenizer']} (fingerprint)",
-             f"- system: {run.world_size} x {device}",
+             f"- system: {run_config.world_size} x {device}",
              f"- optimizer steps: {summary['step']}, wall time {format_duration(summary['wall_time_s'])}"
              + (f", cost ${summary['cost']:.2f}" if summary["cost"] is not None else ""),
              f"- parameters: {summary['parameters']:,}, FLOPs per token {summary['flops_per_token']:.3e}",
-             f"- command line: {' '.join(run.argv)}", "", "## Config", "",
-             *[f"- {k} = {v} ({run.config_sources.get(k, 'tokenizer')})" for k, v in model.config.to_dict().items()],
+             f"- command line: {' '.join(run_config.argv)}", "", "## Config", "",
+             *[f"- {k} = {v} ({run_config.config_sources.get(k, 'tokenizer')})"
+               for k, v in model.config.to_dict().items()],
              "", "## Final loss per supervision step", "",
              f"Train: the last batch and its smoothed value; validation: bits per byte at optimizer step "
              f"{summary['val_step']}.", "",

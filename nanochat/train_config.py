@@ -2,7 +2,7 @@
 The training run's configuration: base_train's flags, validated once into a frozen RunConfig that holds what the user
 asked and what follows from it (the model config, the batch geometry, the learning-rate scale, the sharding and why).
 
-    run = parse_args(["--depth=4", "--num_iterations=100"])    # what base_train, launch, compare and base_loss use
+    run_config = parse_args(["--depth=4", "--num_iterations=100"])    # what base_train, launch and compare use
 
 Parsing touches no model weights and no data; errors exit with one line that says what to change. Planning the batch
 and the memory is nanochat/planning.py's; nothing is written onto the parsed flags, and a later stage that derives
@@ -24,7 +24,7 @@ from nanochat.common import autodetect_device_type, default_dtype, device_availa
 from nanochat.dataset import DatasetError, parquets_for_split
 from nanochat.files import get_base_dir
 from nanochat.gpt import ACTIVATIONS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
-from nanochat.planning import (B_REF, BATCH_EXPONENT, EMA_AUTO_MIN_STEPS, MAX_DEVICE_BATCH, PlanError,
+from nanochat.planning import (B_REF, BATCH_EXPONENT, EMA_AUTO_MIN_STEPS, MAX_DEVICE_BATCH, MODEL_FLAGS, PlanError,
                                host_ram_problem, plan_batch, resolve_model_config)
 from nanochat.probe import PROBES
 from nanochat.tokenizer import get_tokenizer
@@ -164,7 +164,7 @@ def build_parser():
                         help="also copy each checkpoint, in the background, to this fsspec URL (gs://bucket/dir, "
                              "s3://..., a local path); --keep_last applies there too, and --resume pulls from it "
                              "when the local directory is empty")
-    output.add_argument("--run", default=os.environ.get("WANDB_RUN", "dummy"),
+    output.add_argument("--run", dest="wandb_run", metavar="RUN", default=os.environ.get("WANDB_RUN", "dummy"),
                         help="wandb run name ('dummy' = no wandb); the default comes from $WANDB_RUN")
     output.add_argument("--tensorboard", nargs="?", const="", default=None, metavar="DIR",
                         help="also log to TensorBoard, in DIR (default <run dir>/tensorboard)")
@@ -272,7 +272,7 @@ class RunConfig:
     keep_last: int
     async_checkpoint: bool
     backup_dir: str | None
-    run: str
+    wandb_run: str  # --run: the wandb run's name, "dummy" for none
     tensorboard: str | None
     model_tag: str
     # budgets
@@ -330,7 +330,9 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
                      f">= 1")
     if flags.overwrite and (flags.resume or flags.resume_from_step is not None):
         parser.error("--overwrite starts over and --resume continues: give one of them")
-    model_config, config_sources = resolve_model_config(flags)
+    model_config, config_sources = resolve_model_config(flags.depth, flags.max_seq_len, flags.n_embd, flags.n_head,
+                                                        flags.n_kv_head, flags.preset,
+                                                        **{name: getattr(flags, name) for name in MODEL_FLAGS})
     try:
         GPTConfig(vocab_size=1, **model_config)
     except ValueError as e:
@@ -351,7 +353,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     if flags.sharding == "fsdp" and check_hardware and not flags.dry_run and not get_dist_info()[0]:
         parser.error("--sharding=fsdp needs a process group: launch with torchrun --standalone --nproc_per_node=N "
                      "-m scripts.base_train -- ... (N=1 works)")
-    run = RunConfig(**{
+    run_config = RunConfig(**{
         **vars(flags), "device_type": device_type, "dtype": flags.dtype or default_dtype(device_type),
         "compile": device_type == "cuda" if flags.compile is None else flags.compile,
         "model_tag": flags.model_tag or f"d{flags.depth}", "model_config": model_config,
@@ -359,31 +361,31 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
         "sharding_requested": flags.sharding,  # auto is settled by the batch's memory budget (planning.plan_batch)
         "plan_vocab_size": vocab_size or tokenizer_vocab_size() or GPTConfig.vocab_size,  # tok_train's default too
         "argv": argv})
-    if run.model_config["state_dtype"] != "float32" and run.dtype == "float32":
-        parser.error(f"--state_dtype={run.model_config['state_dtype']} needs autocast: add --dtype=bfloat16")
+    if run_config.model_config["state_dtype"] != "float32" and run_config.dtype == "float32":
+        parser.error(f"--state_dtype={run_config.model_config['state_dtype']} needs autocast: add --dtype=bfloat16")
     try:
-        run = plan_batch(run)
+        run_config = plan_batch(run_config)
     except PlanError as e:
         parser.error(str(e))
-    if run.sharding == "fsdp" and check_hardware and not run.dry_run:
-        problem = host_ram_problem(run)
+    if run_config.sharding == "fsdp" and check_hardware and not run_config.dry_run:
+        problem = host_ram_problem(GPTConfig(vocab_size=run_config.plan_vocab_size, **run_config.model_config))
         if problem:  # before anything is built: every rank would otherwise die swapping or OOM-killed mid-build
             parser.error(problem)
-    if run.num_iterations is not None and run.num_iterations < 1:
-        parser.error(f"--num_iterations={run.num_iterations} must be >= 1")
-    if run.eval_tokens < run.max_seq_len:
-        parser.error(f"--eval_tokens={run.eval_tokens} is less than one validation row (--max_seq_len="
-                     f"{run.max_seq_len} tokens); raise it")
-    if run.max_cost is not None and not run.gpu_hourly_price:
+    if run_config.num_iterations is not None and run_config.num_iterations < 1:
+        parser.error(f"--num_iterations={run_config.num_iterations} must be >= 1")
+    if run_config.eval_tokens < run_config.max_seq_len:
+        parser.error(f"--eval_tokens={run_config.eval_tokens} is less than one validation row (--max_seq_len="
+                     f"{run_config.max_seq_len} tokens); raise it")
+    if run_config.max_cost is not None and not run_config.gpu_hourly_price:
         parser.error("--max_cost needs --gpu_hourly_price to know what an hour costs")
     for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
-        if not 0 <= getattr(run, name) <= 1:
-            parser.error(f"--{name}={getattr(run, name)} must be between 0 and 1")
-    if run.warmup_steps is not None and run.warmup_steps < 0:
-        parser.error(f"--warmup_steps={run.warmup_steps} must be >= 0")
-    if run.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        if not 0 <= getattr(run_config, name) <= 1:
+            parser.error(f"--{name}={getattr(run_config, name)} must be between 0 and 1")
+    if run_config.warmup_steps is not None and run_config.warmup_steps < 0:
+        parser.error(f"--warmup_steps={run_config.warmup_steps} must be >= 0")
+    if run_config.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         parser.error("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'")
-    return run
+    return run_config
 
 
 def tokenizer_vocab_size():
@@ -409,9 +411,9 @@ def data_problem():
     return None
 
 
-def batch_geometry(run):
+def batch_geometry(run_config):
     """What fixes the data of every step, recorded in each checkpoint and checked on resume."""
-    return {"world_size": run.world_size, "device_batch_size": run.device_batch_size,
-            "max_seq_len": run.max_seq_len, "grad_accum": run.grad_accum}
+    return {"world_size": run_config.world_size, "device_batch_size": run_config.device_batch_size,
+            "max_seq_len": run_config.max_seq_len, "grad_accum": run_config.grad_accum}
 
 

@@ -56,40 +56,41 @@ from nanochat.weight_average import WeightAverage
 
 
 # ---------------------------------------------------------------------------------------------------- the run
-def train(args):
-    check_writable(ckpt.model_dir(args.model_tag))  # a read-only run directory stops here, before anything is spent
-    ddp, rank, local_rank, world_size, device = compute_init(args.device_type, args.seed)
-    if ddp and world_size != args.world_size:
-        raise Exit(f"internal: parsed for {args.world_size} processes, running {world_size}")
+def train(run_config):
+    check_writable(ckpt.model_dir(run_config.model_tag))  # a read-only run directory stops here, before any spending
+    ddp, rank, local_rank, world_size, device = compute_init(run_config.device_type, run_config.seed)
+    if ddp and world_size != run_config.world_size:
+        raise Exit(f"internal: parsed for {run_config.world_size} processes, running {world_size}")
     missing = data_problem()
     if missing:
         raise Exit(missing)
     tokenizer = get_tokenizer()
-    model_config = {**args.model_config, "vocab_size": tokenizer.get_vocab_size()}
-    run_lock = lifecycle.RunLock(ckpt.model_dir(args.model_tag), active=rank == 0)  # held until the run ends
-    resume, corpus = start_or_resume(args, model_config, tokenizer, rank, run_lock)
+    model_config = {**run_config.model_config, "vocab_size": tokenizer.get_vocab_size()}
+    run_lock = lifecycle.RunLock(ckpt.model_dir(run_config.model_tag), active=rank == 0)  # held until the run ends
+    resume, corpus = start_or_resume(run_config, model_config, tokenizer, rank, run_lock)
 
-    fsdp = args.sharding == "fsdp"  # every block's weights, gradients and optimizer state sharded over the ranks
-    model = build_model(model_config, device, fsdp, args.dtype)
+    fsdp = run_config.sharding == "fsdp"  # every block's weights, gradients and optimizer state sharded over the ranks
+    model = build_model(model_config, device, fsdp, run_config.dtype)
     model.train()
-    optimizers = build_optimizers(model, args, fsdp)
-    num_iterations, horizon_source = num_iterations_for(args, model)
-    warmup_steps = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * num_iterations)
+    optimizers = build_optimizers(model, run_config, fsdp)
+    num_iterations, horizon_source = num_iterations_for(run_config, model)
+    warmup_steps = run_config.warmup_steps if run_config.warmup_steps is not None else \
+        round(run_config.warmup_ratio * num_iterations)
     flops_per_token = model.estimate_flops()
-    print_config(args, num_iterations, horizon_source, model, args.total_batch_size)
+    print_config(run_config, num_iterations, horizon_source, model, run_config.total_batch_size)
     if resume:
-        report_schedule_change(resume, (num_iterations, warmup_steps, args.warmdown_ratio, args.final_lr_frac),
-                               horizon_source)
-    no_room = ckpt.disk_room_problem(args.model_tag, ckpt.checkpoint_bytes(model), args.keep_last)
+        report_schedule_change(resume, (num_iterations, warmup_steps, run_config.warmdown_ratio,
+                                        run_config.final_lr_frac), horizon_source)
+    no_room = ckpt.disk_room_problem(run_config.model_tag, ckpt.checkpoint_bytes(model), run_config.keep_last)
     if no_room:
         raise Exit(no_room)
-    ema = build_weight_average(args, model, model_config, device, fsdp, num_iterations)
-    start_step, prior_seconds, loader_states = restore(args, resume, model, optimizers, ema)
-    attention.choose(args.attention, model.config, args.device_batch_size, device, getattr(torch, args.dtype),
-                     log=print0)  # before the first step traces any graph
-    if args.compile:
+    ema = build_weight_average(run_config, model, model_config, device, fsdp, num_iterations)
+    start_step, prior_seconds, loader_states = restore(run_config, resume, model, optimizers, ema)
+    attention.choose(run_config.attention, model.config, run_config.device_batch_size, device,
+                     getattr(torch, run_config.dtype), log=print0)  # before the first step traces any graph
+    if run_config.compile:
         model.compile_layer_visits()
-    loaders, prefetched = open_training_data(args, tokenizer, device, rank, loader_states,
+    loaders, prefetched = open_training_data(run_config, tokenizer, device, rank, loader_states,
                                              first_batch=start_step < num_iterations)
     token_bytes = get_token_bytes(device=device)
     try:
@@ -97,23 +98,26 @@ def train(args):
     except lifecycle.RunLockError as e:
         raise Exit(f"cannot {'resume' if resume else 'start'}: {e}")
     if rank == 0:
-        ckpt.remove_partial_saves(args.model_tag)
-    metrics = MetricsLog(ckpt.model_dir(args.model_tag), args, rank, start_step if resume else None)
-    price_per_hour = (args.gpu_hourly_price or 0) * world_size
-    backup = Backup.location(args.backup_dir, args.model_tag, args.keep_last).start() \
-        if args.backup_dir and rank == 0 else None
+        ckpt.remove_partial_saves(run_config.model_tag)
+    metrics = MetricsLog(ckpt.model_dir(run_config.model_tag), run_config, rank, start_step if resume else None)
+    price_per_hour = (run_config.gpu_hourly_price or 0) * world_size
+    backup = Backup.location(run_config.backup_dir, run_config.model_tag, run_config.keep_last).start() \
+        if run_config.backup_dir and rank == 0 else None
 
-    background = args.async_checkpoint and can_write_in_background(model)
+    background = run_config.async_checkpoint and can_write_in_background(model)
     with lifecycle.StopSignals() as signals, CheckpointWriter(background) as writer:  # its write finished on any exit
-        run = Run(args=args, model=model, ema=ema, optimizers=optimizers, loaders=loaders, tokenizer=tokenizer,
-                  token_bytes=token_bytes, device=device, rank=rank, world_size=world_size, metrics=metrics,
-                  control=lifecycle.RunControl(args, prior_seconds, price_per_hour, signals),
-                  early_stop=early_stop_for(args, resume), backup=backup, writer=writer, model_config=model_config,
+        run = Run(run_config=run_config, model=model, ema=ema, optimizers=optimizers, loaders=loaders,
+                  tokenizer=tokenizer, token_bytes=token_bytes, device=device, rank=rank, world_size=world_size,
+                  metrics=metrics, control=lifecycle.RunControl(run_config.max_hours, run_config.max_cost,
+                                                                run_config.save_every_minutes, prior_seconds,
+                                                                price_per_hour, signals),
+                  early_stop=early_stop_for(run_config, resume), backup=backup, writer=writer,
+                  model_config=model_config,
                   corpus=corpus, num_iterations=num_iterations, warmup_steps=warmup_steps, start_step=start_step,
                   resuming=resume is not None, flops_per_token=flops_per_token,
-                  peak_flops=peak_flops(args, device), prefetched=prefetched,
+                  peak_flops=peak_flops(run_config.peak_tflops, run_config.device_type, device), prefetched=prefetched,
                   consumed=[loader.state_dict() for loader in loaders],
-                  probe=build_probe(args.probe, args.probe_share, args.seed, args.probe_docs))
+                  probe=build_probe(run_config.probe, run_config.probe_share, run_config.seed, run_config.probe_docs))
 
         # at each step boundary save, evaluate and sample when due; then stop, or train one more step
         step, flags = start_step, run.control.agree(device)  # a budget spent or a signal before the first step
@@ -168,7 +172,7 @@ def train(args):
 class Run:
     """The run's components and the state its stages share, in named attributes; each stage is a method (save,
     evaluate_and_sample, optimizer_step, log_step, finish), so a test can call one alone."""
-    args: RunConfig
+    run_config: RunConfig
     model: torch.nn.Module  # the weights trained (a GPT, sharded under FSDP); the rest see `published`
     ema: WeightAverage | None
     optimizers: list
@@ -205,7 +209,7 @@ class Run:
 
     @property
     def fsdp(self):
-        return self.args.sharding == "fsdp"
+        return self.run_config.sharding == "fsdp"
 
     def stop_asked(self):
         return self.control.signals.received is not None  # this rank's view: evaluation agrees on it batch by batch
@@ -213,20 +217,20 @@ class Run:
     def save_due(self, step, stop, flags):
         """Whether step's boundary saves: the last step, a stop, --save_every or --save_every_minutes (not at the step
         just resumed from), and a fresh run stopped before its first step."""
-        steps_due = bool(self.args.save_every) and step % self.args.save_every == 0
+        steps_due = bool(self.run_config.save_every) and step % self.run_config.save_every == 0
         return (step > self.start_step and (step == self.num_iterations or bool(stop) or bool(flags["save_time"])
                                             or steps_due)) or (bool(stop) and not self.resuming)
 
     def save(self, step):
         """Step's checkpoint: the published weights (and the trained ones beside an EMA), the optimizers, the loaders'
         positions and checkpoint_meta; with the validation bpb when it measured this step."""
-        meta = checkpoint_meta(self.args, self.model_config, self.tokenizer.fingerprint(), self.corpus,
+        meta = checkpoint_meta(self.run_config, self.model_config, self.tokenizer.fingerprint(), self.corpus,
                                self.num_iterations, self.warmup_steps,
                                val_bpb=self.val_bpb if self.last_eval_step == step else None,
                                elapsed_seconds=self.control.elapsed(), early_stop=self.early_stop.state(),
                                cost=self.control.cost(), loader_state=self.consumed[0])
         try:
-            path = self.writer.save(self.args.model_tag, step, self.published, self.optimizers, meta,
+            path = self.writer.save(self.run_config.model_tag, step, self.published, self.optimizers, meta,
                                     {"loaders": self.consumed}, self.rank,
                                     train_model=self.model if self.ema else None)
         except ckpt.CheckpointError as e:
@@ -248,18 +252,20 @@ class Run:
             self.writer.submit(lambda: self.prune_and_submit_backup(step))
 
     def prune_and_submit_backup(self, step):
-        removed = ckpt.prune_checkpoints(self.args.model_tag, self.args.keep_last)
+        removed = ckpt.prune_checkpoints(self.run_config.model_tag, self.run_config.keep_last)
         if removed:
-            print0(f"pruned checkpoints at steps {removed} (keeping the last {self.args.keep_last} and the best)")
+            print0(f"pruned checkpoints at steps {removed} (keeping the last {self.run_config.keep_last} and the "
+                   f"best)")
         if self.backup:
             self.backup.submit(step)
 
     def evaluate_and_sample(self, step, due):
         """Validation bpb and samples, each when due (`due`, or every --eval_every / --sample_every steps). False when
         a signal stopped the evaluation (every rank stopped it at the same batch)."""
-        if (due or (self.args.eval_every and step % self.args.eval_every == 0)) and not self.evaluate(step):
+        every = lambda n: bool(n) and step % n == 0  # noqa: E731 - --eval_every / --sample_every; 0 = end only
+        if (due or every(self.run_config.eval_every)) and not self.evaluate(step):
             return False
-        if (self.rank == 0 or self.fsdp) and (due or (self.args.sample_every and step % self.args.sample_every == 0)):
+        if (self.rank == 0 or self.fsdp) and (due or every(self.run_config.sample_every)):
             self.sample(step)
         return True
 
@@ -267,8 +273,9 @@ class Run:
         """Validation bpb per supervision step into val_bpb and last_eval_step, logged, counted by early stopping and
         recorded in step's checkpoint if it is saved. False when a signal stopped it."""
         try:
-            self.val_bpb, val_state = validation_bpb(self.published, self.tokenizer, self.args, self.device, self.rank,
-                                                     self.world_size, self.token_bytes, stop=self.stop_asked)
+            self.val_bpb, val_state = validation_bpb(self.published, self.tokenizer, self.run_config, self.device,
+                                                     self.rank, self.world_size, self.token_bytes,
+                                                     stop=self.stop_asked)
         except EvaluationStopped:
             return False
         if self.val_bpb:
@@ -283,16 +290,17 @@ class Run:
         return True
 
     def record_checkpoint_bpb(self, step, val_bpb):
-        if ckpt.list_steps(self.args.model_tag)[-1:] == [step]:
-            self.metrics.attempt(lambda: update_checkpoint_bpb(self.args.model_tag, step, val_bpb))
+        if ckpt.list_steps(self.run_config.model_tag)[-1:] == [step]:
+            self.metrics.attempt(lambda: update_checkpoint_bpb(self.run_config.model_tag, step, val_bpb))
 
     def evaluate_probe(self, step):
         """Accuracy by hop count at every supervision step on the probe's documents: printed and logged."""
         n_sup = self.published.config.n_sup_inference
         try:
             result = evaluate_hops(self.published, self.tokenizer, self.probe.eval_documents(), n_sup,
-                                   self.args.device_batch_size, self.device,
-                                   autocast_for(self.args.device_type, self.args.dtype), self.rank, self.world_size)
+                                   self.run_config.device_batch_size, self.device,
+                                   autocast_for(self.run_config.device_type, self.run_config.dtype), self.rank,
+                                   self.world_size)
         except (HopsEvalError, RankFailure) as e:  # a probe is a measurement, not a reason to stop the run
             print0(f"WARNING: the depth probe was skipped: {e}")
             return
@@ -303,7 +311,7 @@ class Run:
     def sample(self, step):
         # rank 0 alone: a signal that cuts the samples short is agreed at the next step's reduction. Sharded, every
         # rank takes part in each token's gathers, so none may stop early: the samples run to the end
-        run_samples(self.published, self.tokenizer, self.args, self.metrics, step,
+        run_samples(self.published, self.tokenizer, self.run_config, self.metrics, step,
                     (lambda: False) if self.fsdp else self.stop_asked)
 
     def accumulate(self, step, n_sup, sums):
@@ -315,8 +323,9 @@ class Run:
                 x, y = self.prefetched if j == 0 else next(loader)
                 if self.probe:
                     x, y = self.probe.mix(x, y, self.tokenizer, step, j, len(self.loaders), self.rank)
-                with autocast_for(self.args.device_type, self.args.dtype):
-                    loss, aux = self.model.forward_backward(x, y, loss_scale=1 / self.args.grad_accum, n_sup=n_sup)
+                with autocast_for(self.run_config.device_type, self.run_config.dtype):
+                    loss, aux = self.model.forward_backward(x, y, loss_scale=1 / self.run_config.grad_accum,
+                                                            n_sup=n_sup)
                 sums += StepStats.pack(loss, aux)
             after = [loader.state_dict() for loader in self.loaders]
             self.prefetched = next(self.loaders[0]) if step + 1 < self.num_iterations else None
@@ -328,15 +337,15 @@ class Run:
         """Forward and backward over the micro-batches, one all_reduce (the step's one host sync, which also
         carries every rank's stop/save/data flags), then the update. Returns (StepStats, flags, lr multiplier).
         Training data unreadable on any rank raises RankFailure on every rank, before the update."""
-        args, model, optimizers = self.args, self.model, self.optimizers
+        run_config, model, optimizers = self.run_config, self.model, self.optimizers
         n_sup = model.train_depth(step)
         sums = torch.zeros(StepStats.size(n_sup), device=self.device)
         try:
             after, data_error = self.accumulate(step, n_sup, sums)
             sq_grad_norm = reduce_gradients(optimizers)  # on every rank, data or not: the collectives pair up
         except torch.OutOfMemoryError:
-            raise Exit(oom_message(args), code=ExitCode.OUT_OF_MEMORY)
-        values, flags = self.control.reduce(torch.cat([sums / (args.grad_accum * self.world_size),
+            raise Exit(oom_message(run_config), code=ExitCode.OUT_OF_MEMORY)
+        values, flags = self.control.reduce(torch.cat([sums / (run_config.grad_accum * self.world_size),
                                                        sq_grad_norm.view(1)]),
                                             data_failed=data_error is not None,
                                             write_failed=self.metrics.failure is not None)
@@ -347,14 +356,15 @@ class Run:
         self.consumed = after
         stats = StepStats.unpack(values, n_sup)
         if not all(math.isfinite(v) for v in stats.losses + [stats.total]):
-            path = os.path.join(ckpt.model_dir(args.model_tag), f"nan_diagnostic_step{step:06d}.json")
+            path = os.path.join(ckpt.model_dir(run_config.model_tag), f"nan_diagnostic_step{step:06d}.json")
             if self.rank == 0:
                 write_nan_diagnostic(path, step, stats.losses, self.history, self.model_config)
             raise Exit(f"loss is NaN/Inf at step {step} (per-step losses {stats.losses}); stopped without "
                        f"saving, the last good checkpoint is untouched. Diagnostic: {path}", code=ExitCode.DIVERGED)
-        lrm = lr_multiplier(step, self.num_iterations, self.warmup_steps, args.warmdown_ratio, args.final_lr_frac)
+        lrm = lr_multiplier(step, self.num_iterations, self.warmup_steps, run_config.warmdown_ratio,
+                            run_config.final_lr_frac)
         set_schedule(optimizers, lrm, muon_momentum(step))
-        clipped_step(optimizers, stats.grad_norm, args.grad_clip)  # skipped when the norm is not finite
+        clipped_step(optimizers, stats.grad_norm, run_config.grad_clip)  # skipped when the norm is not finite
         model.zero_grad(set_to_none=True)
         if not math.isfinite(stats.grad_norm):
             raise Exit(f"gradient norm is {stats.grad_norm} at step {step}: the update was skipped and the "
@@ -367,7 +377,7 @@ class Run:
         """The step's record (losses, state diagnostics, throughput, MFU, memory, time, cost): logged and printed."""
         self.history.append({"step": step, "step_losses": stats.losses})
         self.health.check(step, stats.losses, stats.grad_norm)
-        tok_per_sec = self.args.total_batch_size / dt
+        tok_per_sec = self.run_config.total_batch_size / dt
         mfu = self.flops_per_token * tok_per_sec / (self.peak_flops * self.world_size) if self.peak_flops else None
         mem_gb = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else None
         record = {"kind": "train", "step": step, "loss": stats.losses[-1], "total_loss": stats.total,
@@ -390,24 +400,25 @@ class Run:
         when rank 0 could not write its files."""
         self.wait_for_checkpoint()
         if self.rank == 0 and step > 0:  # a fresh run stopped before its first step has nothing to summarize
-            self.metrics.attempt(lambda: write_summary(ckpt.model_dir(self.args.model_tag), self.args, step,
-                                                       self.control.elapsed(), self.control.price_per_hour,
+            self.metrics.attempt(lambda: write_summary(ckpt.model_dir(self.run_config.model_tag), self.run_config,
+                                                       step, self.control.elapsed(), self.control.price_per_hour,
                                                        self.model, self.tokenizer.fingerprint()))
         self.stop_on_write_failure(reduce_with_flags(torch.zeros(0, device=self.device),
                                                      [self.metrics.failure is not None])[1][0])
         self.metrics.close()
-        if self.args.backup_dir:  # every rank: the others wait in short collectives while rank 0's uploads drain
+        if self.run_config.backup_dir:  # every rank: the others wait in short collectives while rank 0's uploads drain
             run_on_rank0(self.backup.close if self.backup else None, self.rank)
 
 
-def checkpoint_meta(args, model_config, tokenizer_fingerprint, corpus, num_iterations, warmup_steps, val_bpb,
+def checkpoint_meta(run_config, model_config, tokenizer_fingerprint, corpus, num_iterations, warmup_steps, val_bpb,
                     elapsed_seconds, early_stop, cost, loader_state):
     """A checkpoint's meta.json: what resuming checks (model config, batch geometry, sharding, tokenizer, data),
     continues (the schedule, the clock, early stopping's count) and reports (the flags, validation bpb, cost)."""
-    return {"model_config": model_config, "config_sources": args.config_sources, "user_flags": args.argv,
-            "train_config": {k: v for k, v in asdict(args).items()
+    return {"model_config": model_config, "config_sources": run_config.config_sources, "user_flags": run_config.argv,
+            "train_config": {k: v for k, v in asdict(run_config).items()
                              if k not in ("model_config", "config_sources")},
-            "batch_geometry": batch_geometry(args), "num_iterations": num_iterations, "warmup_steps": warmup_steps,
+            "batch_geometry": batch_geometry(run_config), "num_iterations": num_iterations,
+            "warmup_steps": warmup_steps,
             "tokenizer_fingerprint": tokenizer_fingerprint, "data": corpus, "val_bpb": val_bpb,
             "elapsed_seconds": elapsed_seconds, "early_stop": early_stop, "cost": cost, "dataloader": loader_state}
 
@@ -424,45 +435,47 @@ def build_model(model_config, device, fsdp, dtype):
     return sharding.build_sharded_model(model_config, device, param_dtype)
 
 
-def build_optimizers(model, args, fsdp):
+def build_optimizers(model, run_config, fsdp):
     """The model's optimizers at the flags' learning rates (times --lr_scale); under FSDP, stepping the shards."""
-    optimizers = setup_optimizers(model, unembedding_lr=args.unembedding_lr * args.lr_scale,
-                                  embedding_lr=args.embedding_lr * args.lr_scale,
-                                  matrix_lr=args.matrix_lr * args.lr_scale, weight_decay=args.weight_decay)
+    optimizers = setup_optimizers(model, unembedding_lr=run_config.unembedding_lr * run_config.lr_scale,
+                                  embedding_lr=run_config.embedding_lr * run_config.lr_scale,
+                                  matrix_lr=run_config.matrix_lr * run_config.lr_scale,
+                                  weight_decay=run_config.weight_decay)
     return sharding.on_shards(optimizers) if fsdp else optimizers
 
 
-def build_weight_average(args, model, model_config, device, fsdp, num_iterations):
+def build_weight_average(run_config, model, model_config, device, fsdp, num_iterations):
     """The EMA of the trained weights, or None when off: the EMA's copy of the model is what evaluation, samples and
     checkpoints see, while training goes on in `model`."""
-    ema_decay = ema_decay_for(args, num_iterations)
-    ema = WeightAverage(model, ema_decay, build_model(model_config, device, fsdp, args.dtype) if fsdp else None) \
-        if ema_decay else None
+    ema_decay = ema_decay_for(run_config.ema_decay, num_iterations)
+    ema = WeightAverage(model, ema_decay, build_model(model_config, device, fsdp, run_config.dtype) if fsdp
+                        else None) if ema_decay else None
     print0("weights published (evaluated, sampled, saved): "
-           + (f"EMA with decay {ema_decay:.4f} (--ema_decay={args.ema_decay})" if ema else "the trained weights"))
+           + (f"EMA with decay {ema_decay:.4f} (--ema_decay={run_config.ema_decay})" if ema
+              else "the trained weights"))
     return ema
 
 
-def restore(args, resume, model, optimizers, ema):
+def restore(run_config, resume, model, optimizers, ema):
     """(the step to start at, the seconds already spent, each loader's position): a fresh run's, or the resume
     point's, whose weights, optimizer state and weight average are loaded in place."""
     if not resume:
-        return 0, 0.0, [None] * args.grad_accum
+        return 0, 0.0, [None] * run_config.grad_accum
     start_step, prior_seconds = resume.step, resume.meta["elapsed_seconds"]
     try:
         loader_states = restore_point(resume, model, optimizers, ema)
     except ckpt.CheckpointError as e:  # a shard refused or damaged: on every rank, DCP's load agrees
         raise Exit(f"cannot resume: {e}")
-    print0(f"resumed {args.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
+    print0(f"resumed {run_config.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
     return start_step, prior_seconds, loader_states
 
 
-def open_training_data(args, tokenizer, device, rank, loader_states, first_batch):
+def open_training_data(run_config, tokenizer, device, rank, loader_states, first_batch):
     """This process's training loaders (one per accumulation step, at their resume positions) and the first batch;
     data unreadable on any rank stops every rank with one line."""
     loaders, prefetched, error = [], None, None
     try:
-        loaders = training_loaders(args, tokenizer, rank, loader_states, device)
+        loaders = training_loaders(run_config, tokenizer, rank, loader_states, device)
         prefetched = next(loaders[0]) if first_batch else None
     except DatasetError as e:
         error = e
@@ -473,68 +486,68 @@ def open_training_data(args, tokenizer, device, rank, loader_states, first_batch
     return loaders, prefetched
 
 
-def print_config(args, num_iterations, horizon_source, model, tokens_per_step):
-    print0(f"model config ({args.model_tag}):")
+def print_config(run_config, num_iterations, horizon_source, model, tokens_per_step):
+    print0(f"model config ({run_config.model_tag}):")
     for name, value in model.config.to_dict().items():
-        print0(f"  {name:26s} = {value!s:14s} ({args.config_sources.get(name, 'tokenizer')})")
+        print0(f"  {name:26s} = {value!s:14s} ({run_config.config_sources.get(name, 'tokenizer')})")
     print0(f"parameters: {model.num_params():,}   FLOPs per token (training step): {model.estimate_flops():.3e}")
-    print0(f"batch: {args.world_size} processes x {args.device_batch_size} x {args.max_seq_len} tokens x "
-           f"{args.grad_accum} accumulation = {tokens_per_step:,} tokens per step")
-    for note in args.batch_notes:
+    print0(f"batch: {run_config.world_size} processes x {run_config.device_batch_size} x {run_config.max_seq_len} "
+           f"tokens x {run_config.grad_accum} accumulation = {tokens_per_step:,} tokens per step")
+    for note in run_config.batch_notes:
         print0(f"  {note}")
     print0(f"horizon: {num_iterations} steps ({horizon_source}), {num_iterations * tokens_per_step:,} tokens")
 
 
-def start_or_resume(args, model_config, tokenizer, rank, run_lock):
+def start_or_resume(run_config, model_config, tokenizer, rank, run_lock):
     """(the resume point (step, meta, weights, rank state), checked against this run, or None for a fresh run, on a
     tag that holds no other run (--overwrite moves one aside); the data's identity). A live run on the tag refuses us
     first (run_lock holds the tag's lock from here); every check passes before anything is written."""
-    resuming = args.resume or args.resume_from_step is not None
+    resuming = run_config.resume or run_config.resume_from_step is not None
     try:
         run_lock.hold_existing()
         corpus = corpus_identity()
-        if args.backup_dir:
-            Backup.location(args.backup_dir, args.model_tag)  # a bad URL stops here, not after the first save
+        if run_config.backup_dir:
+            Backup.location(run_config.backup_dir, run_config.model_tag)  # a bad URL stops here, not after a save
         if not resuming:
-            found = check_fresh_start(args.model_tag, args.overwrite, args.backup_dir)
-            if args.overwrite:  # on every rank, so the ranks wait for rank 0's move together
+            found = check_fresh_start(run_config.model_tag, run_config.overwrite, run_config.backup_dir)
+            if run_config.overwrite:  # on every rank, so the ranks wait for rank 0's move together
                 error = None
                 if rank == 0 and found:
                     try:
-                        print0(f"--overwrite: moved the previous run ({found}) to {move_aside(args.model_tag)}")
+                        print0(f"--overwrite: moved the previous run ({found}) to {move_aside(run_config.model_tag)}")
                     except OSError as e:
                         error = e
                 raise_if_any_rank_failed(error, "moving the previous run aside")
             return None, corpus
-        if args.backup_dir:
+        if run_config.backup_dir:
             run_lock.claim()  # restoring from the backup writes into the directory
-        which = args.resume_from_step if args.resume_from_step is not None else "latest"
-        point = load_resume_point(args.model_tag, which, rank, args.backup_dir, args.world_size,
-                                  data_ranks(args, rank))
+        which = run_config.resume_from_step if run_config.resume_from_step is not None else "latest"
+        point = load_resume_point(run_config.model_tag, which, rank, run_config.backup_dir, run_config.world_size,
+                                  data_ranks(rank, run_config.grad_accum))
         step, meta = point.step, point.meta
-        ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {args.model_tag} step {step}")
-        check_data(meta, corpus, args.allow_data_change, f"checkpoint {args.model_tag} step {step}")
-        diffs = resume_differences(meta, model_config, batch_geometry(args), args.sharding)
+        ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {run_config.model_tag} step {step}")
+        check_data(meta, corpus, run_config.allow_data_change, f"checkpoint {run_config.model_tag} step {step}")
+        diffs = resume_differences(meta, model_config, batch_geometry(run_config), run_config.sharding)
         if diffs:
-            raise Exit(f"cannot resume {args.model_tag} from step {step}: the checkpoint was written with a "
+            raise Exit(f"cannot resume {run_config.model_tag} from step {step}: the checkpoint was written with a "
                        f"different configuration:\n  " + "\n  ".join(diffs) +
                        "\nPass the checkpoint's values, or start a new run with another --model_tag.")
-        check_data_positions(point, args, rank, tokenizer)  # the loaders' geometry matches by now
+        check_data_positions(point, run_config, rank, tokenizer)  # the loaders' geometry matches by now
     except (ckpt.CheckpointError, RankFailure, DatasetError, lifecycle.RunLockError) as e:
         raise Exit(f"cannot {'resume' if resuming else 'start'}: {e}")
     return point, corpus
 
 
-def early_stop_for(args, resume):
+def early_stop_for(run_config, resume):
     """--early_stop's counter: continued from the checkpoint resumed (older checkpoints: from the tag's best recorded
     validation bpb, counting anew)."""
     if resume is None:
-        return lifecycle.EarlyStop(args.early_stop)
+        return lifecycle.EarlyStop(run_config.early_stop)
     if resume.meta.get("early_stop"):
-        return lifecycle.EarlyStop(args.early_stop, resume.meta["early_stop"])
-    recorded = ckpt.readable_bpb(args.model_tag)
+        return lifecycle.EarlyStop(run_config.early_stop, resume.meta["early_stop"])
+    recorded = ckpt.readable_bpb(run_config.model_tag)
     best = ckpt.best_of(recorded)
-    return lifecycle.EarlyStop(args.early_stop, best_recorded=None if best is None else (best, recorded[best]))
+    return lifecycle.EarlyStop(run_config.early_stop, best_recorded=None if best is None else (best, recorded[best]))
 
 
 class StepStats(NamedTuple):
@@ -569,25 +582,26 @@ def write_nan_diagnostic(path, step, losses, history, model_config):
     atomic_write_bytes(path, json.dumps(record, indent=2).encode())
 
 
-def oom_message(args):
-    smaller = max(1, args.device_batch_size // 2)
-    accum = args.grad_accum * args.device_batch_size // smaller
-    return (f"CUDA out of memory at --device_batch_size={args.device_batch_size}, --max_seq_len={args.max_seq_len}, "
-            f"--depth={args.depth}. Lower --device_batch_size (e.g. {smaller}) with --gradient_accumulation_steps="
-            f"{accum} to keep the same effective batch; or lower --max_seq_len or --depth; or turn on "
+def oom_message(run_config):
+    smaller = max(1, run_config.device_batch_size // 2)
+    accum = run_config.grad_accum * run_config.device_batch_size // smaller
+    return (f"CUDA out of memory at --device_batch_size={run_config.device_batch_size}, "
+            f"--max_seq_len={run_config.max_seq_len}, --depth={run_config.depth}. Lower --device_batch_size (e.g. "
+            f"{smaller}) with --gradient_accumulation_steps={accum} to keep the same effective batch; or lower "
+            f"--max_seq_len or --depth; or turn on "
             f"--activation_checkpointing"
-            + ("" if args.model_config["detach_between_steps"] else
+            + ("" if run_config.model_config["detach_between_steps"] else
                ", or --detach_between_steps (one supervision step's activations alive at a time)") + ".")
 
 
-def run_samples(model, tokenizer, args, metrics, step, stop):
+def run_samples(model, tokenizer, run_config, metrics, step, stop):
     """Greedy completions of SAMPLE_PROMPTS, printed and logged; abandoned, token by token, once stop() is true."""
     try:
         model.eval()
-        engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, args.dtype))
+        engine = Engine(model, tokenizer, autocast=lambda: autocast_for(run_config.device_type, run_config.dtype))
         outputs = [[] for _ in SAMPLE_PROMPTS]
-        for column in engine.generate([engine.encode_prompt(p) for p in SAMPLE_PROMPTS], max_tokens=args.sample_tokens,
-                                      temperature=0):
+        for column in engine.generate([engine.encode_prompt(p) for p in SAMPLE_PROMPTS],
+                                      max_tokens=run_config.sample_tokens, temperature=0):
             if stop():
                 print0("samples abandoned: a stop signal arrived")
                 return
@@ -613,12 +627,12 @@ def update_checkpoint_bpb(model_tag, step, val_bpb):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.dry_run:
-        print0("\n".join(plan_lines(args)) + "\n--dry_run: nothing was run or written")
+    run_config = parse_args(argv)
+    if run_config.dry_run:
+        print0("\n".join(plan_lines(run_config)) + "\n--dry_run: nothing was run or written")
         return
     try:
-        train(args)
+        train(run_config)
     except (Exit, MetricsError, WriteError) as e:
         sys.stderr.write(f"base_train: {e}\n")  # one write: the line and its newline stay together beside other ranks
         sys.stderr.flush()

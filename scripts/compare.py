@@ -164,7 +164,7 @@ class Run:
     counts; plan() fills in the budget (iterations, tokens, training FLOPs) and the base_train command and tag."""
     name: str
     flags: list
-    args: train_config.RunConfig  # base_train's parsed flags
+    run_config: train_config.RunConfig  # base_train's parsed flags
     model: object
     parameters: int
     flops_per_token: float
@@ -177,27 +177,28 @@ class Run:
     tag: str | None = None
 
 
-def base_args(name, flags, world_size, vocab_size):
-    """base_train's parsed arguments for one config; bad flags exit naming the config."""
+def base_run_config(name, flags, world_size, vocab_size):
+    """base_train's RunConfig for one config; bad flags exit naming the config."""
     try:
         return train_config.parse_args(flags, world_size=world_size, check_hardware=False, vocab_size=vocab_size)
     except SystemExit as e:
         raise Exit(f"compare: config {name}: {e}")
 
 
-def is_trm(args):
-    return args.model_config["n_loops"] > 0 or args.model_config["n_sup_train"] > 1
+def is_trm(run_config):
+    return run_config.model_config["n_loops"] > 0 or run_config.model_config["n_sup_train"] > 1
 
 
 def make_run(name, flags, shared, vocab_size, world_size):
-    args = base_args(name, shared + flags, world_size, vocab_size)
-    model = meta_model(model_config(args, vocab_size))
-    return Run(name, shared + flags, args, model, model.num_params(), model.estimate_flops(), args.total_batch_size)
+    run_config = base_run_config(name, shared + flags, world_size, vocab_size)
+    model = meta_model(model_config(run_config, vocab_size))
+    return Run(name, shared + flags, run_config, model, model.num_params(), model.estimate_flops(),
+               run_config.total_batch_size)
 
 
 def matched_plain(trm, vocab_size, world_size, by):
     """The plain model of the TRM's width (depth) with more layers (heads) whose FLOPs per token come closest."""
-    c, target = trm.args.model_config, trm.flops_per_token
+    c, target = trm.run_config.model_config, trm.flops_per_token
     head_dim, group = c["n_embd"] // c["n_head"], c["n_head"] // c["n_kv_head"]
     best = None
     for k in range(1, 1024):  # wider = more heads of the same size, keeping the GQA grouping
@@ -227,15 +228,15 @@ def plan(args, vocab_size, world_size):
         # device batch that fits every config, so all of them see the same tokens in the same order
         args.shared = args.shared + [f"--total_batch_size={planning.B_REF}"]
         runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
-        args.shared.append(f"--device_batch_size={min(r.args.device_batch_size for r in runs)}")
+        args.shared.append(f"--device_batch_size={min(r.run_config.device_batch_size for r in runs)}")
         runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
-    data_order = {r.name: {**batch_geometry(r.args), "seed": r.args.seed} for r in runs}
+    data_order = {r.name: {**batch_geometry(r.run_config), "seed": r.run_config.seed} for r in runs}
     if len({json.dumps(v, sort_keys=True) for v in data_order.values()}) > 1:  # the batches depend on exactly these
         raise Exit("compare: every config must see the same tokens in the same order, so batch flags and "
                          "--seed belong after the second `--`, not in a config: " +
                          "; ".join(f"{name} {v}" for name, v in data_order.items()))
     if args.mode == "params":
-        trms = [r for r in runs if is_trm(r.args)]
+        trms = [r for r in runs if is_trm(r.run_config)]
         if not trms:
             raise Exit("compare: --mode=params needs at least one TRM config to match")
         matched = {}
@@ -249,8 +250,8 @@ def plan(args, vocab_size, world_size):
                                                                 for r in runs)
     for r in runs:
         horizon = (None, target) if target else (args.num_iterations, None)
-        r.args = replace(r.args, num_iterations=horizon[0], target_flops=horizon[1])
-        r.iterations = num_iterations_for(r.args, r.model)[0]
+        r.run_config = replace(r.run_config, num_iterations=horizon[0], target_flops=horizon[1])
+        r.iterations = num_iterations_for(r.run_config, r.model)[0]
         r.tokens = r.iterations * r.tokens_per_step
         r.train_flops = r.tokens * r.flops_per_token
         eval_every = max(1, r.iterations // args.evals)
@@ -298,8 +299,8 @@ def free_port():
 def inference_sweep(run, max_sup, device, rank, world_size):
     """Validation bpb after each of 1 .. max_sup supervision steps (a model's step s never depends on later steps)."""
     model, tokenizer, _ = ckpt.load_model(run.tag, run.iterations, device, n_sup_train=max_sup)
-    args = run.args
-    bpb, state = validation_bpb(model, tokenizer, args, device, rank, world_size, get_token_bytes(device=device))
+    bpb, state = validation_bpb(model, tokenizer, run.run_config, device, rank, world_size,
+                                get_token_bytes(device=device))
     if bpb is None:
         raise Exit(f"compare: {run.name}: the inference evaluation failed (see the warning above)")
     return [{"n_sup": k + 1, "flops_per_token": run.model.estimate_flops(n_sup=k + 1, backward=False),
@@ -317,7 +318,7 @@ def result(run, inference):
     final = evals[-1]["val_bpb"]
     flops_per_step = run.flops_per_token * run.tokens_per_step
     return {"name": run.name, "tag": run.tag, "flags": run.flags, "matches": run.matches,
-            "model_config": run.args.model_config, "parameters": run.parameters,
+            "model_config": run.run_config.model_config, "parameters": run.parameters,
             "flops_per_token": run.flops_per_token, "iterations": run.iterations, "tokens": run.tokens,
             "train_flops": run.train_flops, "wall_time_s": summary["wall_time_s"],
             "val_bpb": final, "final_bpb": final[-1], "val_refinement": evals[-1]["val_refinement"],
@@ -448,8 +449,8 @@ def main(argv=None):
         else:
             print0(f"[{i + 1}/{len(runs)}] {run.name}: training {run.iterations} steps ({run.tag})")
             train(run, world_size)
-            n_sup = run.args.model_config["n_sup_train"]
-            max_sup = n_sup * args.inference_factor if is_trm(run.args) else 1  # a plain stack is no refiner
+            n_sup = run.run_config.model_config["n_sup_train"]
+            max_sup = n_sup * args.inference_factor if is_trm(run.run_config) else 1  # a plain stack is no refiner
             print0(f"[{i + 1}/{len(runs)}] {run.name}: validation bpb for 1..{max_sup} supervision steps")
             report["runs"].append(result(run, inference_sweep(run, max_sup, device, rank, world_size)))
         report["wall_time_s"] = sum(r["wall_time_s"] for r in report["runs"])

@@ -46,7 +46,7 @@ from nanochat.gpt import GPTConfig
 from nanochat.loss_eval import format_steps
 from nanochat.metrics import summary_path
 from nanochat.planning import (PLANNER_MFU, budget_lines, fit_device_batch, sharding_lines, free_ram_per_process,
-                               keeps_ema, meta_model, model_config)
+                               keeps_ema, memory_need, meta_model, model_config, settle_sharding)
 from nanochat.resume import previous_run, resume_differences
 from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS, get_tokenizer
 from nanochat.train_config import batch_geometry, parse_args
@@ -157,28 +157,27 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
         raise Exit(f"the table's effective batch of {sequences} sequences does not split over {world} processes; "
                    f"pass --device_batch_size and --gradient_accumulation_steps yourself", code=ExitCode.USAGE)
     per_rank = sequences // world
-    args = parse_args(argv, world_size=world, check_hardware=False, vocab_size=vocab_size)
+    run_config = parse_args(argv, world_size=world, check_hardware=False, vocab_size=vocab_size)
     if "device_batch_size" in given:
-        b = args.device_batch_size
+        b = run_config.device_batch_size
         if per_rank % b:
             raise Exit(f"--device_batch_size={b} does not divide the {per_rank} sequences each process needs per step "
                        f"(the table's {sequences} over {world} processes); pick a divisor of {per_rank}",
                        code=ExitCode.USAGE)
         return {"gradient_accumulation_steps": per_rank // b}, [
             f"accumulation {accum} -> {per_rank // b} keeps the table's {sequences} sequences at your device batch {b}"]
-    config = model_config(args, vocab_size)
-    b, why, args = fit_device_batch(dataclasses.replace(args, plan_vocab_size=vocab_size), per_rank, max_batch=batch,
-                                    memory_at=(memory_bytes, "the launcher's budget"),
-                                    allow_checkpointing="activation_checkpointing" not in given)
+    config = model_config(run_config, vocab_size)
+    b, why, run_config = fit_for_budget(run_config, vocab_size, per_rank, memory_bytes, max_batch=batch,
+                                        allow_checkpointing="activation_checkpointing" not in given)
     if b is None:
         raise Exit(f"{why} (with activation checkpointing); lower DEPTH, --max_seq_len or --n_sup_train",
                    code=ExitCode.USAGE)
-    flags, notes = {"device_batch_size": b, "gradient_accumulation_steps": per_rank // b}, [args.sharding_note]
-    if args.sharding_requested == "auto":  # settled for the launcher's budget, not for this machine's
-        flags["sharding"] = args.sharding
-    if args.model_config["activation_checkpointing"] and not config.activation_checkpointing:
+    flags, notes = {"device_batch_size": b, "gradient_accumulation_steps": per_rank // b}, [run_config.sharding_note]
+    if run_config.sharding_requested == "auto":  # settled for the launcher's budget, not for this machine's
+        flags["sharding"] = run_config.sharding
+    if run_config.model_config["activation_checkpointing"] and not config.activation_checkpointing:
         flags["activation_checkpointing"] = "true"
-        need = memory.estimate_memory(config, batch, args.dtype, world, keeps_ema(args), args.sharding)["total"]
+        need = memory_need(run_config, batch, config=config)
         notes.append(f"activation checkpointing turned ON: the table's batch {batch} would need ~{need / 1e9:,.0f} GB "
                      f"per device without it, {memory.usable_bytes(memory_bytes) / 1e9:.0f} GB are usable")
     if (b, per_rank // b) != (batch, accum):
@@ -188,8 +187,16 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
     return flags, notes
 
 
+def fit_for_budget(run_config, vocab_size, sequences_per_rank, memory_bytes, **fit):
+    """planning.fit_device_batch at the launcher's vocabulary and memory budget, --sharding=auto settled for that
+    budget (not for this machine's memory, which parse_args settled it for)."""
+    memory_at = (memory_bytes, "the launcher's budget")
+    run_config = settle_sharding(dataclasses.replace(run_config, plan_vocab_size=vocab_size), memory_at)
+    return fit_device_batch(run_config, sequences_per_rank, memory_at=memory_at, **fit)
+
+
 def compose(key, phase, extra, vocab_size, memory_bytes):
-    """(torchrun command, base_train's parsed args, notes): the table's flags, the memory fit, then the user's."""
+    """(torchrun command, base_train's RunConfig, notes): the table's flags, the memory fit, then the user's."""
     row, ph = HARDWARE[key], PHASES[phase]
     nproc, nnodes = processes(key)
     prefix = torchrun_prefix(nproc, nnodes)  # checks the multi-node environment before anything is computed
@@ -208,8 +215,8 @@ def compose(key, phase, extra, vocab_size, memory_bytes):
     fitted, notes = fit_batch(row, phase, nproc * nnodes, given, as_flags(table) + extra, vocab_size, memory_bytes)
     argv = as_flags({**table, **fitted}) + list(extra)
     # base_train's own validation
-    args = parse_args(argv, world_size=nproc * nnodes, check_hardware=False, vocab_size=vocab_size)
-    return prefix + ["-m", "scripts.base_train", "--"] + argv, args, notes
+    run_config = parse_args(argv, world_size=nproc * nnodes, check_hardware=False, vocab_size=vocab_size)
+    return prefix + ["-m", "scripts.base_train", "--"] + argv, run_config, notes
 
 
 # ---------------------------------------------------------------------------------------------------- preflight
@@ -256,24 +263,26 @@ def disk_problem(needed, present, directory):
     return None
 
 
-def run_state(args, vocab, have_tokenizer, given, model):
+def run_state(run_config, vocab, have_tokenizer, given, model):
     """(flags to add, plan lines, preflight problems) for what the tag already holds: a re-run continues a
     compatible checkpoint with --resume, and the checkpoints to come must fit on the disk."""
-    tag, flags, lines, problems = args.model_tag, [], [], []
+    tag, flags, lines, problems = run_config.model_tag, [], [], []
     per_checkpoint = ckpt.checkpoint_bytes(model)
-    copies = args.keep_last + 2 if args.keep_last else "all"
-    lines.append(f"checkpoints  ~{gigabytes(per_checkpoint)} each, every {args.save_every} steps and "
-                 f"{args.save_every_minutes:g} min, keeping {copies} (--keep_last={args.keep_last}, the best, one being "
-                 f"written) in {ckpt.model_dir(tag)}; {gigabytes(free_bytes(ckpt.model_dir(tag)))} free")
-    room = ckpt.disk_room_problem(tag, per_checkpoint, args.keep_last)
+    copies = run_config.keep_last + 2 if run_config.keep_last else "all"
+    lines.append(f"checkpoints  ~{gigabytes(per_checkpoint)} each, every {run_config.save_every} steps and "
+                 f"{run_config.save_every_minutes:g} min, keeping {copies} (--keep_last={run_config.keep_last}, the "
+                 f"best, one being written) in {ckpt.model_dir(tag)}; "
+                 f"{gigabytes(free_bytes(ckpt.model_dir(tag)))} free")
+    room = ckpt.disk_room_problem(tag, per_checkpoint, run_config.keep_last)
     problems += [room] if room else []
     steps, found = ckpt.list_steps(tag), previous_run(tag)
     if given & {"resume", "resume_from_step", "overwrite"}:
         lines.append(f"resume       as your flags say ({', '.join(sorted(given & {'resume', 'resume_from_step', 'overwrite'}))})")
     elif steps:
         metas = [m for m in map(lambda s: readable_meta(tag, s), reversed(steps)) if m]
-        config = {**args.model_config, "vocab_size": vocab}
-        diffs = resume_differences(metas[0], config, batch_geometry(args)) if metas else ["no readable meta.json"]
+        config = {**run_config.model_config, "vocab_size": vocab}
+        diffs = resume_differences(metas[0], config, batch_geometry(run_config)) if metas else \
+            ["no readable meta.json"]
         saved_tok = metas[0].get("tokenizer_fingerprint") if metas else None
         if have_tokenizer and saved_tok and saved_tok != tokenizer_fingerprint():
             diffs.append(f"tokenizer: checkpoint {saved_tok} vs {tokenizer_fingerprint()} in the tokenizer directory")
@@ -291,9 +300,10 @@ def run_state(args, vocab, have_tokenizer, given, model):
         flags.append("--overwrite")
         lines.append(f"resume       {tag} holds an attempt that saved no checkpoint ({found}): starting over, its files "
                      f"are moved to {tag}.replaced-<date>/ (--overwrite)")
-    elif args.backup_dir and backup_steps(args.backup_dir, tag, problems):
+    elif run_config.backup_dir and backup_steps(run_config.backup_dir, tag, problems):
         flags.append("--resume")
-        lines.append(f"resume       no local checkpoint; continuing from the backup {args.backup_dir} (--resume)")
+        lines.append(f"resume       no local checkpoint; continuing from the backup {run_config.backup_dir} "
+                     f"(--resume)")
     else:
         lines.append(f"resume       no checkpoint of {tag}: a new run")
     return flags, lines, problems
@@ -342,57 +352,62 @@ def hours(seconds):
     return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
-def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have_tokenizer, data, state_lines):
+def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab, have_tokenizer, data, state_lines):
     row, ph = HARDWARE[key], PHASES[phase]
     nproc, nnodes = processes(key)
     world = nproc * nnodes
-    config = model_config(args, vocab)
-    sequences = world * args.device_batch_size * args.grad_accum
+    config = model_config(run_config, vocab)
+    sequences = world * run_config.device_batch_size * run_config.grad_accum
     table_sequences = row["gpus"] * row[phase][0] * row[phase][1]
-    est = memory.estimate_memory(config, args.device_batch_size, args.dtype, world, keeps_ema(args), args.sharding)
+    est = memory.estimate_memory(config, run_config.device_batch_size, run_config.dtype, world,
+                                 keeps_ema(run_config.ema_decay, run_config.num_iterations), run_config.sharding)
     model = meta_model(config)
     model_flops, recompute = flops_per_token(model)
-    step_flops = model_flops * args.total_batch_size
-    peak = gpu_peak_flops(LAUNCH_TABLE_DEVICES[row["gpu"]]) if args.device_type == "cuda" else None
-    iterations = args.num_iterations or ph["iterations"]
-    warmup = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * iterations)
-    src = args.config_sources
+    step_flops = model_flops * run_config.total_batch_size
+    peak = gpu_peak_flops(LAUNCH_TABLE_DEVICES[row["gpu"]]) if run_config.device_type == "cuda" else None
+    iterations = run_config.num_iterations or ph["iterations"]
+    warmup = run_config.warmup_steps if run_config.warmup_steps is not None else \
+        round(run_config.warmup_ratio * iterations)
+    src = run_config.config_sources
     out = [f"=== {ph['title']} on {key}: scripts/train_{key}_{phase}.sh ===",
            f"hardware     script for {row['gpus']}x {row['gpu']} ({row['gb']} GB), {nnodes} node(s) x {nproc} "
-           f"processes, device {args.device_type}; found: {describe(gpus) if args.device_type == 'cuda' else 'GPU check skipped (not cuda)'}",
+           f"processes, device {run_config.device_type}; found: {describe(gpus) if run_config.device_type == 'cuda' else 'GPU check skipped (not cuda)'}",
            f"model        depth {config.n_layer}, width {config.n_embd}, {config.n_head} heads, n_loops "
            f"{config.n_loops}, {config.n_sup_train} supervision steps, T_recursion {config.T_recursion}, vocab "
            f"{vocab:,}{'' if have_tokenizer else ' (tokenizer to be trained)'}: "
            f"{model.num_params():,} parameters",
            f"refinement   supervision_weight_base={config.supervision_weight_base} "
            f"({src['supervision_weight_base']}), improvement_reward_scale={config.improvement_reward_scale} "
-           f"({src['improvement_reward_scale']}). The script passes --preset={args.preset}, so the guides' edit of "
-           f"nanochat/gpt.py is not needed; gpt.py's defaults (now {GPTConfig.supervision_weight_base}, "
+           f"({src['improvement_reward_scale']}). The script passes --preset={run_config.preset}, so the guides' edit "
+           f"of nanochat/gpt.py is not needed; gpt.py's defaults (now {GPTConfig.supervision_weight_base}, "
            f"{GPTConfig.improvement_reward_scale}) apply to base_train runs without --preset or these flags.",
            f"batch        table: {row['gpus']} GPUs x {row[phase][0]} x {row[phase][1]} accumulation = "
            f"{table_sequences} sequences",
-           f"             run:   {world} processes x {args.device_batch_size} x {args.grad_accum} accumulation = "
-           f"{sequences} sequences x {args.max_seq_len} tokens = {args.total_batch_size:,} tokens per step"
+           f"             run:   {world} processes x {run_config.device_batch_size} x {run_config.grad_accum} "
+           f"accumulation = {sequences} sequences x {run_config.max_seq_len} tokens = "
+           f"{run_config.total_batch_size:,} tokens per step"
            + ("" if sequences == table_sequences else "  (DIFFERS from the table)"),
            *[f"             changed: {note}" for note in notes],
-           f"memory       ~{est['total'] / 1e9:.1f} GB per device at batch {args.device_batch_size}"
+           f"memory       ~{est['total'] / 1e9:.1f} GB per device at batch {run_config.device_batch_size}"
            f"{' with activation checkpointing' if config.activation_checkpointing else ''} (nanochat/memory.py: "
-           f"{args.sharding}: params+grads+optimizer {(est['params'] + est['grads'] + est['optimizer']) / 1e9:.1f}"
+           f"{run_config.sharding}: params+grads+optimizer "
+           f"{(est['params'] + est['grads'] + est['optimizer']) / 1e9:.1f}"
            + (f", gathered {est['gathered'] / 1e9:.1f}" if "gathered" in est else "") + ", activations "
            f"{est['activations'] / 1e9:.1f}, logits {est['logits'] / 1e9:.1f}, transient {est['transient'] / 1e9:.1f}"
            + (f", evaluation beyond training {est['evaluation'] / 1e9:.1f}" if est.get("evaluation") else "") + ")"
            f"; usable {memory.usable_bytes(budget[0]) / 1e9:.0f} GB ({budget[1]})"
            + ("; eager-mode counts: compiled (--compile, on here) fuses ops and saves fewer activations, so it needs "
-              "less" if args.compile else ""),
-           *sharding_lines(args, config, budget[0]),
-           f"schedule     {iterations} steps, matrix_lr {args.matrix_lr}, embedding_lr {args.embedding_lr}, warmup "
-           f"{warmup} steps, grad clip {args.grad_clip}, eval every {args.eval_every}, samples every "
-           f"{args.sample_every}, checkpoint every {args.save_every}, compile {args.compile}, {args.dtype}",
+              "less" if run_config.compile else ""),
+           *sharding_lines(run_config, config, budget[0]),
+           f"schedule     {iterations} steps, matrix_lr {run_config.matrix_lr}, embedding_lr "
+           f"{run_config.embedding_lr}, warmup {warmup} steps, grad clip {run_config.grad_clip}, eval every {run_config.eval_every}, samples "
+           f"every {run_config.sample_every}, checkpoint every {run_config.save_every}, compile {run_config.compile}, "
+           f"{run_config.dtype}",
            f"compute      {model_flops:.3e} FLOPs per token (GPT.estimate_flops: every loop, sweep and supervision "
-           f"step) x {args.total_batch_size:,} tokens = {step_flops:.3e} FLOPs per step"
-           + (f", + {recompute * args.total_batch_size:.3e} recomputed by checkpointing" if recompute else "")]
+           f"step) x {run_config.total_batch_size:,} tokens = {step_flops:.3e} FLOPs per step"
+           + (f", + {recompute * run_config.total_batch_size:.3e} recomputed by checkpointing" if recompute else "")]
     if peak:
-        seconds = (model_flops + recompute) * args.total_batch_size / (world * peak * PLANNER_MFU)
+        seconds = (model_flops + recompute) * run_config.total_batch_size / (world * peak * PLANNER_MFU)
         lo, hi = row[phase][2]
         cost = seconds * iterations / 3600 * row["price"] * nnodes
         out += [f"time         peak {peak / 1e12:,.0f} TFLOP/s bf16 per GPU, assuming {PLANNER_MFU:.0%} MFU: "
@@ -400,7 +415,8 @@ def print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have
                 f"{lo}-{hi} s/step = {hours(lo * iterations)}-{hours(hi * iterations)}",
                 f"cost         ${row['price']:.2f}/hour per node x {nnodes} x {hours(seconds * iterations)} = "
                 f"${cost:,.0f} (guide's figure: ${lo * iterations / 3600 * row['price']:,.0f}-"
-                f"${hi * iterations / 3600 * row['price']:,.0f} on one node)", *budget_lines(args, seconds, iterations)]
+                f"${hi * iterations / 3600 * row['price']:,.0f} on one node)",
+                *budget_lines(run_config.max_hours, run_config.total_batch_size, seconds, iterations)]
         if seconds > 2 * hi or seconds < lo / 2:
             out.append(f"WARNING      the guide's {lo}-{hi} s/step and the FLOPs-based {seconds:.2f} s/step disagree "
                        f"by more than 2x: budget with the FLOPs-based figure and watch the measured dt in the log "
@@ -507,20 +523,20 @@ def train(key, phase, extra):
                              why=f" (256 byte tokens + {len(SPECIAL_TOKENS)} special tokens at least; "
                                  f"default {GPTConfig.vocab_size})")
     budget = memory_budget(key, device_type, gpus, nproc)
-    cmd, args, notes = compose(key, phase, extra, vocab, budget[0])
+    cmd, run_config, notes = compose(key, phase, extra, vocab, budget[0])
     data = data_status(phase)
-    problems = [p for p in (hardware_problem(key, phase, gpus) if args.device_type == "cuda" else None,
+    problems = [p for p in (hardware_problem(key, phase, gpus) if run_config.device_type == "cuda" else None,
                             disk_problem(*data)) if p]
-    est = memory.estimate_memory(model_config(args, vocab), args.device_batch_size, args.dtype, args.world_size,
-                                 keeps_ema(args), args.sharding)
-    if est["total"] > memory.usable_bytes(budget[0]):
-        problems.append(oom_problem(args, vocab, budget[0], est["total"]))
-    flags, state_lines, state_problems = run_state(args, vocab, have_tokenizer, user_flag_names(extra),
-                                                   meta_model(model_config(args, vocab)))
+    need = memory_need(run_config, run_config.device_batch_size, config=model_config(run_config, vocab))
+    if need > memory.usable_bytes(budget[0]):
+        problems.append(oom_problem(run_config, vocab, budget[0], need))
+    flags, state_lines, state_problems = run_state(run_config, vocab, have_tokenizer, user_flag_names(extra),
+                                                   meta_model(model_config(run_config, vocab)))
     cmd, problems = cmd + flags, problems + state_problems
-    print_plan(key, phase, cmd, args, notes, gpus, budget, problems, vocab, have_tokenizer, data, state_lines)
+    print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab, have_tokenizer, data, state_lines)
     # DRY_RUN runs the in-process checks (seconds) and leaves out the compile check (a minute)
-    stack = preflight.cuda_problems(args.device_type, compile_check=args.compile and not env_flag("DRY_RUN"))
+    stack = preflight.cuda_problems(run_config.device_type,
+                                    compile_check=run_config.compile and not env_flag("DRY_RUN"))
     print("".join(f"PREFLIGHT    {p}\n" for p in stack), end="", flush=True)
     problems += stack
     if env_flag("DRY_RUN"):
@@ -538,7 +554,7 @@ def train(key, phase, extra):
         raise Exit(waited, code=ExitCode.FAILED)
     run(cmd)
     if env("NODE_RANK", "0") == "0":  # node 0 ran rank 0, which wrote the summary
-        print(criteria_report(args.model_tag, phase)[0])
+        print(criteria_report(run_config.model_tag, phase)[0])
     return 0
 
 
@@ -553,18 +569,19 @@ def prepare(phase, data, have_tokenizer, vocab):
         run([sys.executable, "-m", "scripts.tok_train", f"--max_chars={tok_chars(phase)}", f"--vocab_size={vocab}"])
 
 
-def oom_problem(args, vocab, budget, need):
-    per_rank = args.device_batch_size * args.grad_accum
-    # trial: args as the fit leaves them, activation checkpointing maybe turned on
-    batch, _, trial = fit_device_batch(dataclasses.replace(args, plan_vocab_size=vocab), per_rank,
-                                       max_batch=args.device_batch_size, allow_checkpointing=True,
-                                       memory_at=(budget, "the launcher's budget"))
-    checkpointing = trial.model_config["activation_checkpointing"] and not args.model_config["activation_checkpointing"]
+def oom_problem(run_config, vocab, budget, need):
+    per_rank = run_config.device_batch_size * run_config.grad_accum
+    # trial: run_config as the fit leaves it, activation checkpointing maybe turned on
+    batch, _, trial = fit_for_budget(run_config, vocab, per_rank, budget, max_batch=run_config.device_batch_size,
+                                     allow_checkpointing=True)
+    checkpointing = (trial.model_config["activation_checkpointing"]
+                     and not run_config.model_config["activation_checkpointing"])
     fix = ("lower DEPTH or --max_seq_len" if batch is None else
            f"use --device_batch_size={batch} --gradient_accumulation_steps={per_rank // batch}"
            + (" --activation_checkpointing" if checkpointing else "") + " (same effective batch)")
-    return (f"predicted out of memory: ~{need / 1e9:.0f} GB per device at --device_batch_size={args.device_batch_size}, "
-            f"{memory.usable_bytes(budget) / 1e9:.0f} GB usable: {fix}")
+    return (f"predicted out of memory: ~{need / 1e9:.0f} GB per device at "
+            f"--device_batch_size={run_config.device_batch_size}, {memory.usable_bytes(budget) / 1e9:.0f} GB usable: "
+            f"{fix}")
 
 
 def detect(gpus_wanted):

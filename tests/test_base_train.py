@@ -246,10 +246,10 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     counts = []
     for n, tag in ((2, "syncs_a"), (5, "syncs_b")):
-        args = train_config.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", ema,
+        run_config = train_config.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", ema,
                                         f"--model_tag={tag}{ema[-1]}"])
         with host_syncs() as reads:
-            base_train.train(args)
+            base_train.train(run_config)
         counts.append(len(reads))
     assert counts[1] - counts[0] == 3, counts
 
@@ -285,8 +285,8 @@ def test_sampled_depth_trains_logs_and_plots(base_dir):
 
 def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_what_is_off():
     from scripts import base_train
-    args = train_config.parse_args([*TINY, "--device_batch_size=8", "--gradient_accumulation_steps=2"])
-    message = base_train.oom_message(args)
+    run_config = train_config.parse_args([*TINY, "--device_batch_size=8", "--gradient_accumulation_steps=2"])
+    message = base_train.oom_message(run_config)
     assert "--device_batch_size (e.g. 4) with --gradient_accumulation_steps=4" in message
     assert "--detach_between_steps" not in message  # on by default
     off = base_train.oom_message(train_config.parse_args([*TINY, "--detach_between_steps=false"]))
@@ -296,16 +296,13 @@ def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_wh
 def test_the_weight_average_is_on_for_long_runs_only():
     """auto, the default, averages runs of 300+ steps only (shorter runs lost to it, see dev/LOG.md); 0
     turns it off; the launcher's memory plan counts its weight copy exactly when it is on."""
-    long_run = train_config.parse_args([*TINY, "--num_iterations=1000"])
-    assert planning.ema_decay_for(long_run, 1000) == pytest.approx(0.99) and planning.keeps_ema(long_run)
-    short_run = train_config.parse_args([*TINY, "--num_iterations=120"])
-    assert planning.ema_decay_for(short_run, 120) == 0 and not planning.keeps_ema(short_run)
-    off = train_config.parse_args([*TINY, "--num_iterations=1000", "--ema_decay=0"])
-    assert planning.ema_decay_for(off, 1000) == 0 and not planning.keeps_ema(off)
-    assert planning.ema_decay_for(train_config.parse_args([*TINY, "--ema_decay=0.9"]), 120) == 0.9
+    auto, off = (train_config.parse_args([*TINY, *flags]).ema_decay for flags in ([], ["--ema_decay=0"]))
+    assert planning.ema_decay_for(auto, 1000) == pytest.approx(0.99) and planning.keeps_ema(auto, 1000)
+    assert planning.ema_decay_for(auto, 120) == 0 and not planning.keeps_ema(auto, 120)
+    assert planning.ema_decay_for(off, 1000) == 0 and not planning.keeps_ema(off, 1000)
+    assert planning.ema_decay_for(train_config.parse_args([*TINY, "--ema_decay=0.9"]).ema_decay, 120) == 0.9
     # no step count before the run (--target_flops): count the copy unless it is off
-    assert planning.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12"]))
-    assert not planning.keeps_ema(train_config.parse_args([*TINY, "--target_flops=1e12", "--ema_decay=0"]))
+    assert planning.keeps_ema(auto, None) and not planning.keeps_ema(off, None)
 
 
 def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch):
@@ -337,15 +334,16 @@ def test_the_default_total_batch_is_fixed_and_the_accumulation_follows_the_proce
 
 
 def test_one_and_two_processes_read_the_same_data_ranks_in_each_step():
-    """The loaders of process r read data ranks data_ranks(args, r) of world_size x grad_accum; with a fixed total
+    """The loaders of process r read data ranks data_ranks(r, grad_accum) of world_size x grad_accum; with a fixed total
     batch, 1 and 2 processes split the stream into the same ranks and read all of them every step. (That equal data
     ranks give equal training is the two-process Gloo test above.)"""
     # 2 accumulation steps on 1 process, 1 on 2
     geometry = ["--max_seq_len=32", "--device_batch_size=8192", "--total_batch_size=524288"]
     reads = {}
     for world in (1, 2):
-        args = train_config.parse_args(TINY_SHAPE + geometry, world_size=world, check_hardware=False)
-        reads[world] = ([dataloader.data_ranks(args, rank) for rank in range(world)], world * args.grad_accum)
+        run_config = train_config.parse_args(TINY_SHAPE + geometry, world_size=world, check_hardware=False)
+        reads[world] = ([dataloader.data_ranks(rank, run_config.grad_accum) for rank in range(world)],
+                        world * run_config.grad_accum)
     assert reads[1] == ([[0, 1]], 2)
     assert reads[2] == ([[0], [1]], 2)
 
@@ -371,10 +369,10 @@ def test_explicit_accumulation_sets_the_batch():
 
 def test_wandb_run_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("WANDB_RUN", "from_env")
-    assert parsed(TINY_SHAPE)["run"] == "from_env"
-    assert parsed(TINY_SHAPE + ["--run=from_flag"])["run"] == "from_flag"
+    assert parsed(TINY_SHAPE)["wandb_run"] == "from_env"
+    assert parsed(TINY_SHAPE + ["--run=from_flag"])["wandb_run"] == "from_flag"
     monkeypatch.delenv("WANDB_RUN")
-    assert parsed(TINY_SHAPE)["run"] == "dummy"
+    assert parsed(TINY_SHAPE)["wandb_run"] == "dummy"
 
 
 # the learning rates at 0: the weights never move, so no evaluation after the first beats it
@@ -430,23 +428,24 @@ def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
     from types import SimpleNamespace
     from nanochat import lifecycle, resume
     from scripts import base_train
-    args = train_config.parse_args([*TINY, "--num_iterations=6", "--warmup_steps=2", "--early_stop=3"])
-    model_config = {**args.model_config, "vocab_size": 300}
+    run_config = train_config.parse_args([*TINY, "--num_iterations=6", "--warmup_steps=2", "--early_stop=3"])
+    model_config = {**run_config.model_config, "vocab_size": 300}
     corpus = {"fingerprint": "abc123", "dir": "/data", "shards": 3}
     early_stop = lifecycle.EarlyStop(3)
     early_stop.record(4, 1.25)
     meta = json.loads(json.dumps(base_train.checkpoint_meta(  # as meta.json holds it
-        args, model_config, "tok", corpus, 6, 2, val_bpb=[1.5, 1.25], elapsed_seconds=12.5,
+        run_config, model_config, "tok", corpus, 6, 2, val_bpb=[1.5, 1.25], elapsed_seconds=12.5,
         early_stop=early_stop.state(), cost=0.25, loader_state={"position": 3})))
     # what start_or_resume checks: the model config, batch geometry and sharding; the tokenizer; the data
-    assert resume.resume_differences(meta, model_config, train_config.batch_geometry(args), args.sharding) == []
+    assert resume.resume_differences(meta, model_config, train_config.batch_geometry(run_config),
+                                     run_config.sharding) == []
     assert meta["tokenizer_fingerprint"] == "tok"
     resume.check_data(meta, corpus, False, "step 4")  # the same data: no refusal
     # what the resumed run continues: the clock, the schedule (report_schedule_change) and early stopping's count
     assert meta["elapsed_seconds"] == 12.5
     assert (meta["num_iterations"], meta["warmup_steps"], meta["train_config"]["warmdown_ratio"],
-            meta["train_config"]["final_lr_frac"]) == (6, 2, args.warmdown_ratio, args.final_lr_frac)
-    resumed = base_train.early_stop_for(args, SimpleNamespace(step=4, meta=meta))
+            meta["train_config"]["final_lr_frac"]) == (6, 2, run_config.warmdown_ratio, run_config.final_lr_frac)
+    resumed = base_train.early_stop_for(run_config, SimpleNamespace(step=4, meta=meta))
     assert (resumed.best, resumed.stale, resumed.last_step) == ([4, 1.25], 0, 4)
     assert meta["val_bpb"] == [1.5, 1.25] and meta["dataloader"] == {"position": 3}
 
@@ -474,7 +473,7 @@ def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_t
     monkeypatch.setattr(base_train, "validation_bpb", validation)
     logged = []
     parts = {f.name: None for f in dataclasses.fields(base_train.Run)}  # only what evaluation uses is given
-    run = base_train.Run(**{**parts, "args": train_config.parse_args([*TINY, "--model_tag=alone"]), "rank": 0,
+    run = base_train.Run(**{**parts, "run_config": train_config.parse_args([*TINY, "--model_tag=alone"]), "rank": 0,
                             "early_stop": lifecycle.EarlyStop(2), "writer": CheckpointWriter(background=False),
                             "metrics": SimpleNamespace(log=logged.append, attempt=lambda write: write())})
     assert run.evaluate(4) is True

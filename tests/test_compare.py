@@ -72,10 +72,10 @@ def test_params_mode_matches_plain_flops_within_ten_percent(by):
     assert len(matched) == 1 and matched[0].matches == "trm"
     plain, trm = matched[0], by_name["trm"]
     assert abs(plain.flops_per_token / trm.flops_per_token - 1) <= 0.1
-    assert plain.args.model_config["n_loops"] == 0 and plain.args.model_config["n_sup_train"] == 1
+    assert plain.run_config.model_config["n_loops"] == 0 and plain.run_config.model_config["n_sup_train"] == 1
     grown, kept = ("n_layer", "n_embd") if by == "depth" else ("n_embd", "n_layer")
-    assert plain.args.model_config[grown] > trm.args.model_config[grown]
-    assert plain.args.model_config[kept] == trm.args.model_config[kept]
+    assert plain.run_config.model_config[grown] > trm.run_config.model_config[grown]
+    assert plain.run_config.model_config[kept] == trm.run_config.model_config[kept]
     assert plain.parameters > by_name["plain"].parameters == trm.parameters
     assert {r.iterations for r in runs} == {7}  # equal tokens
 
@@ -199,8 +199,8 @@ def test_without_batch_flags_every_config_gets_one_pinned_batch():
     # base_train's automatic batch grows with the model; a comparison must feed every config the same batches
     runs = plan("--mode=params", "--config", "plain=--n_loops=0 --n_sup_train=1", "--config",
                 "trm=--n_loops=2 --n_sup_train=4", "--device_type=cuda", "--", "--depth=4", "--device_memory_gb=80")
-    geometries = {json.dumps(compare.batch_geometry(r.args), sort_keys=True) for r in runs}
-    assert len(geometries) == 1 and runs[0].args.total_batch_size == 524288
+    geometries = {json.dumps(compare.batch_geometry(r.run_config), sort_keys=True) for r in runs}
+    assert len(geometries) == 1 and runs[0].run_config.total_batch_size == 524288
 
 
 def test_a_figure_that_cannot_be_written_is_a_write_error_naming_it_and_leaves_no_temporary(tmp_path, monkeypatch):

@@ -94,20 +94,20 @@ def test_dry_run_prints_the_tables_command(key, phase, tmp_path, monkeypatch, ca
     batch, accum = phases[phase]
     options, argv = torchrun_command(stdout)
     assert options == ["--standalone", f"--nproc_per_node={gpus}"]
-    args = parse_args(argv, world_size=gpus, check_hardware=False)  # base_train accepts it, for real
+    run_config = parse_args(argv, world_size=gpus, check_hardware=False)  # base_train accepts it, for real
     ph = PHASE[phase]
-    assert (args.num_iterations, args.preset, args.matrix_lr, args.embedding_lr) == (
+    assert (run_config.num_iterations, run_config.preset, run_config.matrix_lr, run_config.embedding_lr) == (
         ph["iterations"], ph["preset"], ph["matrix_lr"], ph["embedding_lr"])
-    assert (args.depth, args.model_config["n_loops"], args.compile, args.dtype, args.grad_clip) == (
-        12, 2, True, "bfloat16", 1.0)
-    assert (args.save_every, args.eval_every, args.sample_every) == (200, 100, 100)
-    assert args.model_tag == args.run == f"{key}_{phase}"
+    assert (run_config.depth, run_config.model_config["n_loops"], run_config.compile, run_config.dtype,
+            run_config.grad_clip) == (12, 2, True, "bfloat16", 1.0)
+    assert (run_config.save_every, run_config.eval_every, run_config.sample_every) == (200, 100, 100)
+    assert run_config.model_tag == run_config.wandb_run == f"{key}_{phase}"
     # the memory fit may change batch and accumulation, never the effective batch; the plan says what changed
-    assert args.device_batch_size * args.grad_accum == batch * accum
-    if (args.device_batch_size, args.grad_accum) != (batch, accum):
-        assert f"device batch {batch} -> {args.device_batch_size} and accumulation {accum} -> {args.grad_accum}" \
-            in stdout
-    if args.model_config["activation_checkpointing"]:
+    assert run_config.device_batch_size * run_config.grad_accum == batch * accum
+    if (run_config.device_batch_size, run_config.grad_accum) != (batch, accum):
+        assert (f"device batch {batch} -> {run_config.device_batch_size} and accumulation {accum} -> "
+                f"{run_config.grad_accum}") in stdout
+    if run_config.model_config["activation_checkpointing"]:
         assert "activation checkpointing turned ON" in stdout
     for needle in ("FLOPs per step", "s/step", "MFU", "cost", "guide says", f"{gpus * batch * accum} sequences"):
         assert needle in stdout
@@ -131,9 +131,10 @@ def test_extra_arguments_win_and_env_overrides_apply(tmp_path):
     options, argv = torchrun_command(proc.stdout)
     assert options == ["--standalone", "--nproc_per_node=4"]
     assert [a.split("=")[0] for a in argv].count("--num_iterations") == 1
-    args = parse_args(argv, world_size=4, check_hardware=False)
+    run_config = parse_args(argv, world_size=4, check_hardware=False)
     # the user's batch is kept; accumulation keeps the table's 8 x 32 x 2 = 512 sequences over 4 processes
-    assert (args.num_iterations, args.depth, args.device_batch_size, args.grad_accum) == (2000, 6, 4, 32)
+    assert (run_config.num_iterations, run_config.depth, run_config.device_batch_size, run_config.grad_accum) == (
+        2000, 6, 4, 32)
 
 
 def test_bad_flag_is_rejected_by_base_trains_parser(tmp_path):
@@ -148,8 +149,8 @@ def test_multi_node_dry_run(tmp_path):
     options, argv = torchrun_command(proc.stdout)
     assert options == ["--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=29600",
                        "--nproc_per_node=8"]
-    args = parse_args(argv, world_size=16, check_hardware=False)
-    assert 16 * args.device_batch_size * args.grad_accum == 8 * 14 * 2  # the table's effective batch, over 2 nodes
+    run_config = parse_args(argv, world_size=16, check_hardware=False)
+    assert 16 * run_config.device_batch_size * run_config.grad_accum == 8 * 14 * 2  # the table's, over 2 nodes
     proc = run_script("scripts/train_8xA100_extreme.sh", tmp_path, DRY_RUN="1", NNODES="2")
     assert proc.returncode != 0 and "NNODES=2 also needs NODE_RANK and MASTER_ADDR" in proc.stderr
 

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -121,8 +120,8 @@ def test_a_later_second_signal_exits_at_once():
 
 
 def test_flags_budgets_and_save_cadence():
-    args = SimpleNamespace(max_hours=1.0, max_cost=None, save_every_minutes=30)
-    control = lifecycle.RunControl(args, prior_seconds=3599.0, price_per_hour=0, signals=lifecycle.StopSignals())
+    control = lifecycle.RunControl(max_hours=1.0, max_cost=None, save_every_minutes=30, prior_seconds=3599.0,
+                                   price_per_hour=0, signals=lifecycle.StopSignals())
     values, flags = control.reduce(torch.tensor([1.0, 2.0]))
     assert values == [1.0, 2.0] and flags == {"signal": [], "budget": [], "save_time": [], "data": [], "write": []}
     control.prior_seconds = 3600.0  # the hour is spent, counting the run's time before its resume

@@ -32,7 +32,7 @@ def write_lines(path, lines):
 
 
 def local_args(**kw):
-    return Namespace(**{"run": "dummy", "tensorboard": None, "device_type": "cpu", **kw})
+    return Namespace(**{"wandb_run": "dummy", "tensorboard": None, "device_type": "cpu", **kw})
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -164,8 +164,8 @@ def test_wandb_gets_the_same_records_as_the_file_under_the_wandb_run_name(tmp_pa
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     monkeypatch.setenv("WANDB_RUN", "my_run")
-    args = parse_args(["--device_type=cpu", "--depth=1", "--max_seq_len=32", "--device_batch_size=2"])
-    metrics = MetricsLog(str(tmp_path), args, rank=0, resume_step=None)
+    run_config = parse_args(["--device_type=cpu", "--depth=1", "--max_seq_len=32", "--device_batch_size=2"])
+    metrics = MetricsLog(str(tmp_path), run_config, rank=0, resume_step=None)
     metrics.log(train_record(1, [3.0, 2.5]))
     metrics.log({"kind": "eval", "step": 1, "val_bpb": [1.5, 1.4], "val_refinement": 0.07})
     metrics.close()

@@ -72,7 +72,7 @@ def test_the_evaluation_is_one_for_an_oracle_and_about_chance_for_a_guesser():
 def test_base_train_prints_and_logs_the_probe_at_each_evaluation(capsys):
     logged = []
     run = SimpleNamespace(published=FakeModel(oracle), tokenizer=BYTES, probe=PROBE, device=torch.device("cpu"),
-                          args=SimpleNamespace(device_batch_size=8, device_type="cpu", dtype="float32"), rank=0,
+                          run_config=SimpleNamespace(device_batch_size=8, device_type="cpu", dtype="float32"), rank=0,
                           world_size=1, metrics=SimpleNamespace(log=logged.append))
     run.published.config.n_sup_inference = 3
     Run.evaluate_probe(run, step=250)

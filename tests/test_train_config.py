@@ -24,37 +24,39 @@ def parse(argv, world_size=8):
 # 12 * d * (64d)^2 + 2 * 64d * 65,536; d12 = 185.6M, d24 = 880.8M; 2^19 * (880.8 / 185.6)^0.383 = 952k -> 2^20.
 @pytest.mark.parametrize("depth, batch, lr_scale", [(12, 524288, 1.0), (24, 1048576, math.sqrt(2))])
 def test_auto_batch_and_lr_scaling_follow_the_documented_values(depth, batch, lr_scale):
-    args = parse([f"--depth={depth}", *GPU_80GB])
-    assert args.total_batch_size == batch
-    assert args.lr_scale == pytest.approx(lr_scale)
-    assert any("compute-optimal" in note for note in args.batch_notes)
+    run_config = parse([f"--depth={depth}", *GPU_80GB])
+    assert run_config.total_batch_size == batch
+    assert run_config.lr_scale == pytest.approx(lr_scale)
+    assert any("compute-optimal" in note for note in run_config.batch_notes)
 
 
 def test_an_explicit_total_batch_disables_the_auto_batch_and_the_lr_scaling():
-    args = parse(["--depth=24", "--total_batch_size=524288", *GPU_80GB])
-    assert args.total_batch_size == 524288 and args.lr_scale == 1.0
-    args = parse(["--depth=24", "--device_batch_size=4", "--gradient_accumulation_steps=2", *GPU_80GB])
-    assert args.total_batch_size == 8 * 4 * 2048 * 2 and args.lr_scale == 1.0
+    run_config = parse(["--depth=24", "--total_batch_size=524288", *GPU_80GB])
+    assert run_config.total_batch_size == 524288 and run_config.lr_scale == 1.0
+    run_config = parse(["--depth=24", "--device_batch_size=4", "--gradient_accumulation_steps=2", *GPU_80GB])
+    assert run_config.total_batch_size == 8 * 4 * 2048 * 2 and run_config.lr_scale == 1.0
 
 
 def test_auto_device_batch_for_depth_12_on_8x80gb_fits_with_the_launchers_margin():
-    args = parse(["--depth=12", *GPU_80GB])
-    est = memory.estimate_memory(planning.model_config(args, 65536), args.device_batch_size, "bfloat16", 8,
-                                 planning.keeps_ema(args))["total"]
+    run_config = parse(["--depth=12", *GPU_80GB])
+    est = memory.estimate_memory(planning.model_config(run_config, 65536), run_config.device_batch_size, "bfloat16", 8,
+                                 planning.keeps_ema(run_config.ema_decay, run_config.num_iterations))["total"]
     assert est <= memory.usable_bytes(80e9)
-    bigger = args.device_batch_size * 2  # the next candidate of the 32 sequences per process does not fit
-    assert memory.estimate_memory(planning.model_config(args, 65536), bigger, "bfloat16", 8,
-                                  planning.keeps_ema(args))["total"] > memory.usable_bytes(80e9)
-    assert args.compile is True  # on by default for CUDA
-    assert args.world_size * args.device_batch_size * args.max_seq_len * args.grad_accum == args.total_batch_size
+    bigger = run_config.device_batch_size * 2  # the next candidate of the 32 sequences per process does not fit
+    assert memory.estimate_memory(planning.model_config(run_config, 65536), bigger, "bfloat16", 8,
+                                  planning.keeps_ema(run_config.ema_decay, run_config.num_iterations))["total"] \
+        > memory.usable_bytes(80e9)
+    assert run_config.compile is True  # on by default for CUDA
+    assert (run_config.world_size * run_config.device_batch_size * run_config.max_seq_len * run_config.grad_accum
+            == run_config.total_batch_size)
 
 
 def test_the_launcher_and_base_train_choose_the_same_device_batch(monkeypatch):
     from scripts import launch
     direct = parse(["--depth=12", *GPU_80GB])
     # the launcher's 8xH100 fast row, 80 GB per GPU: its fit goes through planning.fit_device_batch too
-    _, args, _ = launch.compose("8xH100", "fast", ["--device_type=cuda"], 65536, int(80e9))
-    assert args.device_batch_size == direct.device_batch_size
+    _, run_config, _ = launch.compose("8xH100", "fast", ["--device_type=cuda"], 65536, int(80e9))
+    assert run_config.device_batch_size == direct.device_batch_size
 
 
 def test_compile_is_off_by_default_on_cpu_and_the_flag_wins():
@@ -63,9 +65,9 @@ def test_compile_is_off_by_default_on_cpu_and_the_flag_wins():
 
 
 def test_accumulation_past_64_warns_and_names_the_flag():
-    args = parse(["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--device_type=cpu"], world_size=1)
-    assert args.grad_accum > planning.QUIET_ACCUMULATION
-    assert any("WARNING" in note and "--total_batch_size" in note for note in args.batch_notes)
+    run_config = parse(["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--device_type=cpu"], world_size=1)
+    assert run_config.grad_accum > planning.QUIET_ACCUMULATION
+    assert any("WARNING" in note and "--total_batch_size" in note for note in run_config.batch_notes)
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
@@ -102,7 +104,7 @@ def test_auto_sharding_is_fsdp_only_when_data_parallelism_cannot_hold_one_sequen
     one_step = parse(["--depth=64", "--n_loops=2", "--activation_checkpointing", "--backprop_steps=1", *GPU_80GB])
     assert "202.0 GB" in one_step.sharding_note
     est = memory.estimate_memory(planning.model_config(big, 65536), big.device_batch_size, "bfloat16", 8,
-                                 planning.keeps_ema(big), "fsdp")["total"]
+                                 planning.keeps_ema(big.ema_decay, big.num_iterations), "fsdp")["total"]
     assert est <= memory.usable_bytes(80e9)  # the batch was fitted to the sharded estimate
     small = parse(["--depth=24", "--n_embd=1536", "--n_head=24", *GPU_80GB])  # the 1B guide's shape: replicated fits
     assert small.sharding == "ddp" and "cheaper in communication" in small.sharding_note
@@ -135,9 +137,9 @@ def test_fsdp_is_refused_early_when_host_ram_cannot_hold_the_weight_every_rank_d
 
 
 def test_the_plan_prints_the_sharding_both_choices_and_the_budget_in_steps():
-    args = parse(["--depth=64", "--n_loops=2", "--activation_checkpointing", "--max_hours=31", "--peak_tflops=989", "--num_iterations=1000",
-                  *GPU_80GB])
-    lines = planning.plan_lines(args)
+    run_config = parse(["--depth=64", "--n_loops=2", "--activation_checkpointing", "--max_hours=31",
+                        "--peak_tflops=989", "--num_iterations=1000", *GPU_80GB])
+    lines = planning.plan_lines(run_config)
     assert any(line.startswith("sharding     fsdp (auto)") for line in lines)
     assert any("ddp: ~" in line and "does NOT fit" in line for line in lines)
     assert any("fsdp (chosen): ~" in line and "parameter all-gathers per micro-step" in line for line in lines)
@@ -146,18 +148,18 @@ def test_the_plan_prints_the_sharding_both_choices_and_the_budget_in_steps():
 
 
 def test_the_plan_states_the_evaluations_share_of_the_run():
-    run = train_config.parse_args(["--depth=2", "--num_iterations=1000", "--eval_every=250", "--eval_tokens=5242880",
-                                   "--device_batch_size=4", "--max_seq_len=64"], world_size=1, check_hardware=False,
-                                  vocab_size=256)
-    assert planning.evaluations(run, 1000) == 5  # steps 0, 250, 500, 750, 1000
-    assert planning.evaluations(run, 1001) == 6  # ... and the end
+    run_config = train_config.parse_args(["--depth=2", "--num_iterations=1000", "--eval_every=250",
+                                          "--eval_tokens=5242880", "--device_batch_size=4", "--max_seq_len=64"],
+                                         world_size=1, check_hardware=False, vocab_size=256)
+    assert planning.evaluations(run_config.eval_every, 1000) == 5  # steps 0, 250, 500, 750, 1000
+    assert planning.evaluations(run_config.eval_every, 1001) == 6  # ... and the end
     with torch.device("meta"):
-        model = GPT(GPTConfig(**{**run.model_config, "vocab_size": 256}))
+        model = GPT(GPTConfig(**{**run_config.model_config, "vocab_size": 256}))
     forward, train = model.estimate_flops(backward=False), model.estimate_flops()
-    line = planning.evaluation_line(run, model, 1000, train * run.total_batch_size)
-    share = 5 * 5242880 * forward / (5 * 5242880 * forward + 1000 * train * run.total_batch_size)
+    line = planning.evaluation_line(run_config, model, 1000, train * run_config.total_batch_size)
+    share = 5 * 5242880 * forward / (5 * 5242880 * forward + 1000 * train * run_config.total_batch_size)
     assert line.startswith("evaluation   5 evals x 5,242,880 tokens") and f"{share:.1%} of the run's compute" in line
-    assert any(l.startswith("evaluation   ") for l in planning.plan_lines(run))
+    assert any(l.startswith("evaluation   ") for l in planning.plan_lines(run_config))
 
 
 def test_state_dtype_reaches_the_model_config_and_the_plan_and_needs_autocast():
