@@ -22,8 +22,8 @@ from nanochat.synthetic import HopsSpec
 SPEC = HopsSpec(n_symbols=6, max_hops=3, n_queries=12)
 
 
-# chains: 12 variables in 4 chains of 3, so guessing among a row's digits is right 1/4 of the time
-ROWS = {"masked": (masked_row, masked_vocab, SPEC), "chains": (chains_row, chains_vocab, HopsSpec(12, 3, 12))}
+# chains: 9 variables in 3 chains of 3, so guessing among a row's digits is right 1/3 of the time
+ROWS = {"masked": (masked_row, masked_vocab, SPEC), "chains": (chains_row, chains_vocab, HopsSpec(9, 3, 12))}
 
 
 def validation_rows(count=256):
