@@ -183,27 +183,39 @@ class RowCache(KVCache):
         device = self.k[0].device
         self.cols = torch.tensor(self.lens, device=device)
         self.starts = torch.tensor(self.row_pads, device=device)
+        self.all_rows = torch.arange(self.rows, device=device)
         self._mask = None
+
+    def column(self):
+        """The column every row writes at, when they share one and none is padded (one slice, no mask), else None."""
+        if self.active is None and len(set(self.lens)) == 1 and not any(self.row_pads):
+            return self.lens[0]
+        return None
 
     def attend(self, slot, q, k, v):
         keys, values = self.store(slot, k, v)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(1, q.device),
-                                              enable_gqa=q.size(1) != k.size(1))
+        mask = None if self.column() is not None else self.mask(1, q.device)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.size(1) != k.size(1))
 
     def store(self, slot, k, v):
         """Each row's one new key and value written at its own column; the columns up to the longest row's."""
         rows = self.forward_rows(k.device)
         if k.size(2) != 1 or k.size(0) != rows.size(0):
             raise ValueError(f"a RowCache forward feeds each of its {rows.size(0)} rows one token; got {tuple(k.shape)}")
-        self.k[slot][rows, :, self.cols[rows]] = k[:, :, 0]
-        self.v[slot][rows, :, self.cols[rows]] = v[:, :, 0]
         end = max(self.lens) + 1
+        if (col := self.column()) is not None:
+            self.k[slot][:self.rows, :, col:end] = k
+            self.v[slot][:self.rows, :, col:end] = v
+        else:
+            cols = self.cols if self.active is None else self.cols[rows]
+            self.k[slot][rows, :, cols] = k[:, :, 0]
+            self.v[slot][rows, :, cols] = v[:, :, 0]
         if self.active is not None:  # a copy of the rows still refining (halting.forward_halting_rows)
             return self.k[slot][self.active, :, :end], self.v[slot][self.active, :, :end]
         return self.k[slot][:self.rows, :, :end], self.v[slot][:self.rows, :, :end]
 
     def forward_rows(self, device):
-        return self.active if self.active is not None else torch.arange(self.rows, device=device)
+        return self.active if self.active is not None else self.all_rows
 
     def narrow(self, rows):
         """Forwards from now on compute only these rows (a (B',) index, ascending), or all of them again (None)."""
@@ -229,7 +241,7 @@ class RowCache(KVCache):
 
     def advance(self, T):
         self.lens = [n + T for n in self.lens]
-        self.cols = self.cols + T
+        self.cols += T
         self._mask = None
         self.halted = None
 
