@@ -168,16 +168,25 @@ class RowCache(KVCache):
         self.row_pads += cache.pads.tolist() if cache.pads is not None else [0] * B
         self.synced()
 
-    def keep(self, rows):
-        """Keep only these rows (ascending), moved up in order to the first len(rows) places."""
-        if rows != list(range(len(rows))):
-            index = torch.tensor(rows, device=self.k[0].device)
+    def free(self, rows):
+        """Remove these rows; the last rows kept move into the places freed below the new count (one copy each, the
+        other rows stay). Returns the old index of each row kept, in its new order."""
+        gone, count = set(rows), self.rows - len(set(rows))
+        order = list(range(count))
+        holes = [r for r in range(count) if r in gone]
+        tails = [r for r in range(count, self.rows) if r not in gone]
+        for hole, tail in zip(holes, tails):
+            order[hole] = tail
+        if holes:
+            device = self.k[0].device
+            to, source = torch.tensor(holes, device=device), torch.tensor(tails, device=device)
             for cache in (self.k, self.v):
-                for slot, tensor in enumerate(cache):
-                    tensor[:len(rows)] = tensor[index]
-        self.lens = [self.lens[r] for r in rows]
-        self.row_pads = [self.row_pads[r] for r in rows]
+                for tensor in cache:
+                    tensor[to] = tensor[source]
+        self.lens = [self.lens[r] for r in order]
+        self.row_pads = [self.row_pads[r] for r in order]
         self.synced()
+        return order
 
     def synced(self):
         device = self.k[0].device
@@ -463,13 +472,13 @@ class Engine:
 
 
 class Member:
-    """A request in a Batch: where its rows sit in the RowCache, which of them are done, how many tokens it has."""
+    """A request in a Batch: which rows of the RowCache are its, which of them are done, how many tokens it has."""
 
     def __init__(self, request, stats):
         self.request, self.stats = request, stats
         self.done = [False] * len(request.prompts)
         self.tokens = 0  # tokens sampled per row so far
-        self.start = None  # its first row in the RowCache, once it has joined
+        self.rows = []  # its rows in the RowCache, in its prompts' order, once it has joined
         self.finished = request.max_tokens == 0  # out of the batch: every row done, max_tokens reached, or dropped
 
 
@@ -478,7 +487,7 @@ class Batch:
     prefills the requests added since the last one (in one forward, left-padded among themselves, into a KVCache then
     copied into the RowCache), feeds every other row its last token in one forward over the RowCache, and samples
     each request's rows with its own options and generator; a finished or dropped request leaves, and its rows are
-    freed. A request keeps all its rows until it leaves, so a seeded one draws what it draws alone."""
+    freed. A request keeps all its rows, in order, until it leaves, so a seeded one draws what it draws alone."""
 
     def __init__(self, engine, n_sup, halting):
         self.engine, self.n_sup, self.halting = engine, n_sup, halting
@@ -546,7 +555,7 @@ class Batch:
                                                              self.halting)
             start = self.rows
             for m in group:
-                m.start, start = start, start + len(m.done)
+                m.rows, start = list(range(start, start + len(m.done))), start + len(m.done)
                 joined.append(m)
             logits.append(row_logits)
             steps.append(row_steps)
@@ -559,14 +568,15 @@ class Batch:
         members = self.members + joined
         for m in members:
             r = m.request
-            sampled.append(sample_next(logits[m.start:m.start + len(r.prompts)], r.temperature, r.top_k, r.top_p,
-                                       r.rng))
-        self.tokens = torch.cat(sampled)
+            sampled.append(sample_next(logits[m.rows], r.temperature, r.top_k, r.top_p, r.rng))
+        self.tokens = torch.empty(self.rows, dtype=torch.long, device=logits.device)
+        for m, tokens in zip(members, sampled):
+            self.tokens[m.rows] = tokens
         column = self.tokens.tolist()  # syncs the device, so the timings are real
         elapsed = time.perf_counter() - t0
         out = []
         for m in members:
-            rows = range(m.start, m.start + len(m.done))
+            rows = m.rows
             if m.tokens == 0:
                 m.stats.update(prefill_tokens=sum(map(len, m.request.prompts)), prefill_s=elapsed, decode_tokens=0,
                                decode_s=0.0)
@@ -587,16 +597,16 @@ class Batch:
         return out
 
     def leave(self):
-        """Finished members out of the batch, their rows freed (the rest moved up, in order)."""
+        """Finished members out of the batch, their rows freed (the last rows move into the places freed)."""
         if all(not m.finished for m in self.members):
             return
+        gone = [r for m in self.members if m.finished for r in m.rows]
         self.members = [m for m in self.members if not m.finished]
-        keep, start = [], 0
+        order = self.cache.free(gone)
+        now = {old: new for new, old in enumerate(order)}
         for m in self.members:
-            keep += range(m.start, m.start + len(m.done))
-            m.start, start = start, start + len(m.done)
-        self.cache.keep(keep)
-        self.tokens = self.tokens[keep] if keep else None
+            m.rows = [now[r] for r in m.rows]
+        self.tokens = self.tokens[order] if order else None
 
 
 def ends_mid_character(text):
