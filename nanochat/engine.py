@@ -9,6 +9,9 @@ to keys the full forward never computed.
 Rows of different lengths are left-padded to a common length and the padding is masked out of every attention.
 The model rotates q and k at absolute positions, and rotary attention depends only on the distance between
 positions, so a row shifted right by its padding computes the same logits (to float rounding) as the row alone.
+
+A server's requests come and go: a Batch decodes them over a RowCache, in which each row sits at a position of its
+own, so a request joins at any token (its prompt prefilled apart, then copied in) and leaves when done.
 """
 
 import contextlib
@@ -118,8 +121,8 @@ class KVCache:
 
 class RowCache(KVCache):
     """Keys and values of rows that each sit at a position of their own, so that a row joins (its prompt prefilled in
-    a KVCache of its own, then copied in) and leaves at any token. Row b holds lens[b] columns, the first pads[b] of
-    them padding; a forward feeds every row one token, written at its own column and rotated at that position, so
+    a KVCache of its own, then copied in) and leaves at any token. Row b holds lens[b] columns, the first row_pads[b]
+    of them padding; a forward feeds every row one token, written at its own column and rotated at that position, so
     a row computes what it computes in the KVCache it was prefilled in."""
 
     def __init__(self, num_slots):
