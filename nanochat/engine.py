@@ -213,7 +213,8 @@ class RowCache(KVCache):
         """Each row's one new key and value written at its own column; the columns up to the longest row's."""
         rows = self.forward_rows(k.device)
         if k.size(2) != 1 or k.size(0) != rows.size(0):
-            raise ValueError(f"a RowCache forward feeds each of its {rows.size(0)} rows one token; got {tuple(k.shape)}")
+            raise ValueError(f"a RowCache forward feeds each of its {rows.size(0)} rows one token; "
+                             f"got {tuple(k.shape)}")
         end = max(self.lens) + 1
         if (col := self.column()) is not None:
             self.k[slot][:self.rows, :, col:end] = k

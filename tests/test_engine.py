@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from nanochat.engine import Batch, Engine, KVCache, RowCache, ends_mid_character, kv_cache_bytes_per_token, left_pad, sample_next
+from nanochat.engine import (Batch, Engine, KVCache, RowCache, ends_mid_character, kv_cache_bytes_per_token, left_pad,
+                             sample_next)
 from nanochat.gpt import STATE_UPDATES
 from nanochat.halting import Draft, Halting, forward_halting, rms_score
 from scripts import base_sample
