@@ -179,12 +179,17 @@ async def read_body(request):
         raise APIError(400, "request body nests too deeply to parse; a completions request nests 3 levels") from None
 
 
+def field_path(loc):
+    """A validation error's location as one line: a key holding a line break or another control character is quoted."""
+    return ".".join(p if isinstance(p, str) and p.isprintable() else json.dumps(p) for p in loc)
+
+
 def parse_request(obj):
     try:
         return CompletionRequest.model_validate(obj)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
-        param = ".".join(map(str, e.errors()[0]["loc"][:1])) or None
+        problems = "; ".join(f"{field_path(err['loc']) or 'body'}: {err['msg']}" for err in e.errors())
+        param = field_path(e.errors()[0]["loc"][:1]) or None
         raise APIError(400, problems, param) from None
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import uvicorn
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from nanochat.engine import Batch, Engine
@@ -795,6 +795,7 @@ def in_process(trained):
 
 @settings(max_examples=200, deadline=None)
 @given(body=BODIES)
+@example(body={"\n": False})  # found by this test: a key's line break went into the one-line message
 def test_no_request_body_gets_a_500_or_a_traceback(in_process, body):
     try:
         raw = json.dumps(body, allow_nan=True).encode()
