@@ -507,6 +507,7 @@ class HeldBatch(Batch):
         time.sleep(engine.pace)
         engine.tokens_made += 1
         engine.step_sizes.append(len(out))
+        engine.step_depths.append(self.n_sup)
         return out
 
 
@@ -516,7 +517,7 @@ class HeldEngine(Engine):
     def __init__(self, model, tokenizer, free=0, pace=0.0):
         super().__init__(model, tokenizer)
         self.go, self.free, self.pace, self.tokens_made = threading.Event(), free, pace, 0
-        self.step_sizes = []  # requests in the batch at each step, in order
+        self.step_sizes, self.step_depths = [], []  # requests in the batch and its n_sup at each step, in order
 
     def stop_tokens(self):
         return set()
@@ -881,6 +882,28 @@ def test_concurrent_requests_generate_together_and_get_what_they_get_alone(train
         assert results == alone and all(all(texts) for texts in alone)
     # the first's 3 tokens end at step 2, the dog's 3 at step 3, "the"'s 6 at step 6, the other three's 8 at step 8
     assert together == [1, 6, 6, 5, 4, 4, 4, 3, 3] and set(engine.step_sizes[len(together):]) == {1}
+
+
+def test_a_request_of_another_depth_waits_for_the_batch_to_drain_and_none_waits_forever(trained):
+    """While a batch of n_sup 1 runs, a request of n_sup 2 waits for it to drain; a later n_sup 1 request does not
+    join the running batch past it (the oldest waiting sets the next batch's depth) and runs last. Each gets its text
+    alone."""
+    engine, http = held_server(trained, queue_timeout=5, max_concurrency=4)
+    bodies = [{**REQUEST, "n_sup": 1, "max_tokens": 4}, {**REQUEST, "n_sup": 2}, {**REQUEST, "n_sup": 1, "prompt": "a"}]
+    with running(http) as base_url:
+        results = [None] * len(bodies)
+        senders = [threading.Thread(target=lambda i=i: results.__setitem__(i, post(base_url, bodies[i])))
+                   for i in range(len(bodies))]
+        for i, t in enumerate(senders):
+            t.start()
+            wait_until_running(base_url, i + 1)  # in this order
+        engine.go.set()
+        for t in senders:
+            t.join(timeout=30)
+        depths, sizes = list(engine.step_depths), list(engine.step_sizes)
+        alone = [post(base_url, body).json()["choices"][0]["text"] for body in bodies]
+    assert [r.json()["choices"][0]["text"] for r in results] == alone
+    assert depths == [1] * 4 + [2] * 3 + [1] * 3 and sizes == [1] * 10
 
 
 def test_a_long_request_holds_no_later_short_one_waiting(trained):
