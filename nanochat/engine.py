@@ -9,6 +9,9 @@ to keys the full forward never computed.
 Rows of different lengths are left-padded to a common length and the padding is masked out of every attention.
 The model rotates q and k at absolute positions, and rotary attention depends only on the distance between
 positions, so a row shifted right by its padding computes the same logits (to float rounding) as the row alone.
+
+A server's requests come and go: a Batch decodes them over a RowCache, in which each row sits at a position of its
+own, so a request joins at any token (its prompt prefilled apart, then copied in) and leaves when done.
 """
 
 import contextlib
@@ -112,6 +115,146 @@ class KVCache:
 
     def advance(self, T):
         self.pos += T
+        self._mask = None
+        self.halted = None
+
+
+class RowCache(KVCache):
+    """Keys and values of rows that each sit at a position of their own, so that a row joins (its prompt prefilled in
+    a KVCache of its own, then copied in) and leaves at any token. Row b holds lens[b] columns, the first row_pads[b]
+    of them padding; a forward feeds every row one token, written at its own column and rotated at that position, so
+    a row computes what it computes in the KVCache it was prefilled in."""
+
+    def __init__(self, num_slots):
+        super().__init__(num_slots, batch_size=0, max_len=0)
+        self.lens, self.row_pads = [], []  # per row, on the host: columns held, of them padding
+        self.cols = self.starts = None  # the same on the device, for the forward
+        self.active = None  # the rows a forward computes, when not all (narrow)
+
+    @property
+    def rows(self):
+        return len(self.lens)
+
+    @property
+    def pos(self):  # the model rotates each row's new token at its own column
+        return self.cols
+
+    @pos.setter
+    def pos(self, value):  # KVCache.__init__ sets 0; rows carry their own positions instead
+        pass
+
+    def reserve(self, rows, length, like):
+        """Room for rows x length columns in every slot, buffers grown (and copied) as needed; like: a tensor in the
+        dtype and device keys take, its shape (B, H, T, D)."""
+        if rows <= self.batch_size and length <= self.max_len:
+            return
+        # grown by half again at least, so a stream of joiners reallocates O(log) times
+        rows, length = max(rows, self.batch_size * 3 // 2), max(length, self.max_len * 3 // 2)
+        for cache in (self.k, self.v):
+            for slot, old in enumerate(cache):
+                # zeros, not empty: a masked column's value still enters softmax(.) @ v, and 0 * NaN is NaN
+                new = like.new_zeros((rows, like.size(1), length, like.size(3)))
+                if old is not None:
+                    new[:old.size(0), :, :old.size(2)] = old
+                cache[slot] = new
+        self.batch_size, self.max_len = rows, length
+
+    def join(self, cache, length):
+        """Append the rows of a KVCache prefilled to cache.pos columns; length: columns they will reach."""
+        B, first = cache.batch_size, self.rows
+        self.reserve(first + B, length, cache.k[0])
+        for mine, theirs in ((self.k, cache.k), (self.v, cache.v)):
+            for slot, source in enumerate(theirs):
+                if source is not None:
+                    mine[slot][first:first + B, :, :cache.pos] = source[:, :, :cache.pos]
+        self.lens += [cache.pos] * B
+        self.row_pads += cache.pads.tolist() if cache.pads is not None else [0] * B
+        self.synced()
+
+    def free(self, rows):
+        """Remove these rows; the last rows kept move into the places freed below the new count (one copy each, the
+        other rows stay). Returns the old index of each row kept, in its new order."""
+        gone, count = set(rows), self.rows - len(set(rows))
+        order = list(range(count))
+        holes = [r for r in range(count) if r in gone]
+        tails = [r for r in range(count, self.rows) if r not in gone]
+        for hole, tail in zip(holes, tails):
+            order[hole] = tail
+        if holes:
+            device = self.k[0].device
+            to, source = torch.tensor(holes, device=device), torch.tensor(tails, device=device)
+            for cache in (self.k, self.v):
+                for tensor in cache:
+                    tensor[to] = tensor[source]
+        self.lens = [self.lens[r] for r in order]
+        self.row_pads = [self.row_pads[r] for r in order]
+        self.synced()
+        return order
+
+    def synced(self):
+        device = self.k[0].device
+        self.cols = torch.tensor(self.lens, device=device)
+        self.starts = torch.tensor(self.row_pads, device=device)
+        self.all_rows = torch.arange(self.rows, device=device)
+        self._mask = None
+
+    def column(self):
+        """The column every row writes at, when they share one and none is padded (one slice, no mask), else None."""
+        if self.active is None and len(set(self.lens)) == 1 and not any(self.row_pads):
+            return self.lens[0]
+        return None
+
+    def attend(self, slot, q, k, v):
+        keys, values = self.store(slot, k, v)
+        mask = None if self.column() is not None else self.mask(1, q.device)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.size(1) != k.size(1))
+
+    def store(self, slot, k, v):
+        """Each row's one new key and value written at its own column; the columns up to the longest row's."""
+        rows = self.forward_rows(k.device)
+        if k.size(2) != 1 or k.size(0) != rows.size(0):
+            raise ValueError(f"a RowCache forward feeds each of its {rows.size(0)} rows one token; "
+                             f"got {tuple(k.shape)}")
+        end = max(self.lens) + 1
+        if (col := self.column()) is not None:
+            self.k[slot][:self.rows, :, col:end] = k
+            self.v[slot][:self.rows, :, col:end] = v
+        else:
+            cols = self.cols if self.active is None else self.cols[rows]
+            self.k[slot][rows, :, cols] = k[:, :, 0]
+            self.v[slot][rows, :, cols] = v[:, :, 0]
+        if self.active is not None:  # a copy of the rows still refining (halting.forward_halting_rows)
+            return self.k[slot][self.active, :, :end], self.v[slot][self.active, :, :end]
+        return self.k[slot][:self.rows, :, :end], self.v[slot][:self.rows, :, :end]
+
+    def forward_rows(self, device):
+        return self.active if self.active is not None else self.all_rows
+
+    def narrow(self, rows):
+        """Forwards from now on compute only these rows (a (B',) index, ascending), or all of them again (None)."""
+        self.active = rows
+        self._mask = None
+
+    def repeat_step(self, start, stop, slots_per_step, T, rows=None):
+        """As KVCache's, for these rows (default: every row) at their own columns."""
+        rows = self.forward_rows(self.cols.device) if rows is None else rows
+        cols = self.cols[rows]
+        for slot in range(start, stop):
+            source = slot - slots_per_step
+            self.k[slot][rows, :, cols] = self.k[source][rows, :, cols]
+            self.v[slot][rows, :, cols] = self.v[source][rows, :, cols]
+
+    def mask(self, T, device):
+        """(B, 1, 1, end) bool: a row's new token sees its own columns after its padding, itself included."""
+        if self._mask is None:
+            k_pos = torch.arange(max(self.lens) + 1, device=device)[None, :]
+            visible = (k_pos >= self.starts[:, None]) & (k_pos <= self.cols[:, None])
+            self._mask = (visible if self.active is None else visible[self.active])[:, None, None, :]
+        return self._mask
+
+    def advance(self, T):
+        self.lens = [n + T for n in self.lens]
+        self.cols += T
         self._mask = None
         self.halted = None
 
@@ -241,18 +384,25 @@ class Engine:
         rng = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         return Request([list(p) for p in prompts], max_tokens, temperature, top_k, top_p, n_sup, halting, rng, stops)
 
-    def generate_together(self, requests, stats=None):
-        """Several prepared requests in one batch (shared forwards): an iterator of one list per step holding, per
-        request, what generate would yield for it. Each request samples with its own options and generator, so its
-        tokens are those it gets alone (to float rounding); it stops at its own max_tokens. The requests must share
-        n_sup and halting: they run the same forwards."""
+    def generate_together(self, requests):
+        """Several prepared requests in one Batch (shared forwards): an iterator of one list per step holding, per
+        request, what generate would yield for it, [None] * rows once it has finished. Each request samples with its
+        own options and generator, so its tokens are those it gets alone (to float rounding); it stops at its own
+        max_tokens. The requests must share n_sup and halting: they run the same forwards."""
         if len({(r.n_sup, r.halting) for r in requests}) > 1:
             raise ValueError("requests generated together must share n_sup and halting")
-        longest = max(len(p) for r in requests for p in r.prompts) + max(r.max_tokens for r in requests)
-        if longest > self.model.rotary_seq_len:
-            raise ValueError(f"the longest prompt plus the most max_tokens, {longest}, exceeds the model's longest "
-                             f"position ({self.model.rotary_seq_len})")
-        return self._decode(requests, stats)
+        return self._together(requests)
+
+    def new_batch(self, n_sup, halting):
+        """An empty Batch of this depth, which requests join (Batch.add) and leave as they come and finish."""
+        return Batch(self, n_sup, halting)
+
+    def _together(self, requests):
+        batch = self.new_batch(requests[0].n_sup, requests[0].halting)
+        members = [batch.add(r) for r in requests]
+        while batch:
+            columns = dict(batch.step())
+            yield [columns.get(m, [None] * len(m.request.prompts)) for m in members]
 
     def _last_logits(self, idx, cache, n_sup, halting):
         """The last position's logits (B, V) of a forward that extends the cache, and (B,) steps it ran."""
@@ -323,6 +473,144 @@ class Engine:
         """Prompt strings in, completion strings out: the one call for printing samples. kwargs as generate()."""
         outputs = self.generate_batch([self.encode_prompt(t) for t in texts], **kwargs)
         return [self.tokenizer.decode(ids) for ids in outputs]
+
+
+class Member:
+    """A request in a Batch: which rows of the RowCache are its, which of them are done, how many tokens it has."""
+
+    def __init__(self, request, stats):
+        self.request, self.stats = request, stats
+        self.done = [False] * len(request.prompts)
+        self.tokens = 0  # tokens sampled per row so far
+        self.rows = []  # its rows in the RowCache, in its prompts' order, once it has joined
+        self.finished = request.max_tokens == 0  # out of the batch: every row done, max_tokens reached, or dropped
+
+
+class Batch:
+    """Requests that decode together, joining and leaving at token boundaries (continuous batching). Each step
+    prefills the requests added since the last one (in one forward, left-padded among themselves, into a KVCache then
+    copied into the RowCache), feeds every other row its last token in one forward over the RowCache, and samples
+    each request's rows with its own options and generator; a finished or dropped request leaves, and its rows are
+    freed. A request keeps all its rows, in order, until it leaves, so a seeded one draws what it draws alone."""
+
+    def __init__(self, engine, n_sup, halting):
+        self.engine, self.n_sup, self.halting = engine, n_sup, halting
+        self.cache = RowCache(engine.model.num_attention_slots(n_sup))
+        self.members, self.joining = [], []
+        self.tokens = None  # (rows,) each row's last sampled token: the next step's input
+
+    def __len__(self):
+        return len(self.members) + len(self.joining)
+
+    @property
+    def rows(self):
+        return self.cache.rows
+
+    def add(self, request, stats=None):
+        """A prepared request joins at the next step; returns its Member (stats: a dict its stats fill)."""
+        if (request.n_sup, request.halting) != (self.n_sup, self.halting):
+            raise ValueError("requests generated together must share n_sup and halting")
+        member = Member(request, {} if stats is None else stats)
+        if not member.finished:
+            self.joining.append(member)
+        return member
+
+    def drop(self, member):
+        """The request leaves before the next step (its client went away)."""
+        member.finished = True
+
+    def groups(self, members):
+        """Joiners split so that each group's longest prompt plus its most max_tokens fits the rotary table: a short
+        prompt is padded to its group's longest."""
+        groups, most = [], self.engine.model.rotary_seq_len
+        for m in members:
+            for group in groups:
+                if max(self.longest(group + [m])) <= most:
+                    group.append(m)
+                    break
+            else:
+                groups.append([m])
+        return groups
+
+    @staticmethod
+    def longest(members):
+        """(the longest prompt plus the most max_tokens, the longest prompt) of these members."""
+        prompt = max(len(p) for m in members for p in m.request.prompts)
+        return prompt + max(m.request.max_tokens for m in members), prompt
+
+    @torch.inference_mode()
+    def step(self):
+        """One token for each request in the batch: [(member, column)], column as generate yields it. A member
+        finished by this step has .finished set and has left."""
+        self.leave()
+        self.joining = [m for m in self.joining if not m.finished]
+        t0 = time.perf_counter()
+        logits, steps, sampled = [], [], []
+        if self.members:
+            row_logits, row_steps = self.engine._last_logits(self.tokens[:, None], self.cache, self.n_sup,
+                                                             self.halting)
+            logits.append(row_logits)
+            steps.append(row_steps)
+        joined = []
+        for group in self.groups(self.joining):
+            idx, pads = left_pad([p for m in group for p in m.request.prompts])
+            cache = self.engine.new_cache(idx.size(0), idx.size(1), self.n_sup, pads)
+            row_logits, row_steps = self.engine._last_logits(idx.to(self.engine.device), cache, self.n_sup,
+                                                             self.halting)
+            start = self.rows
+            for m in group:
+                m.rows, start = list(range(start, start + len(m.done))), start + len(m.done)
+                joined.append(m)
+            logits.append(row_logits)
+            steps.append(row_steps)
+            self.cache.join(cache, self.longest(group)[0])
+        self.joining = []
+        if not logits:  # every request was dropped
+            return []
+        logits = torch.cat(logits)
+        steps = torch.cat(steps).tolist() if self.halting else None
+        members = self.members + joined
+        for m in members:
+            r = m.request
+            sampled.append(sample_next(logits[m.rows], r.temperature, r.top_k, r.top_p, r.rng))
+        self.tokens = torch.empty(self.rows, dtype=torch.long, device=logits.device)
+        for m, tokens in zip(members, sampled):
+            self.tokens[m.rows] = tokens
+        column = self.tokens.tolist()  # syncs the device, so the timings are real
+        elapsed = time.perf_counter() - t0
+        out = []
+        for m in members:
+            rows = m.rows
+            if m.tokens == 0:
+                m.stats.update(prefill_tokens=sum(map(len, m.request.prompts)), prefill_s=elapsed, decode_tokens=0,
+                               decode_s=0.0)
+                if self.halting:
+                    m.stats["steps"] = [[] for _ in rows]
+            else:
+                m.stats["decode_tokens"] += len(rows)
+                m.stats["decode_s"] += elapsed
+            m.done = [d or column[row] in m.request.stops for d, row in zip(m.done, rows)]
+            for i, row in enumerate(rows) if self.halting else ():
+                if not m.done[i]:
+                    m.stats["steps"][i].append(steps[row])
+            out.append((m, [None if d else column[row] for d, row in zip(m.done, rows)]))
+            m.tokens += 1
+            m.finished = all(m.done) or m.tokens == m.request.max_tokens
+        self.members = members
+        self.leave()
+        return out
+
+    def leave(self):
+        """Finished members out of the batch, their rows freed (the last rows move into the places freed)."""
+        if all(not m.finished for m in self.members):
+            return
+        gone = [r for m in self.members if m.finished for r in m.rows]
+        self.members = [m for m in self.members if not m.finished]
+        order = self.cache.free(gone)
+        now = {old: new for new, old in enumerate(order)}
+        for m in self.members:
+            m.rows = [now[r] for r in m.rows]
+        self.tokens = self.tokens[order] if order else None
 
 
 def ends_mid_character(text):

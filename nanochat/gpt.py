@@ -381,8 +381,12 @@ class GPT(nn.Module):
         return c.T_recursion * c.n_layer * (c.n_loops + 1)
 
     def rotary(self, T, kv_cache=None):
-        """(cos, sin) at this forward's T positions, which follow the tokens the cache holds."""
+        """(cos, sin) at this forward's T positions, which follow the tokens the cache holds (per row if its pos is a
+        tensor; the engine keeps those within the table)."""
         T0 = kv_cache.pos if kv_cache is not None else 0
+        if torch.is_tensor(T0):  # rows at positions of their own (engine.RowCache): (B, T, 1, head_dim/2) tables
+            at = T0[:, None] + torch.arange(T, device=T0.device)
+            return self.cos[0, at], self.sin[0, at]
         if T0 + T > self.cos.size(1):
             raise ValueError(f"sequence of {T0 + T} tokens exceeds the rotary table ({self.cos.size(1)})")
         return self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
@@ -435,7 +439,8 @@ class GPT(nn.Module):
         return y, z
 
     def refine(self, idx, n_sup, kv_cache=None, x=None):
-        """Yield the states (y, z) after each of n_sup supervision steps (x: the embedded input, if precomputed)."""
+        """Yield the states (y, z) after each of n_sup supervision steps (x: the embedded input, if precomputed).
+        Sending the generator a (B',) index of rows continues only those rows (their cache narrowed by the caller)."""
         c = self.config
         cos_sin = self.rotary(idx.size(1), kv_cache)
         x = self.embed(idx, kv_cache) if x is None else x
@@ -452,7 +457,10 @@ class GPT(nn.Module):
                 with torch.set_grad_enabled(torch.is_grad_enabled() and sweep == c.T_recursion - 1):
                     y, z = self._sweep(x, y, z, cos_sin, kv_cache, slot)
                 slot += slots_per_sweep
-            yield y, z
+            rows = yield y, z
+            if rows is not None:  # sent by the caller (halting.forward_halting): only these rows go on refining
+                x, y, z = x[rows], y[rows], (z[rows] if z is not None else None)
+                cos_sin = tuple(t[rows] if t.size(0) > 1 else t for t in cos_sin)
             if self.cuts_after(step):
                 y, z = y.detach(), (z.detach() if z is not None else None)
             if c.n_loops and c.state_update in STEP_ENDS:

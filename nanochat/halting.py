@@ -26,6 +26,13 @@ class Draft:
     def logits(self):
         return self.model.head(self.y)
 
+    def narrowed(self, rows):
+        """The draft of these rows only, its logits kept if computed."""
+        draft = Draft(self.model, self.y[rows])
+        if "logits" in self.__dict__:
+            draft.logits = self.logits[rows]
+        return draft
+
 
 def kl_score(model, previous, current):
     """KL(p_s || p_{s-1}) per position in nats: Huginn's training-free exit rule."""
@@ -97,6 +104,8 @@ def forward_halting(model, idx, halting, kv_cache, n_sup=None):
     read its keys and values from every step, the exact computation that holding approximates (to measure it)."""
     n_sup = n_sup or model.config.n_sup_inference
     score = HALTING_RULES[check_halting(model, halting).rule]
+    if hasattr(kv_cache, "narrow"):
+        return forward_halting_rows(model, idx, score, halting.threshold, kv_cache, n_sup)
     x = model.embed(idx, kv_cache)
     halted = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
     steps = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)
@@ -119,6 +128,45 @@ def forward_halting(model, idx, halting, kv_cache, n_sup=None):
     logits = model.head(model.apply_coda(kept, kv_cache, n_sup))
     if kv_cache is not None:
         kv_cache.advance(idx.size(1))
+    return logits, steps
+
+
+@torch.no_grad()
+def forward_halting_rows(model, idx, score, threshold, kv_cache, n_sup):
+    """forward_halting for one token per row (decoding) over a cache that can narrow to some of its rows
+    (engine.RowCache): a row that halts leaves the recursion at once, so later steps compute only the rows still
+    refining; the halted row's later slots get the keys and values of the step it halted at, as holding gives."""
+    if idx.size(1) != 1:
+        raise ValueError(f"forward_halting_rows decodes one token per row; got {idx.size(1)}")
+    x = model.embed(idx, kv_cache)
+    B, per_step, prelude = idx.size(0), model.slots_per_step(), model.config.n_prelude
+    steps = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)
+    previous = Draft(model, x)
+    active = torch.arange(B, device=idx.device)  # the rows still refining, among the batch's
+    states, going = model.refine(idx, n_sup, kv_cache, x=x), None
+    try:
+        for s in range(1, n_sup + 1):
+            y, _ = states.send(going) if s > 1 else next(states)
+            if s == 1:
+                kept = y.clone()  # in the state's dtype, as forward_halting keeps it
+            kept[active], steps[active] = y, s
+            current = Draft(model, y)
+            halted = (score(model, previous, current) < threshold)[:, 0]
+            if s == n_sup or not halted.any():
+                previous, going = current, None
+                continue
+            kv_cache.repeat_step(prelude + s * per_step, prelude + n_sup * per_step, per_step, 1, active[halted])
+            if halted.all():
+                break
+            going = (~halted).nonzero()[:, 0]
+            active = active[going]
+            kv_cache.narrow(active)
+            previous = current.narrowed(going)
+    finally:
+        states.close()
+        kv_cache.narrow(None)
+    logits = model.head(model.apply_coda(kept, kv_cache, n_sup))
+    kv_cache.advance(1)
     return logits, steps
 
 

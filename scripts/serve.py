@@ -179,12 +179,17 @@ async def read_body(request):
         raise APIError(400, "request body nests too deeply to parse; a completions request nests 3 levels") from None
 
 
+def field_path(loc):
+    """A validation error's location as one line: a key holding a line break or another control character is quoted."""
+    return ".".join(p if isinstance(p, str) and p.isprintable() else json.dumps(p) for p in loc)
+
+
 def parse_request(obj):
     try:
         return CompletionRequest.model_validate(obj)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
-        param = ".".join(map(str, e.errors()[0]["loc"][:1])) or None
+        problems = "; ".join(f"{field_path(err['loc']) or 'body'}: {err['msg']}" for err in e.errors())
+        param = field_path(e.errors()[0]["loc"][:1]) or None
         raise APIError(400, problems, param) from None
 
 
@@ -350,14 +355,15 @@ async def cancel_when_gone(request, job):
 
 
 class Batcher:
-    """Requests generate together: one batch (engine.generate_together, on a thread of its own) takes every request
-    waiting that runs the same depth (n_sup and halting) as the oldest, so concurrent requests share each forward
-    instead of taking turns; a request arriving while a batch runs joins the next one."""
+    """Requests generate together in one engine Batch, stepped token by token on a thread of its own (continuous
+    batching): a waiting request that runs the batch's depth (n_sup and halting) joins it at the next token, and a
+    finished one leaves at once, freeing its rows, so a long request holds no later one waiting. When the oldest
+    waiting request runs another depth, no more join until the batch drains; then a batch of that depth starts."""
 
     DONE = object()  # the end of a request's columns
 
     def __init__(self, engine, observe=lambda size: None):
-        self.engine, self.observe = engine, observe  # observe(requests in a batch), as each starts
+        self.engine, self.observe = engine, observe  # observe(requests in the batch), as each request joins
         self.pending = []  # [(engine.Request, its column queue, closed Event, its stats dict)]
         self.ready = threading.Condition()
         self.thread = None
@@ -383,43 +389,56 @@ class Batcher:
         finally:
             closed.set()
 
-    def run(self):
-        while True:
-            with self.ready:
-                while not self.pending:
-                    self.ready.wait()
-                depth = (self.pending[0][0].n_sup, self.pending[0][0].halting)
-                batch = [e for e in self.pending if (e[0].n_sup, e[0].halting) == depth]
-                self.pending = [e for e in self.pending if (e[0].n_sup, e[0].halting) != depth]
-            self.observe(len(batch))
-            self.generate(batch)
+    def take(self, batch):
+        """The waiting requests that join this step: all of the batch's depth (a new batch takes the oldest's),
+        none while the oldest waiting runs another depth."""
+        with self.ready:
+            while not self.pending and not batch:
+                self.ready.wait()
+            if not self.pending:
+                return batch, []
+            depth = lambda entry: (entry[0].n_sup, entry[0].halting)
+            if not batch:
+                batch = self.engine.new_batch(*depth(self.pending[0]))
+            if depth(self.pending[0]) != (batch.n_sup, batch.halting):
+                return batch, []
+            joining = [e for e in self.pending if depth(e) == depth(self.pending[0])]
+            self.pending = [e for e in self.pending if depth(e) != depth(self.pending[0])]
+            return batch, joining
 
-    def generate(self, batch):
-        """Hand each request its column of every step, until all are done or closed; an error goes to each."""
-        spans, start = [], 0
-        for request, *_ in batch:
-            spans.append(slice(start, start + len(request.prompts)))
-            start += len(request.prompts)
-        stats = {}
-        steps = None
-        try:
-            steps = self.engine.generate_together([request for request, *_ in batch], stats)
-            for columns in steps:
-                for (_, out, closed, own), column, span in zip(batch, columns, spans):
-                    if "steps" in stats and "steps" not in own:  # the rows' lists, which later steps extend
-                        own["steps"] = stats["steps"][span]
-                    if not closed.is_set():
-                        out.put(column)
-                if all(closed.is_set() for _, _, closed, _ in batch):
-                    break
-        except Exception as e:  # noqa: BLE001 - every request of the batch must learn of it, not the thread's log
-            for _, out, _, _ in batch:
-                out.put(e)
-        finally:
-            if steps is not None:
-                steps.close()
-            for _, out, _, _ in batch:
-                out.put(self.DONE)
+    def run(self):
+        batch, entries = None, {}  # entries: each Member of the batch -> (its column queue, its closed Event)
+        while True:
+            batch, joining = self.take(batch)
+            for request, out, closed, stats in joining:
+                member = batch.add(request, stats)
+                if member.finished:  # max_tokens 0: nothing to generate
+                    out.put(self.DONE)
+                    continue
+                entries[member] = (out, closed)
+                self.observe(len(batch))
+            for member, (out, closed) in list(entries.items()):
+                if closed.is_set():  # its client went away: its rows leave before this step
+                    batch.drop(member)
+                    out.put(self.DONE)
+                    del entries[member]
+            try:
+                results = batch.step()
+            except Exception as e:  # noqa: BLE001 - every request of the batch must learn of it, not the thread's log
+                for out, _ in entries.values():
+                    out.put(e)
+                    out.put(self.DONE)
+                batch, entries = None, {}
+                continue
+            for member, column in results:
+                out, closed = entries[member]
+                if not closed.is_set():
+                    out.put(column)
+                if member.finished:
+                    out.put(self.DONE)
+                    del entries[member]
+            if not batch:
+                batch = None  # drained: the next batch may run another depth
 
 
 class Metrics:
@@ -443,7 +462,8 @@ class Metrics:
         self.steps = Histogram("nanochat_steps_per_token", "Supervision steps each generated token ran (fewer than "
                                "n_sup under halting)", buckets=range(1, server.config.n_sup_inference + 1),
                                registry=registry)
-        self.batch_requests = Histogram("nanochat_batch_requests", "Requests generating together in a batch",
+        self.batch_requests = Histogram("nanochat_batch_requests", "Requests generating together in the batch, as "
+                                        "each request joins it",
                                         buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
         Gauge("nanochat_queue_depth", "Completion requests waiting for a generation slot",
               registry=registry).set_function(lambda: server.waiting)

@@ -7,8 +7,10 @@ import threading
 import pytest
 import torch
 
-from nanochat.engine import Engine, KVCache, ends_mid_character, kv_cache_bytes_per_token, left_pad, sample_next
+from nanochat.engine import (Batch, Engine, KVCache, RowCache, ends_mid_character, kv_cache_bytes_per_token, left_pad,
+                             sample_next)
 from nanochat.gpt import STATE_UPDATES
+from nanochat.halting import Draft, Halting, forward_halting, rms_score
 from scripts import base_sample
 from tests.support import helpers
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -96,6 +98,85 @@ def test_padded_rows_match_each_row_alone(n_loops, T_recursion, n_kv_head):
             alone = model(torch.tensor([row + continuation[b].tolist()]), n_sup=n_sup)[0]
             torch.testing.assert_close(logits[b, L - len(row):], alone, atol=ATOL, rtol=0,
                                        msg=lambda m: f"row of length {len(row)}, n_sup={n_sup}: {m}")
+
+
+@pytest.mark.parametrize("n_loops,T_recursion,n_kv_head", CONFIGS)
+@torch.no_grad()
+def test_rows_joining_and_leaving_a_row_cache_match_each_row_alone(n_loops, T_recursion, n_kv_head):
+    """Two rows (padded among themselves) decode, a third joins, the first leaves (the third moves into its place):
+    every row's logits at every token are those of its full forward alone."""
+    config = tiny_config(n_loops=n_loops, T_recursion=T_recursion, n_kv_head=n_kv_head)
+    model = random_model(config)
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (2, 7, 5)]
+    fed = torch.randint(0, 64, (3, 6), generator=g)  # the tokens each row is fed after its prompt
+    n_sup = 2
+    cache, logits, done = RowCache(model.num_attention_slots(n_sup)), [[] for _ in rows], [0, 0, 0]
+
+    def join(members):
+        idx, pads = left_pad([rows[m] for m in members])
+        prefill = KVCache(model.num_attention_slots(n_sup), len(members), idx.size(1), pads)
+        for m, out in zip(members, model(idx, kv_cache=prefill, n_sup=n_sup)[:, -1]):
+            logits[m].append(out)
+        cache.join(prefill, idx.size(1) + fed.size(1))
+
+    def decode(members):
+        idx = torch.stack([fed[m, done[m]] for m in members])[:, None]
+        for m, out in zip(members, model(idx, kv_cache=cache, n_sup=n_sup)[:, -1]):
+            logits[m].append(out)
+            done[m] += 1
+
+    join([0, 1])
+    decode([0, 1])
+    decode([0, 1])
+    join([2])
+    decode([0, 1, 2])
+    order = cache.free([0])  # the last row moves into the first's place
+    assert order == [2, 1]
+    for _ in range(3):
+        decode(order)
+    for m, row in enumerate(rows):
+        alone = model(torch.tensor([row + fed[m, :done[m]].tolist()]), n_sup=n_sup)[0, len(row) - 1:]
+        assert alone.std() > 0.3  # the comparison has signal
+        torch.testing.assert_close(torch.stack(logits[m]), alone, atol=ATOL, rtol=0, msg=lambda e: f"row {m}: {e}")
+
+
+@torch.no_grad()
+def test_rows_that_halt_leave_the_recursion_and_get_what_holding_gives(monkeypatch):
+    """Decoding over a RowCache, a row that halts stops refining while the others go on (later steps compute fewer
+    rows); each row's logits and steps are those of its decoding alone, where a halted token's keys are held."""
+    model = random_model(tiny_config(n_loops=1))
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 6, 4, 5)]
+    fed = torch.randint(0, 64, (4, 3), generator=g)
+    n_sup, slots = 4, model.num_attention_slots(4)
+    # a threshold between the rows' scores at step 2 of their first fed token: some halt there, some go on
+    scores = []
+    for row, tokens in zip(rows, fed):
+        states = [y[:, -1] for y, _ in model.refine(torch.tensor([row + tokens[:1].tolist()]), n_sup)]
+        scores.append(rms_score(model, Draft(model, states[0]), Draft(model, states[1])).item())
+    halting = Halting("rms", sum(sorted(scores)[1:3]) / 2)
+    alone = []
+    for row, tokens in zip(rows, fed):
+        cache = KVCache(slots, 1, len(row) + fed.size(1))
+        forward_halting(model, torch.tensor([row]), halting, cache, n_sup)
+        alone.append([forward_halting(model, t.view(1, 1), halting, cache, n_sup) for t in tokens])
+    narrowed = []
+    narrow = RowCache.narrow
+    monkeypatch.setattr(RowCache, "narrow", lambda self, rows: (narrowed.append(None if rows is None else len(rows)),
+                                                                 narrow(self, rows)))
+    idx, pads = left_pad(rows)
+    prefill = KVCache(slots, len(rows), idx.size(1), pads)
+    forward_halting(model, idx, halting, prefill, n_sup)
+    cache = RowCache(slots)
+    cache.join(prefill, idx.size(1) + fed.size(1))
+    for t in range(fed.size(1)):
+        logits, steps = forward_halting(model, fed[:, t:t + 1], halting, cache, n_sup)
+        for b in range(len(rows)):
+            torch.testing.assert_close(logits[b], alone[b][t][0][0], atol=ATOL, rtol=0)
+            assert steps[b].item() == alone[b][t][1][0].item()
+    assert sorted({alone[b][0][1].item() for b in range(len(rows))}) != [n_sup]  # some rows halted early
+    assert any(n is not None and 0 < n < len(rows) for n in narrowed)  # and the others went on without them
 
 
 def naive_greedy(model, row, max_tokens, n_sup):
@@ -398,3 +479,42 @@ def test_requests_generated_together_get_what_they_get_alone(trained):
     assert together_halting == halting
     with pytest.raises(ValueError, match="must share n_sup and halting"):
         engine.generate_together([engine.prepare(**specs[0], n_sup=1), engine.prepare(**specs[1], n_sup=2)])
+
+
+def run_staggered(engine, specs, joins, **shared):
+    """Each spec's request added to one Batch at step joins[i]; every member's columns until it finishes, and the
+    rows the batch held at each step (after that step's joins and leaves)."""
+    batch = Batch(engine, engine.check_n_sup(shared.get("n_sup")), engine.check_halt(shared.get("halt")))
+    members, columns, rows = [None] * len(specs), [[] for _ in specs], []
+    for step in range(100):
+        for i, spec in enumerate(specs):
+            if joins[i] == step:
+                members[i] = batch.add(engine.prepare(**spec, **shared))
+        if step > max(joins) and not batch:
+            break
+        for member, column in batch.step():
+            columns[members.index(member)].append(column)
+        rows.append(batch.rows)
+    return columns, rows
+
+
+def test_requests_joining_and_leaving_a_running_batch_get_what_they_get_alone(trained):
+    """Requests join a running batch at later tokens and leave it when done (the last rows move into theirs): each
+    gets, token for token (greedy) and draw for draw (seeded), what it gets alone, with halting too."""
+    _, model, tokenizer = trained
+    engine = Engine(model, tokenizer)
+    encode = engine.encode_prompt
+    specs = [dict(prompts=[encode("the cat sat")], max_tokens=4, temperature=0.0),
+             dict(prompts=[encode("the"), encode("the dog sat on the")], max_tokens=10, temperature=0.0),
+             dict(prompts=[encode("the mat")] * 2, max_tokens=9, temperature=1.0, seed=7, top_k=5),
+             dict(prompts=[encode("on the log. the")], max_tokens=7, temperature=0.0),
+             dict(prompts=[encode("the cat")], max_tokens=0, temperature=0.0)]
+    joins = [0, 1, 2, 5, 5]
+    for shared in ({}, dict(n_sup=3, halt="rms:0.05")):
+        alone = [list(engine.generate(**spec, **shared)) for spec in specs]
+        together, rows = run_staggered(engine, specs, joins, **shared)
+        assert together == alone
+        # the first request leaves after its 4th token (step 3), the next two move up; the fourth joins at step 5
+        assert rows[:6] == [1, 3, 5, 4, 4, 5]
+    assert len({tuple(t for c in columns for t in c) for columns in alone[:4]}) == 4
+    assert any(t is not None for c in alone[2] for t in c) and alone[4] == []

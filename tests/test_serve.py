@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import uvicorn
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from nanochat.engine import Engine
+from nanochat.engine import Batch, Engine
 from scripts import serve
 from tests.support.server import running
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -498,24 +498,32 @@ def post(url, body, timeout=30):
     return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
 
 
+class HeldBatch(Batch):
+    """After its engine's `free` tokens, each step waits for the test's go-ahead, then `pace` seconds."""
+
+    def step(self):
+        engine, out = self.engine, super().step()
+        assert engine.tokens_made < engine.free or engine.go.wait(timeout=10)
+        time.sleep(engine.pace)
+        engine.tokens_made += 1
+        engine.step_sizes.append(len(out))
+        engine.step_depths.append(self.n_sup)
+        return out
+
+
 class HeldEngine(Engine):
-    """After `free` tokens, each token waits for the test's go-ahead, then `pace` seconds; it never stops early."""
+    """Its batches hold each token as HeldBatch does; they never stop early."""
 
     def __init__(self, model, tokenizer, free=0, pace=0.0):
         super().__init__(model, tokenizer)
         self.go, self.free, self.pace, self.tokens_made = threading.Event(), free, pace, 0
-        self.batch_sizes = []  # requests in each batch, in order
+        self.step_sizes, self.step_depths = [], []  # requests in the batch and its n_sup at each step, in order
 
     def stop_tokens(self):
         return set()
 
-    def generate_together(self, requests, *args, **kwargs):
-        self.batch_sizes.append(len(requests))
-        for i, column in enumerate(super().generate_together(requests, *args, **kwargs)):
-            assert i < self.free or self.go.wait(timeout=10)
-            time.sleep(self.pace)
-            self.tokens_made += 1
-            yield column
+    def new_batch(self, n_sup, halting):
+        return HeldBatch(self, n_sup, halting)
 
 
 def held_server(trained, queue_timeout=0.2, max_concurrency=1, **engine_kwargs):
@@ -788,6 +796,7 @@ def in_process(trained):
 
 @settings(max_examples=200, deadline=None)
 @given(body=BODIES)
+@example(body={"\n": False})  # found by this test: a key's line break went into the one-line message
 def test_no_request_body_gets_a_500_or_a_traceback(in_process, body):
     try:
         raw = json.dumps(body, allow_nan=True).encode()
@@ -837,8 +846,9 @@ def test_metrics_count_requests_tokens_latency_and_steps_in_prometheus_text(trai
 
 
 def test_concurrent_requests_generate_together_and_get_what_they_get_alone(trained):
-    """The first request holds the batch at its first token while five more arrive; they then run as one batch of
-    five, streamed or not, greedy or seeded, each getting the text it gets alone."""
+    """The first request (3 tokens) holds the batch at its first token while five more arrive; they join it at its
+    second token, it leaves after its third, and they go on without it, streamed or not, greedy or seeded, each
+    getting the text it gets alone."""
     engine, http = held_server(trained, queue_timeout=5, max_concurrency=8)
     bodies = [{"prompt": p, "max_tokens": m, "temperature": 0.0} for p, m in
               [("the", 6), ("the cat sat", 8), ("the dog", 3), ("on the mat.", 8)]] + \
@@ -867,7 +877,45 @@ def test_concurrent_requests_generate_together_and_get_what_they_get_alone(train
         for t in senders + [worker]:
             t.join(timeout=30)
         assert first["r"].status_code == 200
-        sizes = list(engine.batch_sizes)
+        together = list(engine.step_sizes)
         alone = [[c["text"] for c in post(base_url, body).json()["choices"]] for body in bodies]  # one by one
         assert results == alone and all(all(texts) for texts in alone)
-    assert sizes == [1, len(bodies)] and list(engine.batch_sizes)[2:] == [1] * len(bodies)
+    # the first's 3 tokens end at step 2, the dog's 3 at step 3, "the"'s 6 at step 6, the other three's 8 at step 8
+    assert together == [1, 6, 6, 5, 4, 4, 4, 3, 3] and set(engine.step_sizes[len(together):]) == {1}
+
+
+def test_a_request_of_another_depth_waits_for_the_batch_to_drain_and_none_waits_forever(trained):
+    """While a batch of n_sup 1 runs, a request of n_sup 2 waits for it to drain; a later n_sup 1 request does not
+    join the running batch past it (the oldest waiting sets the next batch's depth) and runs last. Each gets its text
+    alone."""
+    engine, http = held_server(trained, queue_timeout=5, max_concurrency=4)
+    bodies = [{**REQUEST, "n_sup": 1, "max_tokens": 4}, {**REQUEST, "n_sup": 2}, {**REQUEST, "n_sup": 1, "prompt": "a"}]
+    with running(http) as base_url:
+        results = [None] * len(bodies)
+        senders = [threading.Thread(target=lambda i=i: results.__setitem__(i, post(base_url, bodies[i])))
+                   for i in range(len(bodies))]
+        for i, t in enumerate(senders):
+            t.start()
+            wait_until_running(base_url, i + 1)  # in this order
+        engine.go.set()
+        for t in senders:
+            t.join(timeout=30)
+        depths, sizes = list(engine.step_depths), list(engine.step_sizes)
+        alone = [post(base_url, body).json()["choices"][0]["text"] for body in bodies]
+    assert [r.json()["choices"][0]["text"] for r in results] == alone
+    assert depths == [1] * 4 + [2] * 3 + [1] * 3 and sizes == [1] * 10
+
+
+def test_a_long_request_holds_no_later_short_one_waiting(trained):
+    """Short requests arriving while a long one generates are answered while it still runs."""
+    engine, http = held_server(trained, queue_timeout=5, max_concurrency=4, free=1000, pace=0.15)
+    with running(http) as base_url:
+        long = {}
+        worker = threading.Thread(target=lambda: long.update(r=post(base_url, {**REQUEST, "max_tokens": 28})))
+        worker.start()
+        wait_until_running(base_url, 1)
+        for _ in range(3):
+            assert post(base_url, REQUEST).status_code == 200
+            assert worker.is_alive()  # its 28 tokens take 4.2 s at least; each short one's 3 take 0.45 s
+        worker.join(timeout=30)
+        assert long["r"].status_code == 200 and long["r"].json()["usage"]["completion_tokens"] == 28
