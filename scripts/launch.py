@@ -201,9 +201,8 @@ def compose(key, phase, extra, vocab_size, memory_bytes):
     nproc, nnodes = processes(key)
     prefix = torchrun_prefix(nproc, nnodes)  # checks the multi-node environment before anything is computed
     tag = f"{key}_{phase}"
-    # the guides' recipe keeps the one-step gradient: backprop_steps=2 halves the micro-batch and did not help on text
-    table = {"depth": env("DEPTH", 12), "n_loops": 2, "preset": ph["preset"], "backprop_steps": 1,
-             "matrix_lr": ph["matrix_lr"], "embedding_lr": ph["embedding_lr"], "num_iterations": ph["iterations"],
+    table = {"depth": env("DEPTH", 12), "n_loops": 2, "preset": ph["preset"], "matrix_lr": ph["matrix_lr"],
+             "embedding_lr": ph["embedding_lr"], "num_iterations": ph["iterations"],
              "device_batch_size": row[phase][0], "gradient_accumulation_steps": row[phase][1],
              "compile": "true", "dtype": "bfloat16", "grad_clip": 1.0, "save_every": 200, "eval_every": 100,
              "sample_every": 100, "device_type": env("DEVICE_TYPE", "cuda"), "run": tag, "model_tag": tag,
