@@ -32,7 +32,7 @@ from .supervision import (SOFTCAP, ChunkedHeadLoss, chunked_token_losses, deep_s
 ACTIVATIONS = ("relu_squared", "swiglu", "geglu")
 
 # (supervision_weight_base, improvement_reward_scale) per preset; the guides' Phase 1 is aggressive, Phase 2 extreme;
-# uniform is TRM's own deep supervision and gpt.py's default: every step's loss weighs the same, no improvement reward.
+# uniform is TRM's own deep supervision: every step's loss weighs the same, no improvement reward.
 REFINEMENT_PRESETS = {
     "uniform": (1.0, 0.0),
     "moderate": (3.0, 0.5),
@@ -42,8 +42,7 @@ REFINEMENT_PRESETS = {
 
 
 # Config fields added after checkpoints existed, and the behaviour those checkpoints were trained with.
-FIELDS_BEFORE_THEY_EXISTED = {"state_update": "residual", "sample_n_sup": False, "state_dtype": "float32",
-                              "backprop_steps": 1}
+FIELDS_BEFORE_THEY_EXISTED = {"state_update": "residual", "sample_n_sup": False, "state_dtype": "float32"}
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -69,9 +68,8 @@ class GPTConfig:
     state_dtype: str = "float32"
     detach_between_steps: bool = True  # carry y, z detached between steps (TRM paper); see forward_backward
     # with detach_between_steps: detach only after every k-th step, so gradients run back through up to k steps
-    # (truncated backpropagation; 1 = the TRM's one-step gradient, n_sup_train = full); 2 keeps later steps from
-    # decaying past the trained count on the hops tasks, at twice the activations (dev/LOG.md, issue 36)
-    backprop_steps: int = 2
+    # (truncated backpropagation; 1 = the TRM's one-step gradient, n_sup_train = full)
+    backprop_steps: int = 1
     activation_checkpointing: bool = False  # recompute each layer visit in backward instead of storing it
     # a learned halting head sigmoid(Linear(norm(y))), trained alongside on a detached y (see halt_head_loss)
     halt_head: bool = False
@@ -80,9 +78,8 @@ class GPTConfig:
     n_prelude: int = 0
     n_coda: int = 0
     # The guides tell users to edit these two lines between phases (aggressive -> extreme): keep them plain literals.
-    # The default is the uniform preset: under base 5 the first step got 0.6% of the loss and learned little.
-    supervision_weight_base: float = 1.0
-    improvement_reward_scale: float = 0.0
+    supervision_weight_base: float = 5.0
+    improvement_reward_scale: float = 1.0
 
     def __post_init__(self):
         if self.n_sup_inference is None:

@@ -81,7 +81,7 @@ def test_the_parts_move_the_way_the_model_does():
     assert estimate_memory(d12, 32)["transient"] == estimate_memory(d12, 2)["transient"] < 5e9
     assert plain["transient"] < estimate_memory(d12, 2)["transient"]  # 2,048 rows: less than a chunk
     # detach_between_steps backpropagates the trunk step by step too: one step's activations alive at a time
-    detached = estimate_memory(d12.replace(detach_between_steps=True, backprop_steps=1), 1)
+    detached = estimate_memory(d12.replace(detach_between_steps=True), 1)
     assert detached["activations"] == plain["activations"] / 4
     # truncated backpropagation through 2 steps: two steps' activations alive at a time
     truncated = estimate_memory(d12.replace(detach_between_steps=True, backprop_steps=2), 1)
