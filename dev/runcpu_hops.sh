@@ -43,9 +43,9 @@ wait $plain
 tail -n 1 "$NANOCHAT_BASE_DIR/hops_trm.log" "$NANOCHAT_BASE_DIR/hops_plain.log"
 
 echo "== 4/5 accuracy by hop count at every supervision step"
-for tag in hops_trm hops_plain; do
-    $py -m scripts.base_loss --device_type=cpu --model_tag=$tag --hops --hops_docs=1000
-done
+$py -m scripts.base_loss --device_type=cpu --model_tag=hops_trm --hops --hops_docs=1000
+# the plain block at its one step: a second would run the block again on its own answer, which it never trained for
+$py -m scripts.base_loss --device_type=cpu --model_tag=hops_plain --hops --hops_docs=1000 --n_sup=1
 
 echo "== 5/5 plot"
 $py -m dev.plot_hops hops_trm hops_plain --out "$NANOCHAT_BASE_DIR/hops_demo.png"

@@ -131,8 +131,12 @@ def save_plot(path, title, lines, chance, trained_steps=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # lazy: after matplotlib.use, which must precede it
     fig, ax = plt.subplots(figsize=(6, 4))
+    longest = max(len(accuracies) for _, accuracies in lines)
     for label, accuracies in lines:
-        ax.plot(range(1, len(accuracies) + 1), accuracies, marker="o", label=label)
+        if len(accuracies) == 1:  # a one-step model (the plain block): its answer, level across the other's steps
+            ax.plot([1, longest], accuracies * 2, linestyle="--", label=label)
+        else:
+            ax.plot(range(1, len(accuracies) + 1), accuracies, marker="o", label=label)
     ax.axhline(chance, color="gray", linestyle=":", label="chance")
     if trained_steps:
         ax.axvline(trained_steps, color="gray", linestyle="--", linewidth=0.8, label="trained steps")
@@ -151,7 +155,7 @@ def plot_hops(result, path, title=""):
 
 def plot_models(results, path, title=""):
     """The longest hop count's accuracy vs supervision step, one line per model ({label: result}): a recursion that
-    uses its depth stands above the plain model of its parameters, whose steps all answer alike."""
+    uses its depth stands above the plain model of its parameters (scored at its one step, drawn level)."""
     lines = [(f"{label}, {r['hops'][-1]} hops", [row[-1] for row in r["accuracy"]]) for label, r in results.items()]
     save_plot(path, title, lines, min(r["chance"] for r in results.values()))
 
