@@ -122,35 +122,14 @@ def train(run_config):
         # at each step boundary save, evaluate and sample when due; then stop, or train one more step
         step, flags = start_step, run.control.agree(device)  # a budget spent or a signal before the first step
         while True:
-            last_step = step == num_iterations
-            stop = run.control.stop_reason(flags)  # agreed by every rank: a signal or a budget, raised on any of them
-            if stop:
-                print0(f"{stop} at step {step}: saving and stopping")
-            saved = run.save_due(step, stop, flags)
-            if saved:
-                run.save(step)  # before evaluation, so a failing eval can never cost the checkpoint
-            late_stop = None  # a reason to stop that the evaluation brings: a signal during it, or early stopping
-            if not flags["signal"]:  # after a signal, only the checkpoint: the grace period is short
-                if not run.evaluate_and_sample(step, due=last_step or bool(stop)):
-                    flags = run.control.agree(device)  # the signal that stopped the evaluation, as every rank saw it
-                    late_stop = f"{run.control.stop_reason(flags)} during the evaluation"
-                elif not (stop or last_step):
-                    late_stop = run.early_stop.reason()
-            if late_stop:
-                stop = late_stop
-                print0(f"{stop} at step {step}: saving and stopping")
-                if not saved and run.save_due(step, stop, flags):
-                    run.save(step)
-                    saved = True
-            if saved:
-                run.prune_and_back_up(step)
-            if last_step or stop:
+            stop, flags = run.step_boundary(step, flags)
+            if stop or step == num_iterations:
                 break
             t0 = time.time()
             try:
                 stats, flags, lrm = run.optimizer_step(step)
             except RankFailure as e:  # the training data: nothing of this step was applied
-                if not saved and not (resume and step == start_step):
+                if run.saved_step != step and not (resume and step == start_step):
                     run.save(step)
                 raise Exit(f"{e}. Stopped at step {step}, whose checkpoint is saved: repair the data as above, then "
                            "run the same command with --resume", code=ExitCode.DATA_DAMAGED)
@@ -171,7 +150,7 @@ def train(run_config):
 @dataclass
 class Run:
     """The run's components and the state its stages share, in named attributes; each stage is a method (save,
-    evaluate_and_sample, optimizer_step, log_step, finish), so a test can call one alone."""
+    step_boundary, evaluate_and_sample, optimizer_step, log_step, finish), so a test can call one alone."""
     run_config: RunConfig
     model: torch.nn.Module  # the weights trained (a GPT, sharded under FSDP); the rest see `published`
     ema: WeightAverage | None
@@ -200,6 +179,7 @@ class Run:
     consumed: list | None = None  # the loaders' positions after the last trained batch: what a checkpoint resumes from
     val_bpb: list | None = None  # the last evaluation's validation bpb per supervision step
     last_eval_step: int | None = None  # the step it measured (None before the first)
+    saved_step: int | None = None  # the step of the last checkpoint this process saved
     history: list = field(default_factory=list)  # every step's losses, for the NaN diagnostic
     health: Health = field(default_factory=Health)
 
@@ -213,6 +193,32 @@ class Run:
 
     def stop_asked(self):
         return self.control.signals.received is not None  # this rank's view: evaluation agrees on it batch by batch
+
+    def step_boundary(self, step, flags):
+        """The boundary before step `step` trains: (the reason to stop here or None, the flags all ranks agreed on
+        last). A stop agreed before it saves first; the evaluation and samples run when due (not after a signal: its
+        grace period is short) and may bring a stop of their own, a signal during them or early stopping."""
+        last_step = step == self.num_iterations
+        stop = self.control.stop_reason(flags)  # agreed by every rank: a signal or a budget, raised on any of them
+        if stop:
+            print0(f"{stop} at step {step}: saving and stopping")
+        if self.save_due(step, stop, flags):
+            self.save(step)  # before evaluation, so a failing eval can never cost the checkpoint
+        if not flags["signal"]:
+            late_stop = None
+            if not self.evaluate_and_sample(step, due=last_step or bool(stop)):
+                flags = self.control.agree(self.device)  # the signal that stopped the evaluation, as every rank saw it
+                late_stop = f"{self.control.stop_reason(flags)} during the evaluation"
+            elif not (stop or last_step):
+                late_stop = self.early_stop.reason()
+            if late_stop:
+                stop = late_stop
+                print0(f"{stop} at step {step}: saving and stopping")
+                if self.saved_step != step and self.save_due(step, stop, flags):
+                    self.save(step)
+        if self.saved_step == step:
+            self.prune_and_back_up(step)
+        return stop, flags
 
     def save_due(self, step, stop, flags):
         """Whether step's boundary saves: the last step, a stop, --save_every or --save_every_minutes (not at the step
@@ -236,6 +242,7 @@ class Run:
         except ckpt.CheckpointError as e:
             raise Exit(str(e), code=ExitCode.WRITE_FAILED)
         self.control.saved()
+        self.saved_step = step
         self.writer.submit(lambda: print0(f"saved checkpoint {path}"))
 
     def wait_for_checkpoint(self):
