@@ -342,7 +342,7 @@ def test_each_rank_samples_its_share_and_rank_0_reports_them_as_one_process(base
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     tokenizer = get_tokenizer()
     model = random_model(tiny_config(vocab_size=tokenizer.get_vocab_size()), every_weight=True)
-    run_config, never = parsed(TINY), lambda: False
+    run_config, never = train_config.parse_args(TINY), lambda: False
     rows, generate = [], Engine.generate
     monkeypatch.setattr(Engine, "generate", lambda self, prompts, **kwargs: rows.append(len(prompts)) or
                         generate(self, prompts, **kwargs))
@@ -355,7 +355,7 @@ def test_each_rank_samples_its_share_and_rank_0_reports_them_as_one_process(base
         return capsys.readouterr().out, logged, sent
 
     alone, alone_logged, sent = samples((0, 1))
-    assert rows == [4] and sent == [] and alone.count("sample: ") == 4
+    assert rows == [4] and sent == [] and alone.count("sample: ") == 4, alone
     completions = [completion for _, completion in alone_logged[0]["samples"]]
     assert len(set(completions)) == 4  # distinct: a completion in the wrong place shows
     theirs = base_train.sample_share(model, tokenizer, run_config, base_train.SAMPLE_PROMPTS[1::2], never)
