@@ -31,7 +31,7 @@ from nanochat.backup import Backup
 from nanochat.checkpoint_writer import CheckpointWriter, can_write_in_background
 from nanochat.cli import Exit, ExitCode
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags, run_on_rank0
-from nanochat.common import autocast_for, compute_cleanup, compute_init, print0
+from nanochat.common import autocast_for, compute_cleanup, compute_init, describe_error, print0
 from nanochat.dataloader import data_ranks, training_loaders
 from nanochat.dataset import DatasetError, corpus_identity
 from nanochat.engine import Engine
@@ -272,7 +272,7 @@ class Run:
         every = lambda n: bool(n) and step % n == 0  # noqa: E731 - --eval_every / --sample_every; 0 = end only
         if (due or every(self.run_config.eval_every)) and not self.evaluate(step):
             return False
-        if (self.rank == 0 or self.fsdp) and (due or every(self.run_config.sample_every)):
+        if due or every(self.run_config.sample_every):
             self.sample(step)
         return True
 
@@ -316,10 +316,10 @@ class Run:
                           "longest_hops_by_step": [row[-1] for row in result["accuracy"]]})
 
     def sample(self, step):
-        # rank 0 alone: a signal that cuts the samples short is agreed at the next step's reduction. Sharded, every
-        # rank takes part in each token's gathers, so none may stop early: the samples run to the end
+        # DDP: a share per rank, none idle; FSDP: each token gathers from every rank, so all run every prompt to the end
         run_samples(self.published, self.tokenizer, self.run_config, self.metrics, step,
-                    (lambda: False) if self.fsdp else self.stop_asked)
+                    (lambda: False) if self.fsdp else self.stop_asked,
+                    (0, 1) if self.fsdp else (self.rank, self.world_size))
 
     def accumulate(self, step, n_sup, sums):
         """Forward and backward over the step's micro-batches into sums, then read the next step's first batch
@@ -601,28 +601,66 @@ def oom_message(run_config):
                ", or --detach_between_steps (one supervision step's activations alive at a time)") + ".")
 
 
-def run_samples(model, tokenizer, run_config, metrics, step, stop):
-    """Greedy completions of SAMPLE_PROMPTS, printed and logged; abandoned, token by token, once stop() is true."""
+STOPPED = "stopped"  # a share's problem when a stop signal cut it short; otherwise the error that failed it
+
+
+def run_samples(model, tokenizer, run_config, metrics, step, stop, share=(0, 1)):
+    """Greedy completions of SAMPLE_PROMPTS, printed and logged (rank 0); skipped, with one line saying why, when a
+    stop signal cut a share short (checked token by token; the stop itself is agreed at the next step's reduction) or
+    a share failed. share=(index, count): this process generates prompts index, index + count, ... and, with count >
+    1, every rank's share is gathered: call it on the count ranks together."""
+    index, count = share
+    mine = sample_share(model, tokenizer, run_config, SAMPLE_PROMPTS[index::count], stop)
+    shares = [mine] if count == 1 else gather_shares(mine, count)  # every rank, stopped or failed too: none waits
+    completions, problem = merge_shares(shares)
+    if problem:
+        print0(problem)
+        return
+    for prompt, completion in zip(SAMPLE_PROMPTS, completions):
+        print0(f"sample: {prompt!r} -> {completion!r}")
+    metrics.log({"kind": "sample", "step": step, "samples": list(zip(SAMPLE_PROMPTS, completions))})
+
+
+def sample_share(model, tokenizer, run_config, prompts, stop):
+    """Greedy completions of prompts: (completions, None), or (None, STOPPED) once stop() is true, or (None, the
+    error that failed them)."""
+    if not prompts:
+        return [], None  # more ranks than prompts
     try:
         model.eval()
         engine = Engine(model, tokenizer, autocast=lambda: autocast_for(run_config.device_type, run_config.dtype))
-        outputs = [[] for _ in SAMPLE_PROMPTS]
-        for column in engine.generate([engine.encode_prompt(p) for p in SAMPLE_PROMPTS],
+        outputs = [[] for _ in prompts]
+        for column in engine.generate([engine.encode_prompt(p) for p in prompts],
                                       max_tokens=run_config.sample_tokens, temperature=0):
             if stop():
-                print0("samples abandoned: a stop signal arrived")
-                return
+                return None, STOPPED
             for output, token in zip(outputs, column):
                 if token is not None:
                     output.append(token)
-        completions = [tokenizer.decode(ids) for ids in outputs]
-        for prompt, completion in zip(SAMPLE_PROMPTS, completions):
-            print0(f"sample: {prompt!r} -> {completion!r}")
-        metrics.log({"kind": "sample", "step": step, "samples": list(zip(SAMPLE_PROMPTS, completions))})
+        return [tokenizer.decode(ids) for ids in outputs], None
     except Exception as e:  # noqa: BLE001 - a sample is a courtesy, not a reason to stop
-        print0(f"WARNING: sampling failed and was skipped: {type(e).__name__}: {e}")
+        return None, describe_error(e)
     finally:
         model.train()
+
+
+def gather_shares(mine, count):
+    """Every rank's sample_share result, in rank order (a collective)."""
+    shares = [None] * count
+    torch.distributed.all_gather_object(shares, mine)
+    return shares
+
+
+def merge_shares(shares):
+    """The ranks' (completions, problem), prompt i's on rank i % len(shares) -> (every completion in prompt order,
+    None), or (None, the line that says why the samples were skipped)."""
+    if any(problem == STOPPED for _, problem in shares):
+        return None, "samples abandoned: a stop signal arrived"
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(shares) if problem]
+    if failed:
+        causes = "; ".join(problem if len(shares) == 1 else f"on rank {rank}: {problem}" for rank, problem in failed)
+        return None, f"WARNING: sampling failed and was skipped: {causes}"
+    return [shares[i % len(shares)][0][i // len(shares)] for i in range(len(SAMPLE_PROMPTS))], None
 
 
 def update_checkpoint_bpb(model_tag, step, val_bpb):

@@ -15,7 +15,8 @@ import torch
 
 from nanochat import dataloader, planning, train_config
 from tests.support import processes
-from tests.support.helpers import ROOT, TINY, TINY_SHAPE, ckpt_dir, exit_code, parsed, tree, weights
+from tests.support.helpers import (ROOT, TINY, TINY_SHAPE, ckpt_dir, exit_code, parsed, random_model, tiny_config,
+                                   tree, weights)
 
 
 def run(base_dir, *flags, torchrun=False, check=True, script="scripts.base_train"):
@@ -115,13 +116,23 @@ ckpt.save_checkpoint("midsave", 4, model, [], {**meta}, {"loaders": []})
 
 def test_two_gloo_processes_match_one_process_with_double_accumulation(base_dir):
     # 5 validation rows of 2 per batch: on 2 processes rank 0 evaluates batches 0 and 2, rank 1 batch 1 and padding
-    flags = TINY + ["--num_iterations=4", "--grad_clip=0.5", "--eval_tokens=160"]
-    run(base_dir, *flags, "--gradient_accumulation_steps=1", "--model_tag=ddp2", torchrun=True)
+    flags = TINY + ["--num_iterations=4", "--grad_clip=0.5", "--eval_tokens=160", "--sample_every=2"]
+    out = run(base_dir, *flags, "--gradient_accumulation_steps=1", "--model_tag=ddp2", torchrun=True,
+              script="tests.support.sample_worker").stdout
     run(base_dir, *flags, "--gradient_accumulation_steps=2", "--model_tag=single2")
 
-    def records(tag, kind, key):
+    def logged(tag, kind, key):
         with open(os.path.join(ckpt_dir(base_dir, tag), "metrics.jsonl")) as f:
-            return torch.tensor([r[key] for r in map(json.loads, f) if r["kind"] == kind], dtype=torch.float64)
+            return [(r["step"], r[key]) for r in map(json.loads, f) if r["kind"] == kind]
+
+    def records(tag, kind, key):
+        return torch.tensor([value for _, value in logged(tag, kind, key)], dtype=torch.float64)
+
+    # samples at steps 0, 2 and 4: each rank generates its half of the prompts and rank 0 logs them as one process
+    announced = sorted(line for line in out.splitlines() if " samples prompts " in line)
+    assert announced == ["rank 0 samples prompts [0, 2]"] * 3 + ["rank 1 samples prompts [1, 3]"] * 3, out[-3000:]
+    assert [step for step, _ in logged("ddp2", "sample", "samples")] == [0, 2, 4]
+    assert logged("ddp2", "sample", "samples") == logged("single2", "sample", "samples")
 
     assert torch.allclose(records("ddp2", "train", "step_losses"), records("single2", "train", "step_losses"), atol=1e-5)
     a, b = weights(base_dir, "ddp2", 4), weights(base_dir, "single2", 4)
@@ -320,6 +331,52 @@ def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     base_train.train(train_config.parse_args([*TINY, "--num_iterations=1", "--dtype=bfloat16", "--model_tag=bf16"]))
     assert seen and all(seen_dtype == (True, torch.bfloat16) for seen_dtype in seen)
+
+
+def test_each_rank_samples_its_share_and_rank_0_reports_them_as_one_process(base_dir, monkeypatch, capsys):
+    # rank 0 of 2: its share (prompts 0 and 2) generated here, rank 1's handed to it by the gather
+    from types import SimpleNamespace
+    from nanochat.engine import Engine
+    from nanochat.tokenizer import get_tokenizer
+    from scripts import base_train
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    tokenizer = get_tokenizer()
+    model = random_model(tiny_config(vocab_size=tokenizer.get_vocab_size()), every_weight=True)
+    run_config, never = train_config.parse_args(TINY), lambda: False
+    rows, generate = [], Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, prompts, **kwargs: rows.append(len(prompts)) or
+                        generate(self, prompts, **kwargs))
+
+    def samples(share, theirs=None, stop=never):
+        """What rank share[0] prints and logs, and what it hands to the gather."""
+        logged, sent = [], []
+        monkeypatch.setattr(base_train, "gather_shares", lambda mine, count: sent.append(mine) or [mine, theirs])
+        base_train.run_samples(model, tokenizer, run_config, SimpleNamespace(log=logged.append), 7, stop, share)
+        return capsys.readouterr().out, logged, sent
+
+    alone, alone_logged, sent = samples((0, 1))
+    assert rows == [4] and sent == [] and alone.count("sample: ") == 4, alone
+    completions = [completion for _, completion in alone_logged[0]["samples"]]
+    assert len(set(completions)) == 4  # distinct: a completion in the wrong place shows
+    theirs = base_train.sample_share(model, tokenizer, run_config, base_train.SAMPLE_PROMPTS[1::2], never)
+    assert samples((0, 2), theirs) == (alone, alone_logged, [(completions[0::2], None)])
+    assert rows == [4, 2, 2]  # rank 1's share, then rank 0's: half the prompts each
+    assert base_train.sample_share(model, tokenizer, run_config, [], never) == ([], None) and len(rows) == 3
+    # a share cut short by a signal, or failed, on either rank: every rank still gathers, and nothing is logged
+    abandoned = "samples abandoned: a stop signal arrived\n"
+    assert samples((0, 2), (None, base_train.STOPPED)) == (abandoned, [], [(completions[0::2], None)])
+    assert samples((0, 2), theirs, stop=lambda: True) == (abandoned, [], [(None, base_train.STOPPED)])
+    skipped = "WARNING: sampling failed and was skipped: "
+    assert samples((0, 2), (None, "ValueError: injected"))[:2] == (skipped + "on rank 1: ValueError: injected\n", [])
+
+    def fail(self, prompts, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(Engine, "generate", fail)
+    assert samples((0, 2), theirs) == (skipped + "on rank 0: RuntimeError: injected\n", [],
+                                       [(None, "RuntimeError: injected")])
+    assert samples((0, 1)) == (skipped + "RuntimeError: injected\n", [], [])  # one process: today's line
+    assert model.training  # back to training after a failed share too
 
 
 # ------------------------------------------------ the batch geometry and WANDB_RUN, as base_train parses them
