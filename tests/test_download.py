@@ -198,9 +198,11 @@ def test_a_trickling_server_meets_the_shard_deadline(hub):
 def test_ctrl_c_stops_at_once_with_one_line_and_no_partial_file(hub, tmp_path):
     hub.faults = {"shard_00000.parquet": ["stall"], "shard_01822.parquet": ["stall"]}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # as from a terminal: a suite started in the background (`&`) ignores SIGINT, and its children would inherit that
     proc = subprocess.Popen([sys.executable, "-m", "nanochat.dataset", "-n", "1", "-w", "2"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         give_up = time.monotonic() + 60
         while len(hub.requests) < 2 and time.monotonic() < give_up:  # both downloads in flight, stalled
