@@ -27,14 +27,14 @@ ROWS = {"masked": (masked_row, masked_vocab, SPEC), "chains": (chains_row, chain
 
 
 def validation_rows(count=256):
-    row, _, spec = ROWS[FORMAT["name"]]
+    row, _, spec = ROWS[FORMAT["name"]]  # the format main() chose
     return batches([row(random.Random(f"val:{i}"), spec) for i in range(count)], None)
 
 
 def quick_config(val, **fields):
     shape = dict(n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
-    return GPTConfig(sequence_len=val[0].size(1), vocab_size=ROWS[FORMAT["name"]][1](ROWS[FORMAT["name"]][2]),
-                     **{**shape, **fields})
+    _, vocab, spec = ROWS[FORMAT["name"]]
+    return GPTConfig(sequence_len=val[0].size(1), vocab_size=vocab(spec), **{**shape, **fields})
 
 
 def trained(config, steps, seed=0):
@@ -42,7 +42,8 @@ def trained(config, steps, seed=0):
     model = GPT(config)
     model.init_weights()
     optimizers = setup_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02)
-    train(model, optimizers, ROWS[FORMAT["name"]][2], None, steps, batch=32, seed=seed, warmup=20)
+    _, _, spec = ROWS[FORMAT["name"]]
+    train(model, optimizers, spec, None, steps, batch=32, seed=seed, warmup=20)
     return model
 
 
