@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat.checkpoint_meta import best_of
 from nanochat import attention, checkpoint_model, lifecycle, sharding
 from nanochat.backup import Backup
 from nanochat.checkpoint_writer import CheckpointWriter, can_write_in_background
@@ -553,7 +554,7 @@ def early_stop_for(run_config, resume):
     if resume.meta.get("early_stop"):
         return lifecycle.EarlyStop(run_config.early_stop, resume.meta["early_stop"])
     recorded = ckpt.readable_bpb(run_config.model_tag)
-    best = ckpt.best_of(recorded)
+    best = best_of(recorded)
     return lifecycle.EarlyStop(run_config.early_stop, best_recorded=None if best is None else (best, recorded[best]))
 
 
