@@ -1,6 +1,10 @@
 """
+Writing a checkpoint: snapshot() copies a rank's state to CPU memory, write_snapshot() writes it into step_N.tmp,
+fsyncs and renames it into place, every rank agreeing on a failure (save_checkpoint does both at once). Where the
+files live and how they are read back is checkpoint_manager's.
+
 Checkpoints written in the background: save() blocks the step loop only while the state is copied to CPU memory
-(checkpoint_manager.snapshot); a writer thread writes the files, fsyncs, renames step_N.tmp into place, and then runs
+(snapshot); a writer thread writes the files, fsyncs, renames step_N.tmp into place, and then runs
 what must follow a write (the checkpoint's bpb, retention, the backup's upload), in the order they were submitted.
 
 Every guarantee of a synchronous save holds: the files come from the same write_snapshot (atomic, fsynced, a failure
@@ -10,11 +14,154 @@ way out of it) waits for the write in flight. A write in a thread, not torch.dis
 run's one-process saves are plain files, and DCP's async save needs its own process group for its collectives.
 """
 
+import errno
+import json
+import os
 import queue
+import shutil
 import threading
+from dataclasses import dataclass
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat.common import distributed, print0
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+from nanochat.checkpoint_manager import (SHARD_INDEX, TRAIN_WEIGHTS, WEIGHTS, CheckpointError, checkpoint_bytes,
+                                         model_dir, step_dir)
+from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
+from nanochat.common import distributed, print0, rng_state
+from nanochat.files import free_bytes, fsync_dir, gigabytes
+
+
+def _write(path, data):
+    """Write bytes or a torch object, flushed to the disk before the directory is renamed into place."""
+    with open(path, "wb") as f:
+        if isinstance(data, bytes):
+            f.write(data)
+        else:
+            torch.save(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _out_of_space(error, directory, need):
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in str(error) \
+        or free_bytes(directory) < need
+
+
+def host_copy(value):
+    """value with every tensor copied into CPU memory and every dict, list and tuple rebuilt: a snapshot that the
+    training's next steps cannot change."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: host_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(host_copy(v) for v in value)
+    return value
+
+
+@dataclass
+class Snapshot:
+    """What one rank's checkpoint files will hold, in CPU memory: weights by file name, the rank file, meta.json."""
+    model_tag: str
+    step: int
+    rank: int
+    need: int  # bytes a checkpoint takes, for the full-disk advice
+    weights: dict
+    rank_file: dict
+    meta: bytes
+
+
+def snapshot(model_tag, step, model, optimizers, meta, rank_state, rank=0, train_model=None, sharded=False):
+    """The state save_checkpoint writes, copied to CPU memory. Sharded: only the rank file and meta.json (DCP
+    writes the weights and optimizer state)."""
+    modules = {} if sharded else {WEIGHTS: model, TRAIN_WEIGHTS: train_model}
+    weights = {name: {k: v.contiguous() for k, v in host_copy(module.state_dict()).items()}
+               for name, module in modules.items() if module is not None}
+    rank_file = {"rng": rng_state(), **rank_state} if sharded else \
+        {"optimizers": [opt.state_dict() for opt in optimizers], "rng": rng_state(), **rank_state}
+    return Snapshot(model_tag, step, rank, checkpoint_bytes(model), weights, host_copy(rank_file),
+                    json.dumps({**meta, "step": step}, indent=2).encode())
+
+
+def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0, train_model=None):
+    """Every rank calls this. rank_state: this rank's dataloader state (and anything else per-rank). model: the
+    weights to publish (those evaluated and sampled); train_model: the weights training goes on from, when they
+    differ (an EMA is published).
+
+    A failure on any rank removes the partial save and raises CheckpointError on every rank; a full disk says so,
+    with the bytes a checkpoint needs."""
+    from nanochat import sharding  # lazy: it loads FSDP (~1.5 s); sampling and serving need not
+    sharded = sharding.is_sharded(model)
+    state = snapshot(model_tag, step, model, optimizers, meta, rank_state, rank, train_model, sharded)
+    shards = (lambda tmp: write_shards(tmp, model, train_model, optimizers)) if sharded else None
+    return write_snapshot(state, shards)
+
+
+def write_snapshot(state, shards=None):
+    """Write a snapshot into step_N.tmp, fsynced, then rename it into place; shards(tmp): the sharded weights' writer,
+    a collective. Every rank calls this; a failure on any rank removes the partial save and raises CheckpointError on
+    every rank."""
+    model_tag, step, rank, need = state.model_tag, state.step, state.rank, state.need
+    final, tmp = step_dir(model_tag, step), step_dir(model_tag, step) + ".tmp"
+
+    def together(what, work, rank0_only=False):
+        if rank0_only:  # the others wait in short collectives: writing the weights may outlast the group's timeout
+            error = run_on_rank0(work, rank)
+        else:
+            error = None
+            try:
+                work()
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
+                error = e
+        if error is not None and _out_of_space(error, model_dir(model_tag), need):
+            error = OSError(errno.ENOSPC, "no space left on device")
+        try:
+            raise_if_any_rank_failed(error, f"saving step {step} ({what})")
+        except RankFailure as failure:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            advice = (f"; a checkpoint needs ~{gigabytes(need)} ({need:,} bytes), "
+                      f"{gigabytes(free_bytes(model_dir(model_tag)))} are free: free space, lower --keep_last or set "
+                      f"NANOCHAT_BASE_DIR to a bigger disk, then --resume"
+                      if "no space left" in str(failure) else "; fix the cause, then --resume")
+            raise CheckpointError(f"{failure}. The partial save was removed and earlier checkpoints are intact"
+                                  f"{advice}") from failure
+
+    def prepare():
+        if rank == 0:
+            os.makedirs(model_dir(model_tag), exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed mid-save
+            os.makedirs(tmp)
+
+    def publish():
+        for name, weights in state.weights.items():
+            _write(os.path.join(tmp, name), safetensors_bytes(weights))
+        _write(os.path.join(tmp, "meta.json"), state.meta)
+        fsync_dir(tmp)
+        if os.path.exists(final):  # re-saving a step (e.g. after resume)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(model_dir(model_tag))
+
+    rank_file = os.path.join(tmp, f"rank_{rank}.pt")
+    together("preparing the directory", prepare)
+    together(f"writing {os.path.basename(rank_file)}", lambda: _write(rank_file, state.rank_file))
+    if shards:
+        together("writing the shards", lambda: shards(tmp))
+    together("writing the model and meta.json", publish, rank0_only=True)
+    return final
+
+
+def write_shards(directory, model, train_model, optimizers):
+    """Every rank writes its shards of the weights and optimizer state (and rank 0 the index, .metadata)."""
+    import torch.distributed.checkpoint as dcp  # lazy: DCP costs ~1 s to import, paid only by sharded runs
+    from nanochat import sharding  # lazy: it loads FSDP (~1.5 s); sampling and serving need not
+    dcp.save(sharding.checkpoint_state(model, train_model, optimizers), checkpoint_id=directory)
+    for name in os.listdir(directory):  # DCP flushes but does not fsync: the rename must find them on the disk
+        if name.endswith(".distcp") or name == SHARD_INDEX:
+            with open(os.path.join(directory, name), "rb") as f:
+                os.fsync(f.fileno())
 
 
 def can_write_in_background(model):
@@ -39,18 +186,18 @@ class CheckpointWriter:
             return
         try:  # the run already stops with its own error: the write in flight is still finished, and said if it failed
             self.close()
-        except ckpt.CheckpointError as e:
+        except CheckpointError as e:
             print0(f"WARNING: the checkpoint write in flight failed too: {e}")
 
     def save(self, model_tag, step, model, optimizers, meta, rank_state, rank=0, train_model=None):
-        """checkpoint_manager.save_checkpoint, returning once the state is copied when in the background. Waits for
+        """save_checkpoint, returning once the state is copied when in the background. Waits for
         the previous write first, and raises its CheckpointError if it failed."""
         self.wait()
         if not self.background:
-            return ckpt.save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank, train_model)
-        state = ckpt.snapshot(model_tag, step, model, optimizers, meta, rank_state, rank, train_model)
-        self.submit(lambda: ckpt.write_snapshot(state))
-        return ckpt.step_dir(model_tag, step)
+            return save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank, train_model)
+        state = snapshot(model_tag, step, model, optimizers, meta, rank_state, rank, train_model)
+        self.submit(lambda: write_snapshot(state))
+        return step_dir(model_tag, step)
 
     def submit(self, work):
         """work() after the writes and work submitted before it; skipped once one of them failed."""

@@ -22,6 +22,7 @@ import torch
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.checkpoint_model import build_model
+from nanochat.checkpoint_writer import save_checkpoint
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, print0
 from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_size
@@ -132,7 +133,7 @@ def main(argv=None):
                            "lr": args.lr, "tokens": args.num_iterations * B * T, "val_bce_before": before,
                            "val_bce_after": after, "val_bce_blind": blind_bce(rate), "val_halt_rate": rate}}
     try:
-        path = ckpt.save_checkpoint(out_tag, meta["step"], model, [optimizer], meta, {})
+        path = save_checkpoint(out_tag, meta["step"], model, [optimizer], meta, {})
     except (ckpt.CheckpointError, OSError) as e:
         raise Exit(f"halt_train: {e}")
     print0(f"saved {path}\nuse it: python -m scripts.base_loss --model_tag={out_tag} --halt=head:0.5")

@@ -12,6 +12,7 @@ import torch
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat import lifecycle
+from nanochat import checkpoint_writer
 from nanochat.checkpoint_writer import CheckpointWriter
 from nanochat.optim import setup_optimizers
 from scripts import base_train
@@ -55,8 +56,8 @@ def checkpoint_files(base, tag, step):
 
 def writer_threads(monkeypatch):
     """The names of the threads that write checkpoint files, from now on."""
-    names, real = [], ckpt._write
-    monkeypatch.setattr(ckpt, "_write", lambda path, data: names.append(threading.current_thread().name)
+    names, real = [], checkpoint_writer._write
+    monkeypatch.setattr(checkpoint_writer, "_write", lambda path, data: names.append(threading.current_thread().name)
                         or real(path, data))
     return names
 
@@ -86,15 +87,15 @@ def test_a_save_blocks_only_for_the_snapshot_and_writes_the_state_at_the_save(ba
     for opt in optimizers:
         opt.step()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    expected_optim = [ckpt.host_copy(opt.state_dict()) for opt in optimizers]
+    expected_optim = [checkpoint_writer.host_copy(opt.state_dict()) for opt in optimizers]
     returned, held = threading.Event(), []
-    real = ckpt._write
+    real = checkpoint_writer._write
 
     def slow_write(path, data):
         held.append(returned.wait(WAIT_S))
         real(path, data)
 
-    monkeypatch.setattr(ckpt, "_write", slow_write)
+    monkeypatch.setattr(checkpoint_writer, "_write", slow_write)
     with CheckpointWriter(background=True) as writer:
         writer.save("slow", 1, model, optimizers, {"model_config": model.config.to_dict()}, {"loaders": [7]})
         returned.set()
@@ -119,7 +120,7 @@ def test_a_failed_background_write_stops_the_run_at_the_next_save_in_one_line_ex
             return FullDiskFile(f)
         return f
 
-    monkeypatch.setattr(ckpt, "open", full_open, raising=False)
+    monkeypatch.setattr(checkpoint_writer, "open", full_open, raising=False)
     assert train(*FLAGS, "--num_iterations=6", "--model_tag=bgfull") == 5
     err = capsys.readouterr().err
     assert one_line(err) and err.startswith("base_train: saving step 2 (writing rank_0.pt) failed: "), err
@@ -135,7 +136,7 @@ def test_a_failed_background_write_stops_the_run_at_the_next_save_in_one_line_ex
 def test_a_stop_signal_during_a_pending_write_leaves_complete_checkpoints_and_exits_143(base, monkeypatch, capsys):
     """SIGTERM arrives while step 2's write is held in the writer; the run stops at the next step, saves it and exits
     143 with both checkpoints complete and loadable, and resumes from the second."""
-    handled, real_acknowledge, real_write = threading.Event(), lifecycle.acknowledge, ckpt._write
+    handled, real_acknowledge, real_write = threading.Event(), lifecycle.acknowledge, checkpoint_writer._write
     monkeypatch.setattr(lifecycle, "acknowledge", lambda sig: handled.set() or real_acknowledge(sig))
 
     def write_during_a_stop(path, data):
@@ -145,7 +146,7 @@ def test_a_stop_signal_during_a_pending_write_leaves_complete_checkpoints_and_ex
             assert handled.wait(WAIT_S), "the main thread never handled the signal"
         real_write(path, data)
 
-    monkeypatch.setattr(ckpt, "_write", write_during_a_stop)
+    monkeypatch.setattr(checkpoint_writer, "_write", write_during_a_stop)
     assert train(*FLAGS, "--num_iterations=50", "--model_tag=stop") == 128 + signal.SIGTERM
     steps = ckpt.list_steps("stop")
     assert len(steps) == 2 and steps[0] == 2 and temporaries(ckpt_dir(base, "stop")) == []
@@ -154,6 +155,6 @@ def test_a_stop_signal_during_a_pending_write_leaves_complete_checkpoints_and_ex
         ckpt.load_model("stop", str(step))
         ckpt.load_rank_state("stop", step, 0)
     assert f"stopped at step {steps[1]} by SIGTERM received" in capsys.readouterr().err
-    monkeypatch.setattr(ckpt, "_write", real_write)
+    monkeypatch.setattr(checkpoint_writer, "_write", real_write)
     assert train(*FLAGS, "--num_iterations=6", "--model_tag=stop", "--resume") == 0
     assert f"resumed stop from step {steps[1]}" in capsys.readouterr().out

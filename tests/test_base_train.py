@@ -96,7 +96,8 @@ def dying_save(obj, f, *a, **k):
     real_save(obj, f, *a, **k)
     os.kill(os.getpid(), signal.SIGKILL)
 torch.save = dying_save
-ckpt.save_checkpoint("midsave", 4, model, [], {**meta}, {"loaders": []})
+from nanochat.checkpoint_writer import save_checkpoint
+save_checkpoint("midsave", 4, model, [], {**meta}, {"loaders": []})
 """
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
     proc = processes.run([sys.executable, "-c", script], timeout=120, cwd=ROOT, env=env)

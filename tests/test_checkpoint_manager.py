@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import torch
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat import checkpoint_writer
 from nanochat import resume
 from nanochat.backup import Backup
 from nanochat.checkpoint_model import build_model
@@ -108,7 +109,7 @@ def test_full_disk_during_a_save_says_so_cleans_up_and_resume_works(base, monkey
         f = real_open(path, mode, *args, **kwargs)
         return FullDiskFile(f) if "w" in mode and "step_000004" in str(path) else f
 
-    monkeypatch.setattr(ckpt, "open", full_open, raising=False)
+    monkeypatch.setattr(checkpoint_writer, "open", full_open, raising=False)
     before = tree(ckpt_dir(base, "full", 2))
     assert train(*FLAGS, "--num_iterations=4", "--model_tag=full", "--resume") == 5
     err = capsys.readouterr().err.strip().splitlines()

@@ -549,11 +549,12 @@ def test_a_config_saved_before_state_update_existed_loads_as_the_residual_recurs
 def test_an_old_checkpoint_gives_the_same_logits_as_before(tmp_path, monkeypatch):
     from nanochat import checkpoint_manager as ckpt
     from nanochat.checkpoint_model import build_model
+    from nanochat.checkpoint_writer import save_checkpoint
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     config = tiny_config(n_loops=1, n_sup_train=2, state_update="residual")  # what every old checkpoint is
     model = random_model(config).eval()
     meta = {"model_config": {k: v for k, v in config.to_dict().items() if k not in ("state_update", "sample_n_sup")}}
-    ckpt.save_checkpoint("old", 1, model, [], meta, rank_state={})
+    save_checkpoint("old", 1, model, [], meta, rank_state={})
     loaded = build_model(ckpt.read_meta("old", 1)["model_config"], "cpu")
     loaded.load_state_dict(ckpt.load_model_weights("old", 1, "cpu"))
     idx = random_batch(config)[0]

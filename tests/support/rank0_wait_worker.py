@@ -17,6 +17,7 @@ import time
 import torch.distributed
 
 from nanochat import checkpoint_manager as ckpt
+from nanochat import checkpoint_writer
 from nanochat import resume
 from nanochat.backup import Backup
 from nanochat.checkpoint_model import build_model
@@ -53,10 +54,10 @@ def steps(backup_url):
     except RankFailure as e:
         print(f"rank {rank}: {e}", flush=True)
     model = build_model(GPTConfig(sequence_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, n_embd=8).to_dict(), "cpu")
-    real_write = ckpt._write
-    ckpt._write = lambda path, data: (slowly(real_write) if path.endswith(ckpt.WEIGHTS) else real_write)(path, data)
-    ckpt.save_checkpoint("slow", 1, model, [], {"model_config": model.config.to_dict()}, {"loaders": []}, rank)
-    ckpt._write = real_write
+    real_write = checkpoint_writer._write
+    checkpoint_writer._write = lambda path, data: (slowly(real_write) if path.endswith(ckpt.WEIGHTS) else real_write)(path, data)
+    checkpoint_writer.save_checkpoint("slow", 1, model, [], {"model_config": model.config.to_dict()}, {"loaders": []}, rank)
+    checkpoint_writer._write = real_write
     print(f"rank {rank}: saved steps {ckpt.list_steps('slow')}", flush=True)
     torch.distributed.barrier()  # every rank has listed the save before rank 0 moves it to the backup
     run_on_rank0(lambda: move_to_backup("slow", 1, backup_url), rank)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nanochat.checkpoint_manager import save_checkpoint
+from nanochat.checkpoint_writer import save_checkpoint
 from nanochat.gpt import GPT
 from nanochat.tokenizer import RustBPETokenizer, tokenizer_dir
 from tests.support.helpers import tiny_config
