@@ -10,8 +10,10 @@ what must follow a write (the checkpoint's bpb, retention, the backup's upload),
 Every guarantee of a synchronous save holds: the files come from the same write_snapshot (atomic, fsynced, a failure
 removes the .tmp); at most one write is in flight (the next save waits for the previous one); a failed write raises its
 CheckpointError at the next save() or wait(), never lost; close() (at the end of a run, a stop signal or any other
-way out of it) waits for the write in flight. A write in a thread, not torch.distributed.checkpoint's async_save: a
-run's one-process saves are plain files, and DCP's async save needs its own process group for its collectives.
+way out of it) waits for the write in flight. With several ranks the thread agrees on a failure in a Gloo process group
+of its own, so its collectives never interleave with the training's on the default group. A write in a thread, not
+torch.distributed.checkpoint's async_save: an unsharded run's saves are plain files; sharded runs save with DCP on the
+default group, before training goes on.
 """
 
 import errno
@@ -23,12 +25,13 @@ import threading
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save as safetensors_bytes
 
 from nanochat.checkpoint_manager import (SHARD_INDEX, TRAIN_WEIGHTS, WEIGHTS, CheckpointError, checkpoint_bytes,
                                          model_dir, step_dir)
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
-from nanochat.common import distributed, print0, rng_state
+from nanochat.common import PROCESS_GROUP_TIMEOUT, distributed, print0, rng_state
 from nanochat.files import free_bytes, fsync_dir, gigabytes
 
 
@@ -98,16 +101,16 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
     return write_snapshot(state, shards)
 
 
-def write_snapshot(state, shards=None):
+def write_snapshot(state, shards=None, group=None):
     """Write a snapshot into step_N.tmp, fsynced, then rename it into place; shards(tmp): the sharded weights' writer,
     a collective. Every rank calls this; a failure on any rank removes the partial save and raises CheckpointError on
-    every rank."""
+    every rank. group: the process group the ranks agree in (the writer thread's own; None: the default)."""
     model_tag, step, rank, need = state.model_tag, state.step, state.rank, state.need
     final, tmp = step_dir(model_tag, step), step_dir(model_tag, step) + ".tmp"
 
     def together(what, work, rank0_only=False):
         if rank0_only:  # the others wait in short collectives: writing the weights may outlast the group's timeout
-            error = run_on_rank0(work, rank)
+            error = run_on_rank0(work, rank, group)
         else:
             error = None
             try:
@@ -117,7 +120,7 @@ def write_snapshot(state, shards=None):
         if error is not None and _out_of_space(error, model_dir(model_tag), need):
             error = OSError(errno.ENOSPC, "no space left on device")
         try:
-            raise_if_any_rank_failed(error, f"saving step {step} ({what})")
+            raise_if_any_rank_failed(error, f"saving step {step} ({what})", group=group)
         except RankFailure as failure:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -165,17 +168,21 @@ def write_shards(directory, model, train_model, optimizers):
 
 
 def can_write_in_background(model):
-    """Whether this process's saves can leave the step loop: one process, unsharded. With several ranks, agreeing on a
-    failed write is a collective, which must not run in a thread beside the training's own collectives."""
+    """Whether this process's saves can leave the step loop: unsharded (DCP's sharded save takes collectives on the
+    default group, which must not run in a thread beside the training's own)."""
     from nanochat import sharding  # lazy: it loads FSDP (~1.5 s)
-    return not distributed() and not sharding.is_sharded(model)
+    return not sharding.is_sharded(model)
 
 
 class CheckpointWriter:
     """save() and submit(work) run in one background thread, in order, when `background`; otherwise at once."""
 
     def __init__(self, background):
+        """Every rank constructs it at the same point: with several ranks, a background writer makes its own group."""
         self.background, self.error, self.jobs, self.thread = background, None, queue.Queue(), None
+        # Gloo whatever the training's backend: the agreement is a few bytes, and a CPU group needs no CUDA stream
+        self.group = dist.new_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT) if background and distributed() \
+            else None
 
     def __enter__(self):
         return self
@@ -196,7 +203,7 @@ class CheckpointWriter:
         if not self.background:
             return save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank, train_model)
         state = snapshot(model_tag, step, model, optimizers, meta, rank_state, rank, train_model)
-        self.submit(lambda: write_snapshot(state))
+        self.submit(lambda: write_snapshot(state, group=self.group))
         return step_dir(model_tag, step)
 
     def submit(self, work):

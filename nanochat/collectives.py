@@ -1,6 +1,7 @@
 """Collectives every rank takes part in, so that ranks decide together: a sum that also says which ranks raised a
 flag (stop, skip, fail), an error on any rank raised on every rank, and work rank 0 does alone while the others wait
-without nearing the process-group timeout."""
+without nearing the process-group timeout. Each takes group=: a process group of all ranks other than the default,
+so that a thread (the checkpoint writer) can decide together with its peers beside the training's own collectives."""
 
 import threading
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from nanochat.common import RANK0_POLL_S, describe_error, distributed
 
 
-def run_on_rank0(work, rank):
+def run_on_rank0(work, rank, group=None):
     """work() on rank 0 while every other rank waits for it; returns rank 0's exception (None elsewhere, or when it
     succeeded), for raise_if_any_rank_failed. A collective: call it on every rank.
 
@@ -35,18 +36,19 @@ def run_on_rank0(work, rank):
     while True:
         if worker:
             worker.join(RANK0_POLL_S)
-        _, (finished,) = reduce_with_flags(torch.zeros(0, device=collective_device()),
-                                           [worker is not None and not worker.is_alive()])
+        _, (finished,) = reduce_with_flags(torch.zeros(0, device=collective_device(group)),
+                                           [worker is not None and not worker.is_alive()], group=group)
         if finished:
             return error[0] if error else None
 
 
-def collective_device():
+def collective_device(group=None):
     """Where small control tensors must live for the process group's backend (NCCL only moves GPU tensors)."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
 
 
-def reduce_with_flags(values, flags, to_host=False):
+def reduce_with_flags(values, flags, to_host=False, group=None):
     """Sum `values` (a 1-D tensor) over ranks and learn which ranks raised each of `flags` (bools), in one all_reduce
     and one host read.
 
@@ -56,13 +58,13 @@ def reduce_with_flags(values, flags, to_host=False):
     """
     if not distributed():
         return (values.tolist() if to_host else values), [[0] if flag else [] for flag in flags]
-    world, rank, n = dist.get_world_size(), dist.get_rank(), values.numel()
+    world, rank, n = dist.get_world_size(group), dist.get_rank(group), values.numel()
     raised = torch.zeros(len(flags), world, dtype=values.dtype, device=values.device)
     for i, flag in enumerate(flags):
         if flag:
             raised[i, rank] = 1.0  # a fill on the device: no copy from pageable host memory, so no sync
     payload = torch.cat([values.flatten(), raised.flatten()])
-    dist.all_reduce(payload)
+    dist.all_reduce(payload, group=group)
     host = payload.tolist() if to_host else payload[n:].tolist()
     summed, raised = (host[:n], host[n:]) if to_host else (payload[:n].view_as(values), host)
     return summed, [[r for r in range(world) if raised[i * world + r]] for i in range(len(flags))]
@@ -72,7 +74,7 @@ class RankFailure(RuntimeError):
     """Something failed on one or more ranks; every rank raises it, so none is left waiting in a collective."""
 
 
-def raise_if_any_rank_failed(error, what, failed=None):
+def raise_if_any_rank_failed(error, what, failed=None, group=None):
     """Every rank calls this with its own error (an exception, or None). If any rank failed, every rank raises
     RankFailure('<what> failed on rank R: <cause>'); otherwise it returns. A collective: call it on every rank.
     failed: the failing ranks when the caller already reduced them (reduce_with_flags), saving the all_reduce."""
@@ -81,11 +83,12 @@ def raise_if_any_rank_failed(error, what, failed=None):
             raise RankFailure(f"{what} failed: {describe_error(error)}") from error
         return
     if failed is None:
-        _, (failed,) = reduce_with_flags(torch.zeros(0, device=collective_device()), [error is not None])
+        _, (failed,) = reduce_with_flags(torch.zeros(0, device=collective_device(group)), [error is not None],
+                                         group=group)
     if not failed:
         return
-    causes = [None] * dist.get_world_size()  # gathered only on failure: the common path stays one all_reduce
-    dist.all_gather_object(causes, None if error is None else describe_error(error))
+    causes = [None] * dist.get_world_size(group)  # gathered only on failure: the common path stays one all_reduce
+    dist.all_gather_object(causes, None if error is None else describe_error(error), group=group)
     raise RankFailure(f"{what} failed " + "; ".join(f"on rank {r}: {causes[r]}" for r in failed))
 
 

@@ -53,6 +53,9 @@ def test_slow_work_saves_and_restores_on_rank0_keep_the_other_rank_waiting(tmp_p
         assert f"rank {rank}: slow work done" in out
         assert f"rank {rank}: the work failed on rank 0: ValueError: injected" in out
         assert f"rank {rank}: saved steps [1]" in out and f"rank {rank}: resumed from step 1" in out
+        assert f"rank {rank}: 20 collectives during the write: True; saved steps [2]" in out
+        assert f"rank {rank}: saving step 3 (writing rank_{rank}.pt) failed on rank 1: ValueError: injected; " \
+               f"saved steps [2]" in out
     assert not any(word in out for word in GROUP_GAVE_UP), out[-3000:]
 
 

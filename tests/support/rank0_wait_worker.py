@@ -6,7 +6,8 @@ tests/test_process_group_timeout.py with a short NANOCHAT_PROCESS_GROUP_TIMEOUT_
     torchrun --standalone --nproc_per_node=2 tests/support/rank0_wait_worker.py base_train [base_train flags...]
 
 steps: a slow piece of work, a failing one, a checkpoint whose weights write slowly and a slow restore from a backup,
-each printing one line per rank. base_train: a run whose backup drains slowly at the end.
+a background save whose slow write runs beside the training's collectives and one that fails on rank 1, each printing
+one line per rank. base_train: a run whose backup drains slowly at the end.
 """
 
 import os
@@ -21,6 +22,7 @@ from nanochat import checkpoint_writer
 from nanochat import resume
 from nanochat.backup import Backup
 from nanochat.checkpoint_model import build_model
+from nanochat.checkpoint_writer import CheckpointWriter
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
 from nanochat.common import PROCESS_GROUP_TIMEOUT, compute_cleanup, compute_init
 from nanochat.gpt import GPTConfig
@@ -64,7 +66,32 @@ def steps(backup_url):
     Backup.restore = slowly(Backup.restore)
     step = resume.load_resume_point("slow", "latest", rank, backup_url).step
     print(f"rank {rank}: resumed from step {step}", flush=True)
+    background_saves(model, rank)
     compute_cleanup(together=True)
+
+
+def background_saves(model, rank):
+    """Saves in the writer's thread: the default group keeps working while rank 0 writes slowly, and a failed write
+    on rank 1 reaches both ranks at wait()."""
+    meta, real_write = {"model_config": model.config.to_dict()}, checkpoint_writer._write
+    checkpoint_writer._write = lambda path, data: (slowly(real_write) if path.endswith(ckpt.WEIGHTS) else real_write)(
+        path, data)
+    with CheckpointWriter(background=True) as writer:
+        writer.save("bg", 2, model, [], meta, {"loaders": []}, rank)
+        for _ in range(20):  # the training's collectives, while the write is in flight
+            torch.distributed.all_reduce(torch.ones(1))
+        in_flight = not ckpt.list_steps("bg")
+        writer.wait()
+    print(f"rank {rank}: 20 collectives during the write: {in_flight}; saved steps {ckpt.list_steps('bg')}",
+          flush=True)
+    checkpoint_writer._write = lambda path, data: fail() if path.endswith("rank_1.pt") else real_write(path, data)
+    with CheckpointWriter(background=True) as writer:
+        writer.save("bg", 3, model, [], meta, {"loaders": []}, rank)
+        try:
+            writer.wait()
+        except ckpt.CheckpointError as e:
+            print(f"rank {rank}: {str(e).split('. ')[0]}; saved steps {ckpt.list_steps('bg')}", flush=True)
+    checkpoint_writer._write = real_write
 
 
 def base_train(argv):
