@@ -9,7 +9,7 @@
 # it here and carry it to save ~30 s). Every run stops itself at --max_hours=$HOURS and saves, so a slow GPU still
 # leaves checkpoints to score.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 OUT=${1:?usage: bash dev/hops_base_gpu.sh OUT}
 STEPS=${STEPS:-1500}
 HOURS=${HOURS:-0.1}
@@ -36,7 +36,7 @@ train() {
 }
 memory() {
     local seed=$1
-    timeout "$(awk -v h="$HOURS" 'BEGIN { print int(h * 3600) + 30 }')" $py -m dev.hops --name memory_default --format pairs --n_symbols 8 --max_hops 4 \
+    timeout "$(awk -v h="$HOURS" 'BEGIN { print int(h * 3600) + 30 }')" "$py" -m dev.hops --name memory_default --format pairs --n_symbols 8 --max_hops 4 \
         --n_queries 24 --depth 1 --width 64 --batch 256 --steps "$STEPS" --warmup 100 --warmdown 0.3 --eval_every 500 \
         --eval_docs 1000 --seed "$seed" --device "$DEVICE" --out "$OUT/memory.jsonl" > "$OUT/logs/memory_$seed.log" 2>&1
 }
@@ -45,6 +45,8 @@ flags_of() {
     case "$1" in
         trm) echo "" ;;
         trm_fp32) echo "--dtype=float32" ;;             # base_train's autocast off, as dev/hops.py runs
+        trm_docs) echo "--rows=documents" ;;            # every row from a document's start, as dev/hops.py's rows
+        plain1_docs) echo "--rows=documents --n_loops=0 --n_sup_train=1" ;;
         plain1) echo "--n_loops=0 --n_sup_train=1" ;;
         plain2) echo "--depth=2 --n_loops=0 --n_sup_train=1" ;;
         *) echo "hops_base_gpu: unknown run '$1'" >&2; return 1 ;;
@@ -54,7 +56,8 @@ tags=()
 for seed in $SEEDS; do
     for run in ${RUNS:-trm plain1 plain2}; do
         flags=$(flags_of "$run") || exit 2
-        train "${run}_$seed" --seed="$seed" $flags &
+        read -ra flags <<< "$flags"
+        train "${run}_$seed" --seed="$seed" "${flags[@]}" &
         tags+=("${run}_$seed")
     done
     [ "${MEMORY:-1}" = 1 ] && memory "$seed" &

@@ -8,6 +8,13 @@ together cover the split. Each rank tokenizes its documents (<|bos|> first in ea
 stream into (B, T+1) windows: inputs are a window's first T tokens, targets its last T. Small corpora are read epoch
 after epoch.
 
+Two row layouts (rows=): "stream" cuts the rows from the token stream, so most rows start mid-document and every
+token trains (text: nothing is lost). "documents" starts every row at a document: whole documents in order while they
+fit, the rest of the row unscored (target -1), and a document longer than a row continued at the start of the next.
+A corpus whose tokens mean nothing without their document's start (a lookup table and its queries, --synthetic=hops)
+needs it: cut mid-document, a row's queries lose their table, and the default recursion was seen to stay at chance
+where one document per row learns (dev/LOG.md, issue 36).
+
 The position after each batch (epoch, shard, row group, document, token within it) is the whole state:
 tokenization is deterministic, so a loader started there yields exactly the batches that would have come next.
 
@@ -27,6 +34,8 @@ from nanochat.common import get_dist_info
 from nanochat.dataset import DatasetError, parquets_for_split, read_texts, row_group_sizes
 
 STATE_KEYS = ("epoch", "shard", "row_group", "doc", "token")
+ROW_LAYOUTS = ("stream", "documents")
+UNSCORED = -1  # a "documents" row's padding: the loss's ignore_index as a target, a valid token id (0) as an input
 CHARS_PER_TOKEN = 4  # about right for English BPE: sizes how many documents to tokenize for a window
 WINDOWS_AHEAD = 8  # tokenized when a loader runs short: one row-group read (on a cache miss) serves several windows
 ROW_GROUPS_CACHED = 4
@@ -58,11 +67,13 @@ def plan_shares(paths, rank, world_size):
 class DataLoader:
 
     def __init__(self, tokenizer, B, T, split, device="cpu", rank=None, world_size=None, resume_state=None,
-                 data_dir=None, tokenizer_threads=4, tokenizer_batch_size=128):
+                 data_dir=None, tokenizer_threads=4, tokenizer_batch_size=128, rows="stream"):
         _, dist_rank, _, dist_world_size = get_dist_info()
         self.rank = dist_rank if rank is None else rank
         self.world_size = dist_world_size if world_size is None else world_size
-        self.tokenizer, self.B, self.T = tokenizer, B, T
+        if rows not in ROW_LAYOUTS:
+            raise ValueError(f"rows={rows!r}: choose one of {', '.join(ROW_LAYOUTS)}")
+        self.tokenizer, self.B, self.T, self.rows = tokenizer, B, T, rows
         self.device = torch.device(device)
         self.tokenizer_threads, self.tokenizer_batch_size = tokenizer_threads, tokenizer_batch_size
         self.shares, self.stride = plan_shares(parquets_for_split(split, data_dir), self.rank, self.world_size)
@@ -135,7 +146,10 @@ class DataLoader:
             self.skip = 0
 
     def next_window(self):
-        """The next B*(T+1) tokens of this rank's document stream (int32); moves the position past them."""
+        """The next B*(T+1) tokens of this rank's document stream (int32), laid out as self.rows says; moves the
+        position past them."""
+        if self.rows == "documents":
+            return self.next_document_rows()
         needed = self.B * (self.T + 1)
         # keep at least one token past the window, so the next window's start is a tokenized document
         while self.buffered <= needed:
@@ -155,8 +169,34 @@ class DataLoader:
         self.position = self.state_at(epoch, index, doc, used)
         return torch.cat(pieces)
 
+    def next_document_rows(self):
+        """B rows of T+1 (int32, flattened), each from the start of the next document (or the rest of one longer than
+        a row): whole documents while they fit, then UNSCORED."""
+        width = self.T + 1
+        rows = torch.full((self.B, width), UNSCORED, dtype=torch.int32)
+        for row in rows:
+            filled = 0
+            while filled < width:
+                if not self.pending:
+                    self.tokenize_more(WINDOWS_AHEAD * self.B * width)
+                head = self.pending[0]
+                tokens, used = head[3], head[4]
+                left = len(tokens) - used
+                if filled and left > width - filled:  # a document starts the next row rather than being cut
+                    break
+                take = min(left, width - filled)
+                row[filled:filled + take] = tokens[used:used + take]
+                filled, head[4], self.buffered = filled + take, used + take, self.buffered - take
+                if head[4] == len(tokens):
+                    self.pending.popleft()
+        if not self.pending:  # the position names the next document, so it must be tokenized
+            self.tokenize_more(WINDOWS_AHEAD * self.B * width)
+        epoch, index, doc, _, used = self.pending[0]
+        self.position = self.state_at(epoch, index, doc, used)
+        return rows.view(-1)
+
     def to_device(self, windows):
-        inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        inputs, targets = windows[:, :-1].clamp(min=0), windows[:, 1:].contiguous()
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
             return (inputs.pin_memory().to(self.device, non_blocking=True),
                     targets.pin_memory().to(self.device, non_blocking=True))
@@ -222,5 +262,6 @@ def training_loaders(run_config, tokenizer, rank, resume_states, device="cpu"):
     start), for the batch geometry of run_config (a RunConfig). Also how a resume checks that the saved positions
     exist in the current data."""
     return [DataLoader(tokenizer, run_config.device_batch_size, run_config.max_seq_len, "train", device=device,
-                       rank=data_rank, world_size=run_config.world_size * run_config.grad_accum, resume_state=state)
+                       rank=data_rank, world_size=run_config.world_size * run_config.grad_accum, resume_state=state,
+                       rows=run_config.rows)
             for data_rank, state in zip(data_ranks(rank, run_config.grad_accum), resume_states)]

@@ -26,6 +26,7 @@ from nanochat.files import get_base_dir
 from nanochat.gpt import ACTIVATIONS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
 from nanochat.planning import (B_REF, BATCH_EXPONENT, EMA_AUTO_MIN_STEPS, MAX_DEVICE_BATCH, MODEL_FLAGS, PlanError,
                                host_ram_problem, plan_batch, resolve_model_config)
+from nanochat.dataloader import ROW_LAYOUTS
 from nanochat.probe import PROBES
 from nanochat.tokenizer import get_tokenizer
 
@@ -96,6 +97,10 @@ def build_parser():
                             f"as the token horizon^{BATCH_EXPONENT}, with learning rates scaled by sqrt(batch / "
                             f"{B_REF:,}); unless --gradient_accumulation_steps is given); the accumulation follows")
     batch.add_argument("--gradient_accumulation_steps", type=int, default=None, help="micro-batches per step")
+    batch.add_argument("--rows", choices=ROW_LAYOUTS, default="stream",
+                       help="stream: rows cut from the token stream, so most start mid-document (every token trains; "
+                            "text); documents: each row starts at a document, holds whole ones, the rest unscored "
+                            "(a corpus whose tokens need their document's start, e.g. --synthetic=hops)")
     horizon = p.add_argument_group("horizon (first given wins: iterations, FLOPs, ratio)")
     horizon.add_argument("--num_iterations", type=int, default=None)
     horizon.add_argument("--target_flops", type=float, default=None)
@@ -233,6 +238,7 @@ class RunConfig:
     device_batch_size: int  # settled: the flag, or the largest the memory estimate fits
     total_batch_size: int  # settled: tokens per optimizer step
     gradient_accumulation_steps: int | None  # as given; grad_accum is the settled one
+    rows: str  # stream | documents (nanochat/dataloader.py)
     # horizon
     num_iterations: int | None
     target_flops: float | None

@@ -65,17 +65,50 @@ def test_first_window_starts_with_bos_and_first_document(corpus):
     assert tokenizer.decode(inputs[0, 1:].tolist()).startswith("doc-")
 
 
-def test_resume_reproduces_following_batches_across_epochs(corpus):
-    loader = make_loader(corpus, rank=0, world_size=1)
+@pytest.mark.parametrize("rows", ["stream", "documents"])
+def test_resume_reproduces_following_batches_across_epochs(corpus, rows):
+    loader = make_loader(corpus, rank=0, world_size=1, rows=rows)
     states, batches = [], []
     while not states or states[-1]["epoch"] < 2:  # well past an epoch boundary
         states.append(json.loads(json.dumps(loader.state_dict())))
         batches.append(next(loader))
     for i in range(0, len(batches) - 3, 5):
-        resumed = make_loader(corpus, rank=0, world_size=1, resume_state=states[i])
+        resumed = make_loader(corpus, rank=0, world_size=1, resume_state=states[i], rows=rows)
         for inputs, targets in batches[i:i + 3]:
             got_inputs, got_targets = next(resumed)
             assert torch.equal(got_inputs, inputs) and torch.equal(got_targets, targets)
+
+
+def test_document_rows_start_at_documents_hold_whole_ones_and_lose_no_token(corpus):
+    """rows="documents" against the stream: the same tokens in the same order, each row from a document's start (or
+    the rest of one longer than a row), a document moved to the next row rather than cut, padding unscored."""
+    bos = corpus[1].get_bos_token_id()
+    stream, loader = make_loader(corpus, rank=0, world_size=1), make_loader(corpus, rank=0, world_size=1,
+                                                                            rows="documents")
+    reference = []
+    while len(reference) < 40 * B * (T + 1):
+        inputs, targets = next(stream)
+        reference += torch.cat([inputs[:, :1], targets], dim=1).flatten().tolist()
+    starts = [i for i, t in enumerate(reference) if t == bos] + [len(reference)]
+    at, padded, continued, whole = 0, 0, 0, 0
+    for _ in range(30):
+        inputs, targets = next(loader)
+        assert torch.equal(inputs[:, 1:].clamp(min=0), targets[:, :-1].clamp(min=0)) and inputs.min() >= 0
+        for row in torch.cat([inputs[:, :1], targets], dim=1).tolist():
+            content = [t for t in row if t != -1]
+            assert row[:len(content)] == content  # the padding only at the end
+            assert content == reference[at:at + len(content)]  # nothing skipped, nothing reordered
+            if row[0] == bos:
+                whole += 1
+            else:
+                continued += 1  # the rest of a document longer than a row: only after a full row
+                assert at not in starts
+            at += len(content)
+            if len(content) < len(row):
+                padded += 1
+                next_document = starts[starts.index(at) + 1] - at  # the row ended at a document's start ...
+                assert next_document > len(row) - len(content)  # ... which did not fit in the rest
+    assert padded and continued and whole  # the corpus exercises every case
 
 
 def documents_seen_in_first_epoch(loader, tokenizer):

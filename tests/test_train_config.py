@@ -64,6 +64,18 @@ def test_compile_is_off_by_default_on_cpu_and_the_flag_wins():
     assert parse(["--depth=2", "--device_type=cpu", "--compile"], world_size=1).compile is True
 
 
+def test_the_row_layout_reaches_every_training_loader(monkeypatch):
+    from nanochat import dataloader
+    made = []
+    monkeypatch.setattr(dataloader, "DataLoader", lambda *args, **kwargs: made.append(kwargs["rows"]))
+    for flags, rows in (([], "stream"), (["--rows=documents"], "documents")):
+        run_config = parse(["--depth=2", "--device_type=cpu", "--device_batch_size=2", "--total_batch_size=8192",
+                            *flags], world_size=1)
+        made.clear()
+        dataloader.training_loaders(run_config, None, 0, [None] * run_config.grad_accum)
+        assert made == [rows] * run_config.grad_accum and run_config.grad_accum > 1
+
+
 def test_accumulation_past_64_warns_and_names_the_flag():
     run_config = parse(["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--device_type=cpu"], world_size=1)
     assert run_config.grad_accum > planning.QUIET_ACCUMULATION
