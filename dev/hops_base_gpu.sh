@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || tr
 # one document per row, as dev/hops.py trains: the loader cuts the <|bos|>-first document stream into rows of
 # max_seq_len+1 tokens, and a document is <|bos|> + 106 characters, so --max_seq_len=106 makes every row one whole
 # document. With 128, rows held the end of one document (its table in the row before) and the start of the next,
-# and seeds 42 and 44 never left the plateau (issue 36, dev/results/hops/path/). 256 rows a step, all at once.
+# and seeds 42 and 44 never left the plateau on the H200 (issue 36: dev/LOG.md). 256 rows a step, all at once.
 train() {
     local tag=$1; shift
     $py -m scripts.base_train --device_type="$DEVICE" --depth=1 --n_embd=64 --n_head=2 --max_seq_len=106 \
