@@ -21,7 +21,7 @@ import torch
 
 import nanochat.gpt
 from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
-from nanochat.optim import setup_optimizers
+from nanochat.optim import muon_momentum, setup_optimizers
 from nanochat.synthetic import HopsSpec, draw_table, hops_answers, hops_documents, pairs_answers, pairs_document
 from nanochat.tokenizer import RustBPETokenizer
 
@@ -201,16 +201,41 @@ def evaluate(model, data, n_steps, max_hops, batch=64):
     return (correct / count.clamp(min=1))[:, 1:].cpu(), (answer_loss / count.sum()).cpu()
 
 
+def packed_rows(seed, spec, tokenizer, batch, T):
+    """(idx, targets) of base_train's loader (nanochat/dataloader.py) on the same documents: each document's tokens
+    with <|bos|> first, concatenated into one stream and cut into rows of T+1 tokens, so a row may hold the end of
+    one document, whole ones and the start of another (its table cut off from its queries, or its queries in
+    another row). Attention runs across the documents of a row, as in base_train."""
+    stream, k, need = [], 0, batch * (T + 1)
+    while True:
+        while len(stream) < need:
+            stream += [t for d in documents(f"{seed}:pack:{k}", 64, spec)
+                       for t in tokenizer.encode(d, prepend=tokenizer.get_bos_token_id())]
+            k += 1
+        rows, stream = torch.tensor(stream[:need]).view(batch, T + 1), stream[need:]
+        yield rows[:, :-1], rows[:, 1:]
+
+
 def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, warmdown=0.3, answers_only=False,
-          report=None, clip=0.0):
-    """`steps` optimizer steps on fresh documents (seeded by seed and step), warmup then linear warmdown."""
+          report=None, clip=0.0, pack=0, momentum_warmup=False):
+    """`steps` optimizer steps on fresh documents (seeded by seed and step), warmup then linear warmdown.
+    pack=T: rows of T tokens cut from the document stream as base_train's loader does (packed_rows).
+    momentum_warmup: Muon's momentum from 0.85 to 0.95 over 300 steps (base_train's muon_momentum); else 0.95."""
+    assert not (pack and answers_only), "--answers_only needs one document per row"
+    packed = packed_rows(seed, spec, tokenizer, batch, pack) if pack else None
     for step in range(steps):
         lrm = min(1.0, (step + 1) / warmup) * min(1.0, (1 - step / steps) / warmdown)
         for opt in optimizers:
             for g in opt.param_groups:
                 g["lr"] = g["initial_lr"] * lrm
-        idx, targets, pos, _ = (t.to(model.lm_head.weight.device)
-                                for t in batches(documents(f"{seed}:{step}", batch, spec), tokenizer))
+                if momentum_warmup and "momentum" in g:
+                    g["momentum"] = muon_momentum(step)
+        if packed:
+            idx, targets = (t.to(model.lm_head.weight.device) for t in next(packed))
+            pos = None
+        else:
+            idx, targets, pos, _ = (t.to(model.lm_head.weight.device)
+                                    for t in batches(documents(f"{seed}:{step}", batch, spec), tokenizer))
         if answers_only:
             targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))
         _, aux = model.forward_backward(idx, targets)
@@ -257,6 +282,11 @@ def main():
     ap.add_argument("--format", default="masked", choices=["masked", "chains", "answers", "answers_hidden", "pairs",
                                                                  "text"])
     ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)")
+    ap.add_argument("--pack", type=int, default=0, help="rows of this many tokens cut from the document stream, as "
+                    "base_train's loader packs them (0: one document per row)")
+    ap.add_argument("--momentum_warmup", type=int, default=0, help="1: Muon momentum 0.85 -> 0.95 over 300 steps, "
+                    "as base_train (0: 0.95 throughout)")
+    ap.add_argument("--log_every", type=int, default=250, help="steps between the printed per-step losses")
     ap.add_argument("--out", default=None)
     ap.add_argument("--variant", default="default", choices=VARIANTS, help="the layer visit (an ablation)")
     ap.add_argument("--save", default=None, help="torch.save {config, state_dict} of the trained model here")
@@ -272,7 +302,7 @@ def main():
     vocab = {"masked": masked_vocab(spec), "chains": chains_vocab(spec), "answers": ANSWERS_VOCAB, "answers_hidden": ANSWERS_VOCAB + 1}.get(
         args.format, tok.get_vocab_size())
     config = GPTConfig.with_refinement_preset(
-        args.preset, sequence_len=length, vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
+        args.preset, sequence_len=max(length, args.pack), vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
         n_kv_head=args.n_head, n_embd=args.width, n_loops=args.n_loops, n_sup_train=args.n_sup,
         T_recursion=args.T_recursion, state_update=args.state_update, detach_between_steps=bool(args.detach),
         backprop_steps=args.backprop_steps,
@@ -296,12 +326,12 @@ def main():
             acc, _ = evaluate(model, val, args.n_sup, args.max_hops)
             print(f"{args.name} step {step} acc at step {args.n_sup} by hops {[round(v, 2) for v in acc[-1].tolist()]}",
                   flush=True)
-        if step % 250 == 0 or step == args.steps - 1:
+        if step % args.log_every == 0 or step == args.steps - 1:
             log.append((step, [round(v, 3) for v in aux["step_losses"].tolist()]))
             print(f"{args.name} step {step} losses {log[-1][1]} {time.time() - start:.0f}s", flush=True)
 
     train(model, optimizers, spec, tok, args.steps, args.batch, args.seed, args.warmup, args.warmdown,
-          bool(args.answers_only), report, args.clip)
+          bool(args.answers_only), report, args.clip, args.pack, bool(args.momentum_warmup))
     train_s = time.time() - start
     acc, answer_loss = evaluate(model, val, 2 * args.n_sup, args.max_hops)
     result = {"name": args.name, "seed": args.seed, "args": vars(args), "params": model.num_params(),

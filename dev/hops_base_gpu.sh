@@ -25,11 +25,14 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || tr
     $py -m nanochat.dataset --synthetic=hops_pairs --hops_symbols=8 --hops_max=4 --synthetic_docs=400000
 [ -f "$NANOCHAT_BASE_DIR/tokenizer/tokenizer.json" ] || $py -m scripts.tok_train --byte_level
 
-# one document (107 tokens) per row of 128; 256 rows a step, every one on the device at once
+# one document per row, as dev/hops.py trains: the loader cuts the <|bos|>-first document stream into rows of
+# max_seq_len+1 tokens, and a document is <|bos|> + 106 characters, so --max_seq_len=106 makes every row one whole
+# document. With 128, rows held the end of one document (its table in the row before) and the start of the next,
+# and seeds 42 and 44 never left the plateau on the H200 (issue 36: dev/LOG.md). 256 rows a step, all at once.
 train() {
     local tag=$1; shift
-    $py -m scripts.base_train --device_type="$DEVICE" --depth=1 --n_embd=64 --n_head=2 --max_seq_len=128 \
-        --device_batch_size=256 --total_batch_size=32768 --num_iterations="$STEPS" --warmup_steps=100 \
+    $py -m scripts.base_train --device_type="$DEVICE" --depth=1 --n_embd=64 --n_head=2 --max_seq_len=106 --rows=documents \
+        --device_batch_size=256 --total_batch_size=27136 --num_iterations="$STEPS" --warmup_steps=100 \
         --warmdown_ratio=0.3 --matrix_lr=0.02 --embedding_lr=0.2 --unembedding_lr=0.004 --ema_decay=0 \
         --eval_every=500 --eval_tokens=32768 --sample_every=0 --save_every=500 --keep_last=1 --max_hours="$HOURS" \
         --model_tag="$tag" "$@" > "$OUT/logs/$tag.log" 2>&1 || echo "base_train $tag: exit $?" >> "$OUT/logs/$tag.log"

@@ -27,8 +27,10 @@ train() {
     local tag=$1; shift
     local resume=""
     if compgen -G "$NANOCHAT_BASE_DIR/base_checkpoints/$tag/step_*" > /dev/null; then resume="--resume"; fi
-    OMP_NUM_THREADS=1 $py -m scripts.base_train --device_type=cpu --depth=1 --n_embd=64 --n_head=2 --max_seq_len=128 \
-        --device_batch_size=32 --total_batch_size=4096 --num_iterations="$STEPS" --warmup_steps=20 \
+    # --max_seq_len=104: rows of 105 tokens, each one whole document (<|bos|> + 104 characters), as dev/hops.py
+    # trains; rows of 129 tokens cut documents across rows and kept the recursion on the plateau (issue 36)
+    OMP_NUM_THREADS=1 $py -m scripts.base_train --device_type=cpu --depth=1 --n_embd=64 --n_head=2 --max_seq_len=104 --rows=documents \
+        --device_batch_size=32 --total_batch_size=3328 --num_iterations="$STEPS" --warmup_steps=20 \
         --warmdown_ratio=0.3 --matrix_lr=0.02 --embedding_lr=0.2 --unembedding_lr=0.004 --ema_decay=0 \
         --eval_every=250 --eval_tokens=8192 --sample_every=0 --save_every=250 --keep_last=1 \
         --model_tag="$tag" ${resume:+"$resume"} "$@" > "$NANOCHAT_BASE_DIR/$tag.log" 2>&1 \

@@ -4,6 +4,7 @@ default recursion learns lookups that a plain model of its depth per supervision
 import random
 
 import pytest
+import torch
 
 from dev.hops import (ANSWERS_VOCAB, CHAIN_DIGITS, answers_eval_rows, answers_row, chains_row, chains_vocab, evaluate,
                       masked_row, masked_vocab)
@@ -128,3 +129,36 @@ def test_the_default_recursion_uses_its_depth():
     assert plain_acc[0, longest] <= 0.5, plain_acc
     assert acc[n - 1, longest] - acc[0, longest] >= 0.3, acc  # it climbs
     assert acc[2 * n - 1, longest] - acc[0, longest] >= 0.2, acc  # and twice the steps still beat the first draft
+
+
+def test_packed_rows_cut_the_stream_as_the_loader_does():
+    """--pack: the rows of T+1 tokens cut from the <|bos|>-first document stream, as nanochat/dataloader.py does."""
+    import dev.hops
+    from nanochat.synthetic import pairs_answers
+    from nanochat.tokenizer import RustBPETokenizer
+    tok, spec = RustBPETokenizer.byte_level(), HopsSpec(n_symbols=6, max_hops=3, n_queries=24)
+    dev.hops.FORMAT.update(name="pairs", answers=pairs_answers)
+    rows = dev.hops.packed_rows(0, spec, tok, 4, 128)
+    stream = [t for d in dev.hops.documents("0:pack:0", 64, spec) for t in tok.encode(d, prepend=tok.get_bos_token_id())]
+    for i in range(2):
+        idx, targets = next(rows)
+        window = torch.tensor(stream[i * 4 * 129:(i + 1) * 4 * 129]).view(4, 129)
+        assert torch.equal(idx, window[:, :-1]) and torch.equal(targets, window[:, 1:])
+    assert (idx[:, 0] == tok.get_bos_token_id()).sum() < 4  # some rows start inside a document: the gap of issue 36
+
+
+@pytest.mark.parametrize("script", ["dev/runcpu_hops.sh", "dev/hops_base_gpu.sh"])
+def test_the_hops_scripts_train_one_whole_document_per_row(script):
+    """base_train's loader cuts rows of max_seq_len+1 tokens from the document stream: the hops scripts' max_seq_len
+    must make each row exactly one document (<|bos|> + its characters, every document of a spec one length), as
+    dev/hops.py trains. Rows of 129 tokens held document fragments and kept the recursion on the plateau (issue 36)."""
+    import pathlib
+    import re
+    from nanochat.synthetic import hops_documents
+    text = (pathlib.Path(__file__).parent.parent / script).read_text()
+    symbols, max_hops = (int(re.search(rf"--{flag}=(\d+)", text).group(1)) for flag in ("hops_symbols", "hops_max"))
+    seq_len, rows, batch = (int(re.search(rf"--{flag}=(\d+)", text).group(1))
+                            for flag in ("max_seq_len", "device_batch_size", "total_batch_size"))
+    lengths = {len(d) for d in hops_documents(0, 50, HopsSpec(symbols, max_hops, 24), family="hops_pairs")}
+    assert lengths == {seq_len}, f"{script}: --max_seq_len={seq_len}, documents are <|bos|> + {lengths} characters"
+    assert batch == rows * seq_len
