@@ -48,8 +48,6 @@ flags_of() {
     case "$1" in
         trm) echo "" ;;
         trm_fp32) echo "--dtype=float32" ;;             # base_train's autocast off, as dev/hops.py runs
-        trm_docs) echo "--rows=documents" ;;            # every row from a document's start, as dev/hops.py's rows
-        plain1_docs) echo "--rows=documents --n_loops=0 --n_sup_train=1" ;;
         plain1) echo "--n_loops=0 --n_sup_train=1" ;;
         plain2) echo "--depth=2 --n_loops=0 --n_sup_train=1" ;;
         *) echo "hops_base_gpu: unknown run '$1'" >&2; return 1 ;;
