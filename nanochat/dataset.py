@@ -69,8 +69,9 @@ class DatasetError(Exception):
 # -----------------------------------------------------------------------------
 # Reading the shards (used by the tokenizer scripts and the dataloader)
 
-def data_dir():
-    return os.environ.get("NANOCHAT_DATA_DIR") or os.path.join(get_base_dir(), "base_data")
+def data_dir(create=True):
+    """The corpus's directory; create=False: only its path (a dry run writes nothing)."""
+    return os.environ.get("NANOCHAT_DATA_DIR") or os.path.join(get_base_dir(create), "base_data")
 
 
 def resolve_dir(directory):

@@ -21,7 +21,7 @@ from nanochat import attention
 from nanochat.checkpoint_manager import model_tag_arg
 from nanochat.cli import OneLineErrors
 from nanochat.common import autodetect_device_type, default_dtype, device_available, get_dist_info
-from nanochat.dataset import DatasetError, parquets_for_split
+from nanochat.dataset import SYNTHETIC, DatasetError, data_dir, parquets_for_split, read_source
 from nanochat.files import get_base_dir
 from nanochat.gpt import ACTIVATIONS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
 from nanochat.planning import (B_REF, BATCH_EXPONENT, EMA_AUTO_MIN_STEPS, MAX_DEVICE_BATCH, MODEL_FLAGS, PlanError,
@@ -97,10 +97,11 @@ def build_parser():
                             f"as the token horizon^{BATCH_EXPONENT}, with learning rates scaled by sqrt(batch / "
                             f"{B_REF:,}); unless --gradient_accumulation_steps is given); the accumulation follows")
     batch.add_argument("--gradient_accumulation_steps", type=int, default=None, help="micro-batches per step")
-    batch.add_argument("--rows", choices=ROW_LAYOUTS, default="stream",
+    batch.add_argument("--rows", choices=("auto", *ROW_LAYOUTS), default="auto",
                        help="stream: rows cut from the token stream, so most start mid-document (every token trains; "
                             "text); documents: each row starts at a document, holds whole ones, the rest unscored "
-                            "(a corpus whose tokens need their document's start, e.g. --synthetic=hops)")
+                            "(a corpus whose tokens need their document's start); auto: documents on a generated "
+                            "corpus (nanochat.dataset --synthetic), stream otherwise")
     horizon = p.add_argument_group("horizon (first given wins: iterations, FLOPs, ratio)")
     horizon.add_argument("--num_iterations", type=int, default=None)
     horizon.add_argument("--target_flops", type=float, default=None)
@@ -238,7 +239,7 @@ class RunConfig:
     device_batch_size: int  # settled: the flag, or the largest the memory estimate fits
     total_batch_size: int  # settled: tokens per optimizer step
     gradient_accumulation_steps: int | None  # as given; grad_accum is the settled one
-    rows: str  # stream | documents (nanochat/dataloader.py)
+    rows: str  # settled: stream | documents (nanochat/dataloader.py)
     # horizon
     num_iterations: int | None
     target_flops: float | None
@@ -301,6 +302,19 @@ class RunConfig:
     grad_accum: int | None = None  # micro-batches per optimizer step
     lr_scale: float = 1.0  # every learning rate's factor: sqrt(batch / B_REF) for the compute-optimal batch
     batch_notes: tuple = ()  # why the batch is what it is, one line each
+
+
+def settle_rows(requested):
+    """--rows=auto: whole documents on a generated corpus, whose tokens mean nothing without their document's start (a
+    hops table and its queries: rows cut mid-document kept the recursion at chance, dev/LOG.md issue 36); the stream
+    on text, where every token trains."""
+    if requested != "auto":
+        return requested
+    try:
+        source = read_source(data_dir(create=False)) or ""
+    except (OSError, ValueError, KeyError, TypeError):  # an unreadable manifest: the loader says what is wrong
+        source = ""
+    return "documents" if source.startswith(SYNTHETIC) else "stream"
 
 
 def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None):
@@ -366,7 +380,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
         "config_sources": config_sources, "world_size": world_size,
         "sharding_requested": flags.sharding,  # auto is settled by the batch's memory budget (planning.plan_batch)
         "plan_vocab_size": vocab_size or tokenizer_vocab_size() or GPTConfig.vocab_size,  # tok_train's default too
-        "argv": argv})
+        "rows": settle_rows(flags.rows), "argv": argv})
     if run_config.model_config["state_dtype"] != "float32" and run_config.dtype == "float32":
         parser.error(f"--state_dtype={run_config.model_config['state_dtype']} needs autocast: add --dtype=bfloat16")
     try:

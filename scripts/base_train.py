@@ -500,7 +500,8 @@ def print_config(run_config, num_iterations, horizon_source, model, tokens_per_s
         print0(f"  {name:26s} = {value!s:14s} ({run_config.config_sources.get(name, 'tokenizer')})")
     print0(f"parameters: {model.num_params():,}   FLOPs per token (training step): {model.estimate_flops():.3e}")
     print0(f"batch: {run_config.world_size} processes x {run_config.device_batch_size} x {run_config.max_seq_len} "
-           f"tokens x {run_config.grad_accum} accumulation = {tokens_per_step:,} tokens per step")
+           f"tokens x {run_config.grad_accum} accumulation = {tokens_per_step:,} tokens per step, rows of "
+           f"{'whole documents' if run_config.rows == 'documents' else 'the token stream'} (--rows)")
     for note in run_config.batch_notes:
         print0(f"  {note}")
     print0(f"horizon: {num_iterations} steps ({horizon_source}), {num_iterations * tokens_per_step:,} tokens")

@@ -64,16 +64,32 @@ def test_compile_is_off_by_default_on_cpu_and_the_flag_wins():
     assert parse(["--depth=2", "--device_type=cpu", "--compile"], world_size=1).compile is True
 
 
-def test_the_row_layout_reaches_every_training_loader(monkeypatch):
+def test_the_row_layout_reaches_every_training_loader(tmp_path, monkeypatch):
     from nanochat import dataloader
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path))  # no corpus: auto is the stream
     made = []
     monkeypatch.setattr(dataloader, "DataLoader", lambda *args, **kwargs: made.append(kwargs["rows"]))
-    for flags, rows in (([], "stream"), (["--rows=documents"], "documents")):
+    for flags, rows in (([], "stream"), (["--rows=documents"], "documents"), (["--rows=auto"], "stream")):
         run_config = parse(["--depth=2", "--device_type=cpu", "--device_batch_size=2", "--total_batch_size=8192",
                             *flags], world_size=1)
         made.clear()
         dataloader.training_loaders(run_config, None, 0, [None] * run_config.grad_accum)
         assert made == [rows] * run_config.grad_accum and run_config.grad_accum > 1
+
+
+def test_auto_rows_are_whole_documents_on_a_generated_corpus_and_the_stream_on_text(tmp_path, monkeypatch):
+    from nanochat.dataset import write_source
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path))
+    settle = lambda *flags: parse(["--depth=2", "--device_type=cpu", *flags], world_size=1).rows  # noqa: E731
+    assert settle() == "stream"  # no corpus yet
+    write_source(str(tmp_path), "synthetic: --synthetic=hops_pairs --seed=0 --hops_symbols=8")
+    assert settle() == "documents" and settle("--rows=stream") == "stream"
+    write_source(str(tmp_path), "builtin: the Python standard library")
+    assert settle() == "stream" and settle("--rows=documents") == "documents"
+    (tmp_path / "manifest.json").write_text("{not json")  # whatever the manifest's name, a damaged one is text
+    for name in os.listdir(tmp_path):
+        (tmp_path / name).write_text("{not json")
+    assert settle() == "stream"
 
 
 def test_accumulation_past_64_warns_and_names_the_flag():
