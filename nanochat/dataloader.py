@@ -196,7 +196,9 @@ class DataLoader:
         return rows.view(-1)
 
     def to_device(self, windows):
-        inputs, targets = windows[:, :-1].clamp(min=0), windows[:, 1:].contiguous()
+        inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        if self.rows == "documents":  # UNSCORED padding as an input: any valid id, its outputs are not scored
+            inputs.clamp_(min=0)
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
             return (inputs.pin_memory().to(self.device, non_blocking=True),
                     targets.pin_memory().to(self.device, non_blocking=True))
