@@ -76,7 +76,10 @@ def test_an_evaluation_failing_on_one_rank_is_skipped_by_both(base_dir):
 
 
 def test_sigterm_to_torchrun_saves_exits_and_resumes_bit_identically(base_dir):
-    flags = [*FLAGS, "--num_iterations=8", "--save_every_minutes=0"]
+    # enough steps that the signal lands mid-run: with saves in the background a step takes ~25 ms, and 8 steps
+    # were seen to finish before the signal reached the workers
+    steps = 60
+    flags = [*FLAGS, f"--num_iterations={steps}", "--save_every_minutes=0"]
     straight = base_train(base_dir, *flags, "--model_tag=term_straight")  # the reference, alongside
     proc = base_train(base_dir, *flags, "--model_tag=term")
     read_until(proc, "step 00003/")
@@ -88,7 +91,7 @@ def test_sigterm_to_torchrun_saves_exits_and_resumes_bit_identically(base_dir):
     line = next((l for l in out.splitlines() if "SIGTERM received (rank" in l), None)
     assert line and line.endswith(": saving and stopping"), out[-3000:]
     at = int(line.split("at step ")[1].split(":")[0])
-    assert 3 <= at < 8 and checkpoints(base_dir, "term") == [at], out[-3000:]
+    assert 3 <= at < steps and checkpoints(base_dir, "term") == [at], out[-3000:]
     assert out.count(f"stopped at step {at} by SIGTERM received") == 2  # both workers exited on their own, saying so
     assert "Traceback" not in out.split("SIGTERM received")[1].split("torch.distributed.elastic")[0]
     assert stopped < 30, stopped  # well inside torchrun's 30 s before it SIGKILLs
@@ -97,7 +100,7 @@ def test_sigterm_to_torchrun_saves_exits_and_resumes_bit_identically(base_dir):
     assert rc == 0 and f"resumed term from step {at}" in out, out[-3000:]
     rc, out = finish(straight)
     assert rc == 0, out[-3000:]
-    a, b = weights(base_dir, "term_straight", 8), weights(base_dir, "term", 8)
+    a, b = weights(base_dir, "term_straight", steps), weights(base_dir, "term", steps)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
