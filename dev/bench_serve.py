@@ -13,12 +13,19 @@ tenths of the model's context). A 503 is expected once --max_concurrency generat
 the table is printed and the exit code is 1. RSS is the server process's resident memory, from /proc (Linux).
 tokens/s counts the completion tokens of the requests served (their usage), over the level's wall time; time per
 output token (TPOT) is a streamed request's (latency - time to first token) / (tokens - 1), as vLLM's benchmark has it.
+
+Halting against every step, on the same prompts and seeds (issue 37): --n_sup all,kl:0.1 runs each level once per
+depth, and the table gains the depth, the mean supervision steps a generated token ran (the server's /metrics) and,
+with --score N, the answer bpb: N held-out windows of the corpus under $NANOCHAT_BASE_DIR, each sent with echo and
+logprobs (max_tokens 0) at that depth, bits per byte of their last --max_tokens tokens. With --score, the load's
+prompts are held-out text too (the windows' starts), not random tokens.
 """
 
 import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import secrets
@@ -54,9 +61,15 @@ def parse_args(argv=None):
                                                                           "the server's default)")
     parser.add_argument("--request_timeout", type=float, default=60.0, help="client timeout of one request (s)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--n_sup", default=None, help="each request's n_sup: a number of steps, or RULE:THRESHOLD "
-                        "to halt per token (docs/serving.md; default: the model's)")
+    parser.add_argument("--n_sup", default="all", help="comma-separated depths, each run at every level on the same "
+                        "prompts and seeds: all (the model's), a number of steps, or RULE:THRESHOLD to halt per token "
+                        "(docs/serving.md)")
+    parser.add_argument("--score", type=int, default=0, help="score this many held-out windows of the corpus at "
+                        "each depth (answer bpb); needs --model_tag and its corpus under $NANOCHAT_BASE_DIR")
     args = parser.parse_args(argv)
+    args.depths = [None if d == "all" else int(d) if d.isdigit() else d for d in args.n_sup.split(",")]
+    if args.score < 0 or args.score and args.model_tag is None:
+        parser.error("--score N needs N >= 0 and a --model_tag trained on the corpus under $NANOCHAT_BASE_DIR")
     try:
         args.levels = [int(n) for n in args.concurrency.split(",")]
     except ValueError:
@@ -139,10 +152,10 @@ async def one_request(client, body):
     return (None if done else "stream without [DONE]"), time.perf_counter() - start, first, tokens
 
 
-async def run_level(base_url, api_key, concurrency, prompts, args):
-    """Every request of one concurrency level: a list of (error kind or None, latency, ttft, streamed, completion
-    tokens), and seconds."""
-    depth = {"n_sup": int(args.n_sup) if args.n_sup.isdigit() else args.n_sup} if args.n_sup else {}
+async def run_level(base_url, api_key, concurrency, prompts, args, n_sup=None):
+    """Every request of one concurrency level at one depth (n_sup None: the model's): a list of (error kind or None,
+    latency, ttft, streamed, completion tokens), and seconds."""
+    depth = {} if n_sup is None else {"n_sup": n_sup}
     bodies = [{"prompt": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "temperature": 1.0,
                "seed": i, "stream": i % 2 == 1, **depth,
                **({"stream_options": {"include_usage": True}} if i % 2 else {})}
@@ -171,20 +184,68 @@ def percentile_ms(values, q, decimals=0):
     return f"{np.percentile(values, q) * 1000:.{decimals}f}" if values else "-"
 
 
-def summarize(concurrency, results, seconds, rss=None):
+def summarize(concurrency, results, seconds, rss=None, depth=None):
     """One table row of a level, and its error kinds that are defects (not the expected 503); rss: the server's MiB
-    after the level."""
+    after the level; depth: (n_sup, mean steps per token, answer bpb) for the depth columns."""
     ok = [r for r in results if r[0] is None]
     latencies = [r[1] for r in ok]
     ttfts = [r[2] for r in ok if r[3] and r[2] is not None]
     tpots = [(r[1] - r[2]) / (r[4] - 1) for r in ok if r[3] and r[2] is not None and r[4] > 1]
     errors = Counter(r[0] for r in results if r[0] is not None)
-    row = (f"| {concurrency} | {len(results)} | {len(ok)} | {len(ok) / seconds:.2f} | "
+    columns = ""
+    if depth is not None:
+        n_sup, steps, bpb = depth
+        columns = (f"{'all' if n_sup is None else n_sup} | {'-' if steps is None else f'{steps:.2f}'} | "
+                   f"{'-' if bpb is None else f'{bpb:.4f}'} | ")
+    row = (f"| {concurrency} | {columns}{len(results)} | {len(ok)} | {len(ok) / seconds:.2f} | "
            f"{sum(r[4] for r in ok) / seconds:.1f} | {percentile_ms(latencies, 50)} | {percentile_ms(latencies, 99)} | "
            f"{percentile_ms(ttfts, 50)} | {percentile_ms(ttfts, 99)} | {percentile_ms(tpots, 50, 1)} | "
            f"{'-' if rss is None else f'{rss:.0f}'} | "
            f"{', '.join(f'{kind}: {n}' for kind, n in sorted(errors.items())) or 'none'} |")
     return row, {kind: n for kind, n in errors.items() if kind != EXPECTED}
+
+
+def steps_counter(base_url, api_key):
+    """(sum, count) of the server's steps-per-token histogram (/metrics): the difference over a level is its mean."""
+    text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {api_key}"}).text
+    value = lambda name: next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")),
+                              0.0)
+    return value("nanochat_steps_per_token_sum"), value("nanochat_steps_per_token_count")
+
+
+def held_out_windows(count, length, seed):
+    """count windows of length tokens from the validation split under $NANOCHAT_BASE_DIR (its tokenizer's ids; each
+    document cut into windows that do not overlap, count of them drawn at random), and the tokenizer."""
+    from nanochat.dataset import iter_documents
+    from nanochat.tokenizer import get_tokenizer
+    tokenizer = get_tokenizer()
+    windows = []
+    for document in iter_documents("val"):
+        ids = tokenizer.encode(document, prepend=tokenizer.get_bos_token_id())
+        windows += [ids[i:i + length] for i in range(0, len(ids) - length + 1, length)]
+        if len(windows) >= 4 * count:  # enough to choose from; a big split is not read whole
+            break
+    if len(windows) < count:
+        raise SystemExit(f"error: the validation split holds {len(windows)} windows of {length} tokens, not "
+                         f"--score {count}; lower --score")
+    return random.Random(seed).sample(windows, count), tokenizer
+
+
+def answer_bpb(base_url, api_key, windows, answer_tokens, tokenizer, n_sup=None):
+    """Bits per byte of each window's last answer_tokens tokens given the rest, through the server (echo and
+    logprobs, nothing generated) at depth n_sup: what the model's answers cost under that depth or halting rule."""
+    nats, n_bytes = 0.0, 0
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=120) as client:
+        for ids in windows:
+            body = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0,
+                    **({} if n_sup is None else {"n_sup": n_sup})}
+            r = client.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                raise SystemExit(f"error: scoring a window got {r.status_code}: {r.text[:200]}")
+            logprobs = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+            nats -= sum(logprobs[-answer_tokens:])
+            n_bytes += len(tokenizer.decode(ids[-answer_tokens:]).encode("utf-8"))
+    return nats / math.log(2) / n_bytes
 
 
 def trained_tiny_checkpoint(base_dir):
@@ -210,22 +271,36 @@ def main(argv=None):
             args.max_tokens = min(args.max_tokens, health["max_tokens_limit"])
             rng = random.Random(args.seed)
             lengths = sorted({max(1, context // 10), max(1, context // 2), max(1, context * 9 // 10)})
-            prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]  # byte tokens: in every vocabulary
+            if args.score:
+                windows, tokenizer = held_out_windows(args.score, context, args.seed)
+                prompts = [windows[i][:n] for i, n in enumerate(lengths)]  # held-out text the answers continue
+            else:
+                prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]  # byte tokens: in every vocabulary
             print(f"model {model_tag} step {health['step']} (context {context}); server --max_concurrency "
                   f"{health['max_concurrency']} --queue_timeout {args.queue_timeout or 'default'}; {args.requests} "
                   f"requests per level "
-                  f"(at most {args.level_seconds:.0f} s), max_tokens {args.max_tokens}, prompts of {lengths} tokens, "
-                  f"half streamed; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+                  f"(at most {args.level_seconds:.0f} s), max_tokens {args.max_tokens}, prompts of {lengths} tokens "
+                  f"({'held-out text' if args.score else 'random'}), half streamed; "
+                  f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+            bpb = {}
+            for n_sup in args.depths if args.score else ():
+                bpb[n_sup] = answer_bpb(base_url, api_key, windows, args.max_tokens, tokenizer, n_sup)
             rss_before = rss_mib(proc.pid)
-            print("| clients | requests | ok | ok req/s | tokens/s | p50 ms | p99 ms | TTFT p50 ms | TTFT p99 ms | "
-                  "TPOT p50 ms | RSS MiB | errors |")
-            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+            compare = args.depths != [None] or args.score
+            print(f"| clients | {'n_sup | steps/token | answer bpb | ' if compare else ''}requests | ok | ok req/s | "
+                  f"tokens/s | p50 ms | p99 ms | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | RSS MiB | errors |")
+            print("|---" * (12 + 3 * bool(compare)) + "|")
             defects = Counter()
             for concurrency in args.levels:
-                results, seconds = asyncio.run(run_level(base_url, api_key, concurrency, prompts, args))
-                row, level_defects = summarize(concurrency, results, seconds, rss_mib(proc.pid))
-                print(row, flush=True)
-                defects.update(level_defects)
+                for n_sup in args.depths:  # interleaved, so that the machine's load falls on every depth alike
+                    before = steps_counter(base_url, api_key)
+                    results, seconds = asyncio.run(run_level(base_url, api_key, concurrency, prompts, args, n_sup))
+                    after = steps_counter(base_url, api_key)
+                    steps = (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else None
+                    depth = (n_sup, steps, bpb.get(n_sup)) if compare else None
+                    row, level_defects = summarize(concurrency, results, seconds, rss_mib(proc.pid), depth)
+                    print(row, flush=True)
+                    defects.update(level_defects)
             rss_after = rss_mib(proc.pid)
             alive = proc.poll() is None
         fmt = lambda mib: "n/a" if mib is None else f"{mib:.0f} MiB"

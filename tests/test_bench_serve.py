@@ -1,8 +1,13 @@
 """dev/bench_serve.py at a tiny size against the real server: 503s from a full server are expected, nothing else."""
 
+import argparse
+import math
 import os
 import subprocess
 import sys
+
+import torch
+import torch.nn.functional as F
 
 from dev import bench_serve
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -15,15 +20,18 @@ def test_a_tiny_load_run_reports_every_level_and_no_defect(tmp_path_factory):
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
     # one slot and no queue: the 4 clients' requests beyond the first are 503s, which must not fail the run
     cmd = [sys.executable, "-m", "dev.bench_serve", "--model_tag", MODEL_TAG, "--concurrency", "1,4", "--requests",
-           "8", "--max_tokens", "4", "--max_concurrency", "1", "--queue_timeout", "0", "--level_seconds", "30"]
+           "8", "--max_tokens", "4", "--max_concurrency", "1", "--queue_timeout", "0", "--level_seconds", "30",
+           "--n_sup", "all,rms:inf"]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| 1 |")
             or line.startswith("| 4 |")]
-    assert [row[0] for row in rows] == ["| 1", "| 4"]
-    assert rows[0][1:3] == ["8", "8"] and rows[0][-1] == "none |"  # one client: every request served
-    assert "503 server_busy" in rows[1][-1] and int(rows[1][2]) >= 1
-    assert float(rows[0][4]) > 0 and float(rows[0][9]) > 0  # tokens/s and time per output token
+    # each level once per depth, in turn; a token ran all 3 steps, or halted after the first (rms:inf)
+    assert [row[:3] for row in rows] == [["| 1", "all", "3.00"], ["| 1", "rms:inf", "1.00"], ["| 4", "all", "3.00"],
+                                         ["| 4", "rms:inf", "1.00"]]
+    assert rows[0][4:6] == ["8", "8"] and rows[0][-1] == "none |"  # one client: every request served
+    assert "503 server_busy" in rows[2][-1] and int(rows[2][5]) >= 1
+    assert float(rows[0][7]) > 0 and float(rows[0][12]) > 0  # tokens/s and time per output token
     assert "server RSS: " in result.stdout and " MiB after the last" in result.stdout
 
 
@@ -35,3 +43,25 @@ def test_only_a_503_from_a_full_server_is_not_a_defect():
     assert defects == {"500 None": 1, "ReadTimeout": 1, "broken stream": 1}
     # 19 tokens in 2 s; TPOT of the streamed one: (0.3 - 0.05) s over its 10 tokens after the first
     assert row.startswith("| 4 | 6 | 2 | 1.00 | 9.5 | 200 | 298 | 50 | 50 | 25.0 | 123 |")
+
+
+def test_answer_bpb_through_the_server_is_the_models_own(tmp_path_factory, monkeypatch):
+    base_dir, model, tokenizer = tiny_checkpoint(tmp_path_factory)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    ids = tokenizer.encode("the cat sat on the log. the dog sat on the mat. the cat", prepend="<|bos|>")
+    windows, answer = [ids[:14], ids[3:17]], 5
+
+    def expected(n_sup):  # the model's own log-probabilities, in process: nats of each window's last 5 tokens
+        nats, n_bytes = 0.0, 0
+        for w in windows:
+            with torch.no_grad():
+                lp = F.log_softmax(model(torch.tensor([w]), n_sup=n_sup)[0].float(), dim=-1)
+            nats -= sum(lp[t - 1, w[t]].item() for t in range(len(w) - answer, len(w)))
+            n_bytes += len(tokenizer.decode(w[-answer:]).encode())
+        return nats / math.log(2) / n_bytes
+
+    args = argparse.Namespace(max_concurrency=None, queue_timeout=None)
+    with bench_serve.server(str(base_dir), MODEL_TAG, "key", args) as (_, url):
+        got = {n: bench_serve.answer_bpb(url, "key", windows, answer, tokenizer, n) for n in (None, 1, "rms:inf")}
+    assert math.isclose(got[None], expected(3), rel_tol=1e-4) and math.isclose(got[1], expected(1), rel_tol=1e-4)
+    assert got[None] != got[1] and math.isclose(got["rms:inf"], got[1], rel_tol=1e-5)  # halted at step 1: step 1's
