@@ -19,6 +19,8 @@ The checks, in order (--quick runs the ones marked *: no tokenizer training, so 
                                runs it (regional compile, forward_backward, bf16 autocast on CUDA): step time, tokens/s,
                                MFU (of the whole step, optimizer included), peak memory against the planner's
                                estimate, recompiles and graph breaks
+  * trm_bf16_state             the same TRM step with the recursion state in bf16 (bf16 autocast only), and its
+                               tokens/s and peak memory over the float32 state's
   * nanochat_compare           the same plain step of nanochat's own GPT and optimizer (--nanochat DIR: a checkout, or
                                a copy of its nanochat/ package), and our time over theirs
     train_run, train_resume    torchrun base_train for 30 steps with evaluation, samples and checkpoints, then a
@@ -370,6 +372,29 @@ def check_trm(ctx):
     return micro_step_rows("trm", ctx.results["trm"])
 
 
+def check_trm_bf16_state(ctx):
+    """The TRM step with the recursion state in bf16 (--state_dtype=bfloat16), against the float32 state's: the
+    speed and memory that decide gpt.py's default (measured on CPU only so far: dev/LOG.md, "A bf16 recursion
+    state")."""
+    if ctx.sizes.dtype == "float32":
+        return [row("trm_bf16_state", True, "not run: a bf16 state needs bf16 autocast, and this run is float32",
+                    "bf16 autocast")]
+    fp32 = ctx.results.get("trm") or run_micro_steps(ctx, micro_step_config(ctx, plain=False))
+    bf16 = run_micro_steps(ctx, micro_step_config(ctx, plain=False).replace(state_dtype="bfloat16"))
+    ctx.results["trm_bf16_state"] = bf16
+    return micro_step_rows("trm_bf16_state", bf16) + [bf16_state_against_fp32(bf16, fp32)]
+
+
+def bf16_state_against_fp32(bf16, fp32):
+    """One row: tokens/s and peak memory of the bf16 state over the float32 state's (each at its planned batch)."""
+    memory_ratio = ("peak memory not measured" if bf16["peak_memory_bytes"] is None else
+                    f"peak memory {bf16['peak_memory_bytes'] / fp32['peak_memory_bytes']:.2f}x")
+    return row("trm_bf16_state_vs_fp32", True,
+               f"tokens/s {bf16['tok_per_s'] / fp32['tok_per_s']:.2f}x, {memory_ratio}, batch {bf16['batch']} vs "
+               f"{fp32['batch']}, first loss {bf16['losses'][0]:.4f} vs {fp32['losses'][0]:.4f}",
+               "the float32 state's (1.00x)")
+
+
 # ---------------------------------------------------------------------------------------------------- nanochat
 def nanochat_model(gpt, ctx, config):
     """karpathy/nanochat's GPT (gpt: its nanochat.gpt module), the size of our plain model, on this device."""
@@ -586,11 +611,11 @@ def check_export_hf(ctx):
 
 # ---------------------------------------------------------------------------------------------------- the report
 CHECKS = [check_environment, check_peak_flops, check_torch_lock, check_allocator, check_attention, check_kv_cache_dtype,
-          check_tiny_compile, check_plain, check_nanochat, check_trm, check_train_run, check_train_resume,
-          check_kv_cache, check_decode, check_export_hf]
+          check_tiny_compile, check_plain, check_nanochat, check_trm, check_trm_bf16_state, check_train_run,
+          check_train_resume, check_kv_cache, check_decode, check_export_hf]
 # The 5-minute kit (the GPU machine lent for ~15 minutes): the facts and the three steps; nothing trains a tokenizer
 QUICK = [check_environment, check_peak_flops, check_torch_lock, check_allocator, check_attention,
-         check_kv_cache_dtype, check_plain, check_nanochat, check_trm]
+         check_kv_cache_dtype, check_plain, check_nanochat, check_trm, check_trm_bf16_state]
 
 
 def run_check(check, ctx):

@@ -1,5 +1,6 @@
 """The GPU check kit: every check runs at CPU size and passes, a failing check fails the run and nothing else."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -13,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK_NAMES = {"environment", "peak_flops", "torch_lock", "allocator", "attention", "kv_cache_dtype", "tiny_compile",
                *(f"{model}_{what}" for model in ("plain", "trm") for what in ("step", "memory", "recompiles",
                                                                              "graph_breaks")),
-               "nanochat_compare", "train_run", "train_resume", "kv_cache_logits", "decode", "export_hf"}
+               "nanochat_compare", "trm_bf16_state", "train_run", "train_resume", "kv_cache_logits", "decode",
+               "export_hf"}
 
 
 def read_report(out):
@@ -150,8 +152,29 @@ def cpu_context(tmp_path):
 def test_the_quick_kit_trains_no_tokenizer_and_keeps_the_facts_and_the_three_steps():
     names = [check.__name__.removeprefix("check_") for check in gpu_check.QUICK]
     assert names == ["environment", "peak_flops", "torch_lock", "allocator", "attention", "kv_cache_dtype", "plain",
-                     "nanochat", "trm"]
+                     "nanochat", "trm", "trm_bf16_state"]
     assert set(gpu_check.QUICK) < set(gpu_check.CHECKS)
+
+
+def test_the_bf16_state_step_is_compared_with_the_float32_states(tmp_path, monkeypatch):
+    ctx = cpu_context(tmp_path)
+    [skipped] = gpu_check.check_trm_bf16_state(ctx)  # float32 at CPU size: nothing to compare
+    assert skipped["ok"] and skipped["value"].startswith("not run: a bf16 state needs bf16 autocast")
+    measured = lambda tok_per_s, peak, batch, loss: {
+        "batch": batch, "activation_checkpointing": False, "sequence_len": 2048, "first_step_s": 30.0,
+        "step_s": batch * 2048 / tok_per_s, "fwd_bwd_s": 1.0, "tok_per_s": tok_per_s, "mfu": 0.4,
+        "losses": [loss, loss], "peak_memory_bytes": peak, "estimated_memory_bytes": 2 * peak, "graphs_compiled": 3,
+        "recompiles": 0, "graph_breaks": 0}
+    states = []
+    monkeypatch.setattr(gpu_check, "run_micro_steps", lambda ctx, config: states.append(config.state_dtype)
+                        or measured(60_000.0, 40e9, 32, 11.02))
+    ctx = gpu_check.Context(ctx.device, dataclasses.replace(ctx.sizes, dtype="bfloat16"), str(tmp_path), None)
+    ctx.results["trm"] = measured(48_000.0, 50e9, 16, 11.0)  # the float32 state's step, measured just before
+    rows = gpu_check.check_trm_bf16_state(ctx)
+    assert states == ["bfloat16"]  # only the bf16 state is stepped again
+    assert [r["name"] for r in rows] == [f"trm_bf16_state_{w}" for w in ("step", "memory", "recompiles",
+                                                                        "graph_breaks")] + ["trm_bf16_state_vs_fp32"]
+    assert rows[-1]["value"] == "tokens/s 1.25x, peak memory 0.80x, batch 32 vs 16, first loss 11.0200 vs 11.0000"
 
 
 def test_the_facts_at_cpu_size(tmp_path):
