@@ -1,13 +1,17 @@
 """scripts/plot_run: the panels that show whether later supervision steps help, drawn from a run's metrics."""
 
 import json
+import os
 import random
+import sys
 
 import pytest
 
 from scripts import plot_run
+from tests.support import processes
 from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line, temporaries
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, EVAL_EVERY = 200, 25
 GAPS = [0.0, -0.03, -0.04]  # what supervision steps 1 and 2 gain over the draft, under ~0.3 nats of batch noise
 VAL = {0: [4.0, 4.0, 4.0]}  # the untrained model, far above the rest
@@ -70,10 +74,13 @@ def test_the_figure_shows_training_and_validation_gaps_and_the_inference_curve(r
     assert "trained with 3 supervision steps" in curves
 
 
-def test_main_writes_the_png_despite_a_torn_line(run_dir, capsys):
-    plot_run.main([str(run_dir)])
+def test_the_command_writes_the_png_despite_a_torn_line(run_dir):
+    # the one process of plot_run in the suite (elsewhere main is called in process): `python -m` reaches main
+    proc = processes.run([sys.executable, "-m", "scripts.plot_run", str(run_dir)], timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0 and proc.stdout == f"plot: {run_dir / 'training.png'}\n", proc.stderr
     assert (run_dir / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "is cut off" in capsys.readouterr().err
+    assert "is cut off" in proc.stderr
 
 
 def test_a_plain_model_without_evaluations_still_plots(tmp_path):
