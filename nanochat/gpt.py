@@ -472,6 +472,9 @@ class GPT(nn.Module):
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
     def step_loss(self, y, targets, reduction="mean"):
+        """One step's loss on answer y. Three paths, for memory only (the values agree): per-token losses without
+        gradients (evaluation) and the mean with gradients (training) never hold the whole batch's logits; the rest
+        (a probe's per-token losses with gradients, a mean without) computes plain cross-entropy."""
         if reduction == "none" and not torch.is_grad_enabled():  # evaluation: one chunk's logits at a time, as training
             return self.token_losses(y, targets)
         y = self.apply_coda(y)
