@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Does the recursion use its depth? On a CPU with no network, through the product's scripts: the hops corpus
-# (6-symbol cycles, 1-3 hops, earlier answers in the text) -> a byte-level tokenizer -> base_train of gpt.py's default
+# (7-symbol cycles, 1-3 hops, earlier answers in the text) -> a byte-level tokenizer -> base_train of gpt.py's default
 # recursion and of the plain model of the same block, side by side on one core each -> base_loss --hops -> one plot of
-# the 3-hop accuracy at every supervision step. Times and results: dev/LOG.md (issue 36).
+# the 3-hop accuracy at every supervision step. 7 symbols, not 6: at 6 (120 possible cycles) the plain block answered
+# 3 hops at 1.00 in one pass; at 7 it reached 0.26 (seed 42) where the recursion climbed from 0.16 at step 1 to 1.00 at
+# step 2. Not every seed leaves the loss plateau in 1,000 steps: at --seed=43 both models stayed on it.
+# Times and results: dev/LOG.md (issue 36), dev/results/hops/demo7/.
 # Everything lands in $NANOCHAT_BASE_DIR (default ~/.cache/nanochat-hops); STEPS=N trains longer or shorter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +18,7 @@ bash dev/setup_env.sh plot
 py=.venv/bin/python
 
 echo "== 2/5 the hops corpus and a byte-level tokenizer (each answer one token, scored by exact match)"
-$py -m nanochat.dataset --synthetic=hops_pairs --hops_symbols=6 --hops_max=3 --synthetic_docs=60000
+$py -m nanochat.dataset --synthetic=hops_pairs --hops_symbols=7 --hops_max=3 --synthetic_docs=60000
 if [ ! -f "$NANOCHAT_BASE_DIR/tokenizer/tokenizer.json" ]; then
     $py -m scripts.tok_train --byte_level
 fi
@@ -27,10 +30,10 @@ train() {
     local tag=$1; shift
     local resume=""
     if compgen -G "$NANOCHAT_BASE_DIR/base_checkpoints/$tag/step_*" > /dev/null; then resume="--resume"; fi
-    # --max_seq_len=104: rows of 105 tokens, each one whole document (<|bos|> + 104 characters), as dev/hops.py
+    # --max_seq_len=105: rows of 106 tokens, each one whole document (<|bos|> + 105 characters), as dev/hops.py
     # trains; rows of 129 tokens cut documents across rows and kept the recursion on the plateau (issue 36)
-    OMP_NUM_THREADS=1 $py -m scripts.base_train --device_type=cpu --depth=1 --n_embd=64 --n_head=2 --max_seq_len=104 --rows=documents \
-        --device_batch_size=32 --total_batch_size=3328 --num_iterations="$STEPS" --warmup_steps=20 \
+    OMP_NUM_THREADS=1 $py -m scripts.base_train --device_type=cpu --depth=1 --n_embd=64 --n_head=2 --max_seq_len=105 --rows=documents \
+        --device_batch_size=32 --total_batch_size=3360 --num_iterations="$STEPS" --warmup_steps=20 \
         --warmdown_ratio=0.3 --matrix_lr=0.02 --embedding_lr=0.2 --unembedding_lr=0.004 --ema_decay=0 \
         --eval_every=250 --eval_tokens=8192 --sample_every=0 --save_every=250 --keep_last=1 \
         --model_tag="$tag" ${resume:+"$resume"} "$@" > "$NANOCHAT_BASE_DIR/$tag.log" 2>&1 \
