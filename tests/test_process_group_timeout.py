@@ -11,7 +11,7 @@ from nanochat import common
 from tests.support import processes
 from tests.support.helpers import ROOT, TINY, ckpt_dir
 
-TIMEOUT_S = "5"  # the process group's; rank 0's slow steps take 3x as long
+TIMEOUT_S = "5"  # the process group's; rank 0's slow steps take 2x as long
 HANG = 240  # seconds: far above what the runs take here, so only a hang reaches it
 GROUP_GAVE_UP = ("Connection closed", "Timed out", "timed out", "Timeout")
 
