@@ -27,7 +27,7 @@ from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_r
 from nanochat.common import PROCESS_GROUP_TIMEOUT, compute_cleanup, compute_init
 from nanochat.gpt import GPTConfig
 
-SLOW_S = 2 * PROCESS_GROUP_TIMEOUT.total_seconds()  # twice the timeout: a collective waiting this long would have failed
+SLOW_S = 2 * PROCESS_GROUP_TIMEOUT.total_seconds()  # twice the timeout: a collective waiting this long fails
 
 
 def slowly(function):
