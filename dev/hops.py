@@ -216,12 +216,25 @@ def packed_rows(seed, spec, tokenizer, batch, T):
         yield rows[:, :-1], rows[:, 1:]
 
 
+def documents_per_row(idx, targets, k):
+    """One-document rows (idx, targets) regrouped k whole documents to a row: the same tokens, each document still
+    <|bos|>-led, the last token of one predicting the next's <|bos|> (as in base_train's rows)."""
+    if k == 1:
+        return idx, targets
+    rows = torch.cat([idx, targets[:, -1:]], 1).reshape(idx.size(0) // k, -1)
+    return rows[:, :-1], rows[:, 1:]
+
+
 def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, warmdown=0.3, answers_only=False,
-          report=None, clip=0.0, pack=0, momentum_warmup=False):
+          report=None, clip=0.0, pack=0, momentum_warmup=False, docs_per_row=1):
     """`steps` optimizer steps on fresh documents (seeded by seed and step), warmup then linear warmdown.
     pack=T: rows of T tokens cut from the document stream as base_train's loader does (packed_rows).
+    docs_per_row=K: the same step's documents, K whole ones back to back in a row (batch/K rows), as --rows=documents
+    and the depth probe fill a long row; attention runs across them.
     momentum_warmup: Muon's momentum from 0.85 to 0.95 over 300 steps (base_train's muon_momentum); else 0.95."""
     assert not (pack and answers_only), "--answers_only needs one document per row"
+    assert docs_per_row == 1 or (FORMAT["name"] in ("pairs", "text") and not pack and not answers_only
+                                 and batch % docs_per_row == 0), "--docs_per_row: byte-level documents, batch % K == 0"
     packed = packed_rows(seed, spec, tokenizer, batch, pack) if pack else None
     for step in range(steps):
         lrm = min(1.0, (step + 1) / warmup) * min(1.0, (1 - step / steps) / warmdown)
@@ -236,6 +249,7 @@ def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, wa
         else:
             idx, targets, pos, _ = (t.to(model.lm_head.weight.device)
                                     for t in batches(documents(f"{seed}:{step}", batch, spec), tokenizer))
+            idx, targets = documents_per_row(idx, targets, docs_per_row)
         if answers_only:
             targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))
         _, aux = model.forward_backward(idx, targets)
@@ -284,6 +298,8 @@ def main():
     ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)")
     ap.add_argument("--pack", type=int, default=0, help="rows of this many tokens cut from the document stream, as "
                     "base_train's loader packs them (0: one document per row)")
+    ap.add_argument("--docs_per_row", type=int, default=1, help="K whole documents back to back in a row (batch/K "
+                    "rows of the same documents), as --rows=documents and the depth probe fill long rows")
     ap.add_argument("--momentum_warmup", type=int, default=0, help="1: Muon momentum 0.85 -> 0.95 over 300 steps, "
                     "as base_train (0: 0.95 throughout)")
     ap.add_argument("--log_every", type=int, default=250, help="steps between the printed per-step losses")
@@ -302,7 +318,7 @@ def main():
     vocab = {"masked": masked_vocab(spec), "chains": chains_vocab(spec), "answers": ANSWERS_VOCAB, "answers_hidden": ANSWERS_VOCAB + 1}.get(
         args.format, tok.get_vocab_size())
     config = GPTConfig.with_refinement_preset(
-        args.preset, sequence_len=max(length, args.pack), vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
+        args.preset, sequence_len=max(length, args.pack, args.docs_per_row * (length + 1) - 1), vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
         n_kv_head=args.n_head, n_embd=args.width, n_loops=args.n_loops, n_sup_train=args.n_sup,
         T_recursion=args.T_recursion, state_update=args.state_update, detach_between_steps=bool(args.detach),
         backprop_steps=args.backprop_steps,
@@ -331,7 +347,7 @@ def main():
             print(f"{args.name} step {step} losses {log[-1][1]} {time.time() - start:.0f}s", flush=True)
 
     train(model, optimizers, spec, tok, args.steps, args.batch, args.seed, args.warmup, args.warmdown,
-          bool(args.answers_only), report, args.clip, args.pack, bool(args.momentum_warmup))
+          bool(args.answers_only), report, args.clip, args.pack, bool(args.momentum_warmup), args.docs_per_row)
     train_s = time.time() - start
     acc, answer_loss = evaluate(model, val, 2 * args.n_sup, args.max_hops)
     result = {"name": args.name, "seed": args.seed, "args": vars(args), "params": model.num_params(),

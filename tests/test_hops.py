@@ -147,6 +147,22 @@ def test_packed_rows_cut_the_stream_as_the_loader_does():
     assert (idx[:, 0] == tok.get_bos_token_id()).sum() < 4  # some rows start inside a document: the gap of issue 36
 
 
+def test_documents_per_row_keeps_every_document_whole():
+    """--docs_per_row K: the step's documents K to a row, each whole and <|bos|>-led, none cut or lost."""
+    import dev.hops
+    from nanochat.synthetic import pairs_answers
+    from nanochat.tokenizer import RustBPETokenizer
+    tok, spec = RustBPETokenizer.byte_level(), HopsSpec(n_symbols=6, max_hops=3, n_queries=24)
+    dev.hops.FORMAT.update(name="pairs", answers=pairs_answers)
+    docs = dev.hops.documents("0:0", 8, spec)
+    idx, targets, _, _ = dev.hops.batches(docs, tok)
+    idx, targets = dev.hops.documents_per_row(idx, targets, 4)
+    bos = tok.get_bos_token_id()
+    for r in range(2):
+        row = [t for d in docs[4 * r:4 * r + 4] for t in tok.encode(d, prepend=bos)]
+        assert idx[r].tolist() == row[:-1] and targets[r].tolist() == row[1:]
+
+
 @pytest.mark.parametrize("script", ["dev/runcpu_hops.sh", "dev/hops_base_gpu.sh"])
 def test_the_hops_scripts_train_one_whole_document_per_row(script):
     """base_train's loader cuts rows of max_seq_len+1 tokens from the document stream: the hops scripts' max_seq_len
