@@ -178,3 +178,11 @@ def test_the_hops_scripts_train_one_whole_document_per_row(script):
     lengths = {len(d) for d in hops_documents(0, 50, HopsSpec(symbols, max_hops, 24), family="hops_pairs")}
     assert lengths == {seq_len}, f"{script}: --max_seq_len={seq_len}, documents are <|bos|> + {lengths} characters"
     assert batch == rows * seq_len
+
+
+def test_hops_repeats_marks_a_query_asked_before():
+    """dev/hops_repeats: a query is a repeat when the same hop count and start stood earlier in the document."""
+    from dev.hops_repeats import first_times
+    from nanochat.synthetic import SEPARATOR
+    text = "ABC" + SEPARATOR + " ".join(["1ab", "2ac", "1ab", "1ba", "2ac", "2bc"])
+    assert first_times(text) == [True, True, False, True, False, True]
