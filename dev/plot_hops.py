@@ -2,7 +2,9 @@
 Several runs' `base_loss --hops` results in one plot: the longest hop count's accuracy at every supervision step, one
 line per model tag (the newest hops_eval_step<N>.json of each), and the same numbers as a table.
 
-python -m dev.plot_hops hops_trm hops_plain --out hops.png    # what dev/runcpu_hops.sh draws
+python -m dev.plot_hops hops_trm_s42 hops_plain_s42 --out hops.png    # what dev/runcpu_hops.sh draws
+
+A run whose one-hop accuracy never leaves chance gets a WARNING line: it has not left the loss plateau.
 """
 
 import argparse
@@ -24,6 +26,22 @@ def newest_result(tag):
         return json.load(f)
 
 
+LEARNED = 0.5  # one hop at or above this at some step: the run learned a single lookup (chance is 1/symbols)
+
+
+def plateau_warning(tag, result):
+    """A line when a run never learned even the one-hop lookup: it stayed on the loss plateau (docs/reasoning.md),
+    so its longer hops say nothing about depth; None otherwise."""
+    if 1 not in result["hops"]:
+        return None
+    one_hop = max(row[result["hops"].index(1)] for row in result["accuracy"])
+    if one_hop >= LEARNED:
+        return None
+    return (f"WARNING {tag}: 1 hop at {one_hop:.2f} at best (chance {result['chance']:.2f}): it never learned a single "
+            "lookup, it is still on the loss plateau, so its longer hops say nothing about depth; train it longer or "
+            "from another --seed")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("tags", nargs="+", help="model tags under $NANOCHAT_BASE_DIR/base_checkpoints")
@@ -34,6 +52,9 @@ def main(argv=None):
     print(f"accuracy on the longest hops by supervision step 1..{steps}")
     for tag, r in results.items():
         print(f"{tag:>16s} ({r['hops'][-1]} hops): " + " ".join(f"{row[-1]:.2f}" for row in r["accuracy"]))
+    for tag, r in results.items():
+        if warning := plateau_warning(tag, r):
+            print(warning)
     plot_models(results, args.out, title="the longest hops, by supervision step")
     print(f"plot: {args.out}")
 

@@ -4,13 +4,17 @@
 # recursion and of the plain model of the same block, side by side on one core each -> base_loss --hops -> one plot of
 # the 3-hop accuracy at every supervision step. 7 symbols, not 6: at 6 (120 possible cycles) the plain block answered
 # 3 hops at 1.00 in one pass; at 7 it reached 0.26 (seed 42) where the recursion climbed from 0.16 at step 1 to 1.00 at
-# step 2. Not every seed leaves the loss plateau in 1,000 steps: at --seed=43 both models stayed on it.
+# step 2. Not every seed leaves the loss plateau in 1,000 steps: at SEED=43 neither model learned even one lookup (the
+# plot's step prints a WARNING then); SEED=44 climbs as 42 does.
 # Times and results: dev/LOG.md (issue 36), dev/results/hops/demo7/.
-# Everything lands in $NANOCHAT_BASE_DIR (default ~/.cache/nanochat-hops); STEPS=N trains longer or shorter.
+# Everything lands in $NANOCHAT_BASE_DIR (default ~/.cache/nanochat-hops); STEPS=N trains longer or shorter, SEED=N
+# draws other initial weights (the tags and the plot carry it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat-hops}"
 STEPS="${STEPS:-1000}"
+SEED="${SEED:-42}"
+trm="hops_trm_s$SEED" plain="hops_plain_s$SEED"
 start=$(date +%s)
 
 echo "== 1/5 environment"
@@ -36,23 +40,23 @@ train() {
         --device_batch_size=32 --total_batch_size=3360 --num_iterations="$STEPS" --warmup_steps=20 \
         --warmdown_ratio=0.3 --matrix_lr=0.02 --embedding_lr=0.2 --unembedding_lr=0.004 --ema_decay=0 \
         --eval_every=250 --eval_tokens=8192 --sample_every=0 --save_every=250 --keep_last=1 \
-        --model_tag="$tag" ${resume:+"$resume"} "$@" > "$NANOCHAT_BASE_DIR/$tag.log" 2>&1 \
+        --seed="$SEED" --model_tag="$tag" ${resume:+"$resume"} "$@" > "$NANOCHAT_BASE_DIR/$tag.log" 2>&1 \
         || { echo "base_train $tag failed: see $NANOCHAT_BASE_DIR/$tag.log" >&2; return 1; }
 }
-train hops_trm &
-trm=$!
-train hops_plain --n_loops=0 --n_sup_train=1 &
-plain=$!
-if ! wait $trm; then kill $plain 2>/dev/null; exit 1; fi
-wait $plain
-tail -n 1 "$NANOCHAT_BASE_DIR/hops_trm.log" "$NANOCHAT_BASE_DIR/hops_plain.log"
+train "$trm" &
+trm_pid=$!
+train "$plain" --n_loops=0 --n_sup_train=1 &
+plain_pid=$!
+if ! wait $trm_pid; then kill $plain_pid 2>/dev/null; exit 1; fi
+wait $plain_pid
+tail -n 1 "$NANOCHAT_BASE_DIR/$trm.log" "$NANOCHAT_BASE_DIR/$plain.log"
 
 echo "== 4/5 accuracy by hop count at every supervision step"
-$py -m scripts.base_loss --device_type=cpu --model_tag=hops_trm --hops --hops_docs=1000
+$py -m scripts.base_loss --device_type=cpu --model_tag="$trm" --hops --hops_docs=1000
 # the plain block at its one step: a second would run the block again on its own answer, which it never trained for
-$py -m scripts.base_loss --device_type=cpu --model_tag=hops_plain --hops --hops_docs=1000 --n_sup=1
+$py -m scripts.base_loss --device_type=cpu --model_tag="$plain" --hops --hops_docs=1000 --n_sup=1
 
 echo "== 5/5 plot"
-$py -m dev.plot_hops hops_trm hops_plain --out "$NANOCHAT_BASE_DIR/hops_demo.png"
+$py -m dev.plot_hops "$trm" "$plain" --out "$NANOCHAT_BASE_DIR/hops_demo_s$SEED.png"
 echo
 echo "done in $(( $(date +%s) - start )) s"

@@ -250,7 +250,16 @@ def test_plot_hops_compares_the_newest_result_of_each_tag(tmp_path, monkeypatch,
     plot_hops.main(["trm", "plain", "--out", str(tmp_path / "cmp.png")])
     out = capsys.readouterr().out
     assert "trm (2 hops): 0.70 0.95" in out and "plain (2 hops): 0.25" in out  # step 20's rows, the longest hops
+    assert "WARNING" not in out  # both learned the one-hop lookup
     assert os.path.getsize(tmp_path / "cmp.png") > 0
+
+
+def test_plot_hops_warns_of_a_run_that_never_learned_one_lookup():
+    from dev.plot_hops import plateau_warning
+    stuck = {"hops": [1, 2, 3], "accuracy": [[0.17, 0.16, 0.16], [0.2, 0.15, 0.16]], "chance": 1 / 7}
+    assert "1 hop at 0.20 at best (chance 0.14)" in plateau_warning("s43", stuck)
+    learned = {"hops": [1, 2, 3], "accuracy": [[0.3, 0.1, 0.1], [0.97, 0.34, 0.23]], "chance": 1 / 7}
+    assert plateau_warning("s44", learned) is None
 
 
 def test_pairs_documents_are_read_from_their_own_text():
