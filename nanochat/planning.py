@@ -317,7 +317,7 @@ def evaluation_line(run_config, model, iterations, flops_per_step):
 
 
 def probe_lines(run_config, model, iterations):
-    """What --probe costs: its share of the training rows (text the run does not see) and its evaluations."""
+    """What --probe costs: its share of the training tokens (text the run does not see) and its evaluations."""
     if run_config.probe == "none":
         return []
     probe = build_probe(run_config.probe, run_config.probe_share, run_config.seed, run_config.probe_docs)
@@ -325,8 +325,10 @@ def probe_lines(run_config, model, iterations):
     eval_flops = (evaluations(run_config.eval_every, iterations) * run_config.probe_docs * doc_chars
                   * model.estimate_flops(backward=False))
     train_flops = iterations * model.estimate_flops() * run_config.total_batch_size
-    return [f"probe        {run_config.probe}: {run_config.probe_share:.0%} of the training rows are hops documents "
-            f"(that much less text), and {run_config.probe_docs} documents at each eval: "
+    rows = min(1.0, run_config.probe_share * (run_config.max_seq_len + 1) / (doc_chars + 1))
+    return [f"probe        {run_config.probe}: {run_config.probe_share:.0%} of the training tokens are hops documents, "
+            f"one at the start of {rows:.0%} of the rows (that much less text), and {run_config.probe_docs} documents "
+            "at each eval: "
             f"{eval_flops / train_flops:.2%} more compute"]
 
 

@@ -1,11 +1,15 @@
 """
 The depth probe (base_train --probe=hops): does this run's recursion use its depth? A small share of the training
-rows are hops documents (nanochat.synthetic: chained lookups of a known number of hops), and every evaluation reports
+tokens are hops documents (nanochat.synthetic: chained lookups of a known number of hops), and every evaluation reports
 accuracy by hop count at every supervision step on fresh ones (nanochat.hops_eval), beside the text's bpb.
 
-The rows are replaced in place, a pure function of (seed, step, micro-step, rank): the text loaders advance exactly
-as without the probe, so a resumed run mixes the same rows at the same steps, and every rank of a step mixes the same
-number. Over the run, `share` of the training rows are the probe's (a step gets floor or ceil of share x batch).
+Each probe document is written over the start of a text row, the row's own text going on after it: the document is
+then alone before its queries, as the evaluation reads it. Several documents to a row kept a small recursion on the
+loss plateau, where one document a row left it (issue 36, dev/LOG.md): a query's attention also found the tables
+of the documents before it. The rows are written in place, a pure function of (seed, step, micro-step, rank): the text
+loaders advance exactly as without the probe, so a resumed run mixes the same rows at the same steps, and every rank
+of a step mixes the same number. Over the run, `share` of the training tokens are the probe's (a micro-batch gets
+floor or ceil of its share of rows, at most all of them).
 """
 
 import math
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanochat.dataloader import UNSCORED
 from nanochat.hops_eval import encode_hops
 from nanochat.synthetic import HopsSpec, hops_document, iter_hops_documents
 
@@ -23,32 +28,39 @@ EVAL_SEED = 1_000_003  # the evaluation's documents: never drawn for training (a
 
 @dataclass(frozen=True)
 class Probe:
-    share: float  # of the training rows
+    share: float  # of the training tokens
     seed: int
     eval_docs: int
     spec: HopsSpec = HopsSpec(n_symbols=8, max_hops=4, n_queries=16)  # the 8-cycles of issue 36; ~110 characters
 
-    def rows_at(self, step, micro, micro_steps, batch):
-        """How many of this micro-batch's rows are the probe's: the running total floor(share x rows so far)."""
-        k = step * micro_steps + micro  # the micro-batches before this one (step counts from 0, as optimizer_step)
-        return math.floor((k + 1) * self.share * batch) - math.floor(k * self.share * batch)
+    def document_tokens(self, tokenizer):
+        """The tokens of one probe document, <|bos|> included (every document of the spec has one length in
+        characters; a BPE tokenizer's counts differ by a few)."""
+        return len(encode_hops(tokenizer, hops_document(random.Random(f"probe-length:{self.seed}"), self.spec))[0])
 
-    def token_rows(self, tokenizer, count, length, step, micro, rank):
-        """count rows of length tokens: hops documents, each <|bos|>-led as the loader packs text, back to back."""
-        rng = random.Random(f"probe:{self.seed}:{step}:{micro}:{rank}")
-        stream, cache = [], {}
-        while len(stream) < count * length:
-            stream += encode_hops(tokenizer, hops_document(rng, self.spec), cache)[0]
-        return torch.tensor(stream[:count * length]).view(count, length)
+    def rows_at(self, step, micro, micro_steps, batch, row_tokens, document_tokens):
+        """How many of this micro-batch's rows start with a probe document: the running total of share x tokens
+        in documents, one document a row (so at most every row)."""
+        per_micro = min(batch, self.share * batch * row_tokens / document_tokens)
+        k = step * micro_steps + micro  # the micro-batches before this one (step counts from 0, as optimizer_step)
+        return math.floor((k + 1) * per_micro) - math.floor(k * per_micro)
 
     def mix(self, x, y, tokenizer, step, micro, micro_steps, rank):
-        """(x, y) with the last rows_at(...) rows replaced by hops rows (inputs and next-token targets)."""
-        n = self.rows_at(step, micro, micro_steps, x.size(0))
+        """(x, y) with a hops document (inputs and next-token targets) written over the start of each of the last
+        rows_at(...) rows; the rest of each row keeps its text."""
+        T = x.size(1)
+        n = self.rows_at(step, micro, micro_steps, x.size(0), T + 1, self.document_tokens(tokenizer))
         if n == 0:
             return x, y
-        rows = self.token_rows(tokenizer, n, x.size(1) + 1, step, micro, rank).to(x.device)
-        x, y = x.clone(), y.clone()
-        x[-n:], y[-n:] = rows[:, :-1], rows[:, 1:]
+        rng = random.Random(f"probe:{self.seed}:{step}:{micro}:{rank}")
+        x, y, cache = x.clone(), y.clone(), {}
+        for row in range(x.size(0) - n, x.size(0)):
+            ids = torch.tensor(encode_hops(tokenizer, hops_document(rng, self.spec), cache)[0][:T + 1])
+            covered = min(len(ids), T)
+            x[row, :covered] = ids[:covered]
+            y[row, :len(ids) - 1] = ids[1:]
+            if len(ids) <= T:  # the document's last token predicts nothing: the row's text resumes after it
+                y[row, len(ids) - 1] = UNSCORED
         return x, y
 
     def eval_documents(self):
@@ -63,7 +75,7 @@ def build(name, share, seed, eval_docs):
     if name == "none":
         return None
     if not 0 < share < 1:
-        raise ValueError(f"--probe_share={share}: must be between 0 and 1 (the share of training rows)")
+        raise ValueError(f"--probe_share={share}: must be between 0 and 1 (the share of training tokens)")
     return Probe(share, seed, eval_docs)
 
 

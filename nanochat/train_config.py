@@ -147,9 +147,9 @@ def build_parser():
     output = p.add_argument_group("evaluation and output")
     output.add_argument("--eval_every", type=int, default=250, help="steps between validation evals (0 = end only)")
     output.add_argument("--probe", choices=PROBES, default="none",
-                        help="hops: a depth probe; --probe_share of the training rows are hops documents, and every "
+                        help="hops: a depth probe; --probe_share of the training tokens are hops documents, and every "
                              "eval reports accuracy by hop count at every supervision step (docs/reasoning.md)")
-    output.add_argument("--probe_share", type=float, default=0.05, help="--probe: the share of training rows")
+    output.add_argument("--probe_share", type=float, default=0.05, help="--probe: the share of training tokens")
     output.add_argument("--probe_docs", type=int, default=256, help="--probe: documents each evaluation reads")
     output.add_argument("--eval_tokens", type=int, default=10 * 524288,
                         help="validation tokens per eval, rounded down to whole rows of --max_seq_len (the same rows "

@@ -23,24 +23,45 @@ def text_batch(rows=16, length=32, seed=0):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def test_over_a_run_the_share_of_rows_is_the_one_asked_and_every_rank_mixes_as_many():
-    counts = [PROBE.rows_at(step, micro, 2, 16) for step in range(100) for micro in range(2)]
-    assert sum(counts) == round(0.1 * 16 * 2 * 100) and set(counts) == {1, 2}  # floor or ceil of 1.6 a micro-batch
+def probe_document_tokens():
+    """A probe document's byte-level tokens, counted here: <|bos|> and one byte a character."""
+    return 1 + len(PROBE.eval_documents()[0].encode())
 
 
-def test_the_mixed_rows_are_hops_documents_and_the_rest_is_the_text_untouched():
-    x, y = text_batch(length=256)  # a row holds whole documents
+def test_over_a_run_the_share_of_tokens_is_the_one_asked_and_every_rank_mixes_as_many():
+    L = probe_document_tokens()
+    assert PROBE.document_tokens(BYTES) == L
+    counts = [PROBE.rows_at(step, micro, 2, 16, 257, L) for step in range(100) for micro in range(2)]
+    assert abs(sum(counts) * L - 0.1 * 16 * 257 * 2 * 100) <= L  # within one document of 10% of the tokens
+    assert set(counts) == {3, 4}  # floor or ceil of 0.1 x 16 x 257 / 111 = 3.7 rows a micro-batch
+    assert {PROBE.rows_at(s, 0, 1, 16, 257, 10) for s in range(5)} == {16}  # at most one document a row, every row
+
+
+def test_a_mixed_row_is_one_hops_document_at_its_start_then_its_own_text():
+    x, y = text_batch(length=256)
     mx, my = PROBE.mix(x, y, BYTES, step=3, micro=0, micro_steps=1, rank=0)
-    n = PROBE.rows_at(3, 0, 1, 16)
+    n, m = PROBE.rows_at(3, 0, 1, 16, 257, probe_document_tokens()), probe_document_tokens()
     assert n >= 1 and torch.equal(mx[:-n], x[:-n]) and torch.equal(my[:-n], y[:-n])
-    assert torch.equal(mx[-n:, 1:], my[-n:, :-1])  # targets are the next tokens of the same stream
-    text = bytes(t for t in mx[-1].tolist() if t < 256).decode()  # <|bos|> is the byte vocabulary's special token
-    assert " ; " in text and "=" in text and (mx[-n:] == BYTES.get_bos_token_id()).any()  # documents <|bos|>-led
+    bos = BYTES.get_bos_token_id()
+    for r in range(16 - n, 16):
+        doc = mx[r, :m].tolist()
+        assert doc[0] == bos and bos not in doc[1:]  # one document, <|bos|>-led
+        text = bytes(doc[1:]).decode()
+        assert " ; " in text and "=" in text and len(hops_answers(text)) == PROBE.spec.n_queries  # all its queries
+        assert my[r, :m - 1].tolist() == doc[1:] and my[r, m - 1] == -1  # its next tokens; its last predicts nothing
+        assert torch.equal(mx[r, m:], x[r, m:]) and torch.equal(my[r, m:], y[r, m:])  # then the row's own text
     assert torch.equal(x, text_batch(length=256)[0])  # the caller's tensors are not written to
 
 
+def test_a_row_shorter_than_a_document_holds_its_start():
+    x, y = text_batch(rows=4, length=64)
+    mx, my = probe_module.build("hops", share=0.9, seed=1, eval_docs=8).mix(x, y, BYTES, 0, 0, 1, rank=0)
+    assert mx[-1, 0] == BYTES.get_bos_token_id() and torch.equal(mx[-1, 1:], my[-1, :-1])  # a document throughout
+    assert (my[-1] >= 0).all()
+
+
 def test_the_mixed_stream_is_a_function_of_the_step_so_a_resumed_run_mixes_the_same_rows():
-    x, y = text_batch()
+    x, y = text_batch(length=256)  # every step mixes a row or more
     resumed = probe_module.build("hops", share=0.1, seed=42, eval_docs=64)  # a new process's probe
     for step in (0, 7, 8):
         first = PROBE.mix(x, y, BYTES, step, 0, 1, rank=1)
@@ -99,6 +120,7 @@ def test_the_plan_states_what_the_probe_costs():
     lines = planning.plan_lines(train_config.parse_args(flags + ["--probe=hops", "--probe_share=0.1"], world_size=1,
                                                         check_hardware=False, vocab_size=256))
     [line] = [line for line in lines if line.startswith("probe ")]
-    assert "10% of the training rows are hops documents" in line and "256 documents at each eval" in line
+    assert "10% of the training tokens are hops documents, one at the start of" in line
+    assert "256 documents at each eval" in line
     assert not any(line.startswith("probe ") for line in planning.plan_lines(
         train_config.parse_args(flags, world_size=1, check_hardware=False, vocab_size=256)))
