@@ -225,12 +225,22 @@ def documents_per_row(idx, targets, k):
     return rows[:, :-1], rows[:, 1:]
 
 
+def offset_rows(idx, targets, offset, filler):
+    """Each one-document row after `offset` filler tokens (unscored): the document as far into its row as the last of
+    K documents to a row, with nothing before it that looks like a table (the control for --docs_per_row)."""
+    if offset == 0:
+        return idx, targets
+    pad = torch.full((idx.size(0), offset), filler, dtype=idx.dtype)
+    return torch.cat([pad, idx], 1), torch.cat([torch.full_like(pad, -1), targets], 1)
+
+
 def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, warmdown=0.3, answers_only=False,
-          report=None, clip=0.0, pack=0, momentum_warmup=False, docs_per_row=1):
+          report=None, clip=0.0, pack=0, momentum_warmup=False, docs_per_row=1, row_offset=0):
     """`steps` optimizer steps on fresh documents (seeded by seed and step), warmup then linear warmdown.
     pack=T: rows of T tokens cut from the document stream as base_train's loader does (packed_rows).
     docs_per_row=K: the same step's documents, K whole ones back to back in a row (batch/K rows), as --rows=documents
-    and the depth probe fill a long row; attention runs across them.
+    and the depth probe fill a long row; attention runs across them. row_offset=N: N unscored <|bos|> before each
+    one-document row instead (offset_rows).
     momentum_warmup: Muon's momentum from 0.85 to 0.95 over 300 steps (base_train's muon_momentum); else 0.95."""
     assert not (pack and answers_only), "--answers_only needs one document per row"
     assert docs_per_row == 1 or (FORMAT["name"] in ("pairs", "text") and not pack and not answers_only
@@ -250,6 +260,7 @@ def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, wa
             idx, targets, pos, _ = (t.to(model.lm_head.weight.device)
                                     for t in batches(documents(f"{seed}:{step}", batch, spec), tokenizer))
             idx, targets = documents_per_row(idx, targets, docs_per_row)
+            idx, targets = offset_rows(idx, targets, row_offset, tokenizer.get_bos_token_id())
         if answers_only:
             targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))
         _, aux = model.forward_backward(idx, targets)
@@ -300,6 +311,8 @@ def main():
                     "base_train's loader packs them (0: one document per row)")
     ap.add_argument("--docs_per_row", type=int, default=1, help="K whole documents back to back in a row (batch/K "
                     "rows of the same documents), as --rows=documents and the depth probe fill long rows")
+    ap.add_argument("--row_offset", type=int, default=0, help="N unscored <|bos|> before each one-document row: "
+                    "the control for --docs_per_row (as far into the row, nothing table-like before it)")
     ap.add_argument("--momentum_warmup", type=int, default=0, help="1: Muon momentum 0.85 -> 0.95 over 300 steps, "
                     "as base_train (0: 0.95 throughout)")
     ap.add_argument("--log_every", type=int, default=250, help="steps between the printed per-step losses")
@@ -318,7 +331,7 @@ def main():
     vocab = {"masked": masked_vocab(spec), "chains": chains_vocab(spec), "answers": ANSWERS_VOCAB, "answers_hidden": ANSWERS_VOCAB + 1}.get(
         args.format, tok.get_vocab_size())
     config = GPTConfig.with_refinement_preset(
-        args.preset, sequence_len=max(length, args.pack, args.docs_per_row * (length + 1) - 1), vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
+        args.preset, sequence_len=max(length, args.pack, args.docs_per_row * (length + 1) - 1) + args.row_offset, vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
         n_kv_head=args.n_head, n_embd=args.width, n_loops=args.n_loops, n_sup_train=args.n_sup,
         T_recursion=args.T_recursion, state_update=args.state_update, detach_between_steps=bool(args.detach),
         backprop_steps=args.backprop_steps,
@@ -347,7 +360,7 @@ def main():
             print(f"{args.name} step {step} losses {log[-1][1]} {time.time() - start:.0f}s", flush=True)
 
     train(model, optimizers, spec, tok, args.steps, args.batch, args.seed, args.warmup, args.warmdown,
-          bool(args.answers_only), report, args.clip, args.pack, bool(args.momentum_warmup), args.docs_per_row)
+          bool(args.answers_only), report, args.clip, args.pack, bool(args.momentum_warmup), args.docs_per_row, args.row_offset)
     train_s = time.time() - start
     acc, answer_loss = evaluate(model, val, 2 * args.n_sup, args.max_hops)
     result = {"name": args.name, "seed": args.seed, "args": vars(args), "params": model.num_params(),

@@ -163,6 +163,13 @@ def test_documents_per_row_keeps_every_document_whole():
         assert idx[r].tolist() == row[:-1] and targets[r].tolist() == row[1:]
 
 
+def test_row_offset_puts_unscored_filler_before_each_document():
+    from dev.hops import offset_rows
+    idx, targets = torch.tensor([[0, 5, 6]]), torch.tensor([[5, 6, 7]])
+    x, y = offset_rows(idx, targets, 2, filler=0)
+    assert x.tolist() == [[0, 0, 0, 5, 6]] and y.tolist() == [[-1, -1, 5, 6, 7]]
+
+
 @pytest.mark.parametrize("script", ["dev/runcpu_hops.sh", "dev/hops_base_gpu.sh"])
 def test_the_hops_scripts_train_one_whole_document_per_row(script):
     """base_train's loader cuts rows of max_seq_len+1 tokens from the document stream: the hops scripts' max_seq_len
