@@ -228,8 +228,6 @@ def documents_per_row(idx, targets, k):
 def offset_rows(idx, targets, offset, filler):
     """Each one-document row after `offset` filler tokens (unscored): the document as far into its row as the last of
     K documents to a row, with nothing before it that looks like a table (the control for --docs_per_row)."""
-    if offset == 0:
-        return idx, targets
     pad = torch.full((idx.size(0), offset), filler, dtype=idx.dtype)
     return torch.cat([pad, idx], 1), torch.cat([torch.full_like(pad, -1), targets], 1)
 
@@ -260,7 +258,8 @@ def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, wa
             idx, targets, pos, _ = (t.to(model.lm_head.weight.device)
                                     for t in batches(documents(f"{seed}:{step}", batch, spec), tokenizer))
             idx, targets = documents_per_row(idx, targets, docs_per_row)
-            idx, targets = offset_rows(idx, targets, row_offset, tokenizer.get_bos_token_id())
+            if row_offset:
+                idx, targets = offset_rows(idx, targets, row_offset, tokenizer.get_bos_token_id())
         if answers_only:
             targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))
         _, aux = model.forward_backward(idx, targets)

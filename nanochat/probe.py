@@ -3,13 +3,13 @@ The depth probe (base_train --probe=hops): does this run's recursion use its dep
 tokens are hops documents (nanochat.synthetic: chained lookups of a known number of hops), and every evaluation reports
 accuracy by hop count at every supervision step on fresh ones (nanochat.hops_eval), beside the text's bpb.
 
-Each probe document is written over the start of a text row, the row's own text going on after it: the document is
-then alone before its queries, as the evaluation reads it. Several documents to a row kept a small recursion on the
-loss plateau, where one document a row left it (issue 36, dev/LOG.md): a query's attention also found the tables
-of the documents before it. The rows are written in place, a pure function of (seed, step, micro-step, rank): the text
-loaders advance exactly as without the probe, so a resumed run mixes the same rows at the same steps, and every rank
-of a step mixes the same number. Over the run, `share` of the training tokens are the probe's (a micro-batch gets
-floor or ceil of its share of rows, at most all of them).
+Each probe document is written over the start of a text row, the row's own text going on after it, so the document
+starts its row as in the evaluation. With anything before it in the row (other documents, or even unscored filler) a
+small recursion stayed on the loss plateau where one document a row left it (issue 36, dev/LOG.md). The rows are
+written in place, a pure function of (seed, step, micro-step, rank): the text loaders advance exactly as without the
+probe, so a resumed run mixes the same rows at the same steps, and every rank of a step mixes the same number. Over
+the run, `share` of the training tokens are the probe's (a micro-batch gets floor or ceil of its share of rows, at
+most all of them).
 """
 
 import math
