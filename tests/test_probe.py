@@ -124,3 +124,24 @@ def test_the_plan_states_what_the_probe_costs():
     assert "256 documents at each eval" in line
     assert not any(line.startswith("probe ") for line in planning.plan_lines(
         train_config.parse_args(flags, world_size=1, check_hardware=False, vocab_size=256)))
+
+
+def test_a_base_train_run_with_the_probe_trains_on_its_rows_and_logs_it_at_each_eval(base_dir, monkeypatch):
+    import json
+    import os
+    from tests.support.helpers import TINY, ckpt_dir
+    from tests.test_base_train import run
+    mix, written = probe_module.Probe.mix, []
+
+    def recorded(self, x, y, *args):
+        mx, my = mix(self, x, y, *args)
+        written.append(int((mx != x).any(dim=1).sum()))  # rows that now start with a probe document
+        return mx, my
+    monkeypatch.setattr(probe_module.Probe, "mix", recorded)
+    out = run(base_dir, *TINY, "--max_seq_len=128", "--num_iterations=4", "--probe=hops", "--probe_share=0.5",
+              "--probe_docs=8", "--model_tag=probed").stdout
+    assert len(written) == 4 and sum(written) >= 3  # ~0.5 x 129 / ~100 tokens of a document: a row a step, about
+    assert out.count("probe: 4 hops by step ") == 2 and "the depth probe was skipped" not in out
+    with open(os.path.join(ckpt_dir(base_dir, "probed"), "metrics.jsonl")) as f:
+        probes = [r for r in map(json.loads, f) if r["kind"] == "probe"]
+    assert [r["step"] for r in probes] == [0, 4] and all(len(r["accuracy"]) == 2 for r in probes)
