@@ -14,7 +14,7 @@ import torch
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.dataset import iter_documents
-from nanochat.hops_eval import encode_hops
+from nanochat.hops_eval import encode_hops, padded_inputs
 from nanochat.synthetic import hops_answers
 
 
@@ -35,8 +35,7 @@ def split_accuracy(model, tokenizer, documents, n_steps, batch=50):
     for b in range(0, len(documents), batch):
         texts = documents[b:b + batch]
         encoded = [encode_hops(tokenizer, t, cache) for t in texts]
-        length = max(len(ids) for ids, _ in encoded) - 1
-        idx = torch.tensor([ids[:-1] + [ids[0]] * (length - len(ids) + 1) for ids, _ in encoded])
+        idx = padded_inputs(encoded)
         for s, (y, _) in enumerate(model.refine(idx, n_steps), start=1):
             logits = model.head(model.apply_coda(y))
             for r, ((_, answers), text) in enumerate(zip(encoded, texts)):

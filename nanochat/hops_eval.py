@@ -95,11 +95,16 @@ def evaluate_hops(model, tokenizer, documents, n_steps, batch_size=32, device="c
     }
 
 
+def padded_inputs(batch, device="cpu"):
+    """The inputs (every token but the last) of encoded documents [(ids, answers)], one row each, padded after each
+    row's end: causal attention keeps the padding out of every position that is read."""
+    length = max(len(ids) for ids, _ in batch) - 1
+    return torch.tensor([ids[:-1] + [ids[0]] * (length - len(ids) + 1) for ids, _ in batch], device=device)
+
+
 def evaluate_batch(model, batch, n_steps, sums, device, autocast):
     """Add one batch's correct answers and nats (per step, by hop) and answers and bytes (by hop) into sums."""
-    length = max(len(ids) for ids, _ in batch) - 1
-    # padded after each row's end: causal attention keeps the padding out of every position that is read
-    idx = torch.tensor([ids[:-1] + [ids[0]] * (length - len(ids) + 1) for ids, _ in batch], device=device)
+    idx = padded_inputs(batch, device)
     rows, pos, hops, want, nbytes = (torch.tensor(v, device=device) for v in zip(
         *[(r, i - 1, h, t, b) for r, (_, answers) in enumerate(batch) for i, h, t, b in answers]))
     sums[-2].index_add_(0, hops, torch.ones_like(hops, dtype=sums.dtype))

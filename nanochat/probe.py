@@ -12,6 +12,7 @@ the run, `share` of the training tokens are the probe's (a micro-batch gets floo
 most all of them).
 """
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ PROBES = ("none", "hops")
 EVAL_SEED = 1_000_003  # the evaluation's documents: never drawn for training (a separate stream)
 
 
+@functools.cache  # mix asks at every micro-step; the answer depends on these three alone
+def document_tokens(tokenizer, spec, seed):
+    return len(encode_hops(tokenizer, hops_document(random.Random(f"probe-length:{seed}"), spec))[0])
+
+
 @dataclass(frozen=True)
 class Probe:
     share: float  # of the training tokens
@@ -36,7 +42,7 @@ class Probe:
     def document_tokens(self, tokenizer):
         """The tokens of one probe document, <|bos|> included (every document of the spec has one length in
         characters; a BPE tokenizer's counts differ by a few)."""
-        return len(encode_hops(tokenizer, hops_document(random.Random(f"probe-length:{self.seed}"), self.spec))[0])
+        return document_tokens(tokenizer, self.spec, self.seed)
 
     def rows_at(self, step, micro, micro_steps, batch, row_tokens, document_tokens):
         """How many of this micro-batch's rows start with a probe document: the running total of share x tokens
