@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .halting import halt_head_loss
 from .supervision import (SOFTCAP, ChunkedHeadLoss, chunked_token_losses, deep_supervision_loss,
-                          head_chunk_loss_and_grads, loss_aux, reward_weight, state_diagnostics,
+                          head_chunk_loss_and_grads, loss_aux, reward_weight, state_diagnostics, stay_weight,
                           supervision_weights)
 
 ACTIVATIONS = ("relu_squared", "swiglu", "geglu")
@@ -61,9 +61,10 @@ class GPTConfig:
     # None = same as n_sup_train: evaluating at a step that training barely weighted (or never saw) is a trap.
     n_sup_inference: int | None = None
     state_update: str = "trm"  # how a layer visit writes into y and z: see STATE_UPDATES (n_loops >= 1 only)
-    # True: each optimizer step trains a random number of supervision steps, uniform on 1 .. 2*n_sup_train-1 (mean
-    # n_sup_train, so the same compute): every step must be a good answer, and stay one when run longer (Huginn).
-    sample_n_sup: bool = False
+    # True or a name of N_SUP_SAMPLERS: each optimizer step trains a random number of supervision steps, mean about
+    # n_sup_train (the same compute): every step must be a good answer, and stay one when run longer (Huginn).
+    # True = "uniform" on 1 .. 2*n_sup_train-1; "lognormal_poisson" = Huginn's and looped_nanochat's heavier tail.
+    sample_n_sup: bool | str = False
     # the recursion state x, y, z's dtype: "bfloat16" keeps it in bf16 under autocast (the head and losses stay float32)
     state_dtype: str = "float32"
     detach_between_steps: bool = True  # carry y, z detached between steps (TRM paper); see forward_backward
@@ -80,6 +81,8 @@ class GPTConfig:
     # The guides tell users to edit these two lines between phases (aggressive -> extreme): keep them plain literals.
     supervision_weight_base: float = 5.0
     improvement_reward_scale: float = 1.0
+    # > 0: a step's loss worse than the best earlier step's is charged this much more (supervision.stay_weight)
+    stay_right_scale: float = 0.0
 
     def __post_init__(self):
         if self.n_sup_inference is None:
@@ -108,6 +111,8 @@ class GPTConfig:
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"GPTConfig.state_dtype={self.state_dtype!r} is unknown; choose one of "
                              f"{list(STATE_DTYPES)}")
+        if self.sample_n_sup not in (False, True, *N_SUP_SAMPLERS):
+            raise ValueError(f"GPTConfig.sample_n_sup={self.sample_n_sup!r}: True, False or one of {list(N_SUP_SAMPLERS)}")
         if self.state_update not in STATE_UPDATES:
             raise ValueError(f"GPTConfig.state_update={self.state_update!r} is unknown; choose one of "
                              f"{tuple(STATE_UPDATES)}")
@@ -116,6 +121,8 @@ class GPTConfig:
         if not self.supervision_weight_base > 0:
             raise ValueError(f"GPTConfig.supervision_weight_base={self.supervision_weight_base} must be > 0 "
                              f"(step weights are base**s)")
+        if not self.stay_right_scale >= 0:
+            raise ValueError(f"GPTConfig.stay_right_scale={self.stay_right_scale} must be >= 0")
         if not self.improvement_reward_scale >= 0:
             raise ValueError(f"GPTConfig.improvement_reward_scale={self.improvement_reward_scale} must be >= 0 "
                              f"(a negative scale would reward making later steps worse)")
@@ -143,6 +150,38 @@ class GPTConfig:
 
 def norm(x):
     return F.rms_norm(x, (x.size(-1),))
+
+
+# ------------------------------------------------------------------------------------- sampled supervision steps
+# How sample_n_sup draws the supervision steps of one optimizer step from its generator: (draw(n, generator), the
+# deepest it can draw for n = n_sup_train, which the memory estimate plans for).
+
+def uniform_n_sup(n, generator):
+    """Uniform on 1 .. 2n-1: mean n."""
+    return int(torch.randint(1, 2 * n, (), generator=generator))
+
+
+LOGNORMAL_SIGMA = 0.5  # Huginn's and looped_nanochat's spread of log(rate)
+
+
+def lognormal_poisson_n_sup(n, generator):
+    """Huginn's log-normal Poisson: 1 + Poisson(exp(tau)), tau ~ N(log(n-1) - sigma^2/2, sigma), so the mean is n;
+    a heavier tail than uniform (deeper draws, more of them near n), capped at 4n."""
+    if n == 1:
+        return 1
+    tau = torch.normal(math.log(n - 1) - LOGNORMAL_SIGMA ** 2 / 2, LOGNORMAL_SIGMA, (), generator=generator)
+    return min(4 * n, 1 + int(torch.poisson(tau.exp(), generator=generator)))
+
+
+N_SUP_SAMPLERS = {"uniform": (uniform_n_sup, lambda n: 2 * n - 1),
+                  "lognormal_poisson": (lognormal_poisson_n_sup, lambda n: 4 * n)}
+
+
+def deepest_train_depth(config):
+    """The most supervision steps one optimizer step can train (the memory estimate's worst batch)."""
+    if not config.sample_n_sup:
+        return config.n_sup_train
+    return N_SUP_SAMPLERS["uniform" if config.sample_n_sup is True else config.sample_n_sup][1](config.n_sup_train)
 
 
 # ---------------------------------------------------------------------------------------------------- state updates
@@ -505,7 +544,8 @@ class GPT(nn.Module):
         step_losses = [self.step_loss(y, targets, loss_reduction) for y, _ in self.refine(idx, n_sup or c.n_sup_train)]
         if loss_reduction == "none":
             return torch.stack(step_losses)
-        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
+        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale,
+                                      c.stay_right_scale)
         return total, loss_aux(torch.stack([l.detach() for l in step_losses]))
 
     def halt_probability(self, y):
@@ -553,6 +593,8 @@ class GPT(nn.Module):
                     self.backward_part([halt_losses[-1] * HALT_LOSS_WEIGHT * loss_scale])
                 previous_token_losses = token_losses
             weight = weights[s] + (reward_weight(step_losses[-1], c.improvement_reward_scale) if s else 0.0)
+            if s and c.stay_right_scale:
+                weight = weight + stay_weight(step_losses, loss, c.stay_right_scale)
             self.backward_part([loss * weight * loss_scale])
             pending.append((y, y_leaf.grad))
             if self.cuts_after(s):  # the next step starts from detached states: these steps' graphs can go now
@@ -564,7 +606,8 @@ class GPT(nn.Module):
         if pending:
             self.backward_part(*zip(*pending))
         self.backward_part([x], [x_leaf.grad], last=True)
-        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
+        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale,
+                                      c.stay_right_scale)
         aux = {**loss_aux(torch.stack(step_losses)), "state": torch.stack(diagnostics)}
         if halt_losses:
             aux["halt_loss"] = torch.stack(halt_losses).detach().mean()
@@ -585,7 +628,8 @@ class GPT(nn.Module):
         c = self.config
         if not c.sample_n_sup:
             return c.n_sup_train
-        return int(torch.randint(1, 2 * c.n_sup_train, (), generator=torch.Generator().manual_seed(step)))
+        draw = N_SUP_SAMPLERS["uniform" if c.sample_n_sup is True else c.sample_n_sup][0]
+        return draw(c.n_sup_train, torch.Generator().manual_seed(step))
 
     # ---------------------------------------------------------------- accounting
     def block_params(self):

@@ -19,7 +19,8 @@ gathered for the whole micro-step; autocast keeps no weight copies (the gathered
 
 With detach_between_steps, the trunk is backpropagated step by step as well (every backprop_steps steps), so one
 step's activations (backprop_steps steps') are alive.
-With sample_n_sup, a batch may train up to 2 * n_sup_train - 1 steps: the estimate covers that deepest batch.
+With sample_n_sup, a batch may train up to 2 * n_sup_train - 1 steps (uniform; 4x lognormal_poisson): the estimate
+covers that deepest batch.
 
 The counts follow eager PyTorch tensor by tensor (listed in _block_bytes_per_token). torch.compile fuses pointwise
 ops and saves fewer tensors (measured on CPU inductor: about half of eager's activations), so for a compiled run
@@ -31,7 +32,7 @@ import math
 
 import torch
 
-from nanochat.gpt import GPT, GPTConfig, mlp_hidden
+from nanochat.gpt import GPT, GPTConfig, deepest_train_depth, mlp_hidden
 from nanochat.supervision import HEAD_CHUNK_ELEMENTS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -128,7 +129,7 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
     # a bounded state update saves its float32 result's input for the norm (or the state, for the decay's gradient)
     S = _state_bytes(c)
     block = _block_bytes_per_token(c, dtype) + (S * c.n_embd if c.n_loops and c.state_update != "residual" else 0)
-    deepest = 2 * c.n_sup_train - 1 if c.sample_n_sup else c.n_sup_train
+    deepest = deepest_train_depth(c)
     # trunk graphs alive at once (see forward_backward): one chunk of backprop_steps when detached
     steps_alive = min(c.backprop_steps, deepest) if c.detach_between_steps else deepest
     visits = steps_alive * c.n_layer  # layer visits with gradient (the last sweep of each supervision step)
@@ -259,7 +260,7 @@ def collective_bytes(config, sharding, world_size, grad_accum, dtype="bfloat16")
     if sharding == "ddp":
         return 8 * n_params * ring, {}
     g = DTYPE_BYTES[dtype]
-    steps = 2 * c.n_sup_train - 1 if c.sample_n_sup else c.n_sup_train
+    steps = deepest_train_depth(c)
     grad_visits, nograd_visits = steps, steps * (c.T_recursion - 1)  # per layer; one gather per visit (Block.visit)
     backward_calls = math.ceil(steps / c.backprop_steps) if c.detach_between_steps else 1
     gathers = {"recursion": c.n_layer * (2 * grad_visits + nograd_visits), "prelude": 2 * c.n_prelude,

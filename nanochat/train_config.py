@@ -23,7 +23,7 @@ from nanochat.cli import OneLineErrors
 from nanochat.common import autodetect_device_type, default_dtype, device_available, get_dist_info
 from nanochat.dataset import SYNTHETIC, DatasetError, data_dir, parquets_for_split, read_source
 from nanochat.files import get_base_dir
-from nanochat.gpt import ACTIVATIONS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
+from nanochat.gpt import ACTIVATIONS, N_SUP_SAMPLERS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
 from nanochat.planning import (B_REF, BATCH_EXPONENT, EMA_AUTO_MIN_STEPS, MAX_DEVICE_BATCH, MODEL_FLAGS, PlanError,
                                host_ram_problem, plan_batch, resolve_model_config)
 from nanochat.dataloader import ROW_LAYOUTS
@@ -56,6 +56,11 @@ def str2bool(value):
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
+def n_sup_sampler(value):
+    """--sample_n_sup's value: a boolean, or the name of a sampler (gpt.N_SUP_SAMPLERS)."""
+    return value if value in N_SUP_SAMPLERS else str2bool(value)
+
+
 def build_parser():
     p = OneLineErrors(prog="python -m scripts.base_train", allow_abbrev=False,
                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -75,8 +80,9 @@ def build_parser():
                        help="how the recursion writes into its states y, z (residual = unbounded sum)")
     model.add_argument("--state_dtype", choices=list(STATE_DTYPES), default=None,
                        help="dtype of the recursion state x, y, z under autocast (default float32)")
-    model.add_argument("--sample_n_sup", type=str2bool, nargs="?", const=True, default=None,
-                       help="train a random number of supervision steps per batch, 1..2*n_sup_train-1")
+    model.add_argument("--sample_n_sup", type=n_sup_sampler, nargs="?", const=True, default=None,
+                       help="train a random number of supervision steps per batch: true = uniform on "
+                            f"1..2*n_sup_train-1, or one of {', '.join(N_SUP_SAMPLERS)}")
     model.add_argument("--detach_between_steps", type=str2bool, nargs="?", const=True, default=None)
     model.add_argument("--backprop_steps", type=int, default=None,
                        help="with --detach_between_steps: detach every k-th step (truncated backpropagation; 1 = TRM)")
@@ -225,7 +231,7 @@ class RunConfig:
     activation_fn: str | None
     state_update: str | None
     state_dtype: str | None
-    sample_n_sup: bool | None
+    sample_n_sup: bool | str | None
     detach_between_steps: bool | None
     backprop_steps: int | None
     activation_checkpointing: bool | None

@@ -139,6 +139,26 @@ def test_forward_backward_gives_the_gradients_of_the_total(detach, T_recursion, 
         assert_same_grads(model, stepwise)
 
 
+def test_stay_right_penalty_charges_only_steps_worse_than_the_best_before():
+    # relu(loss_s - sg(min earlier)): the 3rd and 4th losses (3.5, 3.2) are worse than the best before them (3.0),
+    # the 2nd (3.0 < 4.0) is not; no gradient flows into the earlier steps through the best
+    losses = torch.tensor([4.0, 3.0, 3.5, 3.2], requires_grad=True)
+    (deep_supervision_loss(list(losses.unbind()), 1.0, 0.0, stay_scale=2.0)).backward()
+    torch.testing.assert_close(losses.grad, torch.tensor([0.25, 0.25, 2.25, 2.25]))
+    # and forward_backward, which weights each step's loss as it goes, gives the gradients of that total
+    config = tiny_config(n_loops=1, n_sup_train=4, detach_between_steps=False, stay_right_scale=2.0)
+    model = random_model(config)
+    stepwise = twin(model, config)
+    batch = random_batch(config)
+    total, aux = model(*batch, n_sup=6)
+    total.backward()
+    total_s, _ = stepwise.forward_backward(*batch, n_sup=6)
+    L = aux["step_losses"]
+    assert any(L[s] > L[:s].min() for s in range(1, 6)), "the premise: some step is worse than an earlier one"
+    torch.testing.assert_close(total_s, total.detach())
+    assert_same_grads(model, stepwise)
+
+
 def test_detach_between_steps_keeps_forward_and_still_trains_every_parameter():
     config = tiny_config(n_loops=1, T_recursion=1, n_sup_train=3)
     model = random_model(config)
@@ -570,6 +590,19 @@ def test_sampled_supervision_depth_is_uniform_with_the_trained_mean_and_fixed_pe
     assert abs(sum(depths) / len(depths) - 4) < 0.15
     assert [model.train_depth(step) for step in range(50)] == depths[:50]  # a resumed run draws the same
     assert {GPT(tiny_config(n_sup_train=3)).train_depth(s) for s in range(20)} == {3}
+
+
+def test_lognormal_poisson_depth_has_the_trained_mean_a_longer_tail_and_the_planned_cap():
+    from nanochat.gpt import deepest_train_depth
+    config = tiny_config(n_loops=1, n_sup_train=4, sample_n_sup="lognormal_poisson")
+    model = GPT(config)
+    depths = [model.train_depth(step) for step in range(4000)]
+    assert abs(sum(depths) / len(depths) - 4) < 0.15 and min(depths) == 1
+    assert max(depths) > 7 and max(depths) <= deepest_train_depth(config) == 16  # deeper than uniform's 7
+    assert [model.train_depth(step) for step in range(50)] == depths[:50]  # a resumed run draws the same
+    assert deepest_train_depth(config.replace(sample_n_sup=True)) == 7
+    with pytest.raises(ValueError, match="sample_n_sup"):
+        tiny_config(sample_n_sup="poisson")
 
 
 @pytest.mark.parametrize("state_update", list(STATE_UPDATES))
