@@ -83,6 +83,49 @@ def chains_row(rng, spec):
     return ids, pos, answers, hops
 
 
+def vchains_row(rng, spec, deep=None):
+    """(ids, answer positions, answer ids, hops) of one implicit-depth row (issue 51), chains_row's tokens: the
+    spec.n_symbols variables form chains of random lengths 1..spec.max_hops (v1 = digit, v2 = v1, ...), each
+    assignment one token, in random order; each query names a variable alone, and its answer (a target only) is the
+    chain's digit, reached in as many lookups as the variable's depth, which nothing in the row states. deep=D: the
+    first chain has D variables, and every query names one of them (the evaluation of depths past training: the
+    same tokens and row length, only a longer chain)."""
+    n = spec.n_symbols
+    assert not deep or deep <= n, "the deep chain must fit in the row's variables"
+    names = list(range(n))
+    rng.shuffle(names)
+    lengths = [deep] if deep else []
+    while sum(lengths) < n:
+        lengths.append(min(rng.randint(1, spec.max_hops), n - sum(lengths)))
+    bind, val, var, digit = 0, n * n, n * n + n * CHAIN_DIGITS, n * n + n * CHAIN_DIGITS + n
+    statements, value, depth, start = [], {}, {}, 0
+    for length in lengths:
+        chain, d = names[start:start + length], rng.randrange(CHAIN_DIGITS)
+        start += length
+        statements.append(val + chain[0] * CHAIN_DIGITS + d)
+        statements += [bind + b * n + a for a, b in zip(chain, chain[1:])]  # b = a
+        for h, v in enumerate(chain, start=1):
+            value[v], depth[v] = d, h
+    rng.shuffle(statements)
+    ids = [digit + CHAIN_DIGITS + 1] + statements + [digit + CHAIN_DIGITS]  # <|bos|>, the assignments, separator
+    asked = names[:deep] if deep else names
+    pos, answers, hops = [], [], []
+    for _ in range(spec.n_queries):
+        x = rng.choice(asked)
+        ids.append(var + x)
+        pos.append(len(ids) - 1)
+        answers.append(digit + value[x])
+        hops.append(depth[x])
+    return ids, pos, answers, hops
+
+
+def vchains_eval_rows(seed, count, spec, max_depth):
+    """The implicit-depth evaluation: `count` rows for each longest chain 1..max_depth (past spec.max_hops: deeper
+    than any training row), every query on that chain."""
+    rng = random.Random(f"vchains-eval:{seed}")
+    return [vchains_row(rng, spec, deep) for deep in range(1, max_depth + 1) for _ in range(count)]
+
+
 def chains_vocab(spec):
     return spec.n_symbols * (spec.n_symbols + CHAIN_DIGITS + 1) + CHAIN_DIGITS + 2
 
@@ -156,7 +199,21 @@ def visit_z_postnorm(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, sl
     return update(y, u, block.delta(u, cos_sin, kv_cache, slot + n_loops), None), z
 
 
-VARIANTS = {"default": VISIT, "xyz_both": visit_xyz_both, "no_x": visit_no_x, "z_postnorm": visit_z_postnorm}
+def visit_half_step(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
+    """a contraction of TRM's update (issue 51): each state moves halfway to it, s <- norm(s + update(s, u, D)), so a
+    step changes a settled state less and the walk cannot drift as fast past the trained steps"""
+    half = lambda state, u, delta, retain: nanochat.gpt.norm(state + update(state, u, delta, retain))
+    return VISIT(block, x, y, z, cos_sin, n_loops, half, kv_cache, slot)
+
+
+VARIANTS = {"default": VISIT, "xyz_both": visit_xyz_both, "no_x": visit_no_x, "z_postnorm": visit_z_postnorm,
+            "half_step": visit_half_step}
+
+
+def depth_warmup(n, steps, fraction):
+    """A step-count curriculum (looped_nanochat's loop warmup): train 1 supervision step at first, rising linearly to
+    n by `fraction` of the run, then n."""
+    return lambda step: min(n, 1 + int(n * step / (fraction * steps)))
 
 
 def documents(seed, count, spec):
@@ -165,13 +222,14 @@ def documents(seed, count, spec):
     rng = random.Random(f"{FORMAT['name']}:{seed}")
     if FORMAT["name"] == "answers_hidden":
         return [answers_row(rng, spec, hide=True) for _ in range(count)]
-    row = {"masked": masked_row, "chains": chains_row, "answers": answers_row, "pairs": pairs_document}[FORMAT["name"]]
+    row = {"masked": masked_row, "chains": chains_row, "vchains": vchains_row, "answers": answers_row,
+           "pairs": pairs_document}[FORMAT["name"]]
     return [row(rng, spec) for _ in range(count)]
 
 
 def batches(docs, tokenizer):
     """(idx, targets, answer index per row, hops per row) of byte-level documents, each starting with <|bos|>."""
-    if FORMAT["name"] in ("masked", "chains", "answers", "answers_hidden"):  # token-id rows: (ids, answer positions, answer ids, hops)
+    if FORMAT["name"] in ("masked", "chains", "vchains", "answers", "answers_hidden"):  # token-id rows: (ids, answer positions, answer ids, hops)
         ids, pos, answers, hops = (torch.tensor(column) for column in zip(*docs))
         return ids, torch.full_like(ids, -1).scatter_(1, pos, answers), pos, hops
     rows = [tokenizer.encode(d, prepend=tokenizer.get_bos_token_id()) for d in docs]
@@ -233,13 +291,15 @@ def offset_rows(idx, targets, offset, filler):
 
 
 def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, warmdown=0.3, answers_only=False,
-          report=None, clip=0.0, pack=0, momentum_warmup=False, docs_per_row=1, row_offset=0):
+          report=None, clip=0.0, pack=0, momentum_warmup=False, docs_per_row=1, row_offset=0, depth=None):
     """`steps` optimizer steps on fresh documents (seeded by seed and step), warmup then linear warmdown.
     pack=T: rows of T tokens cut from the document stream as base_train's loader does (packed_rows).
     docs_per_row=K: the same step's documents, K whole ones back to back in a row (batch/K rows), as --rows=documents
     and the depth probe fill a long row; attention runs across them. row_offset=N: N unscored <|bos|> before each
     one-document row instead (offset_rows).
-    momentum_warmup: Muon's momentum from 0.85 to 0.95 over 300 steps (base_train's muon_momentum); else 0.95."""
+    momentum_warmup: Muon's momentum from 0.85 to 0.95 over 300 steps (base_train's muon_momentum); else 0.95.
+    depth(step): the supervision steps to train at that step (default model.train_depth, as base_train)."""
+    depth = depth or model.train_depth
     assert not (pack and answers_only), "--answers_only needs one document per row"
     assert docs_per_row == 1 or (FORMAT["name"] in ("pairs", "text") and not pack and not answers_only
                                  and batch % docs_per_row == 0), "--docs_per_row: byte-level documents, batch % K == 0"
@@ -262,7 +322,7 @@ def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, wa
                 idx, targets = offset_rows(idx, targets, row_offset, tokenizer.get_bos_token_id())
         if answers_only:
             targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))
-        _, aux = model.forward_backward(idx, targets)
+        _, aux = model.forward_backward(idx, targets, n_sup=depth(step))
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         for opt in optimizers:
@@ -303,8 +363,13 @@ def main():
     ap.add_argument("--answers_only", type=int, default=0, help="1: the loss reads only the answer tokens")
     ap.add_argument("--eval_every", type=int, default=0)
     ap.add_argument("--adamw", type=float, default=0.0, help="one AdamW at this lr instead of Muon + AdamW")
-    ap.add_argument("--format", default="masked", choices=["masked", "chains", "answers", "answers_hidden", "pairs",
-                                                                 "text"])
+    ap.add_argument("--format", default="masked", choices=["masked", "chains", "vchains", "answers", "answers_hidden",
+                                                           "pairs", "text"])
+    ap.add_argument("--eval_depth", type=int, default=0, help="vchains: evaluate chains 1..this long (default "
+                    "2 x --max_hops: deeper than any training row)")
+    ap.add_argument("--eval_mult", type=int, default=2, help="evaluate supervision steps 1 .. this x --n_sup")
+    ap.add_argument("--depth_warmup", type=float, default=0.0, help="train 1 -> --n_sup supervision steps over this "
+                    "fraction of the run (0: --n_sup throughout, or as --extra's sample_n_sup draws)")
     ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)")
     ap.add_argument("--pack", type=int, default=0, help="rows of this many tokens cut from the document stream, as "
                     "base_train's loader packs them (0: one document per row)")
@@ -327,7 +392,8 @@ def main():
     spec = HopsSpec(n_symbols=args.n_symbols, max_hops=args.max_hops, n_queries=args.n_queries)
     FORMAT.update(name=args.format, answers=pairs_answers if args.format == "pairs" else hops_answers)
     length = batches(documents(0, 1, spec), tok)[0].size(1)
-    vocab = {"masked": masked_vocab(spec), "chains": chains_vocab(spec), "answers": ANSWERS_VOCAB, "answers_hidden": ANSWERS_VOCAB + 1}.get(
+    vocab = {"masked": masked_vocab(spec), "chains": chains_vocab(spec), "vchains": chains_vocab(spec),
+             "answers": ANSWERS_VOCAB, "answers_hidden": ANSWERS_VOCAB + 1}.get(
         args.format, tok.get_vocab_size())
     config = GPTConfig.with_refinement_preset(
         args.preset, sequence_len=max(length, args.pack, args.docs_per_row * (length + 1) - 1) + args.row_offset, vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
@@ -344,30 +410,37 @@ def main():
     else:
         optimizers = setup_optimizers(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
                                       matrix_lr=args.matrix_lr)
-    val = batches(answers_eval_rows(10_000 + args.seed, args.eval_docs // args.max_hops, spec,
-                                    args.format == "answers_hidden")
-                  if args.format.startswith("answers") else documents(10_000 + args.seed, args.eval_docs, spec), tok)
+    eval_hops = (args.eval_depth or 2 * args.max_hops) if args.format == "vchains" else args.max_hops
+    if args.format == "vchains":
+        val = batches(vchains_eval_rows(10_000 + args.seed, args.eval_docs // eval_hops, spec, eval_hops), tok)
+    elif args.format.startswith("answers"):
+        val = batches(answers_eval_rows(10_000 + args.seed, args.eval_docs // args.max_hops, spec,
+                                        args.format == "answers_hidden"), tok)
+    else:
+        val = batches(documents(10_000 + args.seed, args.eval_docs, spec), tok)
     start, log = time.time(), []
 
     def report(step, aux):
         if args.eval_every and step % args.eval_every == 0:
-            acc, _ = evaluate(model, val, args.n_sup, args.max_hops)
+            acc, _ = evaluate(model, val, args.n_sup, eval_hops)
             print(f"{args.name} step {step} acc at step {args.n_sup} by hops {[round(v, 2) for v in acc[-1].tolist()]}",
                   flush=True)
         if step % args.log_every == 0 or step == args.steps - 1:
             log.append((step, [round(v, 3) for v in aux["step_losses"].tolist()]))
             print(f"{args.name} step {step} losses {log[-1][1]} {time.time() - start:.0f}s", flush=True)
 
+    depth = depth_warmup(args.n_sup, args.steps, args.depth_warmup) if args.depth_warmup else None
     train(model, optimizers, spec, tok, args.steps, args.batch, args.seed, args.warmup, args.warmdown,
-          bool(args.answers_only), report, args.clip, args.pack, bool(args.momentum_warmup), args.docs_per_row, args.row_offset)
+          bool(args.answers_only), report, args.clip, args.pack, bool(args.momentum_warmup), args.docs_per_row,
+          args.row_offset, depth)
     train_s = time.time() - start
-    acc, answer_loss = evaluate(model, val, 2 * args.n_sup, args.max_hops)
+    acc, answer_loss = evaluate(model, val, args.eval_mult * args.n_sup, eval_hops)
     result = {"name": args.name, "seed": args.seed, "args": vars(args), "params": model.num_params(),
               "train_s": round(train_s), "acc": [[round(v, 3) for v in row] for row in acc.tolist()],
               "answer_loss": [round(v, 3) for v in answer_loss.tolist()], "log": log}
     trained = acc[args.n_sup - 1].tolist()
     print(f"RESULT {args.name} seed {args.seed} at step {args.n_sup}: by hops {[round(v, 2) for v in trained]}; "
-          f"{args.max_hops} hops by step {[round(v, 2) for v in acc[:, -1].tolist()]}", flush=True)
+          f"{eval_hops} hops by step {[round(v, 2) for v in acc[:, -1].tolist()]}", flush=True)
     if args.save:
         torch.save({"config": config.to_dict(), "state_dict": model.state_dict()}, args.save)
     if args.out:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dev.hops import (ANSWERS_VOCAB, CHAIN_DIGITS, answers_eval_rows, answers_row, chains_row, chains_vocab, evaluate,
-                      masked_row, masked_vocab)
+                      masked_row, masked_vocab, vchains_eval_rows, vchains_row)
 from dev.hops_quick import SPEC, quick_config, trained, validation_rows
 from nanochat.synthetic import HopsSpec
 
@@ -64,6 +64,47 @@ def test_chains_rows_resolve_each_variable_through_its_chain():
         assert pos == list(range(n + 2, len(ids))) and max(ids) < chains_vocab(spec)  # answers are never inputs
         depths_seen.update(hops)
     assert depths_seen == {1, 2, 3}
+
+
+def solve_vchains(ids, n):
+    """[(lookups, answer id)] of a chains or vchains row from its tokens alone: bind b*n+a is 'b = a', value
+    n*n + v*D + d is 'v = d', a query var + x; follow x's assignments until one gives a digit."""
+    val, var, digit = n * n, n * n + n * CHAIN_DIGITS, n * n + n * CHAIN_DIGITS + n
+    statements = [t for t in ids[1:] if t < var]
+    assert len(statements) == n and ids[len(statements) + 1] == digit + CHAIN_DIGITS  # then the separator
+    binds = {t // n: t % n for t in statements if t < val}
+    values = {(t - val) // CHAIN_DIGITS: (t - val) % CHAIN_DIGITS for t in statements if t >= val}
+    assert len(binds) + len(values) == n  # every variable assigned exactly once
+    answers = []
+    for q in ids[n + 2:]:
+        x, lookups = q - var, 1
+        while x not in values:
+            x, lookups = binds[x], lookups + 1
+            assert lookups <= n, "a cycle: some variable never reaches a digit"
+        answers.append((lookups, digit + values[x]))
+    return answers
+
+
+def test_vchains_rows_have_implicit_depth_and_the_evaluation_goes_deeper():
+    """Issue 51's implicit-depth rows: every answer is its variable's chain's digit after exactly `hops` lookups
+    (an independent solver), the query names the variable alone, training rows stay within max_hops, and the
+    evaluation's deepest instances are deeper than any training row, in the same tokens and row length."""
+    spec = HopsSpec(n_symbols=10, max_hops=3, n_queries=12)
+    n, rng, train_depths = spec.n_symbols, random.Random(0), set()
+    for _ in range(500):
+        ids, pos, answers, hops = vchains_row(rng, spec)
+        assert [(h, a) for h, a in zip(hops, answers)] == solve_vchains(ids, n)
+        assert pos == list(range(n + 2, len(ids))) and max(ids) < chains_vocab(spec)  # answers are never inputs
+        train_depths.update(hops)
+    assert train_depths == {1, 2, 3}
+    rows = vchains_eval_rows(0, 20, spec, 2 * spec.max_hops)
+    eval_depths = set()
+    for ids, pos, answers, hops in rows:
+        assert [(h, a) for h, a in zip(hops, answers)] == solve_vchains(ids, n) and len(ids) == n + 2 + 12
+        eval_depths.update(hops)
+    assert max(eval_depths) == 6 > max(train_depths) and eval_depths == set(range(1, 7))
+    train_tokens = {t for _ in range(2000) for t in vchains_row(rng, spec)[0]}
+    assert {t for r in rows for t in r[0]} <= train_tokens  # the deeper rows use only tokens training has
 
 
 def solve_answers(ids):
