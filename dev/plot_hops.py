@@ -4,7 +4,8 @@ line per model tag (the newest hops_eval_step<N>.json of each), and the same num
 
 python -m dev.plot_hops hops_trm_s42 hops_plain_s42 --out hops.png    # what dev/runcpu_hops.sh draws
 
-A run whose one-hop accuracy never leaves chance gets a WARNING line: it has not left the loss plateau.
+A run whose one-hop accuracy never leaves chance gets a WARNING line, printed and on the plot: it has not left the loss
+plateau. The plot marks the trained step count N: steps right of it the recursion never trained.
 """
 
 import argparse
@@ -52,10 +53,10 @@ def main(argv=None):
     print(f"accuracy on the longest hops by supervision step 1..{steps}")
     for tag, r in results.items():
         print(f"{tag:>16s} ({r['hops'][-1]} hops): " + " ".join(f"{row[-1]:.2f}" for row in r["accuracy"]))
-    for tag, r in results.items():
-        if warning := plateau_warning(tag, r):
-            print(warning)
-    plot_models(results, args.out, title="the longest hops, by supervision step")
+    warnings = [w for tag, r in results.items() if (w := plateau_warning(tag, r))]
+    for warning in warnings:
+        print(warning)
+    plot_models(results, args.out, title="the longest hops, by supervision step", warnings=warnings)
     print(f"plot: {args.out}")
 
 

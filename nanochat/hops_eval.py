@@ -13,6 +13,7 @@ The model needs GPT's evaluation interface: config.vocab_size and config.sequenc
 """
 
 import math
+import textwrap
 
 import torch
 
@@ -129,25 +130,37 @@ def format_hops(result):
     return "\n".join(lines)
 
 
-def save_plot(path, title, lines, chance, trained_steps=None):
-    """Accuracy vs supervision step, one line per (label, accuracies), saved to path (needs matplotlib: the 'plot'
-    extra)."""
+def hops_figure(title, lines, chance, trained_steps=None, warnings=()):
+    """The figure of save_plot: accuracy vs supervision step, one line per (label, accuracies); a dashed line at the
+    trained step count N (what lies right of it the model never trained), and each warning printed on the plot."""
     import matplotlib  # lazy: the optional matplotlib (the 'plot' extra), ~0.9 s, for the plot only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # lazy: after matplotlib.use, which must precede it
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4 + 0.5 * len(warnings)))
     longest = max(len(accuracies) for _, accuracies in lines)
     for label, accuracies in lines:
-        if len(accuracies) == 1:  # a one-step model (the plain block): its answer, level across the other's steps
+        if len(accuracies) == 1 and longest > 1:  # a one-step model (the plain block), level across the others' steps
             ax.plot([1, longest], accuracies * 2, linestyle="--", label=label)
         else:
             ax.plot(range(1, len(accuracies) + 1), accuracies, marker="o", label=label)
     ax.axhline(chance, color="gray", linestyle=":", label="chance")
     if trained_steps:
-        ax.axvline(trained_steps, color="gray", linestyle="--", linewidth=0.8, label="trained steps")
+        ax.axvline(trained_steps, color="gray", linestyle="--", linewidth=0.8, label=f"trained steps N={trained_steps}")
+    if longest == 1:  # one step only: matplotlib would zoom the x-axis to 0.96-1.04 around the lone points
+        ax.set_xlim(0.5, 1.5)
+        ax.set_xticks([1])
     ax.set(xlabel="supervision step", ylabel="exact-match accuracy", ylim=(0, 1.02), title=title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    for i, warning in enumerate(warnings):
+        fig.text(0.01, 0.01 + 0.06 * i, textwrap.fill(warning, 110), color="red", fontsize=6, va="bottom")
+    fig.tight_layout(rect=(0, 0.08 * len(warnings), 1, 1))
+    return fig
+
+
+def save_plot(path, title, lines, chance, trained_steps=None, warnings=()):
+    """Accuracy vs supervision step (hops_figure), saved to path (needs matplotlib: the 'plot' extra)."""
+    import matplotlib.pyplot as plt  # lazy: hops_figure has chosen the backend
+    fig = hops_figure(title, lines, chance, trained_steps, warnings)
     fig.savefig(path)
     plt.close(fig)
 
@@ -158,9 +171,12 @@ def plot_hops(result, path, title=""):
     save_plot(path, title, lines, result["chance"], result.get("n_sup_train"))
 
 
-def plot_models(results, path, title=""):
+def plot_models(results, path, title="", warnings=()):
     """The longest hop count's accuracy vs supervision step, one line per model ({label: result}): a recursion that
-    uses its depth stands above the plain model of its parameters (scored at its one step, drawn level)."""
+    uses its depth stands above the plain model of its parameters (scored at its one step, drawn level). The trained
+    step count of the deepest-trained model is marked, and each warning is printed on the plot."""
     lines = [(f"{label}, {r['hops'][-1]} hops", [row[-1] for row in r["accuracy"]]) for label, r in results.items()]
-    save_plot(path, title, lines, min(r["chance"] for r in results.values()))
+    trained = max((r.get("n_sup_train") or 0 for r in results.values()), default=0)
+    save_plot(path, title, lines, min(r["chance"] for r in results.values()), trained if trained > 1 else None,
+              warnings)
 

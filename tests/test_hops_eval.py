@@ -262,6 +262,27 @@ def test_plot_hops_warns_of_a_run_that_never_learned_one_lookup():
     assert plateau_warning("s44", learned) is None
 
 
+def test_hops_plots_mark_the_trained_steps_carry_warnings_and_show_a_one_step_model():
+    """Issue 51's demo plot: the trained step N is marked, a plateau warning stands on the plot (not only in the
+    console), and a one-step model's own plot shows its points (the x-axis ran 0.96-1.04 around nothing)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from nanochat.hops_eval import hops_figure
+    fig = hops_figure("t", [("trm", [0.2, 0.9, 1.0, 1.0, 0.9]), ("plain", [0.3])], 0.14, trained_steps=4,
+                      warnings=["WARNING plain: 1 hop at 0.20 at best"])
+    ax = fig.axes[0]
+    assert any(list(line.get_xdata()) == [4, 4] for line in ax.get_lines())  # the vertical line at N
+    assert "trained steps N=4" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("WARNING plain" in t.get_text() for t in fig.texts)
+    plt.close(fig)
+    fig = hops_figure("plain", [("1 hop", [1.0]), ("2 hops", [0.9]), ("3 hops", [0.3])], 0.14)
+    ax = fig.axes[0]
+    assert ax.get_xlim() == (0.5, 1.5) and list(ax.get_xticks()) == [1]
+    assert [list(line.get_xdata()) for line in ax.get_lines()][:3] == [[1], [1], [1]]  # a marker per hop count
+    assert all(line.get_marker() == "o" for line in ax.get_lines()[:3])
+    plt.close(fig)
+
+
 def test_pairs_documents_are_read_from_their_own_text():
     text = hops_documents(2, 1, SPEC, family="hops_pairs")[0]  # "<8 table characters> ; 3ac 1bd ..."
     ids, answers = encode_hops(BYTES, text)
