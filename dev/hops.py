@@ -83,40 +83,61 @@ def chains_row(rng, spec):
     return ids, pos, answers, hops
 
 
+VCHAIN_DIGITS = 10  # the values a chain can end in (--format vchains); a row's chains end in distinct ones
+
+
+def vchains_vocab(spec):
+    """Ids of --format vchains: the variables 0..n-1, the digits, then '?', the separator and <|bos|>."""
+    return spec.n_symbols + VCHAIN_DIGITS + 3
+
+
 def vchains_row(rng, spec, deep=None):
-    """(ids, answer positions, answer ids, hops) of one implicit-depth row (issue 51), chains_row's tokens: the
-    spec.n_symbols variables form chains of random lengths 1..spec.max_hops (v1 = digit, v2 = v1, ...), each
-    assignment one token, in random order; each query names a variable alone, and its answer (a target only) is the
-    chain's digit, reached in as many lookups as the variable's depth, which nothing in the row states. deep=D: the
-    first chain has D variables, and every query names one of them (the evaluation of depths past training: the
-    same tokens and row length, only a longer chain)."""
+    """(ids, answer positions, answer ids, hops) of one implicit-depth row (issue 51): `a=b; b=c; c=3; ? a` as
+    tokens. The spec.n_symbols variables form chains of random lengths 1..spec.max_hops (c = 3, b = c, a = b), each
+    assignment two tokens (the variable, then a variable or a digit), in random order; then spec.n_queries queries
+    '? x', each answered at x (a target only) by its chain's digit, reached in as many lookups as x's depth, which
+    nothing in the row states. Every id is shared by all rows: a deeper chain is made of the tokens training has.
+    deep=D: the first chain has D variables and every query names one of them (the evaluation past training)."""
     n = spec.n_symbols
     assert not deep or deep <= n, "the deep chain must fit in the row's variables"
+    assert n <= VCHAIN_DIGITS, "each chain ends in its own digit"
     names = list(range(n))
     rng.shuffle(names)
     lengths = [deep] if deep else []
     while sum(lengths) < n:
         lengths.append(min(rng.randint(1, spec.max_hops), n - sum(lengths)))
-    bind, val, var, digit = 0, n * n, n * n + n * CHAIN_DIGITS, n * n + n * CHAIN_DIGITS + n
+    digit, ask, sep, bos = n, n + VCHAIN_DIGITS, n + VCHAIN_DIGITS + 1, n + VCHAIN_DIGITS + 2
+    digits = rng.sample(range(VCHAIN_DIGITS), len(lengths))
     statements, value, depth, start = [], {}, {}, 0
-    for length in lengths:
-        chain, d = names[start:start + length], rng.randrange(CHAIN_DIGITS)
+    for length, d in zip(lengths, digits):
+        chain = names[start:start + length]
         start += length
-        statements.append(val + chain[0] * CHAIN_DIGITS + d)
-        statements += [bind + b * n + a for a, b in zip(chain, chain[1:])]  # b = a
+        statements.append((chain[0], digit + d))
+        statements += [(b, a) for a, b in zip(chain, chain[1:])]  # b = a
         for h, v in enumerate(chain, start=1):
             value[v], depth[v] = d, h
     rng.shuffle(statements)
-    ids = [digit + CHAIN_DIGITS + 1] + statements + [digit + CHAIN_DIGITS]  # <|bos|>, the assignments, separator
+    ids = [bos] + [t for statement in statements for t in statement] + [sep]
     asked = names[:deep] if deep else names
     pos, answers, hops = [], [], []
     for _ in range(spec.n_queries):
         x = rng.choice(asked)
-        ids.append(var + x)
+        ids += [ask, x]
         pos.append(len(ids) - 1)
         answers.append(digit + value[x])
         hops.append(depth[x])
     return ids, pos, answers, hops
+
+
+def vchains_chance(rows, spec):
+    """Accuracy by depth of guessing one of the row's chain digits at random: the floor a model reaches without
+    walking a chain (1 / the row's number of chains, averaged over each depth's queries)."""
+    n, total, count = spec.n_symbols, {}, {}
+    for ids, _, _, hops in rows:
+        chains = sum(1 for t in ids[2:1 + 2 * n:2] if t >= n)  # the right-hand sides that are digits
+        for h in hops:
+            total[h], count[h] = total.get(h, 0) + 1 / chains, count.get(h, 0) + 1
+    return {h: total[h] / count[h] for h in sorted(total)}
 
 
 def vchains_eval_rows(seed, count, spec, max_depth):
@@ -392,7 +413,7 @@ def main():
     spec = HopsSpec(n_symbols=args.n_symbols, max_hops=args.max_hops, n_queries=args.n_queries)
     FORMAT.update(name=args.format, answers=pairs_answers if args.format == "pairs" else hops_answers)
     length = batches(documents(0, 1, spec), tok)[0].size(1)
-    vocab = {"masked": masked_vocab(spec), "chains": chains_vocab(spec), "vchains": chains_vocab(spec),
+    vocab = {"masked": masked_vocab(spec), "chains": chains_vocab(spec), "vchains": vchains_vocab(spec),
              "answers": ANSWERS_VOCAB, "answers_hidden": ANSWERS_VOCAB + 1}.get(
         args.format, tok.get_vocab_size())
     config = GPTConfig.with_refinement_preset(
@@ -411,8 +432,11 @@ def main():
         optimizers = setup_optimizers(model, unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
                                       matrix_lr=args.matrix_lr)
     eval_hops = (args.eval_depth or 2 * args.max_hops) if args.format == "vchains" else args.max_hops
+    chance = None
     if args.format == "vchains":
-        val = batches(vchains_eval_rows(10_000 + args.seed, args.eval_docs // eval_hops, spec, eval_hops), tok)
+        rows = vchains_eval_rows(10_000 + args.seed, args.eval_docs // eval_hops, spec, eval_hops)
+        val, chance = batches(rows, tok), vchains_chance(rows, spec)
+        print(f"{args.name}: chance by depth {[round(c, 2) for c in chance.values()]} (a digit of the row's chains)")
     elif args.format.startswith("answers"):
         val = batches(answers_eval_rows(10_000 + args.seed, args.eval_docs // args.max_hops, spec,
                                         args.format == "answers_hidden"), tok)
@@ -437,7 +461,8 @@ def main():
     acc, answer_loss = evaluate(model, val, args.eval_mult * args.n_sup, eval_hops)
     result = {"name": args.name, "seed": args.seed, "args": vars(args), "params": model.num_params(),
               "train_s": round(train_s), "acc": [[round(v, 3) for v in row] for row in acc.tolist()],
-              "answer_loss": [round(v, 3) for v in answer_loss.tolist()], "log": log}
+              "answer_loss": [round(v, 3) for v in answer_loss.tolist()], "log": log,
+              "chance": chance and [round(c, 3) for c in chance.values()]}
     trained = acc[args.n_sup - 1].tolist()
     print(f"RESULT {args.name} seed {args.seed} at step {args.n_sup}: by hops {[round(v, 2) for v in trained]}; "
           f"{eval_hops} hops by step {[round(v, 2) for v in acc[:, -1].tolist()]}", flush=True)

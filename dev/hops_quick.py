@@ -96,6 +96,7 @@ def main():
                     "fraction of the run (a step-count curriculum; 0: N throughout)")
     ap.add_argument("--name", default=None, help="the run's name in --out (default: the recipe)")
     ap.add_argument("--out", default=None, help="append the run's JSON line here")
+    ap.add_argument("--save", default=None, help="torch.save {config, state_dict} of the trained model here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     FORMAT["name"] = args.format
@@ -117,6 +118,8 @@ def main():
     print(f"{args.format} {args.recipe} {args.state_update} {args.variant} {args.config} seed {args.seed} "
           f"({train_s:.0f} s): {longest} hops at steps 1/N/2N/{args.eval_mult}N {marks}; by step {by_step}; "
           f"at step {n} by hops {by_hops}" + (f"; rows to {TARGET}: {rows_to(curve, 32)}" if curve else ""))
+    if args.save:
+        torch.save({"config": config.to_dict(), "state_dict": model.state_dict()}, args.save)
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps({"name": args.name or args.recipe, "format": args.format, "recipe": args.recipe,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dev.hops import (ANSWERS_VOCAB, CHAIN_DIGITS, answers_eval_rows, answers_row, chains_row, chains_vocab, evaluate,
-                      masked_row, masked_vocab, vchains_eval_rows, vchains_row)
+                      masked_row, masked_vocab, VCHAIN_DIGITS, vchains_chance, vchains_eval_rows, vchains_row,
+                      vchains_vocab)
 from dev.hops_quick import SPEC, quick_config, trained, validation_rows
 from nanochat.synthetic import HopsSpec
 
@@ -67,21 +68,19 @@ def test_chains_rows_resolve_each_variable_through_its_chain():
 
 
 def solve_vchains(ids, n):
-    """[(lookups, answer id)] of a chains or vchains row from its tokens alone: bind b*n+a is 'b = a', value
-    n*n + v*D + d is 'v = d', a query var + x; follow x's assignments until one gives a digit."""
-    val, var, digit = n * n, n * n + n * CHAIN_DIGITS, n * n + n * CHAIN_DIGITS + n
-    statements = [t for t in ids[1:] if t < var]
-    assert len(statements) == n and ids[len(statements) + 1] == digit + CHAIN_DIGITS  # then the separator
-    binds = {t // n: t % n for t in statements if t < val}
-    values = {(t - val) // CHAIN_DIGITS: (t - val) % CHAIN_DIGITS for t in statements if t >= val}
-    assert len(binds) + len(values) == n  # every variable assigned exactly once
+    """[(lookups, answer digit id)] of a vchains row from its tokens alone: ids < n are variables, n.. digits; the
+    row is <|bos|>, n assignments 'lhs rhs', the separator, then queries '? x'; follow x until a digit."""
+    statements = list(zip(ids[1:1 + 2 * n:2], ids[2:2 + 2 * n:2]))
+    assert sorted(lhs for lhs, _ in statements) == list(range(n))  # every variable assigned exactly once
+    rhs = dict(statements)
+    assert ids[1 + 2 * n] == n + VCHAIN_DIGITS + 1 and set(ids[2 + 2 * n::2]) == {n + VCHAIN_DIGITS}  # sep, '?'
     answers = []
-    for q in ids[n + 2:]:
-        x, lookups = q - var, 1
-        while x not in values:
-            x, lookups = binds[x], lookups + 1
+    for x in ids[3 + 2 * n::2]:
+        lookups = 1
+        while rhs[x] < n:
+            x, lookups = rhs[x], lookups + 1
             assert lookups <= n, "a cycle: some variable never reaches a digit"
-        answers.append((lookups, digit + values[x]))
+        answers.append((lookups, rhs[x]))
     return answers
 
 
@@ -94,17 +93,17 @@ def test_vchains_rows_have_implicit_depth_and_the_evaluation_goes_deeper():
     for _ in range(500):
         ids, pos, answers, hops = vchains_row(rng, spec)
         assert [(h, a) for h, a in zip(hops, answers)] == solve_vchains(ids, n)
-        assert pos == list(range(n + 2, len(ids))) and max(ids) < chains_vocab(spec)  # answers are never inputs
+        assert pos == list(range(3 + 2 * n, len(ids), 2)) and max(ids) < vchains_vocab(spec)  # never an input
         train_depths.update(hops)
     assert train_depths == {1, 2, 3}
     rows = vchains_eval_rows(0, 20, spec, 2 * spec.max_hops)
     eval_depths = set()
     for ids, pos, answers, hops in rows:
-        assert [(h, a) for h, a in zip(hops, answers)] == solve_vchains(ids, n) and len(ids) == n + 2 + 12
+        assert [(h, a) for h, a in zip(hops, answers)] == solve_vchains(ids, n) and len(ids) == 2 + 2 * n + 2 * 12
         eval_depths.update(hops)
     assert max(eval_depths) == 6 > max(train_depths) and eval_depths == set(range(1, 7))
-    train_tokens = {t for _ in range(2000) for t in vchains_row(rng, spec)[0]}
-    assert {t for r in rows for t in r[0]} <= train_tokens  # the deeper rows use only tokens training has
+    chance = vchains_chance(rows, spec)
+    assert all(0.1 < c < 0.5 for c in chance.values())  # a digit of the row's chains, at random
 
 
 def solve_answers(ids):
