@@ -250,7 +250,7 @@ def documents(seed, count, spec):
 
 def batches(docs, tokenizer):
     """(idx, targets, answer index per row, hops per row) of byte-level documents, each starting with <|bos|>."""
-    if FORMAT["name"] in ("masked", "chains", "vchains", "answers", "answers_hidden"):  # token-id rows: (ids, answer positions, answer ids, hops)
+    if FORMAT["name"] in ("masked", "chains", "vchains", "answers", "answers_hidden"):  # token-id rows
         ids, pos, answers, hops = (torch.tensor(column) for column in zip(*docs))
         return ids, torch.full_like(ids, -1).scatter_(1, pos, answers), pos, hops
     rows = [tokenizer.encode(d, prepend=tokenizer.get_bos_token_id()) for d in docs]

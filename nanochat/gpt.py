@@ -112,7 +112,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.state_dtype={self.state_dtype!r} is unknown; choose one of "
                              f"{list(STATE_DTYPES)}")
         if self.sample_n_sup not in (False, True, *N_SUP_SAMPLERS):
-            raise ValueError(f"GPTConfig.sample_n_sup={self.sample_n_sup!r}: True, False or one of {list(N_SUP_SAMPLERS)}")
+            raise ValueError(f"GPTConfig.sample_n_sup={self.sample_n_sup!r}: True, False or one of "
+                             f"{list(N_SUP_SAMPLERS)}")
         if self.state_update not in STATE_UPDATES:
             raise ValueError(f"GPTConfig.state_update={self.state_update!r} is unknown; choose one of "
                              f"{tuple(STATE_UPDATES)}")

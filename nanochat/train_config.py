@@ -127,6 +127,9 @@ def build_parser():
     optim.add_argument("--warmup_ratio", type=float, default=0.02, help="lr warmup as a fraction of the run")
     optim.add_argument("--warmdown_ratio", type=float, default=0.2, help="final fraction with linear lr decay")
     optim.add_argument("--final_lr_frac", type=float, default=0.0, help="lr at the end, as a fraction of peak")
+    optim.add_argument("--n_sup_warmup", type=float, default=0.0,
+                       help="a step-count curriculum (looped_nanochat's loop warmup): train at most 1 supervision step "
+                            "at first, rising linearly to n_sup_train by this fraction of the run (0 = off)")
     runtime = p.add_argument_group("runtime")
     runtime.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
     runtime.add_argument("--compile", type=str2bool, nargs="?", const=True, default=None,
@@ -261,6 +264,7 @@ class RunConfig:
     warmup_ratio: float
     warmdown_ratio: float
     final_lr_frac: float
+    n_sup_warmup: float
     # runtime
     device_type: str
     compile: bool
@@ -404,7 +408,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
                      f"{run_config.max_seq_len} tokens); raise it")
     if run_config.max_cost is not None and not run_config.gpu_hourly_price:
         parser.error("--max_cost needs --gpu_hourly_price to know what an hour costs")
-    for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
+    for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac", "n_sup_warmup"):
         if not 0 <= getattr(run_config, name) <= 1:
             parser.error(f"--{name}={getattr(run_config, name)} must be between 0 and 1")
     if run_config.warmup_steps is not None and run_config.warmup_steps < 0:

@@ -347,6 +347,9 @@ class Run:
         Training data unreadable on any rank raises RankFailure on every rank, before the update."""
         run_config, model, optimizers = self.run_config, self.model, self.optimizers
         n_sup = model.train_depth(step)
+        if run_config.n_sup_warmup:  # the step-count curriculum: a cap rising from 1 to n_sup_train
+            ramp = step / (run_config.n_sup_warmup * self.num_iterations)
+            n_sup = min(n_sup, 1 + int(model.config.n_sup_train * ramp))
         sums = torch.zeros(StepStats.size(n_sup), device=self.device)
         try:
             after, data_error = self.accumulate(step, n_sup, sums)

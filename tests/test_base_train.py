@@ -297,6 +297,14 @@ def test_sampled_depth_trains_logs_and_plots(base_dir):
     assert plot(base_dir, "sampled") == 0
 
 
+def test_the_step_count_warmup_trains_one_step_first_and_all_of_them_by_its_fraction(base_dir):
+    # --n_sup_warmup=0.5 over 8 steps at n_sup_train=4: the cap 1 + int(4 * step / 4) rises 1, 2, 3, 4, then holds
+    run(base_dir, *TINY, "--num_iterations=8", "--n_sup_train=4", "--n_sup_warmup=0.5", "--model_tag=warm")
+    with open(os.path.join(ckpt_dir(base_dir, "warm"), "metrics.jsonl")) as f:
+        depths = [len(r["step_losses"]) for r in map(json.loads, f) if r["kind"] == "train"]
+    assert depths == [1, 2, 3, 4, 4, 4, 4, 4]
+
+
 def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_what_is_off():
     from scripts import base_train
     run_config = train_config.parse_args([*TINY, "--device_batch_size=8", "--gradient_accumulation_steps=2"])
