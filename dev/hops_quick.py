@@ -97,8 +97,9 @@ def main():
     ap.add_argument("--name", default=None, help="the run's name in --out (default: the recipe)")
     ap.add_argument("--out", default=None, help="append the run's JSON line here")
     ap.add_argument("--save", default=None, help="torch.save {config, state_dict} of the trained model here")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the same numbers on every run)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     FORMAT["name"] = args.format
     nanochat.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
     val = validation_rows()
