@@ -33,7 +33,8 @@ ROWS = {"masked": (masked_row, masked_vocab, SPEC), "chains": (chains_row, chain
 UNIFORM = {"supervision_weight_base": 1.0, "improvement_reward_scale": 0.0}
 # Named recipes: GPTConfig fields over the defaults (--config adds more). The rows of issue 51's table.
 RECIPES = {
-    "default": {},
+    "default": {},  # gpt.py's defaults, whatever they are
+    "old_default": {"sample_n_sup": False, "backprop_steps": 1},  # gpt.py's default before issue 51
     "uniform_bp2": {**UNIFORM, "backprop_steps": 2},  # issue 36's fastest learner
     "loop": {**UNIFORM, "n_loops": 0, "detach_between_steps": False},  # the simple loop: the block looped N times
     "plain": {"n_loops": 0, "n_sup_train": 1},  # the same block run once: the plain model of equal parameters

@@ -68,19 +68,21 @@ def test_chains_rows_resolve_each_variable_through_its_chain():
 
 
 def solve_vchains(ids, n):
-    """[(lookups, answer digit id)] of a vchains row from its tokens alone: ids < n are variables, n.. digits; the
-    row is <|bos|>, n assignments 'lhs rhs', the separator, then queries '? x'; follow x until a digit."""
-    statements = list(zip(ids[1:1 + 2 * n:2], ids[2:2 + 2 * n:2]))
-    assert sorted(lhs for lhs, _ in statements) == list(range(n))  # every variable assigned exactly once
-    rhs = dict(statements)
-    assert ids[1 + 2 * n] == n + VCHAIN_DIGITS + 1 and set(ids[2 + 2 * n::2]) == {n + VCHAIN_DIGITS}  # sep, '?'
+    """[(lookups, answer digit id)] of a vchains row from its tokens alone: 'b = a' is b*n+a, 'v = d' is
+    n*n + v*D + d, a query n*n + n*D + x, answer digit n*n + n*D + n + d; follow x until a digit."""
+    val, var = n * n, n * n + n * VCHAIN_DIGITS
+    statements = ids[1:1 + n]
+    assert ids[1 + n] == var + n + VCHAIN_DIGITS  # the separator
+    binds = {t // n: t % n for t in statements if t < val}
+    values = {(t - val) // VCHAIN_DIGITS: (t - val) % VCHAIN_DIGITS for t in statements if val <= t < var}
+    assert sorted([*binds, *values]) == list(range(n))  # every variable assigned exactly once
     answers = []
-    for x in ids[3 + 2 * n::2]:
-        lookups = 1
-        while rhs[x] < n:
-            x, lookups = rhs[x], lookups + 1
+    for q in ids[2 + n:]:
+        x, lookups = q - var, 1
+        while x not in values:
+            x, lookups = binds[x], lookups + 1
             assert lookups <= n, "a cycle: some variable never reaches a digit"
-        answers.append((lookups, rhs[x]))
+        answers.append((lookups, var + n + values[x]))
     return answers
 
 
@@ -93,17 +95,19 @@ def test_vchains_rows_have_implicit_depth_and_the_evaluation_goes_deeper():
     for _ in range(500):
         ids, pos, answers, hops = vchains_row(rng, spec)
         assert [(h, a) for h, a in zip(hops, answers)] == solve_vchains(ids, n)
-        assert pos == list(range(3 + 2 * n, len(ids), 2)) and max(ids) < vchains_vocab(spec)  # never an input
+        assert pos == list(range(2 + n, len(ids))) and max(ids) < vchains_vocab(spec)  # answers are never inputs
         train_depths.update(hops)
     assert train_depths == {1, 2, 3}
     rows = vchains_eval_rows(0, 20, spec, 2 * spec.max_hops)
     eval_depths = set()
     for ids, pos, answers, hops in rows:
-        assert [(h, a) for h, a in zip(hops, answers)] == solve_vchains(ids, n) and len(ids) == 2 + 2 * n + 2 * 12
+        assert [(h, a) for h, a in zip(hops, answers)] == solve_vchains(ids, n) and len(ids) == 2 + n + 12
         eval_depths.update(hops)
     assert max(eval_depths) == 6 > max(train_depths) and eval_depths == set(range(1, 7))
     chance = vchains_chance(rows, spec)
     assert all(0.1 < c < 0.5 for c in chance.values())  # a digit of the row's chains, at random
+    train_tokens = {t for _ in range(3000) for t in vchains_row(rng, spec)[0]}
+    assert {t for r in rows for t in r[0]} <= train_tokens  # the deeper rows are made of ids training has
 
 
 def solve_answers(ids):
@@ -153,11 +157,12 @@ def test_answers_rows_answer_right_and_show_earlier_answers():
         [t for i, t in enumerate(shown[0]) if i - 1 not in shown[1]] and hidden[1:] == shown[1:]
 
 
-def test_the_default_recursion_uses_its_depth():
+def test_the_default_recursion_uses_its_depth_and_holds_past_its_trained_steps():
     """Issue 32's failure must not come back silently: one block with gpt.py's default recursion answers 3 chained
     lookups by its last supervision step, where the same block run once (the plain model of equal parameters)
-    cannot; its steps climb, and twice as many steps as trained still beat the first draft (at this budget the answer
-    decays past the trained steps; at 2,000 steps it holds: dev/LOG.md)."""
+    cannot, and its steps climb. Issue 51's: run to twice the trained steps, the answer holds within 0.05 (over 9
+    other seeds the default fell 0.00-0.03 by then; the default before issue 51, detached steps at a fixed count,
+    fell 0.09-0.21 on them and from 0.92 to 0.71 here: dev/LOG.md)."""
     val = validation_rows()
     default = trained(quick_config(val), steps=400)
     n = default.config.n_sup_train
@@ -168,7 +173,7 @@ def test_the_default_recursion_uses_its_depth():
     assert acc[n - 1, longest] >= 0.8, acc
     assert plain_acc[0, longest] <= 0.5, plain_acc
     assert acc[n - 1, longest] - acc[0, longest] >= 0.3, acc  # it climbs
-    assert acc[2 * n - 1, longest] - acc[0, longest] >= 0.2, acc  # and twice the steps still beat the first draft
+    assert acc[2 * n - 1, longest] >= acc[n - 1, longest] - 0.05, acc  # thinking longer does not unlearn it
 
 
 def test_packed_rows_cut_the_stream_as_the_loader_does():

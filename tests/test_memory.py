@@ -11,8 +11,9 @@ from nanochat.gpt import GPT, GPTConfig
 from nanochat.memory import estimate_memory, fit_micro_batch, usable_bytes
 from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
 
+# a fixed depth (training_steps trains n_sup_train steps, the estimate plans for the deepest a sampler can draw)
 SMALL = GPTConfig(sequence_len=64, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=128, n_loops=2,
-                  n_sup_train=2)
+                  n_sup_train=2, sample_n_sup=False)
 
 
 def training_steps(config, batch, dtype):
@@ -49,7 +50,7 @@ def measured_peak(config, batch, dtype, tmp_path):
 @pytest.mark.parametrize("config, batch, dtype", [
     (SMALL, 4, "float32"),
     (SMALL, 4, "bfloat16"),  # autocast: low-precision copies of weights and linear inputs
-    (SMALL.replace(detach_between_steps=True), 4, "float32"),
+    (SMALL.replace(detach_between_steps=True, backprop_steps=1), 4, "float32"),
     (SMALL.replace(activation_checkpointing=True), 4, "float32"),
     (SMALL.replace(vocab_size=4096, n_embd=64, n_head=1, n_kv_head=1), 4, "bfloat16"),  # logits dominate
     (SMALL.replace(n_loops=0, n_sup_train=3, activation_fn="swiglu", n_kv_head=1), 4, "float32"),
@@ -67,7 +68,8 @@ def test_estimate_within_25_percent_of_measured_peak(config, batch, dtype, tmp_p
 
 
 def test_the_parts_move_the_way_the_model_does():
-    d12 = GPTConfig(detach_between_steps=False)  # depth 12, n_loops 2, 4 steps, vocab 65536, 2048 tokens, all graphs alive
+    # depth 12, n_loops 2, 4 steps, vocab 65536, 2048 tokens, all graphs alive
+    d12 = GPTConfig(detach_between_steps=False, sample_n_sup=False)
     plain = estimate_memory(d12, 1)
     tokens = d12.sequence_len
     # stored activations of 4 steps x 12 layers x 3 block applications, ~37 kB each: ~5 MB per token
@@ -81,13 +83,16 @@ def test_the_parts_move_the_way_the_model_does():
     assert estimate_memory(d12, 32)["transient"] == estimate_memory(d12, 2)["transient"] < 5e9
     assert plain["transient"] < estimate_memory(d12, 2)["transient"]  # 2,048 rows: less than a chunk
     # detach_between_steps backpropagates the trunk step by step too: one step's activations alive at a time
-    detached = estimate_memory(d12.replace(detach_between_steps=True), 1)
+    detached = estimate_memory(d12.replace(detach_between_steps=True, backprop_steps=1), 1)
     assert detached["activations"] == plain["activations"] / 4
     # truncated backpropagation through 2 steps: two steps' activations alive at a time
     truncated = estimate_memory(d12.replace(detach_between_steps=True, backprop_steps=2), 1)
     assert truncated["activations"] == plain["activations"] / 2
     # a sampled depth of up to 2 * 4 - 1 steps keeps the deepest batch's activations
     assert estimate_memory(d12.replace(sample_n_sup=True), 1)["activations"] == plain["activations"] * 7 / 4
+    # the log-normal draw reaches 4 * 4 steps; detached every 4 (gpt.py's default since issue 51) 4 steps are alive
+    assert estimate_memory(d12.replace(sample_n_sup="lognormal_poisson"), 1)["activations"] == 4 * plain["activations"]
+    assert estimate_memory(GPTConfig(), 1)["activations"] == plain["activations"]
     # no-grad sweeps (T_recursion > 1) store nothing
     assert estimate_memory(d12.replace(T_recursion=3), 1)["activations"] == plain["activations"]
     # activations scale with supervision steps and loops
@@ -99,7 +104,7 @@ def test_the_parts_move_the_way_the_model_does():
 
 def test_fit_keeps_effective_batch_and_prefers_a_smaller_batch_to_recompute():
     from nanochat.memory import MIN_TOKENS_PER_MICRO_BATCH
-    d12 = GPTConfig(detach_between_steps=False)  # every step's graph alive: the most memory
+    d12 = GPTConfig(detach_between_steps=False, sample_n_sup=False)  # all 4 steps' graphs alive: the most memory
     memory = 80e9
     fits = lambda c, n: estimate_memory(c, n)["total"] <= usable_bytes(memory)
     assert not fits(d12, 32)
