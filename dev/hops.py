@@ -86,18 +86,27 @@ def chains_row(rng, spec):
 VCHAIN_DIGITS = 10  # the values a chain can end in (--format vchains); a row's chains end in distinct ones
 
 
+def vchains_ids(n):
+    """The id bases of --format vchains at n variables: 'b = a' (n*n), 'v = d' (n*VCHAIN_DIGITS), a query naming v
+    (n), the answer digit d, then the separator and <|bos|>."""
+    bind, val = 0, n * n
+    var = val + n * VCHAIN_DIGITS
+    digit = var + n
+    return bind, val, var, digit, digit + VCHAIN_DIGITS, digit + VCHAIN_DIGITS + 1
+
+
 def vchains_vocab(spec):
-    """Ids of --format vchains: the variables 0..n-1, the digits, then '?', the separator and <|bos|>."""
-    return spec.n_symbols + VCHAIN_DIGITS + 3
+    return vchains_ids(spec.n_symbols)[-1] + 1
 
 
 def vchains_row(rng, spec, deep=None):
-    """(ids, answer positions, answer ids, hops) of one implicit-depth row (issue 51): `a=b; b=c; c=3; ? a` as
-    tokens. The spec.n_symbols variables form chains of random lengths 1..spec.max_hops (c = 3, b = c, a = b), each
-    assignment two tokens (the variable, then a variable or a digit), in random order; then spec.n_queries queries
-    '? x', each answered at x (a target only) by its chain's digit, reached in as many lookups as x's depth, which
-    nothing in the row states. Every id is shared by all rows: a deeper chain is made of the tokens training has.
-    deep=D: the first chain has D variables and every query names one of them (the evaluation past training)."""
+    """(ids, answer positions, answer ids, hops) of one implicit-depth row (issue 51), `a=b; b=c; c=3; ? a` with one
+    token per assignment (as --format masked writes a table entry: one lookup is one attention): the spec.n_symbols
+    variables form chains of random lengths 1..spec.max_hops (c = 3, b = c, a = b), the assignments in random order;
+    then spec.n_queries queries, each a variable alone, answered (a target only) by its chain's digit, reached in as
+    many lookups as the variable's depth, which nothing in the row states. The chains of a row end in distinct digits.
+    deep=D: the first chain has D variables and every query names one of them (the evaluation past training: the
+    same ids and row length, only a longer chain)."""
     n = spec.n_symbols
     assert not deep or deep <= n, "the deep chain must fit in the row's variables"
     assert n <= VCHAIN_DIGITS, "each chain ends in its own digit"
@@ -106,23 +115,22 @@ def vchains_row(rng, spec, deep=None):
     lengths = [deep] if deep else []
     while sum(lengths) < n:
         lengths.append(min(rng.randint(1, spec.max_hops), n - sum(lengths)))
-    digit, ask, sep, bos = n, n + VCHAIN_DIGITS, n + VCHAIN_DIGITS + 1, n + VCHAIN_DIGITS + 2
-    digits = rng.sample(range(VCHAIN_DIGITS), len(lengths))
+    bind, val, var, digit, sep, bos = vchains_ids(n)
     statements, value, depth, start = [], {}, {}, 0
-    for length, d in zip(lengths, digits):
+    for length, d in zip(lengths, rng.sample(range(VCHAIN_DIGITS), len(lengths))):
         chain = names[start:start + length]
         start += length
-        statements.append((chain[0], digit + d))
-        statements += [(b, a) for a, b in zip(chain, chain[1:])]  # b = a
+        statements.append(val + chain[0] * VCHAIN_DIGITS + d)
+        statements += [bind + b * n + a for a, b in zip(chain, chain[1:])]  # b = a
         for h, v in enumerate(chain, start=1):
             value[v], depth[v] = d, h
     rng.shuffle(statements)
-    ids = [bos] + [t for statement in statements for t in statement] + [sep]
+    ids = [bos] + statements + [sep]
     asked = names[:deep] if deep else names
     pos, answers, hops = [], [], []
     for _ in range(spec.n_queries):
         x = rng.choice(asked)
-        ids += [ask, x]
+        ids.append(var + x)
         pos.append(len(ids) - 1)
         answers.append(digit + value[x])
         hops.append(depth[x])
@@ -133,8 +141,9 @@ def vchains_chance(rows, spec):
     """Accuracy by depth of guessing one of the row's chain digits at random: the floor a model reaches without
     walking a chain (1 / the row's number of chains, averaged over each depth's queries)."""
     n, total, count = spec.n_symbols, {}, {}
+    _, val, var, *_ = vchains_ids(n)
     for ids, _, _, hops in rows:
-        chains = sum(1 for t in ids[2:1 + 2 * n:2] if t >= n)  # the right-hand sides that are digits
+        chains = sum(1 for t in ids[1:1 + n] if val <= t < var)  # the assignments of a digit
         for h in hops:
             total[h], count[h] = total.get(h, 0) + 1 / chains, count.get(h, 0) + 1
     return {h: total[h] / count[h] for h in sorted(total)}
