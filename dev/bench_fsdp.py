@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dev.bench_args import add_model_flags, build_config
-from nanochat import sharding
-from nanochat.gpt import GPT
-from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
+from nanochat.train import sharding
+from nanochat.model.gpt import GPT
+from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 
 COUNTED = ("all_gather_single", "reduce_scatter_single", "all_to_all", "all_reduce")  # FSDP2's and ShardedMuon's
 

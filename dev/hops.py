@@ -6,7 +6,7 @@ python -m dev.hops --name plain1 --depth 1 --n_loops 0 --n_sup 1                
 python -m dev.hops --name loop --depth 1 --n_loops 0 --n_sup 4 --detach 0 --preset uniform         # it, looped 4x
 
 --format masked (the default): one table as one token per entry, then queries whose answers are targets only (see
-masked_row). --format chains: variable-binding rows, a depth task of another shape (chains_row). --format answers: issue 36's pairs-and-answers rows (answers_row), whose answers stand in the input. --format pairs / text: the LM documents of nanochat.synthetic (answers in the text, so later queries can
+masked_row). --format chains: variable-binding rows, a depth task of another shape (chains_row). --format answers: issue 36's pairs-and-answers rows (answers_row), whose answers stand in the input. --format pairs / text: the LM documents of nanochat.data.synthetic (answers in the text, so later queries can
 reuse earlier answers). The product's GPT, its forward_backward and optimizers (Muon + AdamW), warmup then linear
 warmdown. Prints one JSON line per run (appended to --out): accuracy[step][hops] on held-out rows for steps 1..2N,
 the answer loss per step, and the training time.
@@ -19,11 +19,11 @@ import time
 
 import torch
 
-import nanochat.gpt
-from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
-from nanochat.optim import muon_momentum, setup_optimizers
-from nanochat.synthetic import HopsSpec, draw_table, hops_answers, hops_documents, pairs_answers, pairs_document
-from nanochat.tokenizer import RustBPETokenizer
+import nanochat.model.gpt
+from nanochat.model.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
+from nanochat.train.optim import muon_momentum, setup_optimizers
+from nanochat.data.synthetic import HopsSpec, draw_table, hops_answers, hops_documents, pairs_answers, pairs_document
+from nanochat.data.tokenizer import RustBPETokenizer
 
 FORMAT = {"name": "masked", "answers": hops_answers}  # main() sets it from --format
 
@@ -127,7 +127,7 @@ def answers_eval_rows(seed, count, spec, hide=False):
 
 
 # Ablations of the layer visit (gpt.visit_layer), swapped in by --variant: each changes one thing of it.
-VISIT = nanochat.gpt.visit_layer  # the original, kept: --variant replaces the module's name
+VISIT = nanochat.model.gpt.visit_layer  # the original, kept: --variant replaces the module's name
 
 
 def visit_xyz_both(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
@@ -151,7 +151,7 @@ def visit_z_postnorm(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, sl
     """the latent keeps itself: z <- norm(z + D(x + y + z)), x and y read but not re-added into z (issue 36)"""
     for i in range(n_loops):
         u = x + y + z
-        z = nanochat.gpt.norm(z + block.delta(u, cos_sin, kv_cache, slot + i))
+        z = nanochat.model.gpt.norm(z + block.delta(u, cos_sin, kv_cache, slot + i))
     u = y + z
     return update(y, u, block.delta(u, cos_sin, kv_cache, slot + n_loops), None), z
 
@@ -202,7 +202,7 @@ def evaluate(model, data, n_steps, max_hops, batch=64):
 
 
 def packed_rows(seed, spec, tokenizer, batch, T):
-    """(idx, targets) of base_train's loader (nanochat/dataloader.py) on the same documents: each document's tokens
+    """(idx, targets) of base_train's loader (nanochat/data/dataloader.py) on the same documents: each document's tokens
     with <|bos|> first, concatenated into one stream and cut into rows of T+1 tokens, so a row may hold the end of
     one document, whole ones and the start of another (its table cut off from its queries, or its queries in
     another row). Attention runs across the documents of a row, as in base_train."""
@@ -321,7 +321,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    nanochat.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
+    nanochat.model.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
 
     tok = RustBPETokenizer.byte_level()
     spec = HopsSpec(n_symbols=args.n_symbols, max_hops=args.max_hops, n_queries=args.n_queries)

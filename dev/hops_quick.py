@@ -13,11 +13,11 @@ import time
 
 import torch
 
-import nanochat.gpt
+import nanochat.model.gpt
 from dev.hops import FORMAT, VARIANTS, batches, chains_row, chains_vocab, evaluate, masked_row, masked_vocab, train
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import setup_optimizers
-from nanochat.synthetic import HopsSpec
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.optim import setup_optimizers
+from nanochat.data.synthetic import HopsSpec
 
 SPEC = HopsSpec(n_symbols=6, max_hops=3, n_queries=12)
 
@@ -58,7 +58,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     FORMAT["name"] = args.format
-    nanochat.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
+    nanochat.model.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
     val = validation_rows()
     start = time.time()
     model = trained(quick_config(val, state_update=args.state_update, **json.loads(args.config)), args.steps,

@@ -12,10 +12,11 @@ import itertools
 
 import torch
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat.dataset import iter_documents
-from nanochat.hops_eval import encode_hops, padded_inputs
-from nanochat.synthetic import hops_answers
+from nanochat.checkpoint import manager as ckpt
+from nanochat.data.dataset import iter_documents
+from nanochat.data.synthetic import encode_hops
+from nanochat.eval.hops_eval import padded_inputs
+from nanochat.data.synthetic import hops_answers
 
 
 def first_times(text):

@@ -30,11 +30,12 @@ try:
 except ImportError as e:
     sys.exit(f"error: base_eval needs lm-eval ({e}); install it with: pip install -e '.[eval]'")
 
-from nanochat import checkpoint_manager as ckpt
+from nanochat.checkpoint import manager as ckpt
+from nanochat.files import model_tag_arg, step_arg
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import autocast_for, autodetect_device_type, default_dtype
 from nanochat.files import atomic_write_bytes, exit_on_write_error
-from nanochat.metrics import refresh_downstream_section
+from nanochat.eval.metrics import refresh_downstream_section
 
 # nanochat's CORE in spirit: small, well-known, scored by log-likelihood
 DEFAULT_TASKS = "hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai"
@@ -112,9 +113,9 @@ class NanochatLM(TemplateLM):
 def parse_args(argv=None):
     p = OneLineErrors(prog="python -m scripts.base_eval", allow_abbrev=False,
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model_tag", type=ckpt.model_tag_arg, default=None,
+    p.add_argument("--model_tag", type=model_tag_arg, default=None,
                    help="default: the most recently written model")
-    p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
+    p.add_argument("--step", type=step_arg, default="latest", help="latest | best | a step number")
     p.add_argument("--n_sup", type=int, default=None,
                    help="evaluate steps 1..n_sup (default: n_sup_inference); more than were trained is allowed")
     p.add_argument("--tasks", default=DEFAULT_TASKS, help="comma-separated lm-eval task or group names")

@@ -17,11 +17,12 @@ import sys
 
 import torch
 
-from nanochat.checkpoint_manager import load_model, model_tag_arg, step_arg
+from nanochat.checkpoint.manager import load_model
+from nanochat.files import model_tag_arg, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
-from nanochat.engine import Engine, kv_cache_bytes_per_token
-from nanochat.halting import Halting
+from nanochat.model.engine import Engine, kv_cache_bytes_per_token
+from nanochat.model.halting import Halting
 
 DEFAULT_PROMPTS = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then"]
 

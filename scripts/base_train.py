@@ -25,33 +25,35 @@ from typing import NamedTuple
 
 import torch
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat.checkpoint_meta import best_of
-from nanochat import attention, checkpoint_model, lifecycle, sharding
-from nanochat.backup import Backup
-from nanochat.checkpoint_writer import CheckpointWriter, can_write_in_background
+from nanochat.checkpoint import manager as ckpt
+from nanochat.checkpoint.meta import best_of
+from nanochat.train import attention
+from nanochat.train import lifecycle
+from nanochat.train import sharding
+from nanochat.checkpoint.backup import Backup
+from nanochat.checkpoint.writer import CheckpointWriter, can_write_in_background
 from nanochat.cli import Exit, ExitCode
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags, run_on_rank0
 from nanochat.common import autocast_for, compute_cleanup, compute_init, describe_error, print0
-from nanochat.dataloader import data_ranks, training_loaders
-from nanochat.dataset import DatasetError, corpus_identity
-from nanochat.engine import Engine
+from nanochat.data.dataloader import data_ranks, training_loaders
+from nanochat.data.dataset import DatasetError, corpus_identity
+from nanochat.model.engine import Engine
 from nanochat.files import WriteError, atomic_write_bytes, check_writable
-from nanochat.health import Health
-from nanochat.hops_eval import HopsEvalError, evaluate_hops
-from nanochat.loss_eval import EvaluationStopped, refinement, validation_bpb
-from nanochat.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
-from nanochat.optim import clipped_step, lr_multiplier, muon_momentum, reduce_gradients, set_schedule, setup_optimizers
-from nanochat.planning import ema_decay_for, num_iterations_for, peak_flops, plan_lines
-from nanochat.probe import Probe, format_probe
-from nanochat.probe import build as build_probe
-from nanochat.resume import (check_data, check_data_positions, check_fresh_start, load_resume_point, move_aside,
+from nanochat.eval.health import Health
+from nanochat.eval.hops_eval import HopsEvalError, evaluate_hops
+from nanochat.eval.loss_eval import EvaluationStopped, refinement, validation_bpb
+from nanochat.eval.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
+from nanochat.train.optim import clipped_step, lr_multiplier, muon_momentum, reduce_gradients, set_schedule, setup_optimizers
+from nanochat.train.planning import ema_decay_for, num_iterations_for, peak_flops, plan_lines
+from nanochat.train.probe import Probe, format_probe
+from nanochat.train.probe import build as build_probe
+from nanochat.checkpoint.resume import (check_data, check_data_positions, check_fresh_start, load_resume_point, move_aside,
                              report_schedule_change, resume_differences)
-from nanochat.resume import restore as restore_point
-from nanochat.supervision import STATE_DIAGNOSTICS
-from nanochat.tokenizer import RustBPETokenizer, get_token_bytes, get_tokenizer
-from nanochat.train_config import SAMPLE_PROMPTS, RunConfig, batch_geometry, data_problem, parse_args
-from nanochat.weight_average import WeightAverage
+from nanochat.checkpoint.resume import restore as restore_point
+from nanochat.model.supervision import STATE_DIAGNOSTICS
+from nanochat.data.tokenizer import RustBPETokenizer, get_token_bytes, get_tokenizer
+from nanochat.train.config import SAMPLE_PROMPTS, RunConfig, batch_geometry, data_problem, parse_args
+from nanochat.train.weight_average import WeightAverage
 
 
 
@@ -438,7 +440,7 @@ def build_model(model_config, device, fsdp, dtype):
     the device, so neither the device nor host memory ever holds the whole model. Sharded weights are gathered in bf16
     on GPUs for a bf16 run (dtype: --dtype); a float32 run keeps them float32."""
     if not fsdp:
-        return checkpoint_model.build_model(model_config, device)
+        return ckpt.build_model(model_config, device)
     param_dtype = torch.bfloat16 if device.type == "cuda" and dtype == "bfloat16" else None
     return sharding.build_sharded_model(model_config, device, param_dtype)
 

@@ -35,17 +35,19 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle, planning, train_config
+from nanochat.checkpoint import manager as ckpt
+from nanochat.train import lifecycle
+from nanochat.train import planning
+from nanochat.train import config as train_config
 from nanochat.cli import Exit, OneLineErrors, underscore_flags
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, distributed, get_dist_info, print0
 from nanochat.files import atomic_write_bytes, exit_on_write_error, save_figure
-from nanochat.loss_eval import format_steps, validation_bpb
-from nanochat.metrics import read_metrics, summary_path
-from nanochat.planning import meta_model, model_config, num_iterations_for
-from nanochat.supervision import STATE_DIAGNOSTICS
-from nanochat.tokenizer import get_token_bytes, get_tokenizer
-from nanochat.train_config import batch_geometry, data_problem
+from nanochat.eval.loss_eval import format_steps, validation_bpb
+from nanochat.eval.metrics import read_metrics, summary_path
+from nanochat.train.planning import meta_model, model_config, num_iterations_for
+from nanochat.model.supervision import STATE_DIAGNOSTICS
+from nanochat.data.tokenizer import get_token_bytes, get_tokenizer
+from nanochat.train.config import batch_geometry, data_problem
 
 DEFAULT_GRID = {
     "plain": "--n_loops=0 --n_sup_train=1",

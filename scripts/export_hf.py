@@ -24,7 +24,8 @@ import sys
 
 import torch
 
-from nanochat.checkpoint_manager import latest_model_tag, load_model, model_tag_arg, step_arg
+from nanochat.checkpoint.manager import latest_model_tag, load_model
+from nanochat.files import model_tag_arg, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.files import (exit_on_write_error, remove_stale_temporaries, temporary_path, write_error, write_failure,
                             writing)
@@ -34,12 +35,12 @@ try:
     from transformers import GenerationConfig, PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from nanochat.hf_model import NanochatTRMConfig, NanochatTRMForCausalLM
+    from nanochat.model.hf_model import NanochatTRMConfig, NanochatTRMForCausalLM
 except ImportError as e:  # transformers missing, or older than 5
     reason = f"the export needs {e.name}" if isinstance(e, ModuleNotFoundError) else str(e)
     sys.exit(f"error: {reason}; install it with: pip install -e '.[hf]'")
-from nanochat.engine import STOP_TOKENS
-from nanochat.tokenizer import SPECIAL_TOKENS
+from nanochat.model.engine import STOP_TOKENS
+from nanochat.data.tokenizer import SPECIAL_TOKENS
 
 ANOTHER_OUT = ", or pick another --out"  # the rest of a failed write's advice
 

@@ -20,24 +20,25 @@ import sys
 
 import torch
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat.checkpoint_model import build_model
-from nanochat.checkpoint_writer import save_checkpoint
+from nanochat.checkpoint import manager as ckpt
+from nanochat.files import model_tag_arg, step_arg
+from nanochat.checkpoint.manager import build_model
+from nanochat.checkpoint.writer import save_checkpoint
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, print0
-from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_size
-from nanochat.halting import frozen_halt_head_loss
-from nanochat.resume import check_fresh_start
+from nanochat.data.dataloader import DataLoader, evaluation_batches, evaluation_size
+from nanochat.model.halting import frozen_halt_head_loss
+from nanochat.checkpoint.resume import check_fresh_start
 
 LOG_EVERY = 20
 
 
 def parse_args(argv=None):
     p = OneLineErrors(prog="python -m scripts.halt_train", allow_abbrev=False)
-    p.add_argument("--model_tag", type=ckpt.model_tag_arg, default=None,
+    p.add_argument("--model_tag", type=model_tag_arg, default=None,
                    help="the checkpoint to add a head to (default: the latest written)")
-    p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
-    p.add_argument("--out_tag", type=ckpt.model_tag_arg, default=None, help="the new tag (default: <model_tag>_halt)")
+    p.add_argument("--step", type=step_arg, default="latest", help="latest | best | a step number")
+    p.add_argument("--out_tag", type=model_tag_arg, default=None, help="the new tag (default: <model_tag>_halt)")
     p.add_argument("--num_iterations", type=int, default=500, help="optimizer steps of the head")
     p.add_argument("--lr", type=float, default=0.001, help="AdamW learning rate of the head (0.01 overfit, dev/LOG.md)")
     p.add_argument("--device_batch_size", type=int, default=8)

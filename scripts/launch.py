@@ -35,21 +35,24 @@ import sys
 
 import torch
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle, memory, multinode, preflight
-from nanochat.backup import Backup
+from nanochat.checkpoint import manager as ckpt
+from nanochat.train import lifecycle
+from nanochat.train import memory
+from nanochat.train import multinode
+from nanochat.train import preflight
+from nanochat.checkpoint.backup import Backup
 from nanochat.cli import ArgumentParser, Exit, ExitCode
 from nanochat.common import gpu_peak_flops
-from nanochat.dataset import data_dir, list_parquet_files
+from nanochat.data.dataset import data_dir, list_parquet_files
 from nanochat.files import free_bytes, get_base_dir, gigabytes
-from nanochat.gpt import GPTConfig
-from nanochat.loss_eval import format_steps
-from nanochat.metrics import summary_path
-from nanochat.planning import (PLANNER_MFU, budget_lines, fit_device_batch, sharding_lines, free_ram_per_process,
+from nanochat.model.gpt import GPTConfig
+from nanochat.eval.loss_eval import format_steps
+from nanochat.eval.metrics import summary_path
+from nanochat.train.planning import (PLANNER_MFU, budget_lines, fit_device_batch, sharding_lines, free_ram_per_process,
                                keeps_ema, memory_need, meta_model, model_config, settle_sharding)
-from nanochat.resume import previous_run, resume_differences
-from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS, get_tokenizer
-from nanochat.train_config import batch_geometry, parse_args
+from nanochat.checkpoint.resume import previous_run, resume_differences
+from nanochat.data.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS, get_tokenizer
+from nanochat.train.config import batch_geometry, parse_args
 
 # The device each GPU model of the table means (its name as torch reports it): the nodes are 8-GPU SXM boards.
 LAUNCH_TABLE_DEVICES = {"H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200", "B200": "NVIDIA B200",
@@ -379,7 +382,7 @@ def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab
            f"refinement   supervision_weight_base={config.supervision_weight_base} "
            f"({src['supervision_weight_base']}), improvement_reward_scale={config.improvement_reward_scale} "
            f"({src['improvement_reward_scale']}). The script passes --preset={run_config.preset}, so the guides' edit "
-           f"of nanochat/gpt.py is not needed; gpt.py's defaults (now {GPTConfig.supervision_weight_base}, "
+           f"of nanochat/model/gpt.py is not needed; gpt.py's defaults (now {GPTConfig.supervision_weight_base}, "
            f"{GPTConfig.improvement_reward_scale}) apply to base_train runs without --preset or these flags.",
            f"batch        table: {row['gpus']} GPUs x {row[phase][0]} x {row[phase][1]} accumulation = "
            f"{table_sequences} sequences",
@@ -389,7 +392,7 @@ def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab
            + ("" if sequences == table_sequences else "  (DIFFERS from the table)"),
            *[f"             changed: {note}" for note in notes],
            f"memory       ~{est['total'] / 1e9:.1f} GB per device at batch {run_config.device_batch_size}"
-           f"{' with activation checkpointing' if config.activation_checkpointing else ''} (nanochat/memory.py: "
+           f"{' with activation checkpointing' if config.activation_checkpointing else ''} (nanochat/train/memory.py: "
            f"{run_config.sharding}: params+grads+optimizer "
            f"{(est['params'] + est['grads'] + est['optimizer']) / 1e9:.1f}"
            + (f", gathered {est['gathered'] / 1e9:.1f}" if "gathered" in est else "") + ", activations "
@@ -562,9 +565,9 @@ def prepare(phase, data, have_tokenizer, vocab):
     """The data and the tokenizer the run needs, where missing."""
     needed, present, _ = data
     if env("DATASET") == "builtin":
-        run([sys.executable, "-m", "nanochat.dataset", "--builtin"])
+        run([sys.executable, "-m", "nanochat.data.dataset", "--builtin"])
     elif present < needed:
-        run([sys.executable, "-m", "nanochat.dataset", "-n", str(PHASES[phase]["shards"])])
+        run([sys.executable, "-m", "nanochat.data.dataset", "-n", str(PHASES[phase]["shards"])])
     if not have_tokenizer:
         run([sys.executable, "-m", "scripts.tok_train", f"--max_chars={tok_chars(phase)}", f"--vocab_size={vocab}"])
 

@@ -27,7 +27,7 @@ POST /v1/completions  OpenAI's completions request: model (default: the served o
                       end token last. With stream, server-sent events of the same shape, one per piece of text, then
                       data: [DONE].
 POST /v1/refinement   what each supervision step did, per token (generate, score a text, a hops document): the
-                      fields and answers are in nanochat/refinement.py and docs/serving.md
+                      fields and answers are in nanochat/serve/refinement.py and docs/serving.md
 GET  /                the refinement viewer, a page that renders /v1/refinement (no key needed: it holds no data)
 GET  /v1/models       the served model, named by its model tag
 GET  /health          status, step, limits and generations running (no key needed: for load balancers)
@@ -74,12 +74,13 @@ try:
 except ModuleNotFoundError as e:
     sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
 
-from nanochat import refinement
-from nanochat.checkpoint_manager import latest_model_tag, load_model, model_tag_arg, step_arg
+from nanochat.serve import refinement
+from nanochat.checkpoint.manager import latest_model_tag, load_model
+from nanochat.files import model_tag_arg, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
-from nanochat.engine import Engine, ends_mid_character
-from nanochat.halting import forward_halting
+from nanochat.model.engine import Engine, ends_mid_character
+from nanochat.model.halting import forward_halting
 
 MAX_BODY_BYTES = 1 << 20
 READ_TIMEOUT_S, MAX_CONNECTIONS = 30.0, 256  # the flags' defaults: nginx reads headers and body in 60 s each
@@ -816,7 +817,7 @@ def create_app(server, api_key=None):
         return FileResponse(refinement.PAGE, media_type="text/html")
 
     @app.post("/v1/refinement", dependencies=keyed)
-    async def refine(request: Request):  # what each supervision step did: see nanochat/refinement.py
+    async def refine(request: Request):  # what each supervision step did: see nanochat/serve/refinement.py
         try:
             req = refinement.parse_request(server.engine, await read_body(request), server.max_tokens_limit,
                                            AUTO_HALTING)

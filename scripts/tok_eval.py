@@ -10,8 +10,8 @@ import sys
 import tiktoken
 
 from nanochat.cli import ArgumentParser, ExitCode
-from nanochat.dataset import DatasetError, iter_documents
-from nanochat.tokenizer import TokenizerError, get_tokenizer
+from nanochat.data.dataset import DatasetError, iter_documents
+from nanochat.data.tokenizer import TokenizerError, get_tokenizer
 
 REFERENCES = {"gpt2": "gpt2", "gpt4": "cl100k_base"}
 

@@ -12,12 +12,13 @@ import os
 import sys
 import time
 
-from nanochat import checkpoint_manager as ckpt
+from nanochat.checkpoint import manager as ckpt
+from nanochat.files import checkpoints_root
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import progress_bar
-from nanochat.dataset import DatasetError, iter_documents, parquets_for_split, row_group_sizes
-from nanochat.gpt import GPTConfig
-from nanochat.tokenizer import (MIN_VOCAB_SIZE, RustBPETokenizer, TokenizerError, TokenizerNotFound, check_vocab_size,
+from nanochat.data.dataset import DatasetError, iter_documents, parquets_for_split, row_group_sizes
+from nanochat.model.gpt import GPTConfig
+from nanochat.data.tokenizer import (MIN_VOCAB_SIZE, RustBPETokenizer, TokenizerError, TokenizerNotFound, check_vocab_size,
                                 tokenizer_dir)
 
 # The model's default vocabulary is the tokenizer's: a default model fits a default tokenizer.
@@ -40,7 +41,7 @@ def capped_documents(max_chars, doc_cap, stats):
 
 def dependent_model_tags(fingerprint):
     """Model tags with a checkpoint whose meta.json records this tokenizer fingerprint."""
-    root = ckpt.checkpoints_root()
+    root = checkpoints_root()
     tags = set()
     for tag in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         for step in ckpt.list_steps(tag):

@@ -14,7 +14,11 @@ import sys
 import pytest
 import torch
 
-from nanochat import dataloader, planning, train_config
+from nanochat.data import dataloader
+
+from nanochat.train import planning
+
+from nanochat.train import config as train_config
 from tests.support import processes
 from tests.support.helpers import (ROOT, TINY, TINY_SHAPE, ckpt_dir, exit_code, parsed, random_model, tiny_config,
                                    tree, weights)
@@ -89,21 +93,21 @@ def test_kill_during_checkpoint_write_leaves_previous_loadable(base_dir, tmp_pat
     # a process that dies (SIGKILL) halfway through writing the step-4 checkpoint
     script = """
 import os, signal, torch
-from nanochat import checkpoint_manager as ckpt
+from nanochat.checkpoint import manager as ckpt
 model, _, meta = ckpt.load_model("midsave", "latest")
 real_save = torch.save
 def dying_save(obj, f, *a, **k):
     real_save(obj, f, *a, **k)
     os.kill(os.getpid(), signal.SIGKILL)
 torch.save = dying_save
-from nanochat.checkpoint_writer import save_checkpoint
+from nanochat.checkpoint.writer import save_checkpoint
 save_checkpoint("midsave", 4, model, [], {**meta}, {"loaders": []})
 """
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
     proc = processes.run([sys.executable, "-c", script], timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert os.path.isdir(ckpt_dir(base_dir, "midsave", 4) + ".tmp")  # the half-written attempt
-    from nanochat import checkpoint_manager as ckpt
+    from nanochat.checkpoint import manager as ckpt
     os.environ["NANOCHAT_BASE_DIR"] = base_dir
     try:
         assert ckpt.list_steps("midsave") == [2]
@@ -168,17 +172,17 @@ def test_resume_with_a_different_config_names_the_fields(base_dir):
 
 
 def test_nan_loss_stops_with_diagnostic_and_keeps_last_good_checkpoint(base_dir, monkeypatch):
-    import nanochat.gpt
+    import nanochat.model.gpt
     from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
-    real_loss, calls = nanochat.gpt.deep_supervision_loss, []
+    real_loss, calls = nanochat.model.gpt.deep_supervision_loss, []
 
     def poisoned(step_losses, base, scale):  # the 4th training step's loss becomes NaN
         calls.append(1)
         total = real_loss(step_losses, base, scale)
         return total * float("nan") if len(calls) == 4 else total
 
-    monkeypatch.setattr(nanochat.gpt, "deep_supervision_loss", poisoned)
+    monkeypatch.setattr(nanochat.model.gpt, "deep_supervision_loss", poisoned)
     with pytest.raises(SystemExit) as exit_info:
         base_train.main(TINY + ["--num_iterations=8", "--save_every=2", "--model_tag=nan"])
     assert exit_info.value.code == 3
@@ -270,7 +274,7 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
 
 def test_mfu_is_measured_against_peak_tflops_when_given(base_dir, monkeypatch):
     # --peak_tflops' help says MFU uses it; base_train read only the GPU table, so a CPU (or unlisted GPU) showed none
-    from nanochat.gpt import GPT
+    from nanochat.model.gpt import GPT
     from scripts import base_train
     flops, real = [], GPT.estimate_flops
     monkeypatch.setattr(GPT, "estimate_flops", lambda self, *a, **k: flops.append(real(self, *a, **k)) or flops[-1])
@@ -289,7 +293,7 @@ def test_sampled_depth_trains_logs_and_plots(base_dir):
     out = run(base_dir, *TINY, "--num_iterations=6", "--sample_n_sup", "--model_tag=sampled").stdout
     with open(os.path.join(ckpt_dir(base_dir, "sampled"), "metrics.jsonl")) as f:
         depths = [len(r["step_losses"]) for r in map(json.loads, f) if r["kind"] == "train"]
-    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.model.gpt import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=1, n_layer=1, n_embd=32, n_head=2, n_kv_head=2, sequence_len=32, n_sup_train=2,
                           sample_n_sup=True))
     assert depths == [model.train_depth(step) for step in range(6)] and len(set(depths)) > 1
@@ -321,7 +325,7 @@ def test_the_weight_average_is_on_for_long_runs_only():
 
 def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch):
     # bf16 on a GPU; CPU autocast stands in for it: every cached (sampling) forward must run under it
-    from nanochat.gpt import GPT
+    from nanochat.model.gpt import GPT
     from scripts import base_train
     seen, real = [], GPT.forward
 
@@ -339,8 +343,8 @@ def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch
 def test_each_rank_samples_its_share_and_rank_0_reports_them_as_one_process(base_dir, monkeypatch, capsys):
     # rank 0 of 2: its share (prompts 0 and 2) generated here, rank 1's handed to it by the gather
     from types import SimpleNamespace
-    from nanochat.engine import Engine
-    from nanochat.tokenizer import get_tokenizer
+    from nanochat.model.engine import Engine
+    from nanochat.data.tokenizer import get_tokenizer
     from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     tokenizer = get_tokenizer()
@@ -486,7 +490,8 @@ def test_a_shard_damaged_mid_run_saves_the_last_step_and_stops_with_one_line(bas
 
 def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
     from types import SimpleNamespace
-    from nanochat import lifecycle, resume
+    from nanochat.train import lifecycle
+    from nanochat.checkpoint import resume
     from scripts import base_train
     run_config = train_config.parse_args([*TINY, "--num_iterations=6", "--warmup_steps=2", "--early_stop=3"])
     model_config = {**run_config.model_config, "vocab_size": 300}
@@ -513,10 +518,10 @@ def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
 def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_the_last(tmp_path, monkeypatch):
     import dataclasses
     from types import SimpleNamespace
-    from nanochat import checkpoint_manager as ckpt
-    from nanochat import lifecycle
-    from nanochat.checkpoint_writer import CheckpointWriter
-    from nanochat.loss_eval import EvaluationStopped, refinement
+    from nanochat.checkpoint import manager as ckpt
+    from nanochat.train import lifecycle
+    from nanochat.checkpoint.writer import CheckpointWriter
+    from nanochat.eval.loss_eval import EvaluationStopped, refinement
     from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     os.makedirs(ckpt.step_dir("alone", 4))

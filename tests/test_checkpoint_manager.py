@@ -18,13 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat import checkpoint_writer
-from nanochat import resume
-from nanochat.backup import Backup
-from nanochat.checkpoint_model import build_model
-from nanochat.optim import setup_optimizers
-from nanochat.safe_load import RefusedObject, load_shards
+from nanochat.checkpoint import manager as ckpt
+from nanochat.checkpoint import writer as checkpoint_writer
+from nanochat.checkpoint import resume
+from nanochat.checkpoint.backup import Backup
+from nanochat.checkpoint.manager import build_model
+from nanochat.train.optim import setup_optimizers
+from nanochat.checkpoint.safe_load import RefusedObject, load_shards
 from scripts import base_train
 from tests.support.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree, weights
 from tests.support.unwritable import FullDiskFile
@@ -126,7 +126,7 @@ def test_full_disk_during_a_save_says_so_cleans_up_and_resume_works(base, monkey
 
 
 def test_a_swapped_tokenizer_is_refused_and_old_checkpoints_warn(base, capsys):
-    from nanochat.tokenizer import RustBPETokenizer, get_tokenizer, tokenizer_dir
+    from nanochat.data.tokenizer import RustBPETokenizer, get_tokenizer, tokenizer_dir
     assert train(*FLAGS, "--num_iterations=2", "--model_tag=tok") == 0
     trained_with, vocab_size = get_tokenizer().fingerprint(), get_tokenizer().get_vocab_size()
     assert ckpt.read_meta("tok", 2)["tokenizer_fingerprint"] == trained_with

@@ -4,7 +4,7 @@ import pytest
 
 from nanochat.cli import underscore_flags
 from scripts import base_loss, launch
-from nanochat import train_config
+from nanochat.train import config as train_config
 from tests.support.helpers import TINY_SHAPE, parsed
 
 

@@ -10,11 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.dynamic_module_utils import get_imports
 
-from nanochat import gpt
-from nanochat.checkpoint_manager import load_model
-from nanochat.engine import Engine
-from nanochat.gpt import ACTIVATIONS, STATE_UPDATES, GPTConfig
-from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
+from nanochat.model import gpt
+from nanochat.checkpoint.manager import load_model
+from nanochat.model.engine import Engine
+from nanochat.model.gpt import ACTIVATIONS, STATE_UPDATES, GPTConfig
+from nanochat.data.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
 from scripts import export_hf
 from tests.support.helpers import ROOT, random_model
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint

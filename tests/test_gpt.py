@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nanochat.gpt as gpt_module
-import nanochat.supervision as supervision
-from nanochat.gpt import GPT, STATE_UPDATES, GPTConfig
-from nanochat.supervision import STATE_DIAGNOSTICS, deep_supervision_loss, supervision_weights
-from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
+import nanochat.model.gpt as gpt_module
+import nanochat.model.supervision as supervision
+from nanochat.model.gpt import GPT, STATE_UPDATES, GPTConfig
+from nanochat.model.supervision import STATE_DIAGNOSTICS, deep_supervision_loss, supervision_weights
+from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 from tests.support.helpers import ROOT, random_model, tiny_config
 
-GPT_SOURCE = Path(ROOT, "nanochat", "gpt.py")
+GPT_SOURCE = Path(ROOT, "nanochat", "model", "gpt.py")
 
 
 def random_batch(config, B=2, seed=1):
@@ -262,7 +262,7 @@ def test_improvement_reward_stops_gradient_into_previous_step():
 def test_a_solved_step_keeps_the_reward_finite():
     # a solved step's float32 loss is exactly 0 (softcapped logits at +-15); the reward's weight on the next step is
     # then scale / 0.01 (REWARD_LOSS_FLOOR), not inf: before the floor, hops runs that solved the task went NaN
-    from nanochat.supervision import REWARD_LOSS_FLOOR, ChunkedHeadLoss, head_chunk_loss_and_grads
+    from nanochat.model.supervision import REWARD_LOSS_FLOOR, ChunkedHeadLoss, head_chunk_loss_and_grads
     weight = torch.full((8, 4), -50.0)
     weight[3] = 50.0
     solved = ChunkedHeadLoss.apply(torch.ones(2, 4), weight, torch.full((2,), 3), head_chunk_loss_and_grads)
@@ -379,9 +379,9 @@ def test_editing_the_default_lines_changes_plain_gptconfig(tmp_path, monkeypatch
     path = tmp_path / "gpt_edited.py"
     path.write_text(edited)
     # inside the nanochat package, as gpt.py runs: its relative imports (.halting, .supervision) resolve there
-    spec = importlib.util.spec_from_file_location("nanochat.gpt_edited", path)
+    spec = importlib.util.spec_from_file_location("nanochat.model.gpt_edited", path)
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "nanochat.gpt_edited", module)
+    monkeypatch.setitem(sys.modules, "nanochat.model.gpt_edited", module)
     spec.loader.exec_module(module)
     assert (module.GPTConfig().supervision_weight_base, module.GPTConfig().improvement_reward_scale) == (10.0, 2.0)
     # and a model built from the edited defaults trains on them: total uses b=10, c=2
@@ -513,7 +513,7 @@ def test_the_residual_state_grows_with_the_step_count():
 
 
 def test_state_diagnostics_measure_the_update():
-    from nanochat.supervision import state_diagnostics
+    from nanochat.model.supervision import state_diagnostics
     previous = torch.ones(2, 3, 4)
     y = 3 * torch.ones(2, 3, 4)  # update 2 * previous: parallel
     z = torch.full((2, 3, 4), -2.0)
@@ -547,9 +547,9 @@ def test_a_config_saved_before_state_update_existed_loads_as_the_residual_recurs
 
 
 def test_an_old_checkpoint_gives_the_same_logits_as_before(tmp_path, monkeypatch):
-    from nanochat import checkpoint_manager as ckpt
-    from nanochat.checkpoint_model import build_model
-    from nanochat.checkpoint_writer import save_checkpoint
+    from nanochat.checkpoint import manager as ckpt
+    from nanochat.checkpoint.manager import build_model
+    from nanochat.checkpoint.writer import save_checkpoint
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     config = tiny_config(n_loops=1, n_sup_train=2, state_update="residual")  # what every old checkpoint is
     model = random_model(config).eval()
@@ -586,7 +586,7 @@ def compiled_training_matches_eager(config, backend, steps=2):
     """Train a compiled twin and an eager model side by side: equal losses and gradients, and no graph compiled
     after the first step, even with evaluation and cached sampling in between. Returns the graphs compiled."""
     from torch._dynamo.utils import counters
-    from nanochat.engine import Engine
+    from nanochat.model.engine import Engine
     torch._dynamo.reset()
     counters.clear()
     eager = random_model(config)

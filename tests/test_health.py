@@ -1,8 +1,8 @@
-"""nanochat/health.py: the per-supervision-step loss smoothing, and the warnings watched on it while training."""
+"""nanochat/eval/health.py: the per-supervision-step loss smoothing, and the warnings watched on it while training."""
 
 import pytest
 
-from nanochat.health import Health, LossSmoother
+from nanochat.eval.health import Health, LossSmoother
 
 
 def test_smoothing_follows_a_varying_number_of_supervision_steps():

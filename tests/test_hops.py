@@ -9,7 +9,7 @@ import torch
 from dev.hops import (ANSWERS_VOCAB, CHAIN_DIGITS, answers_eval_rows, answers_row, chains_row, chains_vocab, evaluate,
                       masked_row, masked_vocab)
 from dev.hops_quick import SPEC, quick_config, trained, validation_rows
-from nanochat.synthetic import HopsSpec
+from nanochat.data.synthetic import HopsSpec
 
 
 def solve(ids, spec):
@@ -132,10 +132,10 @@ def test_the_default_recursion_uses_its_depth():
 
 
 def test_packed_rows_cut_the_stream_as_the_loader_does():
-    """--pack: the rows of T+1 tokens cut from the <|bos|>-first document stream, as nanochat/dataloader.py does."""
+    """--pack: the rows of T+1 tokens cut from the <|bos|>-first document stream, as nanochat/data/dataloader.py does."""
     import dev.hops
-    from nanochat.synthetic import pairs_answers
-    from nanochat.tokenizer import RustBPETokenizer
+    from nanochat.data.synthetic import pairs_answers
+    from nanochat.data.tokenizer import RustBPETokenizer
     tok, spec = RustBPETokenizer.byte_level(), HopsSpec(n_symbols=6, max_hops=3, n_queries=24)
     dev.hops.FORMAT.update(name="pairs", answers=pairs_answers)
     rows = dev.hops.packed_rows(0, spec, tok, 4, 128)
@@ -150,8 +150,8 @@ def test_packed_rows_cut_the_stream_as_the_loader_does():
 def test_documents_per_row_keeps_every_document_whole():
     """--docs_per_row K: the step's documents K to a row, each whole and <|bos|>-led, none cut or lost."""
     import dev.hops
-    from nanochat.synthetic import pairs_answers
-    from nanochat.tokenizer import RustBPETokenizer
+    from nanochat.data.synthetic import pairs_answers
+    from nanochat.data.tokenizer import RustBPETokenizer
     tok, spec = RustBPETokenizer.byte_level(), HopsSpec(n_symbols=6, max_hops=3, n_queries=24)
     dev.hops.FORMAT.update(name="pairs", answers=pairs_answers)
     docs = dev.hops.documents("0:0", 8, spec)
@@ -177,7 +177,7 @@ def test_the_hops_scripts_train_one_whole_document_per_row(script):
     dev/hops.py trains. Rows of 129 tokens held document fragments and kept the recursion on the plateau (issue 36)."""
     import pathlib
     import re
-    from nanochat.synthetic import hops_documents
+    from nanochat.data.synthetic import hops_documents
     text = (pathlib.Path(__file__).parent.parent / script).read_text()
     symbols, max_hops = (int(re.search(rf"--{flag}=(\d+)", text).group(1)) for flag in ("hops_symbols", "hops_max"))
     seq_len, rows, batch = (int(re.search(rf"--{flag}=(\d+)", text).group(1))
@@ -190,6 +190,6 @@ def test_the_hops_scripts_train_one_whole_document_per_row(script):
 def test_hops_repeats_marks_a_query_asked_before():
     """dev/hops_repeats: a query is a repeat when the same hop count and start stood earlier in the document."""
     from dev.hops_repeats import first_times
-    from nanochat.synthetic import SEPARATOR
+    from nanochat.data.synthetic import SEPARATOR
     text = "ABC" + SEPARATOR + " ".join(["1ab", "2ac", "1ab", "1ba", "2ac", "2bc"])
     assert first_times(text) == [True, True, False, True, False, True]

@@ -1,4 +1,4 @@
-"""nanochat/hops_eval.py with stand-in models whose answers are known (a solver written here, known probabilities),
+"""nanochat/eval/hops_eval.py with stand-in models whose answers are known (a solver written here, known probabilities),
 and base_loss --hops end to end on a tiny checkpoint trained on a tiny hops corpus."""
 
 import json
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanochat.hops_eval import HopsEvalError, encode_hops, evaluate_hops, format_hops
-from nanochat.synthetic import HopsSpec, hops_documents
-from nanochat.tokenizer import RustBPETokenizer
+from nanochat.eval.hops_eval import HopsEvalError, encode_hops, evaluate_hops, format_hops
+from nanochat.data.synthetic import HopsSpec, hops_documents
+from nanochat.data.tokenizer import RustBPETokenizer
 
 BYTES = RustBPETokenizer.byte_level()
 SPEC = HopsSpec(n_symbols=8, max_hops=4, n_queries=12)
@@ -171,7 +171,7 @@ def test_refusals_are_one_clear_line():
 @pytest.fixture(scope="module")
 def hops_checkpoint(tmp_path_factory):
     """A base directory with a tiny hops corpus, the byte-level tokenizer and a tiny model trained 2 steps on it."""
-    from nanochat import dataset
+    from nanochat.data import dataset
     from scripts import base_train, tok_train
     from tests.support import helpers
     base = str(tmp_path_factory.mktemp("hops"))

@@ -16,7 +16,7 @@ from scripts import launch
 
 PHASES_REFINEMENT = {"fast": "15-25%", "extreme": "50-97%"}  # the guides' figures (../shared/seeds)
 from tests.support import processes
-from nanochat.train_config import parse_args
+from nanochat.train.config import parse_args
 from tests.support.helpers import OVERRIDES, ROOT, launcher_in_process
 
 # The issue's table, written out again so the test does not check the launcher against itself:
@@ -185,7 +185,7 @@ def test_force_goes_on_past_a_failed_preflight(tmp_path, monkeypatch, capsys):
     assert launch.main(["train", "8xH100", "fast"]) == 2 and not ran
     monkeypatch.setenv("FORCE", "1")
     assert launch.main(["train", "8xH100", "fast"]) == 1  # the recorded torchrun wrote no summary.json
-    assert [cmd[1:4] for cmd in ran[:2]] == [["-m", "nanochat.dataset", "-n"], ["-m", "scripts.tok_train",
+    assert [cmd[1:4] for cmd in ran[:2]] == [["-m", "nanochat.data.dataset", "-n"], ["-m", "scripts.tok_train",
                                                                                 "--max_chars=500000000"]]
     assert ran[2][:2] == ["torchrun", "--standalone"]
     assert "run scripts/train_8xA100_fast.sh instead" in capsys.readouterr().out

@@ -7,10 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanochat import planning, train_config
-from nanochat import probe as probe_module
-from nanochat.hops_eval import encode_hops, evaluate_hops
-from nanochat.synthetic import hops_answers
+from nanochat.train import planning
+
+from nanochat.train import config as train_config
+from nanochat.train import probe as probe_module
+from nanochat.eval.hops_eval import encode_hops, evaluate_hops
+from nanochat.data.synthetic import hops_answers
 from scripts.base_train import Run
 from tests.test_hops_eval import BYTES, FakeModel, logits_with, oracle
 

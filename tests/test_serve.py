@@ -20,7 +20,7 @@ import uvicorn
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from nanochat.engine import Batch, Engine
+from nanochat.model.engine import Batch, Engine
 from scripts import serve
 from tests.support.server import running
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint

@@ -9,8 +9,12 @@ import sys
 import pytest
 import torch
 
-from nanochat import memory, planning, train_config
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.train import memory
+
+from nanochat.train import planning
+
+from nanochat.train import config as train_config
+from nanochat.model.gpt import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_80GB = ["--device_type=cuda", "--device_memory_gb=80", "--dry_run"]  # a plan for a GPU this machine lacks
@@ -65,7 +69,7 @@ def test_compile_is_off_by_default_on_cpu_and_the_flag_wins():
 
 
 def test_the_row_layout_reaches_every_training_loader(tmp_path, monkeypatch):
-    from nanochat import dataloader
+    from nanochat.data import dataloader
     monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path))  # no corpus: auto is the stream
     made = []
     monkeypatch.setattr(dataloader, "DataLoader", lambda *args, **kwargs: made.append(kwargs["rows"]))
@@ -78,7 +82,7 @@ def test_the_row_layout_reaches_every_training_loader(tmp_path, monkeypatch):
 
 
 def test_auto_rows_are_whole_documents_on_a_generated_corpus_and_the_stream_on_text(tmp_path, monkeypatch):
-    from nanochat.dataset import write_source
+    from nanochat.data.dataset import write_source
     monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path))
     settle = lambda *flags: parse(["--depth=2", "--device_type=cpu", *flags], world_size=1).rows  # noqa: E731
     assert settle() == "stream"  # no corpus yet

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from nanochat.metrics import MetricsLog
+from nanochat.eval.metrics import MetricsLog
 from scripts import base_loss, base_train, plot_run
 from tests.support import processes
 from tests.support.helpers import ROOT, TINY, ckpt_dir, exit_code, private_base_dir, tree

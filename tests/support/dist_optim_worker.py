@@ -14,10 +14,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nanochat.optim import AdamW, DistAdamW, setup_optimizers
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import DistMuon, Muon
-from nanochat.optim import clipped_step, reduce_gradients
+from nanochat.train.optim import AdamW, DistAdamW, setup_optimizers
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.optim import DistMuon, Muon
+from nanochat.train.optim import clipped_step, reduce_gradients
 
 WORLD_SIZE = 2
 STEPS = 3

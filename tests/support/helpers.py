@@ -11,7 +11,7 @@ import sys
 import pyarrow.parquet as pq
 import torch
 
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.model.gpt import GPT, GPTConfig
 from tests.support import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support/ -> the repo
@@ -83,7 +83,7 @@ TINY = TINY_SHAPE + ["--n_loops=1", "--n_sup_train=2", "--eval_tokens=256", "--e
 
 def parsed(argv, world_size=1):
     """base_train's parsed flags, less the command line they came from."""
-    from nanochat.train_config import parse_args
+    from nanochat.train.config import parse_args
     args = vars(parse_args(argv, world_size=world_size, check_hardware=False))
     args.pop("argv")
     return args

@@ -17,15 +17,15 @@ import time
 
 import torch.distributed
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat import checkpoint_writer
-from nanochat import resume
-from nanochat.backup import Backup
-from nanochat.checkpoint_model import build_model
-from nanochat.checkpoint_writer import CheckpointWriter
+from nanochat.checkpoint import manager as ckpt
+from nanochat.checkpoint import writer as checkpoint_writer
+from nanochat.checkpoint import resume
+from nanochat.checkpoint.backup import Backup
+from nanochat.checkpoint.manager import build_model
+from nanochat.checkpoint.writer import CheckpointWriter
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
 from nanochat.common import PROCESS_GROUP_TIMEOUT, compute_cleanup, compute_init
-from nanochat.gpt import GPTConfig
+from nanochat.model.gpt import GPTConfig
 
 SLOW_S = 2 * PROCESS_GROUP_TIMEOUT.total_seconds()  # twice the timeout: a collective waiting this long fails
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from nanochat.checkpoint_writer import save_checkpoint
-from nanochat.gpt import GPT
-from nanochat.tokenizer import RustBPETokenizer, tokenizer_dir
+from nanochat.checkpoint.writer import save_checkpoint
+from nanochat.model.gpt import GPT
+from nanochat.data.tokenizer import RustBPETokenizer, tokenizer_dir
 from tests.support.helpers import tiny_config
 
 MODEL_TAG = "tiny"

@@ -8,7 +8,7 @@ a remote copy.
 import json
 import math
 
-from nanochat.gpt import GPTConfig
+from nanochat.model.gpt import GPTConfig
 
 
 def _int(value):

@@ -31,8 +31,8 @@ import math
 
 import torch
 
-from nanochat.gpt import GPT, GPTConfig, mlp_hidden
-from nanochat.supervision import HEAD_CHUNK_ELEMENTS
+from nanochat.model.gpt import GPT, GPTConfig, mlp_hidden
+from nanochat.model.supervision import HEAD_CHUNK_ELEMENTS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Of a GPU's memory, how much a training process can count on: the rest goes to the CUDA context, NCCL buffers,

@@ -9,16 +9,16 @@ Checkpoints under $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/step_NNNNNN/:
 A checkpoint is written into step_NNNNNN.tmp/ and the directory is renamed into place only when every file is
 complete and fsynced, so a process killed mid-save leaves the previous checkpoint intact and loadable. Every rank
 takes part in a save and a failure on any rank (a full disk) is agreed by all: the partial .tmp is removed and every
-rank raises CheckpointError (nanochat/checkpoint_writer.py writes it). A .tmp left by a kill is removed by the next
+rank raises CheckpointError (nanochat/checkpoint/writer.py writes it). A .tmp left by a kill is removed by the next
 run of the tag.
 
 Retention keeps the newest K and the best. Whether a run may start on a tag or continue a checkpoint is
-nanochat/resume.py's; the copy at a backup URL, nanochat/backup.py's.
+nanochat/checkpoint/resume.py's; the copy at a backup URL, nanochat/checkpoint/backup.py's.
 
 No file of a checkpoint can run code when read, so a checkpoint from a backup or another machine is only data: weights
 are safetensors, rank files load with torch.load(weights_only=True), and a sharded checkpoint is read through
-nanochat/safe_load.py's shard_reader and shard_planner. A file holding anything else is refused in one line naming
-what it holds. The model a checkpoint's config builds is nanochat/checkpoint_model.py's; the RNG states a rank file
+nanochat/checkpoint/safe_load.py's shard_reader and shard_planner. A file holding anything else is refused in one line naming
+what it holds. The model a checkpoint's config builds is build_model's; the RNG states a rank file
 holds, common.rng_state's.
 """
 
@@ -33,45 +33,43 @@ import warnings
 import torch
 from safetensors.torch import load_file
 
-from nanochat.checkpoint_meta import best_of, final_val_bpb, meta_problem, steps_to_prune
-from nanochat.checkpoint_model import build_model, weights_problem
+from nanochat.checkpoint.meta import best_of, final_val_bpb, meta_problem, steps_to_prune
 from nanochat.common import describe_error, print0
-from nanochat.files import free_bytes, get_base_dir, gigabytes
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.safe_load import LEGACY_RANK_GLOBALS, NO_CHECKPOINT_DOES, load_shards, shard_reader, unreadable
-from nanochat.tokenizer import get_tokenizer, tokenizer_dir
+from nanochat.files import checkpoints_root, free_bytes, get_base_dir, gigabytes, tag_problem
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.checkpoint.safe_load import LEGACY_RANK_GLOBALS, NO_CHECKPOINT_DOES, load_shards, shard_reader, unreadable
+from nanochat.data.tokenizer import get_tokenizer, tokenizer_dir
 
 WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
 SHARD_INDEX = ".metadata"  # a sharded checkpoint's index (torch.distributed.checkpoint); its shards: __R_0.distcp
 TRAIN_WEIGHTS = "train_weights.safetensors"  # with --ema_decay: model.safetensors holds the EMA, this what trains on
 
 
+def build_model(config_dict, device):
+    """GPT(GPTConfig.from_dict(config_dict)) on device, its weights uninitialised (a checkpoint overwrites them)."""
+    config = GPTConfig.from_dict(config_dict)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()  # fills the rotary buffers; the weights are overwritten by the checkpoint
+    return model
+
+
+def weights_problem(model, weights):
+    """Why a state dict does not load into model (names and shapes, compared without touching values), or None."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    given = {k: tuple(v.shape) for k, v in weights.items()}
+    missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    wrong = [f"{k} is {list(given[k])}, the config needs {list(shape)}" for k, shape in expected.items()
+             if k in given and given[k] != shape]
+    parts = ([f"{len(missing)} weight(s) missing ({missing[0]}...)"] if missing else []) + \
+        ([f"{len(extra)} unexpected ({extra[0]}...)"] if extra else []) + \
+        ([f"{len(wrong)} of another shape ({wrong[0]})"] if wrong else [])
+    return "; ".join(parts) or None
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be written or used; the message names the file and what to do."""
-
-
-# a tag is a directory name under checkpoints_root(), never a path: "../x" or "/x" would write or move elsewhere
-MODEL_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def checkpoints_root():
-    return os.path.join(get_base_dir(), "base_checkpoints")
-
-
-def tag_problem(model_tag):
-    """Why model_tag cannot name a checkpoint directory, or None."""
-    if isinstance(model_tag, str) and MODEL_TAG.fullmatch(model_tag):
-        return None
-    return (f"model tag {model_tag!r} is not a name: use letters, digits, '.', '_' and '-' (first a letter or digit, "
-            f"at most 128 characters), no '/'; checkpoints live under {checkpoints_root()}")
-
-
-def model_tag_arg(value):
-    """argparse type of --model_tag: a name (tag_problem)."""
-    problem = tag_problem(value)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return value
 
 
 def model_dir(model_tag):
@@ -127,13 +125,6 @@ def readable_bpb(model_tag):
 def best_step(model_tag):
     """The step whose final-step validation bpb is lowest (the best checkpoint is often not the last)."""
     return best_of(readable_bpb(model_tag))
-
-
-def step_arg(value):
-    """argparse type of --step: 'latest', 'best' or a step number (resolve_step finds it)."""
-    if value in ("latest", "best") or value.isdigit():
-        return value
-    raise argparse.ArgumentTypeError(f"{value!r}: use 'latest', 'best' or a step number")
 
 
 def resolve_step(model_tag, which):

@@ -4,13 +4,13 @@ import math
 
 import torch
 
-from nanochat import supervision
+from nanochat.model import supervision
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags
 from nanochat.common import autocast_for, distributed, print0, progress_bar
-from nanochat.dataloader import evaluation_batches, evaluation_size
-from nanochat.engine import KVCache
-from nanochat.halting import forward_halting
-from nanochat.sharding import is_sharded
+from nanochat.data.dataloader import evaluation_batches, evaluation_size
+from nanochat.model.engine import KVCache
+from nanochat.model.halting import forward_halting
+from nanochat.train.sharding import is_sharded
 
 
 class EvaluationStopped(Exception):

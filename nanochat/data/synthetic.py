@@ -131,3 +131,32 @@ def table_size(text):
     """How many symbols a document's table lists (one entry each): chance accuracy is one over it."""
     table = text.split(SEPARATOR)[0]
     return len(table.split()) if " " in table else len(table)
+
+
+class HopsEvalError(ValueError):
+    """The documents or the tokenizer cannot be evaluated: the message says why and what to do."""
+
+
+def encode_hops(tokenizer, text, answer_ids=None):
+    """(ids, answers): <|bos|> then the text, encoded in pieces split around each answer character so each answer is
+    one token of its own (a BPE merge across it would hide it); answers are (index in ids, hops, token id, bytes).
+    answer_ids: a cache of answer character -> token id, shared across documents."""
+    answers = hops_answers(text)
+    if not answers:
+        raise HopsEvalError(f"a document holds no hops query ('x3=y' or ' 3xy'): {text[:60]!r}...; evaluate a "
+                            "corpus made by python -m nanochat.dataset --synthetic=hops (or =hops_pairs)")
+    answer_ids = {} if answer_ids is None else answer_ids
+    ids, out, start = [tokenizer.get_bos_token_id()], [], 0
+    for a in answers:
+        ids += tokenizer.encode(text[start:a.position]) if a.position > start else []
+        if a.answer not in answer_ids:
+            pieces = tokenizer.encode(a.answer)
+            if len(pieces) != 1:
+                raise HopsEvalError(f"the answer character {a.answer!r} is {len(pieces)} tokens under this tokenizer, "
+                                    "not one; train a byte-level tokenizer (python -m scripts.tok_train --byte_level)")
+            answer_ids[a.answer] = pieces[0]
+        out.append((len(ids), a.hops, answer_ids[a.answer], len(a.answer.encode())))
+        ids.append(answer_ids[a.answer])
+        start = a.position + 1
+    ids += tokenizer.encode(text[start:]) if start < len(text) else []
+    return ids, out

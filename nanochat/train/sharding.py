@@ -23,8 +23,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import AdamW, Muon, ShardedMuon
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.optim import AdamW, Muon, ShardedMuon
 
 
 def is_sharded(model):

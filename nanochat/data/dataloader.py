@@ -31,7 +31,7 @@ from collections import deque
 import torch
 
 from nanochat.common import get_dist_info
-from nanochat.dataset import DatasetError, parquets_for_split, read_texts, row_group_sizes
+from nanochat.data.dataset import DatasetError, parquets_for_split, read_texts, row_group_sizes
 
 STATE_KEYS = ("epoch", "shard", "row_group", "doc", "token")
 ROW_LAYOUTS = ("stream", "documents")

@@ -10,8 +10,8 @@ import threading
 
 import fsspec
 
-from nanochat.checkpoint_manager import CheckpointError, step_dir
-from nanochat.checkpoint_meta import final_val_bpb, steps_to_prune
+from nanochat.checkpoint.manager import CheckpointError, step_dir
+from nanochat.checkpoint.meta import final_val_bpb, steps_to_prune
 from nanochat.common import describe_error, print0
 
 BACKUP_EXIT_WAIT_S = 600  # how long a finished run waits for an upload still in flight

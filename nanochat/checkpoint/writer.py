@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save as safetensors_bytes
 
-from nanochat.checkpoint_manager import (SHARD_INDEX, TRAIN_WEIGHTS, WEIGHTS, CheckpointError, checkpoint_bytes,
+from nanochat.checkpoint.manager import (SHARD_INDEX, TRAIN_WEIGHTS, WEIGHTS, CheckpointError, checkpoint_bytes,
                                          model_dir, step_dir)
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
 from nanochat.common import PROCESS_GROUP_TIMEOUT, distributed, print0, rng_state
@@ -94,7 +94,7 @@ def save_checkpoint(model_tag, step, model, optimizers, meta, rank_state, rank=0
 
     A failure on any rank removes the partial save and raises CheckpointError on every rank; a full disk says so,
     with the bytes a checkpoint needs."""
-    from nanochat import sharding  # lazy: it loads FSDP (~1.5 s); sampling and serving need not
+    from nanochat.train import sharding  # lazy: it loads FSDP (~1.5 s); sampling and serving need not
     sharded = sharding.is_sharded(model)
     state = snapshot(model_tag, step, model, optimizers, meta, rank_state, rank, train_model, sharded)
     shards = (lambda tmp: write_shards(tmp, model, train_model, optimizers)) if sharded else None
@@ -159,7 +159,7 @@ def write_snapshot(state, shards=None, group=None):
 def write_shards(directory, model, train_model, optimizers):
     """Every rank writes its shards of the weights and optimizer state (and rank 0 the index, .metadata)."""
     import torch.distributed.checkpoint as dcp  # lazy: DCP costs ~1 s to import, paid only by sharded runs
-    from nanochat import sharding  # lazy: it loads FSDP (~1.5 s); sampling and serving need not
+    from nanochat.train import sharding  # lazy: it loads FSDP (~1.5 s); sampling and serving need not
     dcp.save(sharding.checkpoint_state(model, train_model, optimizers), checkpoint_id=directory)
     for name in os.listdir(directory):  # DCP flushes but does not fsync: the rename must find them on the disk
         if name.endswith(".distcp") or name == SHARD_INDEX:
@@ -170,7 +170,7 @@ def write_shards(directory, model, train_model, optimizers):
 def can_write_in_background(model):
     """Whether this process's saves can leave the step loop: unsharded (DCP's sharded save takes collectives on the
     default group, which must not run in a thread beside the training's own)."""
-    from nanochat import sharding  # lazy: it loads FSDP (~1.5 s)
+    from nanochat.train import sharding  # lazy: it loads FSDP (~1.5 s)
     return not sharding.is_sharded(model)
 
 

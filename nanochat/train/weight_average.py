@@ -10,7 +10,7 @@ import copy
 
 import torch
 
-from nanochat.optim import local
+from nanochat.train.optim import local
 
 
 class WeightAverage(torch.nn.Module):

@@ -1,7 +1,7 @@
 """
 The record of a run: metrics.jsonl (one JSON record per optimizer step, evaluation and sample), fanned out to wandb
 and TensorBoard when asked for, GPU utilisation from NVML, the log line while training, and summary.json + report.md
-at the end (the health warnings are nanochat/health.py's).
+at the end (the health warnings are nanochat/eval/health.py's).
 
 summary.json and report.md are rebuilt from metrics.jsonl, so they cover the whole run however often it was resumed.
 """
@@ -21,8 +21,8 @@ import torch
 
 from nanochat.common import print0
 from nanochat.files import WriteError, atomic_write_bytes, remove_stale_temporaries, writing
-from nanochat.health import LossSmoother, smooth
-from nanochat.loss_eval import format_steps, refinement
+from nanochat.eval.health import LossSmoother, smooth
+from nanochat.eval.loss_eval import format_steps, refinement
 
 GPU_READ_EVERY_S = 10.0  # NVML readings (3 calls per GPU) at most this often: a step's log line needs no fresher ones
 COMPILE_STEPS = 10  # the first steps of a process compile and warm up: left out of the mean step time

@@ -5,7 +5,7 @@ asked and what follows from it (the model config, the batch geometry, the learni
     run_config = parse_args(["--depth=4", "--num_iterations=100"])    # what base_train, launch and compare use
 
 Parsing touches no model weights and no data; errors exit with one line that says what to change. Planning the batch
-and the memory is nanochat/planning.py's; nothing is written onto the parsed flags, and a later stage that derives
+and the memory is nanochat/train/planning.py's; nothing is written onto the parsed flags, and a later stage that derives
 something (the launcher's memory fit) makes a new RunConfig with dataclasses.replace.
 """
 
@@ -17,18 +17,18 @@ import os
 import sys
 from typing import Any
 
-from nanochat import attention
-from nanochat.checkpoint_manager import model_tag_arg
+from nanochat.train import attention
+from nanochat.files import model_tag_arg
 from nanochat.cli import OneLineErrors
 from nanochat.common import autodetect_device_type, default_dtype, device_available, get_dist_info
-from nanochat.dataset import SYNTHETIC, DatasetError, data_dir, parquets_for_split, read_source
+from nanochat.data.dataset import SYNTHETIC, DatasetError, data_dir, parquets_for_split, read_source
 from nanochat.files import get_base_dir
-from nanochat.gpt import ACTIVATIONS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
-from nanochat.planning import (B_REF, BATCH_EXPONENT, EMA_AUTO_MIN_STEPS, MAX_DEVICE_BATCH, MODEL_FLAGS, PlanError,
+from nanochat.model.gpt import ACTIVATIONS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
+from nanochat.train.planning import (B_REF, BATCH_EXPONENT, EMA_AUTO_MIN_STEPS, MAX_DEVICE_BATCH, MODEL_FLAGS, PlanError,
                                host_ram_problem, plan_batch, resolve_model_config)
-from nanochat.dataloader import ROW_LAYOUTS
-from nanochat.probe import PROBES
-from nanochat.tokenizer import get_tokenizer
+from nanochat.data.dataloader import ROW_LAYOUTS
+from nanochat.train.probe import PROBES
+from nanochat.data.tokenizer import get_tokenizer
 
 SAMPLE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The opposite of hot is", "import os\n"]
 
@@ -60,7 +60,7 @@ def build_parser():
     p = OneLineErrors(prog="python -m scripts.base_train", allow_abbrev=False,
                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                description="Pretrain the TRM GPT. Flags take --name=value or --name value (--name-with-dashes too).")
-    model = p.add_argument_group("model (unset = preset, then the defaults written in nanochat/gpt.py)")
+    model = p.add_argument_group("model (unset = preset, then the defaults written in nanochat/model/gpt.py)")
     model.add_argument("--depth", type=int, default=12, help="layers; width = 64*depth, head dim 128")
     model.add_argument("--n_embd", type=int, default=None, help="override the width derived from --depth")
     model.add_argument("--n_head", type=int, default=None, help="override the head count (n_embd/128)")
@@ -101,7 +101,7 @@ def build_parser():
                        help="stream: rows cut from the token stream, so most start mid-document (every token trains; "
                             "text); documents: each row starts at a document, holds whole ones, the rest unscored "
                             "(a corpus whose tokens need their document's start); auto: documents on a generated "
-                            "corpus (nanochat.dataset --synthetic), stream otherwise")
+                            "corpus (python -m nanochat.dataset --synthetic), stream otherwise")
     horizon = p.add_argument_group("horizon (first given wins: iterations, FLOPs, ratio)")
     horizon.add_argument("--num_iterations", type=int, default=None)
     horizon.add_argument("--target_flops", type=float, default=None)
@@ -239,7 +239,7 @@ class RunConfig:
     device_batch_size: int  # settled: the flag, or the largest the memory estimate fits
     total_batch_size: int  # settled: tokens per optimizer step
     gradient_accumulation_steps: int | None  # as given; grad_accum is the settled one
-    rows: str  # settled: stream | documents (nanochat/dataloader.py)
+    rows: str  # settled: stream | documents (nanochat/data/dataloader.py)
     # horizon
     num_iterations: int | None
     target_flops: float | None
@@ -263,11 +263,11 @@ class RunConfig:
     peak_tflops: float | None
     dry_run: bool
     dtype: str
-    attention: str  # auto | flash | cudnn | efficient | math (nanochat/attention.py)
+    attention: str  # auto | flash | cudnn | efficient | math (nanochat/train/attention.py)
     seed: int
     # evaluation and output
     eval_every: int
-    probe: str  # none | hops (nanochat/probe.py)
+    probe: str  # none | hops (nanochat/train/probe.py)
     probe_share: float
     probe_docs: int
     eval_tokens: int

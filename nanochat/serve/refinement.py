@@ -1,6 +1,6 @@
 """
 What each supervision step did, as JSON: the data behind the server's /v1/refinement route and its viewer page
-(nanochat/viewer.html), usable from scripts and notebooks too.
+(nanochat/serve/viewer.html), usable from scripts and notebooks too.
 
 Three modes, one request object each (parse_request checks it and says what is wrong in one sentence):
 
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanochat.engine import left_pad, sample_next
-from nanochat.halting import HALTING_RULES, Draft, Halting, check_halting
-from nanochat.hops_eval import encode_hops
-from nanochat.synthetic import HopsSpec, hops_answers, hops_document
+from nanochat.model.engine import left_pad, sample_next
+from nanochat.model.halting import HALTING_RULES, Draft, Halting, check_halting
+from nanochat.data.synthetic import encode_hops
+from nanochat.data.synthetic import HopsSpec, hops_answers, hops_document
 
 MODES = ("generate", "score", "hops")
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "viewer.html")  # the viewer, served at /
@@ -247,7 +247,7 @@ def score(engine, req):
 @torch.inference_mode()
 def hops(engine, req):
     """Each query's predicted answer (argmax) and the right answer's probability at every step, and the accuracy
-    per step by hop count (as nanochat.hops_eval scores a corpus)."""
+    per step by hop count (as nanochat.eval.hops_eval scores a corpus)."""
     model, name = engine.model, token_namer(engine.tokenizer)
     idx = torch.tensor([req.ids[:-1]], device=engine.device)
     positions = torch.tensor([i - 1 for i, _, _, _ in req.answers], device=engine.device)

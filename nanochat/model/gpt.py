@@ -332,7 +332,7 @@ class GPT(nn.Module):
     def init_weights(self, write=None):
         """Draw every weight from torch's RNG, module by module. write(weight, draw) puts draw's values (draw fills a
         tensor of weight's shape in place) into the weight: by default draw(weight) itself; sharded, write_rows
-        (nanochat/sharding.py) draws the whole weight on the CPU and keeps this rank's rows, so a sharded model gets
+        (nanochat/train/sharding.py) draws the whole weight on the CPU and keeps this rank's rows, so a sharded model gets
         the same numbers as the unsharded one from the same seed."""
         write = write or (lambda weight, draw: draw(weight))
         for module in self.modules():

@@ -15,10 +15,10 @@ import os
 
 import torch
 
-from nanochat import memory
+from nanochat.train import memory
 from nanochat.common import gpu_peak_flops
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.probe import build as build_probe
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.probe import build as build_probe
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
 MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "state_update",
@@ -280,7 +280,7 @@ def plan_lines(run_config):
              f"{run_config.max_seq_len} tokens x {run_config.grad_accum} accumulation = "
              f"{run_config.total_batch_size:,} tokens per step",
              *[f"             {note}" for note in run_config.batch_notes],
-             f"memory       ~{need / 1e9:.1f} GB per device (nanochat/memory.py) of "
+             f"memory       ~{need / 1e9:.1f} GB per device (nanochat/train/memory.py) of "
              f"{memory.usable_bytes(memory_bytes) / 1e9:.0f} GB usable ({memory_bytes / 1e9:.0f} GB, {where})"
              + ("" if need <= memory.usable_bytes(memory_bytes) else "  -> predicted OUT OF MEMORY"),
              f"compute      {model.estimate_flops():.3e} FLOPs per token x {run_config.total_batch_size:,} tokens = "

@@ -1,4 +1,4 @@
-"""Accuracy by hops at every supervision step on the hops corpus (nanochat.synthetic): does the recursion add depth?
+"""Accuracy by hops at every supervision step on the hops corpus (nanochat.data.synthetic): does the recursion add depth?
 
 Each answer character is predicted, teacher-forced, at the position before it: exact match is the argmax there being
 the answer's token, and the answer tokens' bits per byte per step are -log2 p(answer) summed over their bytes.
@@ -17,36 +17,7 @@ import math
 import torch
 
 from nanochat.collectives import raise_if_any_rank_failed, reduce_with_flags
-from nanochat.synthetic import hops_answers, table_size
-
-
-class HopsEvalError(ValueError):
-    """The documents or the tokenizer cannot be evaluated: the message says why and what to do."""
-
-
-def encode_hops(tokenizer, text, answer_ids=None):
-    """(ids, answers): <|bos|> then the text, encoded in pieces split around each answer character so each answer is
-    one token of its own (a BPE merge across it would hide it); answers are (index in ids, hops, token id, bytes).
-    answer_ids: a cache of answer character -> token id, shared across documents."""
-    answers = hops_answers(text)
-    if not answers:
-        raise HopsEvalError(f"a document holds no hops query ('x3=y' or ' 3xy'): {text[:60]!r}...; evaluate a "
-                            "corpus made by python -m nanochat.dataset --synthetic=hops (or =hops_pairs)")
-    answer_ids = {} if answer_ids is None else answer_ids
-    ids, out, start = [tokenizer.get_bos_token_id()], [], 0
-    for a in answers:
-        ids += tokenizer.encode(text[start:a.position]) if a.position > start else []
-        if a.answer not in answer_ids:
-            pieces = tokenizer.encode(a.answer)
-            if len(pieces) != 1:
-                raise HopsEvalError(f"the answer character {a.answer!r} is {len(pieces)} tokens under this tokenizer, "
-                                    "not one; train a byte-level tokenizer (python -m scripts.tok_train --byte_level)")
-            answer_ids[a.answer] = pieces[0]
-        out.append((len(ids), a.hops, answer_ids[a.answer], len(a.answer.encode())))
-        ids.append(answer_ids[a.answer])
-        start = a.position + 1
-    ids += tokenizer.encode(text[start:]) if start < len(text) else []
-    return ids, out
+from nanochat.data.synthetic import HopsEvalError, encode_hops, table_size
 
 
 @torch.no_grad()
