@@ -18,7 +18,7 @@ import time
 import torch
 
 from dev.bench_args import add_model_flags, build_config
-from nanochat.checkpoint import manager as ckpt
+from nanochat import checkpoint as ckpt
 from nanochat.checkpoint.writer import CheckpointWriter
 from nanochat.common import compute_cleanup, compute_init, print0
 from nanochat.files import gigabytes

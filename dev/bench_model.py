@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from dev.bench_args import add_model_flags, build_config
 import nanochat.train.optim
+from dev.bench_args import add_model_flags, build_config
 from nanochat.model.gpt import GPT
 from nanochat.train.optim import setup_optimizers
 

@@ -20,9 +20,9 @@ import torch
 
 from dev.bench_args import add_model_flags, build_config
 from dev.bench_engine import random_model
-from nanochat.serve import refinement
 from nanochat.model.engine import Engine
 from nanochat.model.halting import Halting
+from nanochat.serve import refinement
 
 
 class NumberNames:

@@ -15,10 +15,10 @@ The checks, in order (--quick runs the ones marked *: no tokenizer training, so 
   * kv_cache_dtype             the dtype the KV cache stores under autocast
     tiny_compile               torch.compile builds and gives the eager result
   * plain_*, trm_*             a compiled depth-12 training micro-step of a plain GPT (n_loops=0, n_sup_train=1) and of
-                               gpt.py's TRM defaults, at the planner's micro-batch (nanochat/train/memory.py), as base_train
-                               runs it (regional compile, forward_backward, bf16 autocast on CUDA): step time, tokens/s,
-                               MFU (of the whole step, optimizer included), peak memory against the planner's
-                               estimate, recompiles and graph breaks
+                               gpt.py's TRM defaults, at the planner's micro-batch (nanochat/train/memory.py), as
+                               base_train runs it (regional compile, forward_backward, bf16 autocast on CUDA): step
+                               time, tokens/s, MFU (of the whole step, optimizer included), peak memory against the
+                               planner's estimate, recompiles and graph breaks
   * trm_bf16_state             the same TRM step with the recursion state in bf16 (bf16 autocast only), and its
                                tokens/s and peak memory over the float32 state's
   * nanochat_compare           the same plain step of nanochat's own GPT and optimizer (--nanochat DIR: a checkout, or
@@ -35,8 +35,9 @@ and transformers' copy of its code live in --out/work (removed when every check 
 in --out/logs): nothing of yours is read or changed.
 """
 
-import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
+# isort: split
 import argparse
 import contextlib
 import dataclasses
@@ -57,15 +58,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanochat.train import attention
-
-from nanochat.train import memory
+from dev.bench_model import optimizer_step
 from nanochat.cli import ExitCode
 from nanochat.common import gpu_peak_flops
 from nanochat.files import atomic_write_bytes
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train import attention, memory
 from nanochat.train.optim import setup_optimizers
-from dev.bench_model import optimizer_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_TAG = "gpucheck"
@@ -643,7 +642,8 @@ def markdown(report):
     lines = [f"# GPU check: {env.get('device')} ({report['device_type']}), {report['created']}", "",
              "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
              f"{sum(r['ok'] for r in report['checks'])}/{len(report['checks'])} checks passed in "
-             f"{report['wall_s']:.0f} s{' (--quick)' if report.get('quick') else ''}.", "", "| check | ok | value | expected |", "|---|---|---|---|"]
+             f"{report['wall_s']:.0f} s{' (--quick)' if report.get('quick') else ''}.", "",
+             "| check | ok | value | expected |", "|---|---|---|---|"]
     cell = lambda text: str(text).replace("|", "\\|").replace("\n", " ")  # noqa: E731 - a | would end the cell
     lines += [f"| {r['name']} | {'ok' if r['ok'] else 'FAIL'} | {cell(r['value'])} | {cell(r['expected'])} |"
               for r in report["checks"]]

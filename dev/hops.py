@@ -20,10 +20,10 @@ import time
 import torch
 
 import nanochat.model.gpt
-from nanochat.model.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
-from nanochat.train.optim import muon_momentum, setup_optimizers
 from nanochat.data.synthetic import HopsSpec, draw_table, hops_answers, hops_documents, pairs_answers, pairs_document
 from nanochat.data.tokenizer import RustBPETokenizer
+from nanochat.model.gpt import GPT, REFINEMENT_PRESETS, GPTConfig
+from nanochat.train.optim import muon_momentum, setup_optimizers
 
 FORMAT = {"name": "masked", "answers": hops_answers}  # main() sets it from --format
 

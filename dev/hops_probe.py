@@ -13,8 +13,8 @@ import random
 import torch
 
 from dev.hops import SYMBOL, answers_row
-from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.data.synthetic import HopsSpec
+from nanochat.model.gpt import GPT, GPTConfig
 
 
 def walk(ids, pos, j):

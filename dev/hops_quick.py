@@ -15,9 +15,9 @@ import torch
 
 import nanochat.model.gpt
 from dev.hops import FORMAT, VARIANTS, batches, chains_row, chains_vocab, evaluate, masked_row, masked_vocab, train
+from nanochat.data.synthetic import HopsSpec
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.train.optim import setup_optimizers
-from nanochat.data.synthetic import HopsSpec
 
 SPEC = HopsSpec(n_symbols=6, max_hops=3, n_queries=12)
 

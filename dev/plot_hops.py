@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from nanochat.checkpoint import manager as ckpt
+from nanochat import checkpoint as ckpt
 from nanochat.eval.hops_eval import plot_models
 
 

@@ -206,6 +206,6 @@ def model_tag_arg(value):
 
 def step_arg(value):
     """argparse type of --step: 'latest', 'best' or a step number (resolve_step finds it)."""
-    if value in ("latest", "best") or value.isdigit():
+    if value in ("latest", "best") or re.fullmatch(r"[0-9]+", value):  # ASCII digits only: str.isdigit takes "²"
         return value
     raise argparse.ArgumentTypeError(f"{value!r}: use 'latest', 'best' or a step number")

@@ -13,8 +13,9 @@ data rank r*grad_accum + j, so the data of a step depends only on the effective 
 and 1 GPU x 2 accumulation see the same tokens in every step.
 """
 
-import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
+# isort: split
 import json
 import math
 import os
@@ -25,37 +26,34 @@ from typing import NamedTuple
 
 import torch
 
-from nanochat.checkpoint import manager as ckpt
-from nanochat.checkpoint.meta import best_of
-from nanochat.train import attention
-from nanochat.train import lifecycle
-from nanochat.train import sharding
-from nanochat.checkpoint.backup import Backup
-from nanochat.checkpoint.writer import CheckpointWriter, can_write_in_background
+from nanochat import checkpoint as ckpt
 from nanochat.cli import Exit, ExitCode
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags, run_on_rank0
 from nanochat.common import autocast_for, compute_cleanup, compute_init, describe_error, print0
 from nanochat.data.dataloader import data_ranks, training_loaders
 from nanochat.data.dataset import DatasetError, corpus_identity
-from nanochat.model.engine import Engine
-from nanochat.files import WriteError, atomic_write_bytes, check_writable
+from nanochat.data.tokenizer import RustBPETokenizer, get_token_bytes, get_tokenizer
 from nanochat.eval.health import Health
 from nanochat.eval.hops_eval import HopsEvalError, evaluate_hops
 from nanochat.eval.loss_eval import EvaluationStopped, refinement, validation_bpb
 from nanochat.eval.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
-from nanochat.train.optim import clipped_step, lr_multiplier, muon_momentum, reduce_gradients, set_schedule, setup_optimizers
+from nanochat.files import WriteError, atomic_write_bytes, check_writable
+from nanochat.model.engine import Engine
+from nanochat.model.supervision import STATE_DIAGNOSTICS
+from nanochat.train import attention, lifecycle, sharding
+from nanochat.train.config import SAMPLE_PROMPTS, RunConfig, batch_geometry, data_problem, parse_args
+from nanochat.train.optim import (
+    clipped_step,
+    lr_multiplier,
+    muon_momentum,
+    reduce_gradients,
+    set_schedule,
+    setup_optimizers,
+)
 from nanochat.train.planning import ema_decay_for, num_iterations_for, peak_flops, plan_lines
 from nanochat.train.probe import Probe, format_probe
 from nanochat.train.probe import build as build_probe
-from nanochat.checkpoint.resume import (check_data, check_data_positions, check_fresh_start, load_resume_point, move_aside,
-                             report_schedule_change, resume_differences)
-from nanochat.checkpoint.resume import restore as restore_point
-from nanochat.model.supervision import STATE_DIAGNOSTICS
-from nanochat.data.tokenizer import RustBPETokenizer, get_token_bytes, get_tokenizer
-from nanochat.train.config import SAMPLE_PROMPTS, RunConfig, batch_geometry, data_problem, parse_args
 from nanochat.train.weight_average import WeightAverage
-
-
 
 
 # ---------------------------------------------------------------------------------------------------- the run
@@ -82,7 +80,7 @@ def train(run_config):
     flops_per_token = model.estimate_flops()
     print_config(run_config, num_iterations, horizon_source, model, run_config.total_batch_size)
     if resume:
-        report_schedule_change(resume, (num_iterations, warmup_steps, run_config.warmdown_ratio,
+        ckpt.report_schedule_change(resume, (num_iterations, warmup_steps, run_config.warmdown_ratio,
                                         run_config.final_lr_frac), horizon_source)
     no_room = ckpt.disk_room_problem(run_config.model_tag, ckpt.checkpoint_bytes(model), run_config.keep_last)
     if no_room:
@@ -104,11 +102,12 @@ def train(run_config):
         ckpt.remove_partial_saves(run_config.model_tag)
     metrics = MetricsLog(ckpt.model_dir(run_config.model_tag), run_config, rank, start_step if resume else None)
     price_per_hour = (run_config.gpu_hourly_price or 0) * world_size
-    backup = Backup.location(run_config.backup_dir, run_config.model_tag, run_config.keep_last).start() \
+    backup = ckpt.Backup.location(run_config.backup_dir, run_config.model_tag, run_config.keep_last).start() \
         if run_config.backup_dir and rank == 0 else None
 
-    background = run_config.async_checkpoint and can_write_in_background(model)
-    with lifecycle.StopSignals() as signals, CheckpointWriter(background) as writer:  # its write finished on any exit
+    background = run_config.async_checkpoint and ckpt.can_write_in_background(model)
+    # the writer's last write is finished on any way out
+    with lifecycle.StopSignals() as signals, ckpt.CheckpointWriter(background) as writer:
         run = Run(run_config=run_config, model=model, ema=ema, optimizers=optimizers, loaders=loaders,
                   tokenizer=tokenizer, token_bytes=token_bytes, device=device, rank=rank, world_size=world_size,
                   metrics=metrics, control=lifecycle.RunControl(run_config.max_hours, run_config.max_cost,
@@ -167,8 +166,8 @@ class Run:
     metrics: MetricsLog
     control: lifecycle.RunControl  # the clock, the budgets and the flags every rank agrees on
     early_stop: lifecycle.EarlyStop
-    backup: Backup | None  # rank 0's checkpoint uploader
-    writer: CheckpointWriter  # saves, and what follows each, in the background or at once
+    backup: ckpt.Backup | None  # rank 0's checkpoint uploader
+    writer: ckpt.CheckpointWriter  # saves, and what follows each, in the background or at once
     model_config: dict
     corpus: dict  # the data's identity, recorded in every checkpoint
     num_iterations: int
@@ -378,7 +377,8 @@ class Run:
         model.zero_grad(set_to_none=True)
         if not math.isfinite(stats.grad_norm):
             raise Exit(f"gradient norm is {stats.grad_norm} at step {step}: the update was skipped and the "
-                       f"run stopped; lower --matrix_lr or use a milder --preset, then --resume", code=ExitCode.DIVERGED)
+                       f"run stopped; lower --matrix_lr or use a milder --preset, then --resume",
+                       code=ExitCode.DIVERGED)
         if self.ema:
             self.ema.update_parameters(model)
         return stats, flags, lrm
@@ -473,7 +473,7 @@ def restore(run_config, resume, model, optimizers, ema):
         return 0, 0.0, [None] * run_config.grad_accum
     start_step, prior_seconds = resume.step, resume.meta["elapsed_seconds"]
     try:
-        loader_states = restore_point(resume, model, optimizers, ema)
+        loader_states = ckpt.restore(resume, model, optimizers, ema)
     except ckpt.CheckpointError as e:  # a shard refused or damaged: on every rank, DCP's load agrees
         raise Exit(f"cannot resume: {e}")
     print0(f"resumed {run_config.model_tag} from step {start_step} ({format_duration(prior_seconds)} already spent)")
@@ -518,14 +518,15 @@ def start_or_resume(run_config, model_config, tokenizer, rank, run_lock):
         run_lock.hold_existing()
         corpus = corpus_identity()
         if run_config.backup_dir:
-            Backup.location(run_config.backup_dir, run_config.model_tag)  # a bad URL stops here, not after a save
+            ckpt.Backup.location(run_config.backup_dir, run_config.model_tag)  # a bad URL stops here, not after a save
         if not resuming:
-            found = check_fresh_start(run_config.model_tag, run_config.overwrite, run_config.backup_dir)
+            found = ckpt.check_fresh_start(run_config.model_tag, run_config.overwrite, run_config.backup_dir)
             if run_config.overwrite:  # on every rank, so the ranks wait for rank 0's move together
                 error = None
                 if rank == 0 and found:
                     try:
-                        print0(f"--overwrite: moved the previous run ({found}) to {move_aside(run_config.model_tag)}")
+                        moved = ckpt.move_aside(run_config.model_tag)
+                        print0(f"--overwrite: moved the previous run ({found}) to {moved}")
                     except OSError as e:
                         error = e
                 raise_if_any_rank_failed(error, "moving the previous run aside")
@@ -533,17 +534,17 @@ def start_or_resume(run_config, model_config, tokenizer, rank, run_lock):
         if run_config.backup_dir:
             run_lock.claim()  # restoring from the backup writes into the directory
         which = run_config.resume_from_step if run_config.resume_from_step is not None else "latest"
-        point = load_resume_point(run_config.model_tag, which, rank, run_config.backup_dir, run_config.world_size,
+        point = ckpt.load_resume_point(run_config.model_tag, which, rank, run_config.backup_dir, run_config.world_size,
                                   data_ranks(rank, run_config.grad_accum))
         step, meta = point.step, point.meta
         ckpt.check_tokenizer(meta, tokenizer, f"checkpoint {run_config.model_tag} step {step}")
-        check_data(meta, corpus, run_config.allow_data_change, f"checkpoint {run_config.model_tag} step {step}")
-        diffs = resume_differences(meta, model_config, batch_geometry(run_config), run_config.sharding)
+        ckpt.check_data(meta, corpus, run_config.allow_data_change, f"checkpoint {run_config.model_tag} step {step}")
+        diffs = ckpt.resume_differences(meta, model_config, batch_geometry(run_config), run_config.sharding)
         if diffs:
             raise Exit(f"cannot resume {run_config.model_tag} from step {step}: the checkpoint was written with a "
                        f"different configuration:\n  " + "\n  ".join(diffs) +
                        "\nPass the checkpoint's values, or start a new run with another --model_tag.")
-        check_data_positions(point, run_config, rank, tokenizer)  # the loaders' geometry matches by now
+        ckpt.check_data_positions(point, run_config, rank, tokenizer)  # the loaders' geometry matches by now
     except (ckpt.CheckpointError, RankFailure, DatasetError, lifecycle.RunLockError) as e:
         raise Exit(f"cannot {'resume' if resuming else 'start'}: {e}")
     return point, corpus
@@ -557,7 +558,7 @@ def early_stop_for(run_config, resume):
     if resume.meta.get("early_stop"):
         return lifecycle.EarlyStop(run_config.early_stop, resume.meta["early_stop"])
     recorded = ckpt.readable_bpb(run_config.model_tag)
-    best = best_of(recorded)
+    best = ckpt.best_of(recorded)
     return lifecycle.EarlyStop(run_config.early_stop, best_recorded=None if best is None else (best, recorded[best]))
 
 

@@ -16,12 +16,12 @@ Plot a run so you can see at a glance whether the later supervision steps help:
 import os
 import sys
 
-from nanochat.checkpoint import manager as ckpt
+from nanochat import checkpoint as ckpt
 from nanochat.cli import ArgumentParser, Exit
-from nanochat.files import exit_on_write_error, save_figure
 from nanochat.eval.health import smooth
 from nanochat.eval.loss_eval import format_steps
 from nanochat.eval.metrics import MetricsError, read_metrics, read_results
+from nanochat.files import exit_on_write_error, save_figure
 
 
 def smoothing_beta(n):

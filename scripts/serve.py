@@ -41,8 +41,9 @@ generation slot busy for --queue_timeout seconds. A client that goes away stops 
 and its slot is free again.
 """
 
-import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
+# isort: split
 import asyncio
 import hmac
 import ipaddress
@@ -68,19 +69,19 @@ try:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
     from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
     from uvicorn.protocols.http.h11_impl import H11Protocol
-    from starlette.exceptions import HTTPException
 except ModuleNotFoundError as e:
     sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
 
-from nanochat.serve import refinement
 from nanochat.checkpoint.manager import latest_model_tag, load_model
-from nanochat.files import model_tag_arg, step_arg
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
+from nanochat.files import model_tag_arg, step_arg
 from nanochat.model.engine import Engine, ends_mid_character
 from nanochat.model.halting import forward_halting
+from nanochat.serve import refinement
 
 MAX_BODY_BYTES = 1 << 20
 READ_TIMEOUT_S, MAX_CONNECTIONS = 30.0, 256  # the flags' defaults: nginx reads headers and body in 60 s each

@@ -9,7 +9,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-
 WORDS = "the a model data refine step loss token draft answer of to in is was by with layer sweep".split()
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from nanochat.checkpoint import manager as ckpt
-from nanochat.train import lifecycle
 from nanochat.checkpoint import writer as checkpoint_writer
 from nanochat.checkpoint.writer import CheckpointWriter
+from nanochat.train import lifecycle
 from nanochat.train.optim import setup_optimizers
 from scripts import base_train
 from tests.support.helpers import TINY, ckpt_dir, exit_code, private_base_dir, random_model, tiny_config, weights

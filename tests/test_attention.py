@@ -4,8 +4,8 @@ backend that runs here computes the model's attention alike."""
 import pytest
 import torch
 
-from nanochat.train import attention
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train import attention
 
 FLAGS = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled") for name in ("flash", "cudnn", "mem_efficient",
                                                                                     "math")}

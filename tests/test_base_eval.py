@@ -82,8 +82,8 @@ def hand(base_dir):
     """[step][doc][choice] log-likelihoods for steps 1..4 (one past the 3 trained)."""
     from nanochat.checkpoint.manager import load_model
     model, tokenizer, _ = load_model(MODEL_TAG, "latest")
-    return [[[loglikelihood_by_hand(model, tokenizer, doc["question"], " " + choice, n_sup) for choice in doc["choices"]]
-             for doc in DOCS] for n_sup in range(1, 5)]
+    return [[[loglikelihood_by_hand(model, tokenizer, doc["question"], " " + choice, n_sup)
+              for choice in doc["choices"]] for doc in DOCS] for n_sup in range(1, 5)]
 
 
 def test_lm_eval_loglikelihoods_equal_the_models_at_every_step(base_dir, task_dir, hand):
@@ -202,7 +202,8 @@ def test_a_missing_include_path_is_refused(tmp_path):
 
 
 def test_without_lm_eval_it_says_what_to_install():
-    hide = "import runpy, sys; sys.modules['lm_eval'] = None; runpy.run_module('scripts.base_eval', run_name='__main__')"
+    hide = ("import runpy, sys; sys.modules['lm_eval'] = None; "
+            "runpy.run_module('scripts.base_eval', run_name='__main__')")
     result = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
     assert "pip install -e '.[eval]'" in result.stderr

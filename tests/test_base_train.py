@@ -15,13 +15,21 @@ import pytest
 import torch
 
 from nanochat.data import dataloader
-
-from nanochat.train import planning
-
 from nanochat.train import config as train_config
+from nanochat.train import planning
 from tests.support import processes
-from tests.support.helpers import (ROOT, TINY, TINY_SHAPE, ckpt_dir, exit_code, parsed, random_model, tiny_config,
-                                   tree, weights)
+from tests.support.helpers import (
+    ROOT,
+    TINY,
+    TINY_SHAPE,
+    ckpt_dir,
+    exit_code,
+    parsed,
+    random_model,
+    tiny_config,
+    tree,
+    weights,
+)
 
 
 def run(base_dir, *flags, torchrun=False, check=True, script="scripts.base_train"):
@@ -141,7 +149,8 @@ def test_two_gloo_processes_match_one_process_with_double_accumulation(base_dir)
     assert [step for step, _ in logged("ddp2", "sample", "samples")] == [0, 2, 4]
     assert logged("ddp2", "sample", "samples") == logged("single2", "sample", "samples")
 
-    assert torch.allclose(records("ddp2", "train", "step_losses"), records("single2", "train", "step_losses"), atol=1e-5)
+    assert torch.allclose(records("ddp2", "train", "step_losses"), records("single2", "train", "step_losses"),
+                          atol=1e-5)
     a, b = weights(base_dir, "ddp2", 4), weights(base_dir, "single2", 4)
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
     # the training-time evaluation reads the same rows on 1 and 2 processes: at step 0 (the same weights) the same
@@ -224,7 +233,8 @@ def test_precedence_metrics_report_and_plot(base_dir):
         assert len(r["state"]) == 2 and all(len(row) == 4 for row in r["state"])
         rms_y, rms_z, rms_update, cos = r["state"][-1]
         assert rms_y > 0 and -1 <= cos <= 1
-    # untrained, the zero-initialised projections make every block the identity: the state does not move; trained, it does
+    # untrained, the zero-initialised projections make every block the identity: the state does not move; trained, it
+    # does
     evals = [r for r in records if r["kind"] == "eval"]
     assert evals[0]["state"][-1][2] < 1e-5 and evals[-1]["state"][-1][2] > 1e-3 and train[-1]["state"][-1][2] > 1e-3
     assert out.count("recursion state per step: rms y ") == 2
@@ -343,8 +353,9 @@ def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch
 def test_each_rank_samples_its_share_and_rank_0_reports_them_as_one_process(base_dir, monkeypatch, capsys):
     # rank 0 of 2: its share (prompts 0 and 2) generated here, rank 1's handed to it by the gather
     from types import SimpleNamespace
-    from nanochat.model.engine import Engine
+
     from nanochat.data.tokenizer import get_tokenizer
+    from nanochat.model.engine import Engine
     from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     tokenizer = get_tokenizer()
@@ -490,8 +501,9 @@ def test_a_shard_damaged_mid_run_saves_the_last_step_and_stops_with_one_line(bas
 
 def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
     from types import SimpleNamespace
-    from nanochat.train import lifecycle
+
     from nanochat.checkpoint import resume
+    from nanochat.train import lifecycle
     from scripts import base_train
     run_config = train_config.parse_args([*TINY, "--num_iterations=6", "--warmup_steps=2", "--early_stop=3"])
     model_config = {**run_config.model_config, "vocab_size": 300}
@@ -518,10 +530,11 @@ def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
 def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_the_last(tmp_path, monkeypatch):
     import dataclasses
     from types import SimpleNamespace
+
     from nanochat.checkpoint import manager as ckpt
-    from nanochat.train import lifecycle
     from nanochat.checkpoint.writer import CheckpointWriter
     from nanochat.eval.loss_eval import EvaluationStopped, refinement
+    from nanochat.train import lifecycle
     from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     os.makedirs(ckpt.step_dir("alone", 4))

@@ -14,17 +14,17 @@ import zipfile
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from nanochat.checkpoint import manager as ckpt
-from nanochat.checkpoint import writer as checkpoint_writer
 from nanochat.checkpoint import resume
+from nanochat.checkpoint import writer as checkpoint_writer
 from nanochat.checkpoint.backup import Backup
 from nanochat.checkpoint.manager import build_model
-from nanochat.train.optim import setup_optimizers
 from nanochat.checkpoint.safe_load import RefusedObject, load_shards
+from nanochat.train.optim import setup_optimizers
 from scripts import base_train
 from tests.support.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree, weights
 from tests.support.unwritable import FullDiskFile

@@ -207,6 +207,7 @@ def test_a_figure_that_cannot_be_written_is_a_write_error_naming_it_and_leaves_n
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from nanochat.files import WriteError
     from tests.support.unwritable import READ_ONLY, fail_writes
     fig, ax = plt.subplots()

@@ -1,4 +1,5 @@
-"""nanochat/data/dataset.py: reading shards, corpus import, and the built-in corpus (the download is test_download.py's)."""
+"""nanochat/data/dataset.py: reading shards, corpus import, and the built-in corpus (the download is
+test_download.py's)."""
 
 import hashlib
 import json

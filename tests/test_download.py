@@ -1,4 +1,4 @@
-"""nanochat/data/download.py through `nanochat.data.dataset -n`: shard download against a fault-injecting local server."""
+"""nanochat/data/download.py through `nanochat.dataset -n`: shard download against a fault-injecting local server."""
 
 import http.server
 import os
@@ -15,8 +15,7 @@ import pytest
 
 from nanochat.data import dataset
 from nanochat.data.dataset import DatasetError
-from tests.support.helpers import stderr_capture
-from tests.support.helpers import shard_texts
+from tests.support.helpers import shard_texts, stderr_capture
 
 pytestmark = pytest.mark.usefixtures("isolated_dirs")
 

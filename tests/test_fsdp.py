@@ -1,4 +1,5 @@
-"""Fully sharded training (nanochat/train/sharding.py, base_train --sharding=fsdp) on 2 Gloo ranks against one process."""
+"""Fully sharded training (nanochat/train/sharding.py, base_train --sharding=fsdp) on 2 Gloo ranks against one
+process."""
 
 import os
 import sys

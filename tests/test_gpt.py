@@ -114,7 +114,8 @@ def test_plain_blocks_with_no_grad_sweeps_are_rejected():
 
 
 @pytest.mark.parametrize("detach, T_recursion, n_loops, state_update, preset", [
-    (False, 1, 1, "residual", "aggressive"), (True, 1, 1, "residual", "aggressive"), (True, 2, 1, "residual", "moderate"),
+    (False, 1, 1, "residual", "aggressive"), (True, 1, 1, "residual", "aggressive"),
+    (True, 2, 1, "residual", "moderate"),
     (False, 1, 0, "residual", "extreme"), (False, 2, 2, "trm", "extreme"), (True, 1, 1, "postnorm", "moderate"),
     (False, 1, 2, "decay", "aggressive"), (True, 2, 1, "decay", "extreme"),
 ])
@@ -586,6 +587,7 @@ def compiled_training_matches_eager(config, backend, steps=2):
     """Train a compiled twin and an eager model side by side: equal losses and gradients, and no graph compiled
     after the first step, even with evaluation and cached sampling in between. Returns the graphs compiled."""
     from torch._dynamo.utils import counters
+
     from nanochat.model.engine import Engine
     torch._dynamo.reset()
     counters.clear()
@@ -689,7 +691,8 @@ def test_a_bf16_lm_head_gradient_is_summed_over_many_chunks_in_float32(autocast,
     h, targets = torch.randn(N, C), torch.randint(0, V, (N,))
     weight = (torch.randn(V, C) / 8).bfloat16()
     w64 = weight.double().requires_grad_()
-    reference = F.cross_entropy(supervision.SOFTCAP * torch.tanh(F.linear(h.double(), w64) / supervision.SOFTCAP), targets)
+    softcap = supervision.SOFTCAP
+    reference = F.cross_entropy(softcap * torch.tanh(F.linear(h.double(), w64) / softcap), targets)
     reference = torch.autograd.grad(reference, w64)[0]
     monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", V)  # one row a chunk
     w = weight.clone().requires_grad_()
@@ -714,7 +717,8 @@ def test_inductor_compiled_head_chunk_matches_the_plain_head(autocast):
     compiled = torch.compile(supervision.head_chunk_loss_and_grads, dynamic=False, backend="inductor")
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         logits = F.linear(h, weight).float()
-        plain = F.cross_entropy(supervision.SOFTCAP * torch.tanh(logits / supervision.SOFTCAP), targets, ignore_index=-1)
+        softcap = supervision.SOFTCAP
+        plain = F.cross_entropy(softcap * torch.tanh(logits / softcap), targets, ignore_index=-1)
         loss = supervision.ChunkedHeadLoss.apply(h, weight, targets, compiled)
     atol, rtol = (2e-3, 2e-2) if autocast else (1e-6, 1e-5)
     torch.testing.assert_close(loss, plain, atol=atol, rtol=rtol)
@@ -740,7 +744,8 @@ def test_training_never_makes_the_whole_batch_logits(monkeypatch):
 @torch.no_grad()
 def test_stream_is_a_residual_stream_renormalised_between_steps():
     torch.manual_seed(0)
-    config = GPTConfig(sequence_len=8, vocab_size=32, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, state_update="stream")
+    config = GPTConfig(sequence_len=8, vocab_size=32, n_layer=2, n_head=2, n_kv_head=2, n_embd=16,
+                       state_update="stream")
     model = GPT(config)
     model.init_weights()
     for p in model.parameters():  # non-zero output projections: every block writes something

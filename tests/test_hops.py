@@ -6,8 +6,17 @@ import random
 import pytest
 import torch
 
-from dev.hops import (ANSWERS_VOCAB, CHAIN_DIGITS, answers_eval_rows, answers_row, chains_row, chains_vocab, evaluate,
-                      masked_row, masked_vocab)
+from dev.hops import (
+    ANSWERS_VOCAB,
+    CHAIN_DIGITS,
+    answers_eval_rows,
+    answers_row,
+    chains_row,
+    chains_vocab,
+    evaluate,
+    masked_row,
+    masked_vocab,
+)
 from dev.hops_quick import SPEC, quick_config, trained, validation_rows
 from nanochat.data.synthetic import HopsSpec
 
@@ -177,6 +186,7 @@ def test_the_hops_scripts_train_one_whole_document_per_row(script):
     dev/hops.py trains. Rows of 129 tokens held document fragments and kept the recursion on the plateau (issue 36)."""
     import pathlib
     import re
+
     from nanochat.data.synthetic import hops_documents
     text = (pathlib.Path(__file__).parent.parent / script).read_text()
     symbols, max_hops = (int(re.search(rf"--{flag}=(\d+)", text).group(1)) for flag in ("hops_symbols", "hops_max"))

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanochat.eval.hops_eval import HopsEvalError, encode_hops, evaluate_hops, format_hops
 from nanochat.data.synthetic import HopsSpec, hops_documents
 from nanochat.data.tokenizer import RustBPETokenizer
+from nanochat.eval.hops_eval import HopsEvalError, encode_hops, evaluate_hops, format_hops
 
 BYTES = RustBPETokenizer.byte_level()
 SPEC = HopsSpec(n_symbols=8, max_hops=4, n_queries=12)

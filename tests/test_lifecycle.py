@@ -153,6 +153,7 @@ def test_the_allocator_gets_expandable_segments_unless_the_user_set_one(monkeypa
 
 def test_the_garbage_collector_is_frozen_after_the_first_step_and_collected_by_hand(monkeypatch):
     import gc
+
     from nanochat.train import lifecycle
     collected = []
     monkeypatch.setattr(gc, "collect", lambda: collected.append(1) or 0)
@@ -225,7 +226,8 @@ def test_the_lock_is_one_holders_and_free_after_release(tmp_path):
     second.release()
 
 
-# ---------------------------------------------------------------------------------------------------- signals in evaluation
+# ---------------------------------------------------------------------------------------------------- signals in
+# evaluation
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigterm_during_an_evaluation_saves_the_step_and_exits_at_once(base_dir, processes):
     tag = f"evalterm{processes}"
@@ -286,6 +288,7 @@ GPU_ENTRY_POINTS = ("scripts.base_train", "scripts.base_loss", "scripts.base_eva
 def allocator_setting_at_torch_import(module, **env):
     import subprocess
     import sys
+
     from tests.support.helpers import ROOT
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     proc = subprocess.run([sys.executable, "-c", AT_TORCH_IMPORT, module], cwd=ROOT, env={**clean, **env},

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from nanochat.collectives import RankFailure
+from nanochat.eval.loss_eval import evaluate_bpb
 from nanochat.model.gpt import GPT
 from nanochat.model.supervision import STATE_DIAGNOSTICS
-from nanochat.eval.loss_eval import evaluate_bpb
 from tests.support.helpers import tiny_config
 
 V = 8
@@ -114,6 +114,7 @@ def evaluation_peak(config, batch, dtype="float32"):
     import json
     import os
     import tempfile
+
     from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(0)
     model = GPT(config)
@@ -165,8 +166,8 @@ def test_evaluation_gives_the_losses_of_the_whole_batch_logits_exactly(monkeypat
     (LARGE_VOCAB, 8, "bfloat16"),
 ], ids=["fp32", "bf16", "large-vocab", "large-vocab-bf16"])
 def test_the_plans_evaluation_estimate_is_within_35_percent_of_the_measured_peak(config, batch, dtype, monkeypatch):
-    from nanochat.train import memory
     from nanochat.model import supervision
+    from nanochat.train import memory
     monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", 32 * 8192)
     monkeypatch.setattr(memory, "HEAD_CHUNK_ELEMENTS", 32 * 8192)
     config = tiny_config(**config)

@@ -67,7 +67,8 @@ def test_estimate_within_25_percent_of_measured_peak(config, batch, dtype, tmp_p
 
 
 def test_the_parts_move_the_way_the_model_does():
-    d12 = GPTConfig(detach_between_steps=False)  # depth 12, n_loops 2, 4 steps, vocab 65536, 2048 tokens, all graphs alive
+    # depth 12, n_loops 2, 4 steps, vocab 65536, 2048 tokens, all graphs alive
+    d12 = GPTConfig(detach_between_steps=False)
     plain = estimate_memory(d12, 1)
     tokens = d12.sequence_len
     # stored activations of 4 steps x 12 layers x 3 block applications, ~37 kB each: ~5 MB per token
@@ -77,7 +78,8 @@ def test_the_parts_move_the_way_the_model_does():
     assert ckpt["activations"] < plain["activations"] / 10 and ckpt["logits"] == plain["logits"]
     # the chunked head holds (B, T, n_embd) tensors, never (B, T, vocab): its part does not grow with the vocabulary
     assert estimate_memory(d12.replace(vocab_size=2 * d12.vocab_size), 1)["logits"] == plain["logits"]
-    # and its working set is one chunk of logits (4,096 rows: 2 sequences) and lm_head's gradient, however large the batch
+    # and its working set is one chunk of logits (4,096 rows: 2 sequences) and lm_head's gradient, however large the
+    # batch
     assert estimate_memory(d12, 32)["transient"] == estimate_memory(d12, 2)["transient"] < 5e9
     assert plain["transient"] < estimate_memory(d12, 2)["transient"]  # 2,048 rows: less than a chunk
     # detach_between_steps backpropagates the trunk step by step too: one step's activations alive at a time

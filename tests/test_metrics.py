@@ -1,4 +1,5 @@
-"""nanochat/eval/metrics.py: reading metrics.jsonl, the log line, the sinks (wandb, TensorBoard, NVML), summary, report."""
+"""nanochat/eval/metrics.py: reading metrics.jsonl, the log line, the sinks (wandb, TensorBoard, NVML), summary,
+report."""
 
 import json
 import os
@@ -10,9 +11,8 @@ from argparse import Namespace
 import pytest
 
 from nanochat.eval import metrics
-
-from nanochat.train import config as train_config
 from nanochat.eval.metrics import MetricsError, MetricsLog, read_metrics, read_records
+from nanochat.train import config as train_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--n_loops=1",
@@ -178,6 +178,7 @@ def test_wandb_gets_the_same_records_as_the_file_under_the_wandb_run_name(tmp_pa
 
 def test_wandb_not_logged_in_warns_and_tensorboard_gets_the_run(base_dir, monkeypatch, tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     monkeypatch.setitem(sys.modules, "wandb", FakeWandb(fail=RuntimeError("api_key not configured (no-tty)")))

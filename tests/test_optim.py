@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.train.optim import AdamW
-from nanochat.train.optim import Muon, zeropower_via_newtonschulz5
-from nanochat.train.optim import clipped_step, reduce_gradients
+from nanochat.train.optim import AdamW, Muon, clipped_step, reduce_gradients, zeropower_via_newtonschulz5
 from tests.support import dist_optim_worker as worker
 from tests.support import processes
 

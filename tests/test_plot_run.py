@@ -108,7 +108,8 @@ def test_a_plot_that_cannot_be_written_is_one_line_exit_5_and_the_next_plot_clea
         plot_run.main([str(run_dir)])
     err = capsys.readouterr().err
     assert stop.value.code == 5 and one_line(err)
-    assert err.startswith(f"plot_run: cannot write {run_dir}/training.png: ") and err.endswith(", or pick another --out\n")
+    assert err.startswith(f"plot_run: cannot write {run_dir}/training.png: ")
+    assert err.endswith(", or pick another --out\n")
     assert (run_dir / "training.png").read_bytes() == b"the previous plot"
     assert temporaries(str(run_dir)) == []  # this plot's own temporary file and the killed one's
     plot_run.main([str(run_dir)])

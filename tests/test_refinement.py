@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from fastapi.testclient import TestClient
 
-from nanochat.serve import refinement
+from nanochat.data.synthetic import HopsSpec, hops_document
 from nanochat.model.engine import Engine
 from nanochat.model.halting import Halting, forward_halting
-from nanochat.data.synthetic import HopsSpec, hops_document
+from nanochat.serve import refinement
 from scripts import base_sample, serve
 from tests.support.server import serving
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint

@@ -10,8 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanochat.data import dataset
-from nanochat.data.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer, TokenizerError, TokenizerNotFound,
-                                get_token_bytes, get_tokenizer, tokenizer_dir, train_bpe)
+from nanochat.data.tokenizer import (
+    SPECIAL_TOKENS,
+    SPLIT_PATTERN,
+    RustBPETokenizer,
+    TokenizerError,
+    TokenizerNotFound,
+    get_token_bytes,
+    get_tokenizer,
+    tokenizer_dir,
+    train_bpe,
+)
 from scripts import tok_eval, tok_train
 from tests.support.helpers import stderr_capture
 
@@ -317,8 +326,8 @@ def test_byte_level_bits_per_byte_are_bits_per_token(byte_tok):
 
     import torch
 
-    from nanochat.model.gpt import GPT
     from nanochat.eval.loss_eval import evaluate_bpb
+    from nanochat.model.gpt import GPT
     from tests.support.helpers import tiny_config
     model = GPT(tiny_config(vocab_size=byte_tok.get_vocab_size(), sequence_len=64))
     model.init_weights()  # zero lm_head: equal logits

@@ -9,12 +9,9 @@ import sys
 import pytest
 import torch
 
-from nanochat.train import memory
-
-from nanochat.train import planning
-
-from nanochat.train import config as train_config
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train import config as train_config
+from nanochat.train import memory, planning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_80GB = ["--device_type=cuda", "--device_memory_gb=80", "--dry_run"]  # a plan for a GPU this machine lacks

@@ -113,7 +113,7 @@ class Backup:
         or altered remote file neither stops retention nor passes for the best step."""
         try:
             bpb = final_val_bpb(json.loads(self.fs.cat_file(self.remote(step, "meta.json"))))
-        except (ValueError, TypeError, AttributeError, IndexError, KeyError, RecursionError):  # not JSON, a dict, a list
+        except (ValueError, TypeError, AttributeError, IndexError, KeyError, RecursionError):  # not JSON, a dict, ...
             return None
         return bpb if type(bpb) in (int, float) and math.isfinite(bpb) else None
 

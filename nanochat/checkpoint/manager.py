@@ -17,28 +17,28 @@ nanochat/checkpoint/resume.py's; the copy at a backup URL, nanochat/checkpoint/b
 
 No file of a checkpoint can run code when read, so a checkpoint from a backup or another machine is only data: weights
 are safetensors, rank files load with torch.load(weights_only=True), and a sharded checkpoint is read through
-nanochat/checkpoint/safe_load.py's shard_reader and shard_planner. A file holding anything else is refused in one line naming
-what it holds. The model a checkpoint's config builds is build_model's; the RNG states a rank file
+nanochat/checkpoint/safe_load.py's shard_reader and shard_planner. A file holding anything else is refused in one line
+naming what it holds. The model a checkpoint's config builds is build_model's; the RNG states a rank file
 holds, common.rng_state's.
 """
 
-import argparse
 import glob
 import json
 import os
 import re
 import shutil
 import warnings
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file
 
 from nanochat.checkpoint.meta import best_of, final_val_bpb, meta_problem, steps_to_prune
-from nanochat.common import describe_error, print0
-from nanochat.files import checkpoints_root, free_bytes, get_base_dir, gigabytes, tag_problem
-from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.checkpoint.safe_load import LEGACY_RANK_GLOBALS, NO_CHECKPOINT_DOES, load_shards, shard_reader, unreadable
+from nanochat.common import describe_error, print0
 from nanochat.data.tokenizer import get_tokenizer, tokenizer_dir
+from nanochat.files import checkpoints_root, free_bytes, gigabytes, model_tag_arg, step_arg, tag_problem
+from nanochat.model.gpt import GPT, GPTConfig
 
 WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
 SHARD_INDEX = ".metadata"  # a sharded checkpoint's index (torch.distributed.checkpoint); its shards: __R_0.distcp
@@ -88,7 +88,7 @@ def list_steps(model_tag):
     steps = []
     for path in glob.glob(os.path.join(model_dir(model_tag), "step_*")):
         name = os.path.basename(path)
-        if name[5:].isdigit() and os.path.exists(os.path.join(path, "meta.json")):
+        if re.fullmatch(r"[0-9]+", name[5:]) and os.path.exists(os.path.join(path, "meta.json")):
             steps.append(int(name[5:]))
     return sorted(steps)
 
@@ -141,7 +141,7 @@ def resolve_step(model_tag, which):
         if step is None:
             raise CheckpointError(f"no checkpoint of {model_tag!r} has a validation bpb yet; use 'latest'")
         return step
-    if not str(which).isdigit():
+    if not re.fullmatch(r"[0-9]+", str(which)):  # ASCII digits: int() would take "٢٠" as 20
         raise CheckpointError(f"step {which!r}: use 'latest', 'best' or a step number")
     if int(which) not in steps:
         raise CheckpointError(f"no checkpoint at step {int(which)} for {model_tag!r}; available steps: {steps}")
@@ -165,8 +165,8 @@ def check_tokenizer(meta, tokenizer, what):
                f"{tokenizer_dir()} is the tokenizer it was trained with")
     elif saved != current:
         raise CheckpointError(f"{what} was trained with tokenizer {saved}, but {tokenizer_dir()} holds tokenizer "
-                              f"{current} (retrained since?), so token ids would mean other text: restore the tokenizer "
-                              f"it was trained with, or train a new model (a new --model_tag) with this one")
+                              f"{current} (retrained since?), so token ids would mean other text: restore the "
+                              f"tokenizer it was trained with, or train a new model (a new --model_tag) with this one")
 
 
 # ---------------------------------------------------------------------------------------------------- saving
@@ -295,3 +295,26 @@ def load_model(model_tag=None, step="latest", device="cpu", **config_overrides):
     return model, tokenizer, meta
 
 
+class Checkpoint(NamedTuple):
+    """A checkpoint opened for use: the model in eval mode, its tokenizer, its meta.json, and the tag and step it
+    was found at (the newest tag and the latest step when none was named)."""
+    model: torch.nn.Module
+    tokenizer: object
+    meta: dict
+    model_tag: str
+    step: int
+
+
+def checkpoint_flags(parser, what="the checkpoint to read"):
+    """--model_tag and --step, spelled the same in every entry point that reads a checkpoint."""
+    parser.add_argument("--model_tag", type=model_tag_arg, default=None,
+                        help=f"{what}: a run under base_checkpoints/ (default: the newest)")
+    parser.add_argument("--step", type=step_arg, default="latest",
+                        help="latest | best (lowest validation bpb) | a step number")
+
+
+def open_checkpoint(model_tag, step, device, **config_overrides):
+    """The Checkpoint that --model_tag and --step name (load_model, with the tag and step resolved)."""
+    model_tag = model_tag or latest_model_tag()
+    model, tokenizer, meta = load_model(model_tag, step, device, **config_overrides)
+    return Checkpoint(model, tokenizer, meta, model_tag, meta["step"])

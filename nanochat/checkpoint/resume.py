@@ -7,8 +7,19 @@ import time
 from typing import NamedTuple
 
 from nanochat.checkpoint.backup import Backup
-from nanochat.checkpoint.manager import (SHARD_INDEX, TRAIN_WEIGHTS, CheckpointError, list_steps, load_model_weights,
-                                         load_rank_state, model_dir, read_meta, resolve_step, step_dir)
+from nanochat.checkpoint.manager import (
+    SHARD_INDEX,
+    TRAIN_WEIGHTS,
+    CheckpointError,
+    list_steps,
+    load_model_weights,
+    load_rank_state,
+    model_dir,
+    read_meta,
+    resolve_step,
+    step_dir,
+)
+from nanochat.checkpoint.safe_load import NO_CHECKPOINT_DOES, load_shards, shard_reader, unreadable
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
 from nanochat.common import get_dist_info, print0, set_rng_state
 from nanochat.data.dataloader import training_loaders
@@ -16,7 +27,7 @@ from nanochat.data.dataset import DatasetError
 from nanochat.model.gpt import GPTConfig
 from nanochat.train.lifecycle import RUN_LOCK
 from nanochat.train.optim import lr_multiplier
-from nanochat.checkpoint.safe_load import NO_CHECKPOINT_DOES, load_shards, shard_reader, unreadable
+
 
 # ---------------------------------------------------------------------------------------------------- a new run
 def previous_run(model_tag):
@@ -255,7 +266,9 @@ def sharded_rank_state(model_tag, step, meta, rank, data_ranks):
 def restore_shards(directory, model, optimizers, ema):
     """Load this rank's shards of a sharded checkpoint (any process count saved it) into a sharded model, its
     optimizers and EMA; a shard that fails to load (on any rank: DCP agrees) is a CheckpointError on every rank."""
-    from nanochat.train import sharding  # lazy: it loads FSDP (~1.5 s), which halt_train (a fresh-start check) need not pay
+    from nanochat.train import (
+        sharding,  # lazy: it loads FSDP (~1.5 s), which halt_train (a fresh-start check) need not pay
+    )
     index = shard_reader(directory).read_metadata().state_dict_metadata
     trained = "train_model" if any(key.startswith("train_model.") for key in index) else "model"
     state = {trained: model.state_dict(), "optim": sharding.optimizer_state(model, optimizers)}

@@ -28,8 +28,15 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save as safetensors_bytes
 
-from nanochat.checkpoint.manager import (SHARD_INDEX, TRAIN_WEIGHTS, WEIGHTS, CheckpointError, checkpoint_bytes,
-                                         model_dir, step_dir)
+from nanochat.checkpoint.manager import (
+    SHARD_INDEX,
+    TRAIN_WEIGHTS,
+    WEIGHTS,
+    CheckpointError,
+    checkpoint_bytes,
+    model_dir,
+    step_dir,
+)
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
 from nanochat.common import PROCESS_GROUP_TIMEOUT, distributed, print0, rng_state
 from nanochat.files import free_bytes, fsync_dir, gigabytes
@@ -159,6 +166,7 @@ def write_snapshot(state, shards=None, group=None):
 def write_shards(directory, model, train_model, optimizers):
     """Every rank writes its shards of the weights and optimizer state (and rank 0 the index, .metadata)."""
     import torch.distributed.checkpoint as dcp  # lazy: DCP costs ~1 s to import, paid only by sharded runs
+
     from nanochat.train import sharding  # lazy: it loads FSDP (~1.5 s); sampling and serving need not
     dcp.save(sharding.checkpoint_state(model, train_model, optimizers), checkpoint_id=directory)
     for name in os.listdir(directory):  # DCP flushes but does not fsync: the rename must find them on the disk

@@ -14,7 +14,8 @@ Undecodable bytes are replaced with U+FFFD and counted. hf:NAME is a dataset on 
 `datasets` library, split "train" unless named) or a directory written by `datasets`' save_to_disk.
 --text_column names the field or column holding the text, for jsonl, parquet and hf alike.
 
---synthetic writes a generated reasoning corpus (nanochat/data/synthetic.py, docs/reasoning.md), deterministic in its flags.
+--synthetic writes a generated reasoning corpus (nanochat/data/synthetic.py, docs/reasoning.md), deterministic in its
+flags.
 
 A download keeps every complete shard and resumes a cut one where it stopped (HTTP Range); each shard has an overall
 deadline (--shard_timeout). Ctrl-C stops at once and leaves no partial file; the same command then goes on.
@@ -42,10 +43,16 @@ import pyarrow.parquet as pq
 
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import progress_enabled
-from nanochat.data.download import (SHARD_TIMEOUT_S, DownloadError, download_files, hub_dataset_url, hub_endpoint,
-                               remove_stale_partials)
-from nanochat.files import atomic_write_bytes, fsync_dir, get_base_dir
+from nanochat.data.download import (
+    SHARD_TIMEOUT_S,
+    DownloadError,
+    download_files,
+    hub_dataset_url,
+    hub_endpoint,
+    remove_stale_partials,
+)
 from nanochat.data.synthetic import SYNTHETIC_FAMILIES, HopsSpec, iter_hops_documents
+from nanochat.files import atomic_write_bytes, fsync_dir, get_base_dir
 
 REPO_ID = "karpathy/fineweb-edu-100b-shuffle"
 MAX_SHARD = 1822  # shard_01822.parquet is the last shard of the repo, used for validation

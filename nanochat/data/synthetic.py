@@ -4,8 +4,8 @@ recursion that adds depth) can be measured offline.
 
 "hops": a random cyclic permutation f of n symbols (one cycle through all of them, so f^h(x) != x for h < n and no
 answer can be guessed from the query's own symbol), listed as "a>k" pairs in a random order, then queries "x3=y"
-with y = f(f(f(x))): the digit is the number of hops (chained lookups in the table) the answer needs. Every document holds
-many answers, each recording its hop count, and every document of one spec has the same length in characters.
+with y = f(f(f(x))): the digit is the number of hops (chained lookups in the table) the answer needs. Every document
+holds many answers, each recording its hop count, and every document of one spec has the same length in characters.
 
     a>k c>a k>c ... ; a2=c k1=c c3=c ...
 

@@ -1,4 +1,5 @@
-"""Accuracy by hops at every supervision step on the hops corpus (nanochat.data.synthetic): does the recursion add depth?
+"""Accuracy by hops at every supervision step on the hops corpus (nanochat.data.synthetic): does the recursion add
+depth?
 
 Each answer character is predicted, teacher-forced, at the position before it: exact match is the argmax there being
 the answer's token, and the answer tokens' bits per byte per step are -log2 p(answer) summed over their bytes.

@@ -1,13 +1,14 @@
-"""Bits per byte for every supervision step: a tokenizer-independent loss, so refinement is measured on held-out text."""
+"""Bits per byte for every supervision step: a loss that does not depend on the tokenizer, so refinement is measured
+on held-out text."""
 
 import math
 
 import torch
 
-from nanochat.model import supervision
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags
 from nanochat.common import autocast_for, distributed, print0, progress_bar
 from nanochat.data.dataloader import evaluation_batches, evaluation_size
+from nanochat.model import supervision
 from nanochat.model.engine import KVCache
 from nanochat.model.halting import forward_halting
 from nanochat.train.sharding import is_sharded
@@ -113,8 +114,8 @@ def validation_bpb(model, tokenizer, run_config, device, rank, world_size, token
 
 @torch.no_grad()
 def evaluate_bpb_halting(model, batches, steps, token_bytes, halting, n_sup=None, autocast=None, hold_keys=True):
-    """(bpb, mean_steps) with per-token adaptive halting (halting.Halting): each token's loss from the logits of the step
-    it halted at, and the supervision steps it ran, averaged over the tokens bpb counts: exactly the steps decoding
+    """(bpb, mean_steps) with per-token adaptive halting (halting.Halting): each token's loss from the logits of the
+    step it halted at, and the supervision steps it ran, averaged over the tokens bpb counts: exactly the steps decoding
     with halting runs for them. batches, steps, n_sup (default n_sup_inference) and DDP as evaluate_bpb.
     hold_keys=False: later tokens read a halted token's keys and values from every step, not from the step it halted
     at (halting.forward_halting without a cache): the reference that measures what the hold costs."""

@@ -20,9 +20,9 @@ import time
 import torch
 
 from nanochat.common import print0
-from nanochat.files import WriteError, atomic_write_bytes, remove_stale_temporaries, writing
 from nanochat.eval.health import LossSmoother, smooth
 from nanochat.eval.loss_eval import format_steps, refinement
+from nanochat.files import WriteError, atomic_write_bytes, remove_stale_temporaries, writing
 
 GPU_READ_EVERY_S = 10.0  # NVML readings (3 calls per GPU) at most this often: a step's log line needs no fresher ones
 COMPILE_STEPS = 10  # the first steps of a process compile and warm up: left out of the mean step time

@@ -328,7 +328,8 @@ class Engine:
         return n_sup
 
     def check_halt(self, halt):
-        """None (every token runs n_sup steps), a halting.Halting or its 'RULE:THRESHOLD' string -> None or a Halting."""
+        """None (every token runs n_sup steps), a halting.Halting or its 'RULE:THRESHOLD' string -> None or a
+        Halting."""
         if halt is None:
             return None
         return check_halting(self.model, halt if isinstance(halt, Halting) else Halting.parse(halt))

@@ -25,9 +25,17 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .halting import halt_head_loss
-from .supervision import (SOFTCAP, ChunkedHeadLoss, chunked_token_losses, deep_supervision_loss,
-                          head_chunk_loss_and_grads, loss_aux, reward_weight, state_diagnostics,
-                          supervision_weights)
+from .supervision import (
+    SOFTCAP,
+    ChunkedHeadLoss,
+    chunked_token_losses,
+    deep_supervision_loss,
+    head_chunk_loss_and_grads,
+    loss_aux,
+    reward_weight,
+    state_diagnostics,
+    supervision_weights,
+)
 
 ACTIVATIONS = ("relu_squared", "swiglu", "geglu")
 
@@ -101,8 +109,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head} "
                              f"(each key/value head serves n_head/n_kv_head query heads)")
         if self.n_loops == 0 and self.T_recursion > 1:
-            raise ValueError(f"GPTConfig.T_recursion={self.T_recursion} needs n_loops >= 1: a plain block never re-reads "
-                             f"the input, so the no-gradient sweeps would cut the embedding off from the loss")
+            raise ValueError(f"GPTConfig.T_recursion={self.T_recursion} needs n_loops >= 1: a plain block never "
+                             f"re-reads the input, so the no-gradient sweeps would cut the embedding off from the loss")
         if not isinstance(self.halt_head, bool):
             raise ValueError(f"GPTConfig.halt_head={self.halt_head!r}: must be True or False")
         if self.state_dtype not in STATE_DTYPES:
@@ -166,7 +174,8 @@ def trm_update(state, u, delta, retain):
 
 
 def decay_update(state, u, delta, retain):
-    """a * state + D with a = sigmoid(retain) in (0, 1) per channel: a contraction (Parcae), bounded by |D| / (1 - a)."""
+    """a * state + D with a = sigmoid(retain) in (0, 1) per channel: a contraction (Parcae), bounded by
+    |D| / (1 - a)."""
     return torch.sigmoid(retain) * state + delta
 
 
@@ -332,8 +341,8 @@ class GPT(nn.Module):
     def init_weights(self, write=None):
         """Draw every weight from torch's RNG, module by module. write(weight, draw) puts draw's values (draw fills a
         tensor of weight's shape in place) into the weight: by default draw(weight) itself; sharded, write_rows
-        (nanochat/train/sharding.py) draws the whole weight on the CPU and keeps this rank's rows, so a sharded model gets
-        the same numbers as the unsharded one from the same seed."""
+        (nanochat/train/sharding.py) draws the whole weight on the CPU and keeps this rank's rows, so a sharded model
+        gets the same numbers as the unsharded one from the same seed."""
         write = write or (lambda weight, draw: draw(weight))
         for module in self.modules():
             if isinstance(module, nn.Linear):

@@ -1,8 +1,8 @@
 """
 The TRM GPT as a Hugging Face transformers model: what `scripts/export_hf.py` writes and `trust_remote_code` runs.
 
-The export copies this file, nanochat/model/gpt.py and nanochat/model/engine.py side by side (transformers copies every file a
-remote-code module imports relatively), so the recursion exists once, in gpt.py, and cached attention once, in
+The export copies this file, nanochat/model/gpt.py and nanochat/model/engine.py side by side (transformers copies every
+file a remote-code module imports relatively), so the recursion exists once, in gpt.py, and cached attention once, in
 engine.py. Every GPTConfig field is a key of config.json and the weights are GPT's own state dict under "model.", so
 new fields and parameters of gpt.py need no change here.
 

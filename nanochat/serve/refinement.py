@@ -25,10 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanochat.data.synthetic import HopsSpec, encode_hops, hops_answers, hops_document
 from nanochat.model.engine import left_pad, sample_next
 from nanochat.model.halting import HALTING_RULES, Draft, Halting, check_halting
-from nanochat.data.synthetic import encode_hops
-from nanochat.data.synthetic import HopsSpec, hops_answers, hops_document
 
 MODES = ("generate", "score", "hops")
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "viewer.html")  # the viewer, served at /

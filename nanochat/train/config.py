@@ -17,18 +17,26 @@ import os
 import sys
 from typing import Any
 
-from nanochat.train import attention
-from nanochat.files import model_tag_arg
 from nanochat.cli import OneLineErrors
 from nanochat.common import autodetect_device_type, default_dtype, device_available, get_dist_info
-from nanochat.data.dataset import SYNTHETIC, DatasetError, data_dir, parquets_for_split, read_source
-from nanochat.files import get_base_dir
-from nanochat.model.gpt import ACTIVATIONS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
-from nanochat.train.planning import (B_REF, BATCH_EXPONENT, EMA_AUTO_MIN_STEPS, MAX_DEVICE_BATCH, MODEL_FLAGS, PlanError,
-                               host_ram_problem, plan_batch, resolve_model_config)
 from nanochat.data.dataloader import ROW_LAYOUTS
-from nanochat.train.probe import PROBES
+from nanochat.data.dataset import SYNTHETIC, DatasetError, data_dir, parquets_for_split, read_source
 from nanochat.data.tokenizer import get_tokenizer
+from nanochat.files import get_base_dir, model_tag_arg
+from nanochat.model.gpt import ACTIVATIONS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
+from nanochat.train import attention
+from nanochat.train.planning import (
+    B_REF,
+    BATCH_EXPONENT,
+    EMA_AUTO_MIN_STEPS,
+    MAX_DEVICE_BATCH,
+    MODEL_FLAGS,
+    PlanError,
+    host_ram_problem,
+    plan_batch,
+    resolve_model_config,
+)
+from nanochat.train.probe import PROBES
 
 SAMPLE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The opposite of hot is", "import os\n"]
 
@@ -337,8 +345,8 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     for name in ("n_embd", "n_head", "n_kv_head", "max_seq_len", "sample_tokens"):
         if getattr(flags, name) is not None and getattr(flags, name) < 1:
             parser.error(f"--{name}={getattr(flags, name)} must be >= 1")
-    for name in ("eval_every", "early_stop", "sample_every", "save_every", "save_every_minutes", "keep_last", "matrix_lr",
-                 "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip", "gpu_hourly_price"):
+    for name in ("eval_every", "early_stop", "sample_every", "save_every", "save_every_minutes", "keep_last",
+                 "matrix_lr", "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip", "gpu_hourly_price"):
         if getattr(flags, name) is not None and not getattr(flags, name) >= 0:
             parser.error(f"--{name}={getattr(flags, name)} must be >= 0 (see --help for what 0 means)")
 

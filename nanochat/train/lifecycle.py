@@ -31,11 +31,12 @@ import torch
 
 from nanochat.cli import ExitCode
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags
-from nanochat.files import WriteError, writing
 from nanochat.cuda_allocator import configure as configure_cuda_allocator  # noqa: F401 - its old home
+from nanochat.files import WriteError, writing
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-REPEAT_WINDOW_S = 5.0  # forwarded copies of one signal arrive within milliseconds; a person pressing Ctrl-C again, later
+# forwarded copies of one signal arrive within milliseconds; a person pressing Ctrl-C again, later
+REPEAT_WINDOW_S = 5.0
 FLAGS = ("signal", "budget", "save_time", "data", "write")  # data: this step's training data could not be read;
 # write: rank 0 could not write the run's log, summary or a checkpoint's bpb
 
@@ -252,8 +253,8 @@ class EarlyStop:
         """Why the run stops early, in words, or None."""
         if not self.patience or self.stale < self.patience:
             return None
-        return (f"early stop (--early_stop={self.patience}): the validation bpb has not beaten {self.best[1]:.4f} (step "
-                f"{self.best[0]}) for {self.stale} evaluation{'s' * (self.stale != 1)} in a row")
+        return (f"early stop (--early_stop={self.patience}): the validation bpb has not beaten {self.best[1]:.4f} "
+                f"(step {self.best[0]}) for {self.stale} evaluation{'s' * (self.stale != 1)} in a row")
 
 
 def run_child(cmd, env=None):

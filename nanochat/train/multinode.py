@@ -113,8 +113,9 @@ def wait_for_node0(prepared, node_rank, deadline_s, poll_s=POLL_S, probe_s=DEFAU
             return (f"node {node_rank} saw no sign of node 0 in {base_dir} within {probe_s:g} s (no ready marker, no "
                     f"heartbeat): {shared}; start node 0 first, or {PROBE_ENV}=<seconds> to wait longer for it")
         if alive and now - moved_at >= STALE_BEATS * min(BEAT_S, poll_s) + poll_s:
-            return (f"node {node_rank}: node 0's heartbeat in {heartbeat_path(base_dir)} stopped {now - moved_at:.0f} s "
-                    f"ago without a ready marker: node 0 failed (see its output), fix it and launch every node again")
+            return (f"node {node_rank}: node 0's heartbeat in {heartbeat_path(base_dir)} stopped "
+                    f"{now - moved_at:.0f} s ago without a ready marker: node 0 failed (see its output), fix it and "
+                    f"launch every node again")
         if now - start >= deadline_s:
             found = read_marker(base_dir)
             return (f"node {node_rank} waited {deadline_s} s for node 0's {marker_path(base_dir)} saying {prepared} is "

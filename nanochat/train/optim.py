@@ -300,7 +300,8 @@ class ShardedMuon(Muon):
         return recv
 
 
-# ---------------------------------------------------------------------------------------------------- the model's groups
+# ---------------------------------------------------------------------------------------------------- the model's
+# groups
 def setup_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0, scalar_lr=0.02):
     """Muon for the transformer matrices, AdamW for embedding, lm_head and the per-channel state decays
     (distributed variants under DDP)."""

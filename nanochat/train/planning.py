@@ -15,9 +15,9 @@ import os
 
 import torch
 
-from nanochat.train import memory
 from nanochat.common import gpu_peak_flops
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train import memory
 from nanochat.train.probe import build as build_probe
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
@@ -202,8 +202,9 @@ def fit_device_batch(run_config, sequences_per_rank, max_batch=MAX_DEVICE_BATCH,
             config_sources={**run_config.config_sources, "activation_checkpointing": "turned on to fit memory"})
     need = memory_need(run_config, batch)
     return batch, (f"device batch {batch}: the largest of at most {max_batch} that divides the {sequences_per_rank} "
-                   f"sequences per process and fits ~{need / 1e9:.1f} GB in {memory.usable_bytes(memory_bytes) / 1e9:.0f}"
-                   f" GB usable of {memory_bytes / 1e9:.0f} GB ({where})"), run_config
+                   f"sequences per process and fits ~{need / 1e9:.1f} GB in "
+                   f"{memory.usable_bytes(memory_bytes) / 1e9:.0f} GB usable of {memory_bytes / 1e9:.0f} GB "
+                   f"({where})"), run_config
 
 
 def memory_need(run_config, batch, sharding=None, config=None):
@@ -292,8 +293,8 @@ def plan_lines(run_config):
         seconds = flops_per_step / (run_config.world_size * peak * PLANNER_MFU)
         cost = (f", ${seconds * iterations / 3600 * run_config.gpu_hourly_price * run_config.world_size:,.2f} at "
                 f"${run_config.gpu_hourly_price}/GPU-hour" if run_config.gpu_hourly_price else "")
-        lines.append(f"time         {peak / 1e12:,.0f} TFLOP/s per device at {PLANNER_MFU:.0%} MFU: {seconds:.2f} s per "
-                     f"step, {seconds * iterations / 3600:.2f} h for {iterations} steps{cost}")
+        lines.append(f"time         {peak / 1e12:,.0f} TFLOP/s per device at {PLANNER_MFU:.0%} MFU: {seconds:.2f} s "
+                     f"per step, {seconds * iterations / 3600:.2f} h for {iterations} steps{cost}")
         lines += budget_lines(run_config.max_hours, run_config.total_batch_size, seconds, iterations)
     else:
         lines.append("time         unknown: no GPU in the peak-FLOPs table here; --peak_tflops gives one")

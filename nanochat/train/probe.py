@@ -1,7 +1,7 @@
 """
 The depth probe (base_train --probe=hops): does this run's recursion use its depth? A small share of the training
-tokens are hops documents (nanochat.data.synthetic: chained lookups of a known number of hops), and every evaluation reports
-accuracy by hop count at every supervision step on fresh ones (nanochat.eval.hops_eval), beside the text's bpb.
+tokens are hops documents (nanochat.data.synthetic: chained lookups of a known number of hops), and every evaluation
+reports accuracy by hop count at every supervision step on fresh ones (nanochat.eval.hops_eval), beside the text's bpb.
 
 Each probe document is written over the start of a text row, the row's own text going on after it, so the document
 starts its row as in the evaluation. With anything before it in the row (other documents, or even unscored filler) a
@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.data.dataloader import UNSCORED
-from nanochat.data.synthetic import encode_hops
-from nanochat.data.synthetic import HopsSpec, hops_document, iter_hops_documents
+from nanochat.data.synthetic import HopsSpec, encode_hops, hops_document, iter_hops_documents
 
 PROBES = ("none", "hops")
 EVAL_SEED = 1_000_003  # the evaluation's documents: never drawn for training (a separate stream)

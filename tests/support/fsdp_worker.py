@@ -12,8 +12,8 @@ FSDP training against one process, for tests/test_fsdp.py. Launched as
     buildmemory OUT                   # host memory a sharded build takes
 
 `train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
-clipped_step) on a model sharded by nanochat.train.sharding; rank r trains on batch r. run_single (called by the test in its
-own process) trains the unsharded model on both batches with 2 accumulation steps: the same effective batch.
+clipped_step) on a model sharded by nanochat.train.sharding; rank r trains on batch r. run_single (called by the test in
+its own process) trains the unsharded model on both batches with 2 accumulation steps: the same effective batch.
 """
 
 import json
@@ -93,6 +93,7 @@ def muon_on_shards():
     """ShardedMuon on FSDP-sharded toy matrices, 3 steps of random gradients; the whole matrices after each step."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
+
     from nanochat.train import sharding
     from nanochat.train.optim import Muon
     params = toy_matrices()
@@ -120,7 +121,9 @@ def measured_peak():
     free some buffers where the profiler does not see it (its "Total Allocated" then grows by every step's gathers),
     so an address handed out again counts as freed first; a buffer freed unseen and never reused stays counted."""
     import tempfile
+
     from torch.profiler import ProfilerActivity, profile
+
     from nanochat.train import sharding
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
@@ -156,6 +159,7 @@ def gathers_per_micro_step(config):
     root orders its gather after all the compute queued before it), and whether a gathered buffer outlives it (the
     last forward gather's, which only the root's end of iteration frees)."""
     from torch.profiler import ProfilerActivity, profile
+
     from nanochat.train import sharding
     model = sharding.shard_model(build(config, detach=True), torch.device("cpu"))
     model.forward_backward(*batch(dist.get_rank(), 0))  # FSDP's lazy initialisation happens in the first
@@ -196,8 +200,8 @@ def syncs_per_step(config):
 def block_input_dtypes(sharded):
     """The dtype of every block call's input in one bf16-autocast micro-step of "trm", sharded with bf16 weights (as
     on GPUs) or not (as under DDP), in call order."""
-    from nanochat.train import sharding
     from nanochat.model.gpt import Block
+    from nanochat.train import sharding
     seen, delta, forward = [], Block.delta, Block.forward
     Block.delta = lambda self, u, *a, **k: seen.append(str(u.dtype)) or delta(self, u, *a, **k)
     Block.forward = lambda self, u, *a, **k: seen.append(str(u.dtype)) or forward(self, u, *a, **k)
@@ -224,6 +228,7 @@ def meta_initialised():
     rotary tables."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
+
     from nanochat.train import sharding
     torch.manual_seed(0)
     model = sharding.build_sharded_model(GPTConfig(**META_CONFIG).to_dict(), torch.device("cpu"))
