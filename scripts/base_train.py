@@ -58,7 +58,8 @@ from nanochat.train.weight_average import WeightAverage
 
 # ---------------------------------------------------------------------------------------------------- the run
 def train(run_config):
-    check_writable(ckpt.model_dir(run_config.model_tag))  # a read-only run directory stops here, before any spending
+    run_dir = ckpt.model_dir(run_config.model_tag)
+    check_writable(run_dir)  # a read-only run directory stops here, before any spending
     ddp, rank, local_rank, world_size, device = compute_init(run_config.device_type, run_config.seed)
     if ddp and world_size != run_config.world_size:
         raise Exit(f"internal: parsed for {run_config.world_size} processes, running {world_size}")
@@ -67,7 +68,7 @@ def train(run_config):
         raise Exit(missing)
     tokenizer = get_tokenizer()
     model_config = {**run_config.model_config, "vocab_size": tokenizer.get_vocab_size()}
-    run_lock = lifecycle.RunLock(ckpt.model_dir(run_config.model_tag), active=rank == 0)  # held until the run ends
+    run_lock = lifecycle.RunLock(run_dir, active=rank == 0)  # held until the run ends
     resume, corpus = start_or_resume(run_config, model_config, tokenizer, rank, run_lock)
 
     fsdp = run_config.sharding == "fsdp"  # every block's weights, gradients and optimizer state sharded over the ranks
@@ -100,7 +101,7 @@ def train(run_config):
         raise Exit(f"cannot {'resume' if resume else 'start'}: {e}")
     if rank == 0:
         ckpt.remove_partial_saves(run_config.model_tag)
-    metrics = MetricsLog(ckpt.model_dir(run_config.model_tag), run_config, rank, start_step if resume else None)
+    metrics = MetricsLog(run_dir, run_config, rank, start_step if resume else None)
     price_per_hour = (run_config.gpu_hourly_price or 0) * world_size
     backup = ckpt.Backup.location(run_config.backup_dir, run_config.model_tag, run_config.keep_last).start() \
         if run_config.backup_dir and rank == 0 else None
@@ -108,7 +109,7 @@ def train(run_config):
     background = run_config.async_checkpoint and ckpt.can_write_in_background(model)
     # the writer's last write is finished on any way out
     with lifecycle.StopSignals() as signals, ckpt.CheckpointWriter(background) as writer:
-        run = Run(run_config=run_config, model=model, ema=ema, optimizers=optimizers, loaders=loaders,
+        run = Run(run_config=run_config, run_dir=run_dir, model=model, ema=ema, optimizers=optimizers, loaders=loaders,
                   tokenizer=tokenizer, token_bytes=token_bytes, device=device, rank=rank, world_size=world_size,
                   metrics=metrics, control=lifecycle.RunControl(run_config.max_hours, run_config.max_cost,
                                                                 run_config.save_every_minutes, prior_seconds,
@@ -130,6 +131,8 @@ def train(run_config):
             t0 = time.time()
             try:
                 stats, flags, lrm = run.optimizer_step(step)
+            except torch.OutOfMemoryError:
+                raise Exit(oom_message(run_config), code=ExitCode.OUT_OF_MEMORY)
             except RankFailure as e:  # the training data: nothing of this step was applied
                 if run.saved_step != step and not (resume and step == start_step):
                     run.save(step)
@@ -154,6 +157,7 @@ class Run:
     """The run's components and the state its stages share, in named attributes; each stage is a method (save,
     step_boundary, evaluate_and_sample, optimizer_step, log_step, finish), so a test can call one alone."""
     run_config: RunConfig
+    run_dir: str  # the tag's directory: checkpoints, metrics, summary
     model: torch.nn.Module  # the weights trained (a GPT, sharded under FSDP); the rest see `published`
     ema: WeightAverage | None
     optimizers: list
@@ -323,65 +327,74 @@ class Run:
                     (lambda: False) if self.fsdp else self.stop_asked,
                     (0, 1) if self.fsdp else (self.rank, self.world_size))
 
-    def accumulate(self, step, n_sup, sums):
-        """Forward and backward over the step's micro-batches into sums, then read the next step's first batch
-        (tokenized while the device still works on this one). Returns the loaders' positions after the step's
-        batches (what a checkpoint resumes from) and None; or None and the DatasetError that stopped it."""
-        try:
-            for j, loader in enumerate(self.loaders):
-                x, y = self.prefetched if j == 0 else next(loader)
-                if self.probe:
-                    x, y = self.probe.mix(x, y, self.tokenizer, step, j, len(self.loaders), self.rank)
-                with autocast_for(self.run_config.device_type, self.run_config.dtype):
-                    loss, aux = self.model.forward_backward(x, y, loss_scale=1 / self.run_config.grad_accum,
-                                                            n_sup=n_sup)
-                sums += StepStats.pack(loss, aux)
-            after = [loader.state_dict() for loader in self.loaders]
-            self.prefetched = next(self.loaders[0]) if step + 1 < self.num_iterations else None
-            return after, None
-        except DatasetError as e:  # told to every rank by the step's reduction: no rank waits for this one
-            return None, e
-
     def optimizer_step(self, step):
-        """Forward and backward over the micro-batches, one all_reduce (the step's one host sync, which also
-        carries every rank's stop/save/data flags), then the update. Returns (StepStats, flags, lr multiplier).
-        Training data unreadable on any rank raises RankFailure on every rank, before the update."""
-        run_config, model, optimizers = self.run_config, self.model, self.optimizers
-        n_sup = model.train_depth(step)
-        sums = torch.zeros(StepStats.size(n_sup), device=self.device)
+        """One optimizer step, top to bottom: forward and backward over the micro-batches, one all_reduce carrying the
+        losses, the gradient norm and every rank's flags, then the update. Returns (StepStats, flags, lr multiplier).
+        Each robustness hook is a one-line stop_on_* call; training data unreadable on any rank raises RankFailure on
+        every rank, before the update."""
+        cfg, model = self.run_config, self.model
+        n_sup = model.train_depth(step)  # a function of the step alone: every rank and micro-batch agrees
+        sums = torch.zeros(StepStats.size(n_sup), device=self.device)  # on the device until the reduction
+        after, data_error = None, None
         try:
-            after, data_error = self.accumulate(step, n_sup, sums)
-            sq_grad_norm = reduce_gradients(optimizers)  # on every rank, data or not: the collectives pair up
-        except torch.OutOfMemoryError:
-            raise Exit(oom_message(run_config), code=ExitCode.OUT_OF_MEMORY)
-        values, flags = self.control.reduce(torch.cat([sums / (run_config.grad_accum * self.world_size),
+            for j, loader in enumerate(self.loaders):  # gradient accumulation: one loader per micro-step
+                x, y = self.prefetched if j == 0 else next(loader)
+                x, y = self.mix_probe(x, y, step, j)
+                with autocast_for(cfg.device_type, cfg.dtype):
+                    loss, aux = model.forward_backward(x, y, loss_scale=1 / cfg.grad_accum, n_sup=n_sup)
+                sums += StepStats.pack(loss, aux)  # no .item() here: the host runs ahead of the device
+            after = [loader.state_dict() for loader in self.loaders]
+            # the next step's first batch, read now, while the device still works through this step's kernels
+            self.prefetched = next(self.loaders[0]) if step + 1 < self.num_iterations else None
+        except DatasetError as e:  # told to every rank by the reduction below: no rank waits for this one
+            data_error = e
+        sq_grad_norm = reduce_gradients(self.optimizers)  # every rank, data or not, so the collectives pair up
+        # the step's one host sync: losses, gradient norm and every rank's stop/save/data/write flags, in one all_reduce
+        values, flags = self.control.reduce(torch.cat([sums / (cfg.grad_accum * self.world_size),
                                                        sq_grad_norm.view(1)]),
                                             data_failed=data_error is not None,
                                             write_failed=self.metrics.failure is not None)
         self.stop_on_write_failure(flags["write"])
-        if flags["data"]:
-            model.zero_grad(set_to_none=True)
-            raise_if_any_rank_failed(data_error, "reading the training data", flags["data"])
-        self.consumed = after
+        self.stop_on_data_failure(flags["data"], data_error)
+        self.consumed = after  # the loaders' positions a checkpoint of this step resumes from
         stats = StepStats.unpack(values, n_sup)
-        if not all(math.isfinite(v) for v in stats.losses + [stats.total]):
-            path = os.path.join(ckpt.model_dir(run_config.model_tag), f"nan_diagnostic_step{step:06d}.json")
-            if self.rank == 0:
-                write_nan_diagnostic(path, step, stats.losses, self.history, self.model_config)
-            raise Exit(f"loss is NaN/Inf at step {step} (per-step losses {stats.losses}); stopped without "
-                       f"saving, the last good checkpoint is untouched. Diagnostic: {path}", code=ExitCode.DIVERGED)
-        lrm = lr_multiplier(step, self.num_iterations, self.warmup_steps, run_config.warmdown_ratio,
-                            run_config.final_lr_frac)
-        set_schedule(optimizers, lrm, muon_momentum(step))
-        clipped_step(optimizers, stats.grad_norm, run_config.grad_clip)  # skipped when the norm is not finite
+        self.stop_on_nan(step, stats)
+        lrm = lr_multiplier(step, self.num_iterations, self.warmup_steps, cfg.warmdown_ratio, cfg.final_lr_frac)
+        set_schedule(self.optimizers, lrm, muon_momentum(step))
+        clipped_step(self.optimizers, stats.grad_norm, cfg.grad_clip)  # skipped when the norm is not finite
         model.zero_grad(set_to_none=True)
-        if not math.isfinite(stats.grad_norm):
-            raise Exit(f"gradient norm is {stats.grad_norm} at step {step}: the update was skipped and the "
-                       f"run stopped; lower --matrix_lr or use a milder --preset, then --resume",
-                       code=ExitCode.DIVERGED)
+        self.stop_on_bad_grad_norm(step, stats.grad_norm)
         if self.ema:
             self.ema.update_parameters(model)
         return stats, flags, lrm
+
+    def mix_probe(self, x, y, step, micro_step):
+        """The micro-batch with the depth probe's hops documents written over some rows, or as it is."""
+        if not self.probe:
+            return x, y
+        return self.probe.mix(x, y, self.tokenizer, step, micro_step, len(self.loaders), self.rank)
+
+    def stop_on_data_failure(self, failed_ranks, error):
+        """Every rank stops before the update when any rank could not read its training data."""
+        if failed_ranks:
+            self.model.zero_grad(set_to_none=True)
+            raise_if_any_rank_failed(error, "reading the training data", failed_ranks)
+
+    def stop_on_nan(self, step, stats):
+        """A NaN or infinite loss stops the run without saving, leaving a diagnostic beside the checkpoints."""
+        if all(math.isfinite(v) for v in stats.losses + [stats.total]):
+            return
+        path = os.path.join(self.run_dir, f"nan_diagnostic_step{step:06d}.json")
+        if self.rank == 0:
+            write_nan_diagnostic(path, step, stats.losses, self.history, self.model_config)
+        raise Exit(f"loss is NaN/Inf at step {step} (per-step losses {stats.losses}); stopped without saving, the "
+                   f"last good checkpoint is untouched. Diagnostic: {path}", code=ExitCode.DIVERGED)
+
+    def stop_on_bad_grad_norm(self, step, grad_norm):
+        """A gradient norm that is not finite skipped the update (clipped_step); the run stops there."""
+        if not math.isfinite(grad_norm):
+            raise Exit(f"gradient norm is {grad_norm} at step {step}: the update was skipped and the run stopped; "
+                       f"lower --matrix_lr or use a milder --preset, then --resume", code=ExitCode.DIVERGED)
 
     def log_step(self, step, stats, lrm, dt):
         """The step's record (losses, state diagnostics, throughput, MFU, memory, time, cost): logged and printed."""
@@ -410,7 +423,7 @@ class Run:
         when rank 0 could not write its files."""
         self.wait_for_checkpoint()
         if self.rank == 0 and step > 0:  # a fresh run stopped before its first step has nothing to summarize
-            self.metrics.attempt(lambda: write_summary(ckpt.model_dir(self.run_config.model_tag), self.run_config,
+            self.metrics.attempt(lambda: write_summary(self.run_dir, self.run_config,
                                                        step, self.control.elapsed(), self.control.price_per_hour,
                                                        self.model, self.tokenizer.fingerprint()))
         self.stop_on_write_failure(reduce_with_flags(torch.zeros(0, device=self.device),

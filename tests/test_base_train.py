@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from nanochat.cli import ExitCode
 from nanochat.data import dataloader
 from nanochat.train import config as train_config
 from nanochat.train import planning
@@ -319,6 +320,21 @@ def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_wh
     assert "--detach_between_steps" not in message  # on by default
     off = base_train.oom_message(train_config.parse_args([*TINY, "--detach_between_steps=false"]))
     assert "--detach_between_steps" in off
+
+
+def test_out_of_memory_in_a_step_exits_with_the_advice_and_code(base_dir, monkeypatch, capsys):
+    import nanochat.model.gpt
+    from scripts import base_train
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(nanochat.model.gpt.GPT, "forward_backward", out_of_memory)
+    with pytest.raises(SystemExit) as exit_info:
+        base_train.main(TINY + ["--num_iterations=2", "--model_tag=oom"])
+    assert exit_info.value.code == ExitCode.OUT_OF_MEMORY
+    assert "CUDA out of memory at --device_batch_size=" in capsys.readouterr().err
 
 
 def test_the_weight_average_is_on_for_long_runs_only():
