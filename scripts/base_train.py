@@ -278,7 +278,7 @@ class Run:
         every = lambda n: bool(n) and step % n == 0  # noqa: E731 - --eval_every / --sample_every; 0 = end only
         if (due or every(self.run_config.eval_every)) and not self.evaluate(step):
             return False
-        if due or every(self.run_config.sample_every):
+        if self.run_config.samples and (due or every(self.run_config.sample_every)):
             self.sample(step)
         return True
 
@@ -519,6 +519,9 @@ def print_config(run_config, num_iterations, horizon_source, model, tokens_per_s
            f"{'whole documents' if run_config.rows == 'documents' else 'the token stream'} (--rows)")
     for note in run_config.batch_notes:
         print0(f"  {note}")
+    if not run_config.samples:
+        print0("samples: off, the corpus is a generated one (python -m nanochat.dataset --synthetic), where the "
+               "English sample prompts mean nothing")
     print0(f"horizon: {num_iterations} steps ({horizon_source}), {num_iterations * tokens_per_step:,} tokens")
 
 

@@ -40,7 +40,7 @@ from nanochat.cli import ArgumentParser, Exit, ExitCode
 from nanochat.common import gpu_peak_flops
 from nanochat.data.dataset import data_dir, list_parquet_files
 from nanochat.data.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS, get_tokenizer
-from nanochat.eval.loss_eval import format_steps
+from nanochat.eval.loss_eval import format_steps, step_name
 from nanochat.eval.metrics import summary_path
 from nanochat.files import free_bytes, get_base_dir, gigabytes
 from nanochat.model.gpt import GPTConfig
@@ -499,7 +499,8 @@ def criteria_report(model_tag, phase):
     results = check_criteria(summary, phase)
     losses = summary.get("train_step_losses") or []
     lines = [f"=== {PHASES[phase]['title']} results: {model_tag} (step {summary['step']}) ===",
-             "final train loss per supervision step: " + ", ".join(f"step_{s} {l:.4f}" for s, l in enumerate(losses)),
+             "final train loss per supervision step: "
+             + ", ".join(f"{step_name(s)} {l:.4f}" for s, l in enumerate(losses)),
              *[f"[{status_label(status)}] {text}" for status, text in results]]
     all_met = all(status is not False for status, _ in results)
     if phase == "fast":

@@ -1,6 +1,8 @@
 """nanochat/eval/hops_eval.py with stand-in models whose answers are known (a solver written here, known probabilities),
 and base_loss --hops end to end on a tiny checkpoint trained on a tiny hops corpus."""
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -183,8 +185,11 @@ def hops_checkpoint(tmp_path_factory):
         assert dataset.main(["--synthetic=hops", "--synthetic_docs=400", "--hops_symbols=6", "--hops_max=3",
                              "--hops_queries=6"]) == 0
         assert tok_train.main(["--byte_level"]) == 0
-        base_train.main(helpers.TINY + ["--max_seq_len=64", "--num_iterations=2", "--eval_every=0",
-                                        "--model_tag=hops"])
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            base_train.main(helpers.TINY + ["--max_seq_len=64", "--num_iterations=2", "--eval_every=0",
+                                            "--model_tag=hops"])
+    assert "samples: off, the corpus is a generated one" in out.getvalue() and "sample: " not in out.getvalue()
     return base
 
 

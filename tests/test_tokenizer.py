@@ -195,6 +195,12 @@ def test_tok_train_then_eval(shards, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "gpt2 (gpt2) is not available offline" in out
     assert [line.split()[0] for line in out.splitlines()[-2:]] == ["train", "val"]
+    assert tok_eval.main(["--references=none"]) == 0  # the offline pipeline's call: nothing fetched, ours alone
+    out = capsys.readouterr().out
+    assert "not available" not in out and "gpt2" not in out and "ours (300)" in out
+    with pytest.raises(SystemExit):
+        tok_eval.main(["--references=gpt5"])
+    assert "--references=gpt5: unknown gpt5; use gpt2, gpt4 or none" in capsys.readouterr().err
 
 
 def test_fingerprint_changes_with_the_merges_and_not_with_the_object(tmp_path):

@@ -82,11 +82,13 @@ def test_auto_rows_are_whole_documents_on_a_generated_corpus_and_the_stream_on_t
     from nanochat.data.dataset import write_source
     monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path))
     settle = lambda *flags: parse(["--depth=2", "--device_type=cpu", *flags], world_size=1).rows  # noqa: E731
-    assert settle() == "stream"  # no corpus yet
+    samples = lambda: parse(["--depth=2", "--device_type=cpu"], world_size=1).samples  # noqa: E731
+    assert settle() == "stream" and samples()  # no corpus yet
     write_source(str(tmp_path), "synthetic: --synthetic=hops_pairs --seed=0 --hops_symbols=8")
     assert settle() == "documents" and settle("--rows=stream") == "stream"
+    assert not samples()  # English prompts on a hops corpus mean nothing
     write_source(str(tmp_path), "builtin: the Python standard library")
-    assert settle() == "stream" and settle("--rows=documents") == "documents"
+    assert settle() == "stream" and settle("--rows=documents") == "documents" and samples()
     (tmp_path / "manifest.json").write_text("{not json")  # whatever the manifest's name, a damaged one is text
     for name in os.listdir(tmp_path):
         (tmp_path / name).write_text("{not json")

@@ -82,9 +82,15 @@ def refinement(values):
     return supervision.refinement(values) if values and values[0] else 0.0
 
 
+def step_name(s):
+    """The name of supervision step s (0-based): numbered from 1 everywhere a person reads it, as base_loss, the hops
+    tables and the viewer number them."""
+    return f"step {s + 1}"
+
+
 def format_steps(values, digits=4, names=False):
     """'2.70 > 2.64 < 2.65': per-step values joined by their true order, so an inversion is visible at a glance."""
-    parts = [f"step_{s} {v:.{digits}f}" if names else f"{v:.{digits}f}" for s, v in enumerate(values)]
+    parts = [f"{step_name(s)} {v:.{digits}f}" if names else f"{v:.{digits}f}" for s, v in enumerate(values)]
     signs = [">" if a > b else "<" if a < b else "=" for a, b in zip(values, values[1:])]
     return parts[0] + "".join(f" {sign} {part}" for sign, part in zip(signs, parts[1:])) if parts else ""
 

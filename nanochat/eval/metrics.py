@@ -21,7 +21,7 @@ import torch
 
 from nanochat.common import print0
 from nanochat.eval.health import LossSmoother, smooth
-from nanochat.eval.loss_eval import format_steps, refinement
+from nanochat.eval.loss_eval import format_steps, refinement, step_name
 from nanochat.files import WriteError, atomic_write_bytes, remove_stale_temporaries, writing
 
 GPU_READ_EVERY_S = 10.0  # NVML readings (3 calls per GPU) at most this often: a step's log line needs no fresher ones
@@ -340,7 +340,7 @@ def report_markdown(summary, records, run_config, model):
              "| supervision step | train loss | train loss (smoothed) | val bpb |", "|---|---|---|---|"]
     cell = lambda values, s: f"{values[s]:.4f}" if values and s < len(values) else "-"
     for s in range(model.config.n_sup_train):
-        lines.append(f"| step_{s} | {cell(summary['train_step_losses'], s)} | "
+        lines.append(f"| {step_name(s)} | {cell(summary['train_step_losses'], s)} | "
                      f"{cell(summary['train_step_losses_smoothed'], s)} | {cell(summary['val_bpb'], s)} |")
     if summary["val_bpb"]:
         lines += ["", f"Validation refinement: {100 * summary['val_refinement']:.1f}%"]
@@ -364,7 +364,8 @@ def probe_section(probe):
              f"A recursion that uses its depth climbs down the long-hop columns.", "",
              "| supervision step | " + " | ".join(f"{h} hops" for h in probe["hops"]) + " |",
              "|---" * (len(probe["hops"]) + 1) + "|"]
-    lines += [f"| step_{s} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for s, row in enumerate(probe["accuracy"])]
+    lines += [f"| {step_name(s)} | " + " | ".join(f"{v:.3f}" for v in row) + " |"
+              for s, row in enumerate(probe["accuracy"])]
     return lines
 
 

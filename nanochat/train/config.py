@@ -248,6 +248,7 @@ class RunConfig:
     total_batch_size: int  # settled: tokens per optimizer step
     gradient_accumulation_steps: int | None  # as given; grad_accum is the settled one
     rows: str  # settled: stream | documents (nanochat/data/dataloader.py)
+    samples: bool  # greedy completions of SAMPLE_PROMPTS: off on a generated corpus, where English prompts mean nothing
     # horizon
     num_iterations: int | None
     target_flops: float | None
@@ -312,17 +313,22 @@ class RunConfig:
     batch_notes: tuple = ()  # why the batch is what it is, one line each
 
 
-def settle_rows(requested):
+def generated_corpus():
+    """Whether the corpus is a generated one (python -m nanochat.dataset --synthetic), from its recorded source."""
+    try:
+        source = read_source(data_dir(create=False)) or ""
+    except (OSError, ValueError, KeyError, TypeError):  # an unreadable manifest: the loader says what is wrong
+        source = ""
+    return source.startswith(SYNTHETIC)
+
+
+def settle_rows(requested, generated):
     """--rows=auto: whole documents on a generated corpus, whose tokens mean nothing without their document's start (a
     hops table and its queries: rows cut mid-document kept the recursion at chance, dev/LOG.md issue 36); the stream
     on text, where every token trains."""
     if requested != "auto":
         return requested
-    try:
-        source = read_source(data_dir(create=False)) or ""
-    except (OSError, ValueError, KeyError, TypeError):  # an unreadable manifest: the loader says what is wrong
-        source = ""
-    return "documents" if source.startswith(SYNTHETIC) else "stream"
+    return "documents" if generated else "stream"
 
 
 def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None):
@@ -381,6 +387,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     if flags.sharding == "fsdp" and check_hardware and not flags.dry_run and not get_dist_info()[0]:
         parser.error("--sharding=fsdp needs a process group: launch with torchrun --standalone --nproc_per_node=N "
                      "-m scripts.base_train -- ... (N=1 works)")
+    generated = generated_corpus()
     run_config = RunConfig(**{
         **vars(flags), "device_type": device_type, "dtype": flags.dtype or default_dtype(device_type),
         "compile": device_type == "cuda" if flags.compile is None else flags.compile,
@@ -388,7 +395,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
         "config_sources": config_sources, "world_size": world_size,
         "sharding_requested": flags.sharding,  # auto is settled by the batch's memory budget (planning.plan_batch)
         "plan_vocab_size": vocab_size or tokenizer_vocab_size() or GPTConfig.vocab_size,  # tok_train's default too
-        "rows": settle_rows(flags.rows), "argv": argv})
+        "rows": settle_rows(flags.rows, generated), "samples": not generated, "argv": argv})
     if run_config.model_config["state_dtype"] != "float32" and run_config.dtype == "float32":
         parser.error(f"--state_dtype={run_config.model_config['state_dtype']} needs autocast: add --dtype=bfloat16")
     try:
