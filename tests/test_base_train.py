@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from nanochat import trainer
 from nanochat.cli import ExitCode
 from nanochat.data import dataloader
 from nanochat.train import config as train_config
@@ -270,7 +271,6 @@ def test_ema_publishes_the_average_trains_on_the_raw_weights_and_resumes_exactly
 def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
     # every way a tensor's value reaches Python is a host sync on a GPU; count them over 2 and 5 steps: the extra
     # 3 steps (no evaluation, sample or save in between) must cost exactly 3 reads, with the weight average too
-    from scripts import base_train
     from tests.support.helpers import host_syncs
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     counts = []
@@ -278,7 +278,7 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
         run_config = train_config.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", ema,
                                         f"--model_tag={tag}{ema[-1]}"])
         with host_syncs() as reads:
-            base_train.train(run_config)
+            trainer.train(run_config)
         counts.append(len(reads))
     assert counts[1] - counts[0] == 3, counts
 
@@ -286,11 +286,10 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
 def test_mfu_is_measured_against_peak_tflops_when_given(base_dir, monkeypatch):
     # --peak_tflops' help says MFU uses it; base_train read only the GPU table, so a CPU (or unlisted GPU) showed none
     from nanochat.model.gpt import GPT
-    from scripts import base_train
     flops, real = [], GPT.estimate_flops
     monkeypatch.setattr(GPT, "estimate_flops", lambda self, *a, **k: flops.append(real(self, *a, **k)) or flops[-1])
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
-    base_train.train(train_config.parse_args([*TINY, "--num_iterations=2", "--eval_every=0", "--peak_tflops=0.002",
+    trainer.train(train_config.parse_args([*TINY, "--num_iterations=2", "--eval_every=0", "--peak_tflops=0.002",
                                               "--model_tag=mfu"]))
     with open(os.path.join(ckpt_dir(base_dir, "mfu"), "metrics.jsonl")) as f:
         steps = [r for r in map(json.loads, f) if r["kind"] == "train"]
@@ -313,12 +312,11 @@ def test_sampled_depth_trains_logs_and_plots(base_dir):
 
 
 def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_what_is_off():
-    from scripts import base_train
     run_config = train_config.parse_args([*TINY, "--device_batch_size=8", "--gradient_accumulation_steps=2"])
-    message = base_train.oom_message(run_config)
+    message = trainer.oom_message(run_config)
     assert "--device_batch_size (e.g. 4) with --gradient_accumulation_steps=4" in message
     assert "--detach_between_steps" not in message  # on by default
-    off = base_train.oom_message(train_config.parse_args([*TINY, "--detach_between_steps=false"]))
+    off = trainer.oom_message(train_config.parse_args([*TINY, "--detach_between_steps=false"]))
     assert "--detach_between_steps" in off
 
 
@@ -352,7 +350,6 @@ def test_the_weight_average_is_on_for_long_runs_only():
 def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch):
     # bf16 on a GPU; CPU autocast stands in for it: every cached (sampling) forward must run under it
     from nanochat.model.gpt import GPT
-    from scripts import base_train
     seen, real = [], GPT.forward
 
     def forward(self, *args, kv_cache=None, **kwargs):
@@ -362,7 +359,7 @@ def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch
 
     monkeypatch.setattr(GPT, "forward", forward)
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
-    base_train.train(train_config.parse_args([*TINY, "--num_iterations=1", "--dtype=bfloat16", "--model_tag=bf16"]))
+    trainer.train(train_config.parse_args([*TINY, "--num_iterations=1", "--dtype=bfloat16", "--model_tag=bf16"]))
     assert seen and all(seen_dtype == (True, torch.bfloat16) for seen_dtype in seen)
 
 
@@ -372,7 +369,6 @@ def test_each_rank_samples_its_share_and_rank_0_reports_them_as_one_process(base
 
     from nanochat.data.tokenizer import get_tokenizer
     from nanochat.model.engine import Engine
-    from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     tokenizer = get_tokenizer()
     model = random_model(tiny_config(vocab_size=tokenizer.get_vocab_size()), every_weight=True)
@@ -384,22 +380,22 @@ def test_each_rank_samples_its_share_and_rank_0_reports_them_as_one_process(base
     def samples(share, theirs=None, stop=never):
         """What rank share[0] prints and logs, and what it hands to the gather."""
         logged, sent = [], []
-        monkeypatch.setattr(base_train, "gather_shares", lambda mine, count: sent.append(mine) or [mine, theirs])
-        base_train.run_samples(model, tokenizer, run_config, SimpleNamespace(log=logged.append), 7, stop, share)
+        monkeypatch.setattr(trainer, "gather_shares", lambda mine, count: sent.append(mine) or [mine, theirs])
+        trainer.run_samples(model, tokenizer, run_config, SimpleNamespace(log=logged.append), 7, stop, share)
         return capsys.readouterr().out, logged, sent
 
     alone, alone_logged, sent = samples((0, 1))
     assert rows == [4] and sent == [] and alone.count("sample: ") == 4, alone
     completions = [completion for _, completion in alone_logged[0]["samples"]]
     assert len(set(completions)) == 4  # distinct: a completion in the wrong place shows
-    theirs = base_train.sample_share(model, tokenizer, run_config, base_train.SAMPLE_PROMPTS[1::2], never)
+    theirs = trainer.sample_share(model, tokenizer, run_config, trainer.SAMPLE_PROMPTS[1::2], never)
     assert samples((0, 2), theirs) == (alone, alone_logged, [(completions[0::2], None)])
     assert rows == [4, 2, 2]  # rank 1's share, then rank 0's: half the prompts each
-    assert base_train.sample_share(model, tokenizer, run_config, [], never) == ([], None) and len(rows) == 3
+    assert trainer.sample_share(model, tokenizer, run_config, [], never) == ([], None) and len(rows) == 3
     # a share cut short by a signal, or failed, on either rank: every rank still gathers, and nothing is logged
     abandoned = "samples abandoned: a stop signal arrived\n"
-    assert samples((0, 2), (None, base_train.STOPPED)) == (abandoned, [], [(completions[0::2], None)])
-    assert samples((0, 2), theirs, stop=lambda: True) == (abandoned, [], [(None, base_train.STOPPED)])
+    assert samples((0, 2), (None, trainer.STOPPED)) == (abandoned, [], [(completions[0::2], None)])
+    assert samples((0, 2), theirs, stop=lambda: True) == (abandoned, [], [(None, trainer.STOPPED)])
     skipped = "WARNING: sampling failed and was skipped: "
     assert samples((0, 2), (None, "ValueError: injected"))[:2] == (skipped + "on rank 1: ValueError: injected\n", [])
 
@@ -520,13 +516,12 @@ def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
 
     from nanochat.checkpoint import resume
     from nanochat.train import lifecycle
-    from scripts import base_train
     run_config = train_config.parse_args([*TINY, "--num_iterations=6", "--warmup_steps=2", "--early_stop=3"])
     model_config = {**run_config.model_config, "vocab_size": 300}
     corpus = {"fingerprint": "abc123", "dir": "/data", "shards": 3}
     early_stop = lifecycle.EarlyStop(3)
     early_stop.record(4, 1.25)
-    meta = json.loads(json.dumps(base_train.checkpoint_meta(  # as meta.json holds it
+    meta = json.loads(json.dumps(trainer.checkpoint_meta(  # as meta.json holds it
         run_config, model_config, "tok", corpus, 6, 2, val_bpb=[1.5, 1.25], elapsed_seconds=12.5,
         early_stop=early_stop.state(), cost=0.25, loader_state={"position": 3})))
     # what start_or_resume checks: the model config, batch geometry and sharding; the tokenizer; the data
@@ -538,7 +533,7 @@ def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
     assert meta["elapsed_seconds"] == 12.5
     assert (meta["num_iterations"], meta["warmup_steps"], meta["train_config"]["warmdown_ratio"],
             meta["train_config"]["final_lr_frac"]) == (6, 2, run_config.warmdown_ratio, run_config.final_lr_frac)
-    resumed = base_train.early_stop_for(run_config, SimpleNamespace(step=4, meta=meta))
+    resumed = trainer.early_stop_for(run_config, SimpleNamespace(step=4, meta=meta))
     assert (resumed.best, resumed.stale, resumed.last_step) == ([4, 1.25], 0, 4)
     assert meta["val_bpb"] == [1.5, 1.25] and meta["dataloader"] == {"position": 3}
 
@@ -551,7 +546,6 @@ def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_t
     from nanochat.checkpoint.writer import CheckpointWriter
     from nanochat.eval.loss_eval import EvaluationStopped, refinement
     from nanochat.train import lifecycle
-    from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     os.makedirs(ckpt.step_dir("alone", 4))
     with open(os.path.join(ckpt.step_dir("alone", 4), "meta.json"), "w") as f:
@@ -564,10 +558,10 @@ def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_t
             raise EvaluationStopped()  # a signal arrived during the evaluation
         return result
 
-    monkeypatch.setattr(base_train, "validation_bpb", validation)
+    monkeypatch.setattr(trainer, "validation_bpb", validation)
     logged = []
-    parts = {f.name: None for f in dataclasses.fields(base_train.Run)}  # only what evaluation uses is given
-    run = base_train.Run(**{**parts, "run_config": train_config.parse_args([*TINY, "--model_tag=alone"]), "rank": 0,
+    parts = {f.name: None for f in dataclasses.fields(trainer.Run)}  # only what evaluation uses is given
+    run = trainer.Run(**{**parts, "run_config": train_config.parse_args([*TINY, "--model_tag=alone"]), "rank": 0,
                             "early_stop": lifecycle.EarlyStop(2), "writer": CheckpointWriter(background=False),
                             "metrics": SimpleNamespace(log=logged.append, attempt=lambda write: write())})
     assert run.evaluate(4) is True

@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanochat import trainer
 from nanochat.checkpoint import manager as ckpt
 from nanochat.checkpoint import resume
 from nanochat.checkpoint import writer as checkpoint_writer
@@ -178,7 +179,7 @@ def test_disk_preflight_refuses_before_writing(base, monkeypatch, capsys):
 
 def test_backup_retention_keeps_the_newest_and_the_best(base, tmp_path):
     assert train(*FLAGS, "--save_every=1", "--keep_last=0", "--num_iterations=3", "--model_tag=ret") == 0
-    base_train.update_checkpoint_bpb("ret", 1, [0.5, 0.1])  # step 1 becomes the best
+    trainer.update_checkpoint_bpb("ret", 1, [0.5, 0.1])  # step 1 becomes the best
     uploads = Backup.location(str(tmp_path / "bucket"), "ret", keep_last=1)
     for step in (1, 2, 3):  # one upload at a time, each waited for
         uploads.start().submit(step)

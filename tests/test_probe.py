@@ -13,7 +13,7 @@ from nanochat.eval.hops_eval import encode_hops, evaluate_hops
 from nanochat.train import config as train_config
 from nanochat.train import planning
 from nanochat.train import probe as probe_module
-from scripts.base_train import Run
+from nanochat.trainer import Run
 from tests.test_hops_eval import BYTES, FakeModel, logits_with, oracle
 
 PROBE = probe_module.build("hops", share=0.1, seed=42, eval_docs=64)

@@ -256,7 +256,7 @@ def build_memory():
     """How much this rank's resident host memory peaks above where it was while base_train's build_model builds the
     sharded model (~134 MB float32) on the CPU, after a tiny build has paid the one-off costs (FSDP's and DTensor's
     first use, the device mesh); with the model's bytes and this rank's shards'."""
-    from scripts.base_train import build_model
+    from nanochat.trainer import build_model
     tiny = dict(sequence_len=8, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=8)
     build_model(GPTConfig(**tiny).to_dict(), torch.device("cpu"), True, "float32")
     torch.manual_seed(0)
