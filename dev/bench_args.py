@@ -5,7 +5,7 @@ The model flags the dev/bench_*.py scripts share, and the GPTConfig they describ
     config = build_config(args, sequence_len=128, n_loops=2)   # what the bench sets itself wins over the flags
 """
 
-from nanochat.gpt import GPTConfig
+from nanochat.model.gpt import GPTConfig
 
 DEFAULTS = dict(depth=4, n_embd=256, n_head=2, vocab=8192)  # CPU-sized: a step in well under a second
 

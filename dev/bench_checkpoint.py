@@ -18,12 +18,12 @@ import time
 import torch
 
 from dev.bench_args import add_model_flags, build_config
-from nanochat import checkpoint_manager as ckpt
-from nanochat.checkpoint_writer import CheckpointWriter
+from nanochat import checkpoint as ckpt
+from nanochat.checkpoint.writer import CheckpointWriter
 from nanochat.common import compute_cleanup, compute_init, print0
 from nanochat.files import gigabytes
-from nanochat.gpt import GPT
-from nanochat.optim import setup_optimizers
+from nanochat.model.gpt import GPT
+from nanochat.train.optim import setup_optimizers
 
 
 def build(args):

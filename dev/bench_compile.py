@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.model.gpt import GPT, GPTConfig
 
 
 def measure(mode, applications, threads):

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from nanochat.dataloader import DataLoader
-from nanochat.dataset import build_builtin
-from nanochat.tokenizer import RustBPETokenizer, get_tokenizer
+from nanochat.data.dataloader import DataLoader
+from nanochat.data.dataset import build_builtin
+from nanochat.data.tokenizer import RustBPETokenizer, get_tokenizer
 from scripts.tok_train import capped_documents
 
 

@@ -15,8 +15,8 @@ import time
 import torch
 
 from dev.bench_args import add_model_flags, build_config
-from nanochat.engine import Engine, kv_cache_bytes_per_token
-from nanochat.gpt import GPT
+from nanochat.model.engine import Engine, kv_cache_bytes_per_token
+from nanochat.model.gpt import GPT
 
 
 def parse_args():

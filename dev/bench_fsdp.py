@@ -1,7 +1,8 @@
 """
 FSDP (--sharding=fsdp) against DDP (replicated weights, ZeRO-1 optimizers) on Gloo ranks: parameter all-gathers and
 gradient reduce-scatters per micro-step (FSDP's collectives counted by wrapping torch.distributed's), seconds per
-optimizer step, the peak resident memory and the tensor bytes held between steps. CPU only; the counts are what a GPU run makes too.
+optimizer step, the peak resident memory and the tensor bytes held between steps. CPU only; the counts are what a GPU
+run makes too.
 
     torchrun --standalone --nproc_per_node=2 -m dev.bench_fsdp                       # TRM defaults at width 256
     torchrun --standalone --nproc_per_node=2 -m dev.bench_fsdp --n_loops=0 --n_sup_train=1 --depth=8
@@ -19,9 +20,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dev.bench_args import add_model_flags, build_config
-from nanochat import sharding
-from nanochat.gpt import GPT
-from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
+from nanochat.model.gpt import GPT
+from nanochat.train import sharding
+from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 
 COUNTED = ("all_gather_single", "reduce_scatter_single", "all_to_all", "all_reduce")  # FSDP2's and ShardedMuon's
 
@@ -123,7 +124,8 @@ def main():
         print(f"  one micro-step (forward_backward): {micro}")
         print(f"  the update (reduce_gradients + clipped_step): {update}")
         print(f"  {dt * 1000:.0f} ms per optimizer step (mean of {args.steps}); peak RSS above the start "
-              f"{peak / 1e6:.0f} MB (FSDP too builds the whole model first); tensors held between steps {held / 1e6:.0f} MB")
+              f"{peak / 1e6:.0f} MB (FSDP too builds the whole model first); tensors held between steps "
+              f"{held / 1e6:.0f} MB")
     dist.destroy_process_group()
 
 

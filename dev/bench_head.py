@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-import nanochat.supervision as supervision
+import nanochat.model.supervision as supervision
 
 VARIANTS = ("eager", "compiled", "chunked", "chunked-compiled")
 

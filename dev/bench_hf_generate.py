@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from dev.bench_args import add_model_flags, build_config
-from nanochat.gpt import GPT
-from nanochat.tokenizer import RustBPETokenizer
+from nanochat.data.tokenizer import RustBPETokenizer
+from nanochat.model.gpt import GPT
 from scripts import export_hf
 
 

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+import nanochat.train.optim
 from dev.bench_args import add_model_flags, build_config
-import nanochat.optim
-from nanochat.gpt import GPT
-from nanochat.optim import setup_optimizers
+from nanochat.model.gpt import GPT
+from nanochat.train.optim import setup_optimizers
 
 # (name, n_loops, T_recursion, n_sup_train); the first is the plain GPT everything is compared with
 CONFIGS = [
@@ -48,9 +48,9 @@ def build(args, n_loops, T_recursion, n_sup, **flags):
     return model, optimizers, batch
 
 
-def optimizer_step(optimizers, optim=nanochat.optim, ddp=False):
+def optimizer_step(optimizers, optim=nanochat.train.optim, ddp=False):
     """base_train's update at --grad_clip=1.0: reduce_gradients, the squared norm summed over ranks, clipped_step.
-    optim: the nanochat.optim module of the checkout being timed."""
+    optim: the nanochat.train.optim module of the checkout being timed."""
     sq_grad_norm = optim.reduce_gradients(optimizers)
     if ddp:
         dist.all_reduce(sq_grad_norm)

@@ -71,9 +71,9 @@ def main():
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
 
-    import nanochat.gpt
-    import nanochat.optim
-    runs = {"ours": (nanochat.optim, build(nanochat.gpt, nanochat.optim, args, rank))}
+    import nanochat.model.gpt
+    import nanochat.train.optim
+    runs = {"ours": (nanochat.train.optim, build(nanochat.model.gpt, nanochat.train.optim, args, rank))}
     if args.baseline:
         with other_nanochat(args.baseline) as load:  # setup_optimizers imports the optimizers: build in here
             runs["baseline"] = (load("nanochat.optim"), build(load("nanochat.gpt"), load("nanochat.optim"), args, rank))

@@ -1,5 +1,5 @@
 """
-What the viewer's per-step data costs: time to first token and per-token decode time of nanochat.refinement.generate
+What the viewer's per-step data costs: time to first token and per-token decode time of nanochat.serve.refinement.generate
 (each step's head, probabilities and halting score per token, each event JSON-encoded as the server sends it) against
 a plain Engine.generate, same model, prompt and tokens.
 
@@ -20,9 +20,9 @@ import torch
 
 from dev.bench_args import add_model_flags, build_config
 from dev.bench_engine import random_model
-from nanochat import refinement
-from nanochat.engine import Engine
-from nanochat.halting import Halting
+from nanochat.model.engine import Engine
+from nanochat.model.halting import Halting
+from nanochat.serve import refinement
 
 
 class NumberNames:

@@ -216,8 +216,8 @@ def steps_counter(base_url, api_key):
 def held_out_windows(count, length, seed):
     """count windows of length tokens from the validation split under $NANOCHAT_BASE_DIR (its tokenizer's ids; each
     document cut into windows that do not overlap, count of them drawn at random), and the tokenizer."""
-    from nanochat.dataset import iter_documents
-    from nanochat.tokenizer import get_tokenizer
+    from nanochat.data.dataset import iter_documents
+    from nanochat.data.tokenizer import get_tokenizer
     tokenizer = get_tokenizer()
     windows = []
     for document in iter_documents("val"):

@@ -29,7 +29,7 @@ import torch
 
 from dev.bench_args import add_model_flags, build_config
 from dev.bench_model import build, optimizer_step
-from nanochat.optim import setup_optimizers
+from nanochat.train.optim import setup_optimizers
 
 # (name, n_loops, T_recursion, n_sup_train); plain is our GPT in nanochat's shape, the others are compared with it
 CONFIGS = [

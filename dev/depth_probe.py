@@ -14,10 +14,10 @@ import argparse
 
 import torch
 
-from nanochat import gpt
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.synthetic import HopsSpec, hops_documents
-from nanochat.tokenizer import RustBPETokenizer
+from nanochat.data.synthetic import HopsSpec, hops_documents
+from nanochat.data.tokenizer import RustBPETokenizer
+from nanochat.model import gpt
+from nanochat.model.gpt import GPT, GPTConfig
 
 VARIANTS = {  # name -> GPTConfig fields
     "trm (z, y <- norm(u + D), default before 2026-11-25)": dict(n_loops=2, state_update="trm"),

@@ -15,10 +15,10 @@ The checks, in order (--quick runs the ones marked *: no tokenizer training, so 
   * kv_cache_dtype             the dtype the KV cache stores under autocast
     tiny_compile               torch.compile builds and gives the eager result
   * plain_*, trm_*             a compiled depth-12 training micro-step of a plain GPT (n_loops=0, n_sup_train=1) and of
-                               gpt.py's TRM defaults, at the planner's micro-batch (nanochat/memory.py), as base_train
-                               runs it (regional compile, forward_backward, bf16 autocast on CUDA): step time, tokens/s,
-                               MFU (of the whole step, optimizer included), peak memory against the planner's
-                               estimate, recompiles and graph breaks
+                               gpt.py's TRM defaults, at the planner's micro-batch (nanochat/train/memory.py), as
+                               base_train runs it (regional compile, forward_backward, bf16 autocast on CUDA): step
+                               time, tokens/s, MFU (of the whole step, optimizer included), peak memory against the
+                               planner's estimate, recompiles and graph breaks
   * trm_bf16_state             the same TRM step with the recursion state in bf16 (bf16 autocast only), and its
                                tokens/s and peak memory over the float32 state's
   * nanochat_compare           the same plain step of nanochat's own GPT and optimizer (--nanochat DIR: a checkout, or
@@ -35,8 +35,9 @@ and transformers' copy of its code live in --out/work (removed when every check 
 in --out/logs): nothing of yours is read or changed.
 """
 
-import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
+# isort: split
 import argparse
 import contextlib
 import dataclasses
@@ -57,13 +58,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanochat import attention, memory
+from dev.bench_model import optimizer_step
 from nanochat.cli import ExitCode
 from nanochat.common import gpu_peak_flops
 from nanochat.files import atomic_write_bytes
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import setup_optimizers
-from dev.bench_model import optimizer_step
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train import attention, memory
+from nanochat.train.optim import setup_optimizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_TAG = "gpucheck"
@@ -248,7 +249,7 @@ def check_attention(ctx):
 
 def check_kv_cache_dtype(ctx):
     from dev.bench_engine import random_model
-    from nanochat.engine import Engine
+    from nanochat.model.engine import Engine
     model = random_model(micro_step_config(ctx, plain=False).replace(n_layer=1), ctx.device)
     prompt = torch.randint(0, model.config.vocab_size, (1, ctx.sizes.prompt_tokens), device=ctx.device)
     cache = Engine(model).new_cache(1, prompt.size(1), model.config.n_sup_inference)
@@ -503,7 +504,7 @@ def train_losses(records):
 
 def check_train_run(ctx):
     shutil.rmtree(ctx.base_dir, ignore_errors=True)  # the kit's own directory: a rerun starts from nothing
-    run_process(ctx, ["-m", "nanochat.dataset", "--builtin"], "dataset")
+    run_process(ctx, ["-m", "nanochat.data.dataset", "--builtin"], "dataset")
     run_process(ctx, ["-m", "scripts.tok_train", *ctx.sizes.tokenizer], "tok_train")
     run_process(ctx, base_train_args(ctx), "base_train")
     records = metrics(ctx)
@@ -540,7 +541,7 @@ def check_train_resume(ctx):
 # ---------------------------------------------------------------------------------------------------- generation
 def kv_cache_gap(ctx, model, prompt, autocast):
     """Greedy decode with the cache; max |cached - uncached| logits at every decoded position, and the sequence."""
-    from nanochat.engine import Engine
+    from nanochat.model.engine import Engine
     n_sup = model.config.n_sup_inference
     cache = Engine(model).new_cache(1, prompt.size(1) + ctx.sizes.decode_tokens, n_sup)
     with torch.inference_mode(), autocast:
@@ -577,7 +578,7 @@ def check_kv_cache(ctx):
 
 def check_decode(ctx):
     from dev.bench_engine import random_model
-    from nanochat.engine import Engine
+    from nanochat.model.engine import Engine
     model = random_model(micro_step_config(ctx, plain=False), ctx.device)
     prompt = torch.randint(0, model.config.vocab_size, (ctx.sizes.prompt_tokens,)).tolist()
     engine = Engine(model)
@@ -596,7 +597,7 @@ def check_export_hf(ctx):
         raise RuntimeError("needs train_run's checkpoint, and train_run failed")
     from transformers import AutoModelForCausalLM
 
-    from nanochat.checkpoint_manager import load_model
+    from nanochat.checkpoint.manager import load_model
     from scripts import export_hf
     out = os.path.join(ctx.work, "export_hf")
     if export_hf.main(["--model_tag", MODEL_TAG, "--out", out, "--force"]) != 0:
@@ -641,7 +642,8 @@ def markdown(report):
     lines = [f"# GPU check: {env.get('device')} ({report['device_type']}), {report['created']}", "",
              "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
              f"{sum(r['ok'] for r in report['checks'])}/{len(report['checks'])} checks passed in "
-             f"{report['wall_s']:.0f} s{' (--quick)' if report.get('quick') else ''}.", "", "| check | ok | value | expected |", "|---|---|---|---|"]
+             f"{report['wall_s']:.0f} s{' (--quick)' if report.get('quick') else ''}.", "",
+             "| check | ok | value | expected |", "|---|---|---|---|"]
     cell = lambda text: str(text).replace("|", "\\|").replace("\n", " ")  # noqa: E731 - a | would end the cell
     lines += [f"| {r['name']} | {'ok' if r['ok'] else 'FAIL'} | {cell(r['value'])} | {cell(r['expected'])} |"
               for r in report["checks"]]

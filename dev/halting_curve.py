@@ -13,11 +13,11 @@ read (hold_keys=False): the difference is what reading a halted token's keys fro
 
 import os
 
-from nanochat import checkpoint_manager as ckpt
+from nanochat import checkpoint as ckpt
 from nanochat.cli import ArgumentParser, Exit
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype
-from nanochat.halting import Halting
-from nanochat.loss_eval import evaluate_bpb, evaluate_bpb_halting
+from nanochat.eval.loss_eval import evaluate_bpb, evaluate_bpb_halting
+from nanochat.model.halting import Halting
 
 THRESHOLDS = {  # from 'halts almost nothing' to 'halts almost everything after step 1' on the CPU-scale models
     "kl": [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1],
@@ -28,9 +28,7 @@ THRESHOLDS = {  # from 'halts almost nothing' to 'halts almost everything after 
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m dev.halting_curve")
-    p.add_argument("--model_tag", type=ckpt.model_tag_arg, default=None,
-                   help="default: the most recently written model")
-    p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
+    ckpt.checkpoint_flags(p)
     p.add_argument("--device_batch_size", type=int, default=8)
     p.add_argument("--max_seq_len", type=int, default=None, help="default: the model's sequence_len")
     p.add_argument("--split_tokens", type=int, default=262144, help="validation tokens per point")
@@ -99,11 +97,10 @@ def main(argv=None):
     args = parse_args(argv)
     device_type = args.device_type or autodetect_device_type()
     _, rank, _, world_size, device = compute_init(device_type)
-    from nanochat.dataloader import evaluation_batches, evaluation_size
-    from nanochat.tokenizer import get_token_bytes
+    from nanochat.data.dataloader import evaluation_batches, evaluation_size
+    from nanochat.data.tokenizer import get_token_bytes
     try:
-        model_tag = args.model_tag or ckpt.latest_model_tag()
-        model, tokenizer, meta = ckpt.load_model(model_tag, args.step, device)
+        model, tokenizer, meta, model_tag, _ = ckpt.open_checkpoint(args.model_tag, args.step, device)
     except ValueError as e:
         raise Exit(f"halting_curve: {e}")
     rules = [r for r in args.rules if r != "head" or model.config.halt_head]

@@ -6,10 +6,13 @@ python -m dev.hops --name plain1 --depth 1 --n_loops 0 --n_sup 1                
 python -m dev.hops --name loop --depth 1 --n_loops 0 --n_sup 4 --detach 0 --preset uniform         # it, looped 4x
 
 --format masked (the default): one table as one token per entry, then queries whose answers are targets only (see
-masked_row). --format chains: variable-binding rows, a depth task of another shape (chains_row). --format answers: issue 36's pairs-and-answers rows (answers_row), whose answers stand in the input. --format pairs / text: the LM documents of nanochat.synthetic (answers in the text, so later queries can
-reuse earlier answers). The product's GPT, its forward_backward and optimizers (Muon + AdamW), warmup then linear
-warmdown. Prints one JSON line per run (appended to --out): accuracy[step][hops] on held-out rows for steps 1..2N,
-the answer loss per step, and the training time.
+masked_row). --format chains: variable-binding rows, a depth task of another shape (chains_row). --format vchains:
+issue 51's implicit depth, `a=b; b=c; c=3; ? a`, evaluated on chains longer than any in training (vchains_row).
+--format answers: issue 36's pairs-and-answers rows (answers_row), whose answers stand in the input. --format pairs /
+text: the LM documents of nanochat.data.synthetic (answers in the text, so later queries can reuse earlier answers).
+The product's GPT, its forward_backward and optimizers (Muon + AdamW), warmup then linear warmdown. Prints one JSON
+line per run (appended to --out): accuracy[step][hops] on held-out rows for steps 1..eval_mult x N, the answer loss
+per step, and the training time.
 """
 
 import argparse
@@ -19,11 +22,11 @@ import time
 
 import torch
 
-import nanochat.gpt
-from nanochat.gpt import GPT, GPTConfig, REFINEMENT_PRESETS
-from nanochat.optim import muon_momentum, setup_optimizers
-from nanochat.synthetic import HopsSpec, draw_table, hops_answers, hops_documents, pairs_answers, pairs_document
-from nanochat.tokenizer import RustBPETokenizer
+import nanochat.model.gpt
+from nanochat.data.synthetic import HopsSpec, draw_table, hops_answers, hops_documents, pairs_answers, pairs_document
+from nanochat.data.tokenizer import RustBPETokenizer
+from nanochat.model.gpt import GPT, REFINEMENT_PRESETS, GPTConfig
+from nanochat.train.optim import muon_momentum, setup_optimizers
 
 FORMAT = {"name": "masked", "answers": hops_answers}  # main() sets it from --format
 
@@ -200,7 +203,7 @@ def answers_eval_rows(seed, count, spec, hide=False):
 
 
 # Ablations of the layer visit (gpt.visit_layer), swapped in by --variant: each changes one thing of it.
-VISIT = nanochat.gpt.visit_layer  # the original, kept: --variant replaces the module's name
+VISIT = nanochat.model.gpt.visit_layer  # the original, kept: --variant replaces the module's name
 
 
 def visit_xyz_both(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
@@ -224,7 +227,7 @@ def visit_z_postnorm(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, sl
     """the latent keeps itself: z <- norm(z + D(x + y + z)), x and y read but not re-added into z (issue 36)"""
     for i in range(n_loops):
         u = x + y + z
-        z = nanochat.gpt.norm(z + block.delta(u, cos_sin, kv_cache, slot + i))
+        z = nanochat.model.gpt.norm(z + block.delta(u, cos_sin, kv_cache, slot + i))
     u = y + z
     return update(y, u, block.delta(u, cos_sin, kv_cache, slot + n_loops), None), z
 
@@ -232,7 +235,7 @@ def visit_z_postnorm(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, sl
 def visit_half_step(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
     """a contraction of TRM's update (issue 51): each state moves halfway to it, s <- norm(s + update(s, u, D)), so a
     step changes a settled state less and the walk cannot drift as fast past the trained steps"""
-    half = lambda state, u, delta, retain: nanochat.gpt.norm(state + update(state, u, delta, retain))
+    half = lambda state, u, delta, retain: nanochat.model.gpt.norm(state + update(state, u, delta, retain))
     return VISIT(block, x, y, z, cos_sin, n_loops, half, kv_cache, slot)
 
 
@@ -290,7 +293,7 @@ def evaluate(model, data, n_steps, max_hops, batch=64):
 
 
 def packed_rows(seed, spec, tokenizer, batch, T):
-    """(idx, targets) of base_train's loader (nanochat/dataloader.py) on the same documents: each document's tokens
+    """(idx, targets) of base_train's loader (nanochat/data/dataloader.py) on the same documents: each document's tokens
     with <|bos|> first, concatenated into one stream and cut into rows of T+1 tokens, so a row may hold the end of
     one document, whole ones and the start of another (its table cut off from its queries, or its queries in
     another row). Attention runs across the documents of a row, as in base_train."""
@@ -416,7 +419,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    nanochat.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
+    nanochat.model.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
 
     tok = RustBPETokenizer.byte_level()
     spec = HopsSpec(n_symbols=args.n_symbols, max_hops=args.max_hops, n_queries=args.n_queries)
@@ -426,7 +429,8 @@ def main():
              "answers": ANSWERS_VOCAB, "answers_hidden": ANSWERS_VOCAB + 1}.get(
         args.format, tok.get_vocab_size())
     config = GPTConfig.with_refinement_preset(
-        args.preset, sequence_len=max(length, args.pack, args.docs_per_row * (length + 1) - 1) + args.row_offset, vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
+        args.preset, sequence_len=max(length, args.pack, args.docs_per_row * (length + 1) - 1) + args.row_offset,
+        vocab_size=vocab, n_layer=args.depth, n_head=args.n_head,
         n_kv_head=args.n_head, n_embd=args.width, n_loops=args.n_loops, n_sup_train=args.n_sup,
         T_recursion=args.T_recursion, state_update=args.state_update, detach_between_steps=bool(args.detach),
         backprop_steps=args.backprop_steps,

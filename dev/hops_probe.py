@@ -13,8 +13,8 @@ import random
 import torch
 
 from dev.hops import SYMBOL, answers_row
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.synthetic import HopsSpec
+from nanochat.data.synthetic import HopsSpec
+from nanochat.model.gpt import GPT, GPTConfig
 
 
 def walk(ids, pos, j):

@@ -17,12 +17,22 @@ import time
 
 import torch
 
-import nanochat.gpt
-from dev.hops import (FORMAT, VARIANTS, batches, chains_row, chains_vocab, depth_warmup, evaluate, masked_row,
-                      masked_vocab, train)
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import setup_optimizers
-from nanochat.synthetic import HopsSpec
+import nanochat.model.gpt
+from dev.hops import (
+    FORMAT,
+    VARIANTS,
+    batches,
+    chains_row,
+    chains_vocab,
+    depth_warmup,
+    evaluate,
+    masked_row,
+    masked_vocab,
+    train,
+)
+from nanochat.data.synthetic import HopsSpec
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.optim import setup_optimizers
 
 SPEC = HopsSpec(n_symbols=6, max_hops=3, n_queries=12)
 
@@ -102,7 +112,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     FORMAT["name"] = args.format
-    nanochat.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
+    nanochat.model.gpt.visit_layer = VARIANTS[args.variant]  # Block.visit looks it up at call time
     val = validation_rows()
     longest = ROWS[args.format][2].max_hops
     start = time.time()

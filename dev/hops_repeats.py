@@ -12,10 +12,10 @@ import itertools
 
 import torch
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat.dataset import iter_documents
-from nanochat.hops_eval import encode_hops, padded_inputs
-from nanochat.synthetic import hops_answers
+from nanochat import checkpoint as ckpt
+from nanochat.data.dataset import iter_documents
+from nanochat.data.synthetic import encode_hops, hops_answers
+from nanochat.eval.hops_eval import padded_inputs
 
 
 def first_times(text):
@@ -48,12 +48,12 @@ def split_accuracy(model, tokenizer, documents, n_steps, batch=50):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model_tag", required=True)
+    ckpt.checkpoint_flags(ap)
     ap.add_argument("--n_sup", type=int, default=None, help="supervision steps to evaluate (default: 2x trained)")
     ap.add_argument("--docs", type=int, default=1000)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model, tokenizer, _ = ckpt.load_model(args.model_tag, None, "cpu")
+    model, tokenizer = ckpt.open_checkpoint(args.model_tag, args.step, "cpu")[:2]
     n_steps = args.n_sup or 2 * model.config.n_sup_inference
     documents = list(itertools.islice(iter_documents("val"), args.docs))
     stats = split_accuracy(model, tokenizer, documents, n_steps)

@@ -14,8 +14,8 @@ import os
 import statistics
 import sys
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat.metrics import read_metrics
+from nanochat import checkpoint as ckpt
+from nanochat.eval.metrics import read_metrics
 
 # gpt.py's default before issue 51, every field spelled out (so it stays that model whatever the defaults become)
 OLD_DEFAULT = ("--n_loops=2 --n_sup_train=4 --state_update=trm --sample_n_sup=false --detach_between_steps=true "
@@ -89,7 +89,8 @@ def main(argv=None):
         estimates = plan(argv)
         for name, flops, seconds in estimates:
             print(f"{name:12s} {flops:.3e} training FLOPs, {seconds / 60:.1f} min at {MFU:.0%} MFU on one H100")
-        print(f"part {args.part}: {sum(s for *_, s in estimates) / 60:.1f} min of training, plus compile and evaluation")
+        total = sum(s for *_, s in estimates) / 60
+        print(f"part {args.part}: {total:.1f} min of training, plus compile and evaluation")
     if args.action == "run":
         from scripts import compare
         compare.main(argv)

@@ -14,8 +14,8 @@ import json
 import os
 import sys
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat.hops_eval import plot_models
+from nanochat import checkpoint as ckpt
+from nanochat.eval.hops_eval import plot_models
 
 
 def newest_result(tag):

@@ -21,7 +21,7 @@ echo "== 3/6 tokenizer"
 if [ ! -f "$NANOCHAT_BASE_DIR/tokenizer/tokenizer.json" ]; then
     $py -m scripts.tok_train --vocab_size=4096 --max_chars=20000000
 fi
-$py -m scripts.tok_eval
+$py -m scripts.tok_eval --references=none  # offline: no GPT-2/GPT-4 download tried
 
 echo "== 4/6 train a depth-4 TRM model (1 latent loop, 3 supervision steps)"
 # A plain depth-4 GPT costs 1/5 of this model per token: the recursion is not free, and the log's tok/s shows it.

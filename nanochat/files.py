@@ -2,6 +2,7 @@
 beside the target, fsynced, renamed into place), the temporaries a killed writer leaves, and WriteError, the one-line
 description every failed write gives; and the free space of a disk."""
 
+import argparse
 import contextlib
 import errno
 import glob
@@ -176,3 +177,35 @@ def fsync_dir(path):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# a tag is a directory name under checkpoints_root(), never a path: "../x" or "/x" would write or move elsewhere
+MODEL_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def checkpoints_root():
+    """Where every model tag's checkpoints live."""
+    return os.path.join(get_base_dir(), "base_checkpoints")
+
+
+def tag_problem(model_tag):
+    """Why model_tag cannot name a checkpoint directory, or None."""
+    if isinstance(model_tag, str) and MODEL_TAG.fullmatch(model_tag):
+        return None
+    return (f"model tag {model_tag!r} is not a name: use letters, digits, '.', '_' and '-' (first a letter or digit, "
+            f"at most 128 characters), no '/'; checkpoints live under {checkpoints_root()}")
+
+
+def model_tag_arg(value):
+    """argparse type of --model_tag: a name (tag_problem)."""
+    problem = tag_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
+def step_arg(value):
+    """argparse type of --step: 'latest', 'best' or a step number (resolve_step finds it)."""
+    if value in ("latest", "best") or re.fullmatch(r"[0-9]+", value):  # ASCII digits only: str.isdigit takes "²"
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: use 'latest', 'best' or a step number")

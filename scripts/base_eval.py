@@ -1,9 +1,10 @@
 """
 Downstream tasks for a checkpoint at every supervision step, through EleutherAI's lm-evaluation-harness (lm-eval).
 
-    python -m scripts.base_eval --model_tag=d12 --step=best                 # the default tasks, steps 1..n_sup_inference
-    python -m scripts.base_eval --model_tag=d4 --n_sup=6 --limit=200        # past the trained steps, 200 examples a task
-    python -m scripts.base_eval --tasks=my_task --include_path=dir/         # task YAML files of your own
+    python -m scripts.base_eval --model_tag=d12 --step=best                 # the default tasks, steps
+    1..n_sup_inference python -m scripts.base_eval --model_tag=d4 --n_sup=6 --limit=200        # past the trained steps,
+    200 examples a task python -m scripts.base_eval --tasks=my_task --include_path=dir/         # task YAML files of
+    your own
 
 The checkpoint is wrapped in-process as an lm-eval model (NanochatLM): one forward through the recursion scores every
 request at every supervision step, and lm-eval computes its metrics once per step from those scores. Every text
@@ -12,8 +13,9 @@ lambada, perplexity) are supported; generation tasks are refused. Results go to
 <run dir>/base_eval_step<N>.json, to the run's report.md and to plot_run's figure.
 """
 
-import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
+# isort: split
 import argparse
 import contextlib
 import json
@@ -30,11 +32,11 @@ try:
 except ImportError as e:
     sys.exit(f"error: base_eval needs lm-eval ({e}); install it with: pip install -e '.[eval]'")
 
-from nanochat import checkpoint_manager as ckpt
+from nanochat import checkpoint as ckpt
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import autocast_for, autodetect_device_type, default_dtype
+from nanochat.eval.metrics import refresh_downstream_section
 from nanochat.files import atomic_write_bytes, exit_on_write_error
-from nanochat.metrics import refresh_downstream_section
 
 # nanochat's CORE in spirit: small, well-known, scored by log-likelihood
 DEFAULT_TASKS = "hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai"
@@ -112,9 +114,7 @@ class NanochatLM(TemplateLM):
 def parse_args(argv=None):
     p = OneLineErrors(prog="python -m scripts.base_eval", allow_abbrev=False,
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model_tag", type=ckpt.model_tag_arg, default=None,
-                   help="default: the most recently written model")
-    p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
+    ckpt.checkpoint_flags(p)
     p.add_argument("--n_sup", type=int, default=None,
                    help="evaluate steps 1..n_sup (default: n_sup_inference); more than were trained is allowed")
     p.add_argument("--tasks", default=DEFAULT_TASKS, help="comma-separated lm-eval task or group names")
@@ -171,8 +171,7 @@ def main(argv=None):
     device_type = args.device_type or autodetect_device_type()
     device = torch.device(device_type)
     try:
-        model_tag = args.model_tag or ckpt.latest_model_tag()
-        model, tokenizer, meta = ckpt.load_model(model_tag, args.step, device)
+        model, tokenizer, meta, model_tag, _ = ckpt.open_checkpoint(args.model_tag, args.step, device)
     except ValueError as e:
         raise Exit(f"base_eval: {e}")
     model.eval()

@@ -8,37 +8,42 @@ Evaluate a checkpoint: train and validation bits per byte for every supervision 
     python -m scripts.base_loss --model_tag=d4 --hops   # hops corpus: accuracy by hop count at every step (only)
 """
 
-import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
+# isort: split
 import argparse
 import itertools
 import json
 import os
 import sys
 
-from nanochat import checkpoint_manager as ckpt
+from nanochat import checkpoint as ckpt
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.collectives import RankFailure
 from nanochat.common import autocast_for, autodetect_device_type, compute_cleanup, compute_init, default_dtype, print0
-from nanochat.dataloader import evaluation_batches, evaluation_size
-from nanochat.dataset import DatasetError, corpus_identity, data_dir, iter_documents, read_source
-from nanochat.engine import Engine
+from nanochat.data.dataloader import evaluation_batches, evaluation_size
+from nanochat.data.dataset import DatasetError, corpus_identity, data_dir, iter_documents, read_source
+from nanochat.data.tokenizer import get_token_bytes
+from nanochat.eval.hops_eval import HopsEvalError, evaluate_hops, format_hops, plot_hops
+from nanochat.eval.loss_eval import (
+    evaluate_bpb,
+    evaluate_bpb_halting,
+    format_halting,
+    format_state,
+    format_steps,
+    refinement,
+)
 from nanochat.files import atomic_write_bytes, exit_on_write_error
-from nanochat.gpt import GPTConfig
-from nanochat.halting import Halting, check_halting
-from nanochat.hops_eval import HopsEvalError, evaluate_hops, format_hops, plot_hops
-from nanochat.loss_eval import (evaluate_bpb, evaluate_bpb_halting, format_halting, format_state, format_steps,
-                                refinement)
-from nanochat.tokenizer import get_token_bytes
-from nanochat.train_config import SAMPLE_PROMPTS
+from nanochat.model.engine import Engine
+from nanochat.model.gpt import GPTConfig
+from nanochat.model.halting import Halting, check_halting
+from nanochat.train.config import SAMPLE_PROMPTS
 
 
 def parse_args(argv=None):
     p = OneLineErrors(prog="python -m scripts.base_loss", allow_abbrev=False,
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model_tag", type=ckpt.model_tag_arg, default=None,
-                   help="default: the most recently written model")
-    p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
+    ckpt.checkpoint_flags(p)
     p.add_argument("--device_batch_size", type=int, default=8)
     p.add_argument("--max_seq_len", type=int, default=None, help="default: the model's sequence_len")
     p.add_argument("--split_tokens", type=int, default=2 * 524288,
@@ -77,10 +82,9 @@ def main(argv=None):
     device_type = args.device_type or autodetect_device_type()
     ddp, rank, _, world_size, device = compute_init(device_type)
     try:
-        model_tag = args.model_tag or ckpt.latest_model_tag()
         # n_sup past the trained steps is a legitimate question; the engine samples up to n_sup_inference
         overrides = {"n_sup_inference": args.n_sup} if args.n_sup else {}
-        model, tokenizer, meta = ckpt.load_model(model_tag, args.step, device, **overrides)
+        model, tokenizer, meta, model_tag, _ = ckpt.open_checkpoint(args.model_tag, args.step, device, **overrides)
     except ValueError as e:
         raise Exit(f"base_loss: {e}")
     if args.hops:

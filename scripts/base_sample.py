@@ -11,26 +11,25 @@ With --halt (RULE:THRESHOLD, rules kl, rms, head) each token refines until the r
 prints how many supervision steps each generated token used.
 """
 
-import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
+# isort: split
 import sys
 
 import torch
 
-from nanochat.checkpoint_manager import load_model, model_tag_arg, step_arg
+from nanochat.checkpoint import checkpoint_flags, open_checkpoint
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
-from nanochat.engine import Engine, kv_cache_bytes_per_token
-from nanochat.halting import Halting
+from nanochat.model.engine import Engine, kv_cache_bytes_per_token
+from nanochat.model.halting import Halting
 
 DEFAULT_PROMPTS = ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then"]
 
 
 def parse_args(argv=None):
     parser = ArgumentParser(description="Print completions from a base-model checkpoint")
-    parser.add_argument("--model_tag", type=model_tag_arg, default=None,
-                        help="checkpoint tag (default: the most recently written)")
-    parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
+    checkpoint_flags(parser)
     parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
     parser.add_argument("--prompts_file", default=None, help="a file of prompts, one per line (blank lines skipped)")
     parser.add_argument("--max_tokens", type=int, default=64, help="tokens to generate per prompt")
@@ -82,7 +81,7 @@ def main(argv=None):
     device = compute_init(args.device_type)[4]  # TF32 matmuls on CUDA, as in training
     dtype = default_dtype(args.device_type)
     try:
-        model, tokenizer, meta = load_model(args.model_tag, args.step, device)
+        model, tokenizer, meta, _, _ = open_checkpoint(args.model_tag, args.step, device)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.USAGE

@@ -22,8 +22,9 @@ mid-training resumes from its last checkpoint (written every 5 minutes). On a sh
 several times faster than oversubscribed threads.
 """
 
-import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
+# isort: split
 import argparse
 import datetime
 import hashlib
@@ -35,17 +36,18 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle, planning, train_config
+from nanochat import checkpoint as ckpt
 from nanochat.cli import Exit, OneLineErrors, underscore_flags
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, distributed, get_dist_info, print0
+from nanochat.data.tokenizer import get_token_bytes, get_tokenizer
+from nanochat.eval.loss_eval import format_steps, validation_bpb
+from nanochat.eval.metrics import read_metrics, summary_path
 from nanochat.files import atomic_write_bytes, exit_on_write_error, save_figure
-from nanochat.loss_eval import format_steps, validation_bpb
-from nanochat.metrics import read_metrics, summary_path
-from nanochat.planning import meta_model, model_config, num_iterations_for
-from nanochat.supervision import STATE_DIAGNOSTICS
-from nanochat.tokenizer import get_token_bytes, get_tokenizer
-from nanochat.train_config import batch_geometry, data_problem
+from nanochat.model.supervision import STATE_DIAGNOSTICS
+from nanochat.train import config as train_config
+from nanochat.train import lifecycle, planning
+from nanochat.train.config import batch_geometry, data_problem
+from nanochat.train.planning import meta_model, model_config, num_iterations_for
 
 DEFAULT_GRID = {
     "plain": "--n_loops=0 --n_sup_train=1",
@@ -85,7 +87,8 @@ RECIPE_GRID = {
     "trm4_fullgrad_sampled_uniform": "--depth=4 --n_loops=2 --n_sup_train=4 --detach_between_steps=false "
                                      "--sample_n_sup --preset=uniform",
 }
-# --grid=depth: does depth pay on text, and does the recursion buy it (issue 32)? Plain GPTs of 4, 8 and 16 layers, the 4
+# --grid=depth: does depth pay on text, and does the recursion buy it (issue 32)? Plain GPTs of 4, 8 and 16 layers, the
+# 4
 # blocks simply looped 4 times (16 layers of compute) and gpt.py's default recursion, at equal tokens (--mode=tokens)
 # and one width (set it in the shared flags); dev/depth_gpu.sh runs it on one GPU.
 DEPTH_GRID = {

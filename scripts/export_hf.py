@@ -24,22 +24,28 @@ import sys
 
 import torch
 
-from nanochat.checkpoint_manager import latest_model_tag, load_model, model_tag_arg, step_arg
+from nanochat.checkpoint import checkpoint_flags, open_checkpoint
 from nanochat.cli import ArgumentParser, ExitCode
-from nanochat.files import (exit_on_write_error, remove_stale_temporaries, temporary_path, write_error, write_failure,
-                            writing)
+from nanochat.files import (
+    exit_on_write_error,
+    remove_stale_temporaries,
+    temporary_path,
+    write_error,
+    write_failure,
+    writing,
+)
 
 try:
     from tokenizers import processors
     from transformers import GenerationConfig, PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from nanochat.hf_model import NanochatTRMConfig, NanochatTRMForCausalLM
+    from nanochat.model.hf_model import NanochatTRMConfig, NanochatTRMForCausalLM
 except ImportError as e:  # transformers missing, or older than 5
     reason = f"the export needs {e.name}" if isinstance(e, ModuleNotFoundError) else str(e)
     sys.exit(f"error: {reason}; install it with: pip install -e '.[hf]'")
-from nanochat.engine import STOP_TOKENS
-from nanochat.tokenizer import SPECIAL_TOKENS
+from nanochat.data.tokenizer import SPECIAL_TOKENS
+from nanochat.model.engine import STOP_TOKENS
 
 ANOTHER_OUT = ", or pick another --out"  # the rest of a failed write's advice
 
@@ -153,9 +159,7 @@ def write_export(model, tokenizer, meta, model_tag, out):
 
 def parse_args(argv=None):
     parser = ArgumentParser(description="Export a checkpoint as a Hugging Face transformers model directory")
-    parser.add_argument("--model_tag", type=model_tag_arg, default=None,
-                        help="checkpoint tag (default: the most recently written)")
-    parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
+    checkpoint_flags(parser)
     parser.add_argument("--out", required=True, help="directory to write (created; see --force)")
     parser.add_argument("--force", action="store_true", help="replace an earlier export in --out")
     args = parser.parse_args(argv)
@@ -170,8 +174,7 @@ def main(argv=None):
         print(f"error: {problem}", file=sys.stderr)
         return ExitCode.USAGE
     try:
-        model_tag = args.model_tag or latest_model_tag()
-        model, tokenizer, meta = load_model(model_tag, args.step, torch.device("cpu"))
+        model, tokenizer, meta, model_tag, _ = open_checkpoint(args.model_tag, args.step, torch.device("cpu"))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.USAGE

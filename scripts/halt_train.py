@@ -12,32 +12,29 @@ A new head starts at the blind guess (weight 0, its bias at the validation rate 
 frozen, never halting protects nothing, and from bias -5 Adam spends hundreds of steps getting there.
 """
 
-import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
+# isort: split
 import math
 import os
 import sys
 
 import torch
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat.checkpoint_model import build_model
-from nanochat.checkpoint_writer import save_checkpoint
+from nanochat import checkpoint as ckpt
 from nanochat.cli import Exit, OneLineErrors
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, print0
-from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_size
-from nanochat.halting import frozen_halt_head_loss
-from nanochat.resume import check_fresh_start
+from nanochat.data.dataloader import DataLoader, evaluation_batches, evaluation_size
+from nanochat.files import model_tag_arg
+from nanochat.model.halting import frozen_halt_head_loss
 
 LOG_EVERY = 20
 
 
 def parse_args(argv=None):
     p = OneLineErrors(prog="python -m scripts.halt_train", allow_abbrev=False)
-    p.add_argument("--model_tag", type=ckpt.model_tag_arg, default=None,
-                   help="the checkpoint to add a head to (default: the latest written)")
-    p.add_argument("--step", type=ckpt.step_arg, default="latest", help="latest | best | a step number")
-    p.add_argument("--out_tag", type=ckpt.model_tag_arg, default=None, help="the new tag (default: <model_tag>_halt)")
+    ckpt.checkpoint_flags(p)
+    p.add_argument("--out_tag", type=model_tag_arg, default=None, help="the new tag (default: <model_tag>_halt)")
     p.add_argument("--num_iterations", type=int, default=500, help="optimizer steps of the head")
     p.add_argument("--lr", type=float, default=0.001, help="AdamW learning rate of the head (0.01 overfit, dev/LOG.md)")
     p.add_argument("--device_batch_size", type=int, default=8)
@@ -58,7 +55,7 @@ def with_halt_head(model, device):
     """(the model with a halting head, whether the head is new): its own, or a fresh one (GPT.init_weights)."""
     if model.config.halt_head:
         return model, False
-    fresh = build_model({**model.config.to_dict(), "halt_head": True}, device)
+    fresh = ckpt.build_model({**model.config.to_dict(), "halt_head": True}, device)
     missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("halt_head.") for k in missing), (missing, unexpected)
     return fresh, True
@@ -89,12 +86,11 @@ def main(argv=None):
     if world_size > 1:
         raise Exit("halt_train: runs in one process (the head is one matrix); launch it with python -m, not torchrun")
     try:
-        model_tag = args.model_tag or ckpt.latest_model_tag()
+        model, tokenizer, meta, model_tag, _ = ckpt.open_checkpoint(args.model_tag, args.step, device)
         out_tag = args.out_tag or f"{model_tag}_halt"
         if out_tag == model_tag:
             raise ValueError(f"--out_tag={out_tag} is the source tag; choose a new one (the source is never changed)")
-        check_fresh_start(out_tag, overwrite=False)
-        model, tokenizer, meta = ckpt.load_model(model_tag, args.step, device)
+        ckpt.check_fresh_start(out_tag, overwrite=False)
     except ValueError as e:
         raise Exit(f"halt_train: {e}")
     if model.config.n_sup_inference < 2:
@@ -133,7 +129,7 @@ def main(argv=None):
                            "lr": args.lr, "tokens": args.num_iterations * B * T, "val_bce_before": before,
                            "val_bce_after": after, "val_bce_blind": blind_bce(rate), "val_halt_rate": rate}}
     try:
-        path = save_checkpoint(out_tag, meta["step"], model, [optimizer], meta, {})
+        path = ckpt.save_checkpoint(out_tag, meta["step"], model, [optimizer], meta, {})
     except (ckpt.CheckpointError, OSError) as e:
         raise Exit(f"halt_train: {e}")
     print0(f"saved {path}\nuse it: python -m scripts.base_loss --model_tag={out_tag} --halt=head:0.5")

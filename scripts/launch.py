@@ -35,21 +35,29 @@ import sys
 
 import torch
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle, memory, multinode, preflight
-from nanochat.backup import Backup
+from nanochat import checkpoint as ckpt
 from nanochat.cli import ArgumentParser, Exit, ExitCode
 from nanochat.common import gpu_peak_flops
-from nanochat.dataset import data_dir, list_parquet_files
+from nanochat.data.dataset import data_dir, list_parquet_files
+from nanochat.data.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS, get_tokenizer
+from nanochat.eval.loss_eval import format_steps, step_name
+from nanochat.eval.metrics import summary_path
 from nanochat.files import free_bytes, get_base_dir, gigabytes
-from nanochat.gpt import GPTConfig
-from nanochat.loss_eval import format_steps
-from nanochat.metrics import summary_path
-from nanochat.planning import (PLANNER_MFU, budget_lines, fit_device_batch, sharding_lines, free_ram_per_process,
-                               keeps_ema, memory_need, meta_model, model_config, settle_sharding)
-from nanochat.resume import previous_run, resume_differences
-from nanochat.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, SPECIAL_TOKENS, get_tokenizer
-from nanochat.train_config import batch_geometry, parse_args
+from nanochat.model.gpt import GPTConfig
+from nanochat.train import lifecycle, memory, multinode, preflight
+from nanochat.train.config import batch_geometry, parse_args
+from nanochat.train.planning import (
+    PLANNER_MFU,
+    budget_lines,
+    fit_device_batch,
+    free_ram_per_process,
+    keeps_ema,
+    memory_need,
+    meta_model,
+    model_config,
+    settle_sharding,
+    sharding_lines,
+)
 
 # The device each GPU model of the table means (its name as torch reports it): the nodes are 8-GPU SXM boards.
 LAUNCH_TABLE_DEVICES = {"H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200", "B200": "NVIDIA B200",
@@ -275,13 +283,14 @@ def run_state(run_config, vocab, have_tokenizer, given, model):
                  f"{gigabytes(free_bytes(ckpt.model_dir(tag)))} free")
     room = ckpt.disk_room_problem(tag, per_checkpoint, run_config.keep_last)
     problems += [room] if room else []
-    steps, found = ckpt.list_steps(tag), previous_run(tag)
+    steps, found = ckpt.list_steps(tag), ckpt.previous_run(tag)
     if given & {"resume", "resume_from_step", "overwrite"}:
-        lines.append(f"resume       as your flags say ({', '.join(sorted(given & {'resume', 'resume_from_step', 'overwrite'}))})")
+        asked = ", ".join(sorted(given & {"resume", "resume_from_step", "overwrite"}))
+        lines.append(f"resume       as your flags say ({asked})")
     elif steps:
         metas = [m for m in map(lambda s: readable_meta(tag, s), reversed(steps)) if m]
         config = {**run_config.model_config, "vocab_size": vocab}
-        diffs = resume_differences(metas[0], config, batch_geometry(run_config)) if metas else \
+        diffs = ckpt.resume_differences(metas[0], config, batch_geometry(run_config)) if metas else \
             ["no readable meta.json"]
         saved_tok = metas[0].get("tokenizer_fingerprint") if metas else None
         if have_tokenizer and saved_tok and saved_tok != tokenizer_fingerprint():
@@ -298,8 +307,8 @@ def run_state(run_config, vocab, have_tokenizer, given, model):
                          f"loadable one (--resume); --overwrite starts over instead")
     elif found:
         flags.append("--overwrite")
-        lines.append(f"resume       {tag} holds an attempt that saved no checkpoint ({found}): starting over, its files "
-                     f"are moved to {tag}.replaced-<date>/ (--overwrite)")
+        lines.append(f"resume       {tag} holds an attempt that saved no checkpoint ({found}): starting over, its "
+                     f"files are moved to {tag}.replaced-<date>/ (--overwrite)")
     elif run_config.backup_dir and backup_steps(run_config.backup_dir, tag, problems):
         flags.append("--resume")
         lines.append(f"resume       no local checkpoint; continuing from the backup {run_config.backup_dir} "
@@ -312,7 +321,7 @@ def run_state(run_config, vocab, have_tokenizer, given, model):
 def backup_steps(url, tag, problems):
     """The steps the backup holds; an unreadable backup URL becomes a preflight problem."""
     try:
-        return Backup.location(url, tag).steps()
+        return ckpt.Backup.location(url, tag).steps()
     except ckpt.CheckpointError as e:
         problems.append(str(e))
         return []
@@ -371,7 +380,8 @@ def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab
     src = run_config.config_sources
     out = [f"=== {ph['title']} on {key}: scripts/train_{key}_{phase}.sh ===",
            f"hardware     script for {row['gpus']}x {row['gpu']} ({row['gb']} GB), {nnodes} node(s) x {nproc} "
-           f"processes, device {run_config.device_type}; found: {describe(gpus) if run_config.device_type == 'cuda' else 'GPU check skipped (not cuda)'}",
+           f"processes, device {run_config.device_type}; found: "
+           f"{describe(gpus) if run_config.device_type == 'cuda' else 'GPU check skipped (not cuda)'}",
            f"model        depth {config.n_layer}, width {config.n_embd}, {config.n_head} heads, n_loops "
            f"{config.n_loops}, {config.n_sup_train} supervision steps, T_recursion {config.T_recursion}, vocab "
            f"{vocab:,}{'' if have_tokenizer else ' (tokenizer to be trained)'}: "
@@ -379,7 +389,7 @@ def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab
            f"refinement   supervision_weight_base={config.supervision_weight_base} "
            f"({src['supervision_weight_base']}), improvement_reward_scale={config.improvement_reward_scale} "
            f"({src['improvement_reward_scale']}). The script passes --preset={run_config.preset}, so the guides' edit "
-           f"of nanochat/gpt.py is not needed; gpt.py's defaults (now {GPTConfig.supervision_weight_base}, "
+           f"of nanochat/model/gpt.py is not needed; gpt.py's defaults (now {GPTConfig.supervision_weight_base}, "
            f"{GPTConfig.improvement_reward_scale}) apply to base_train runs without --preset or these flags.",
            f"batch        table: {row['gpus']} GPUs x {row[phase][0]} x {row[phase][1]} accumulation = "
            f"{table_sequences} sequences",
@@ -389,7 +399,7 @@ def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab
            + ("" if sequences == table_sequences else "  (DIFFERS from the table)"),
            *[f"             changed: {note}" for note in notes],
            f"memory       ~{est['total'] / 1e9:.1f} GB per device at batch {run_config.device_batch_size}"
-           f"{' with activation checkpointing' if config.activation_checkpointing else ''} (nanochat/memory.py: "
+           f"{' with activation checkpointing' if config.activation_checkpointing else ''} (nanochat/train/memory.py: "
            f"{run_config.sharding}: params+grads+optimizer "
            f"{(est['params'] + est['grads'] + est['optimizer']) / 1e9:.1f}"
            + (f", gathered {est['gathered'] / 1e9:.1f}" if "gathered" in est else "") + ", activations "
@@ -400,7 +410,8 @@ def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab
               "less" if run_config.compile else ""),
            *sharding_lines(run_config, config, budget[0]),
            f"schedule     {iterations} steps, matrix_lr {run_config.matrix_lr}, embedding_lr "
-           f"{run_config.embedding_lr}, warmup {warmup} steps, grad clip {run_config.grad_clip}, eval every {run_config.eval_every}, samples "
+           f"{run_config.embedding_lr}, warmup {warmup} steps, grad clip {run_config.grad_clip}, eval every "
+           f"{run_config.eval_every}, samples "
            f"every {run_config.sample_every}, checkpoint every {run_config.save_every}, compile {run_config.compile}, "
            f"{run_config.dtype}",
            f"compute      {model_flops:.3e} FLOPs per token (GPT.estimate_flops: every loop, sweep and supervision "
@@ -425,7 +436,8 @@ def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab
     out += [f"data         {directory}: {present} shard files present, {needed} needed"
             + ("" if present >= needed else (" -> build the built-in corpus" if env("DATASET") == "builtin" else
                                               f" -> download {needed - 1} FineWeb shards (+ validation)")),
-            f"tokenizer    {'present' if have_tokenizer else f'missing -> train on {tok_chars(phase):,} chars, vocab {vocab:,}'}",
+            "tokenizer    " + ("present" if have_tokenizer else
+                               f"missing -> train on {tok_chars(phase):,} chars, vocab {vocab:,}"),
             *state_lines,
             *[f"PREFLIGHT    {p}" for p in problems],
             f"command      {shlex.join(cmd)}"]
@@ -487,7 +499,8 @@ def criteria_report(model_tag, phase):
     results = check_criteria(summary, phase)
     losses = summary.get("train_step_losses") or []
     lines = [f"=== {PHASES[phase]['title']} results: {model_tag} (step {summary['step']}) ===",
-             "final train loss per supervision step: " + ", ".join(f"step_{s} {l:.4f}" for s, l in enumerate(losses)),
+             "final train loss per supervision step: "
+             + ", ".join(f"{step_name(s)} {l:.4f}" for s, l in enumerate(losses)),
              *[f"[{status_label(status)}] {text}" for status, text in results]]
     all_met = all(status is not False for status, _ in results)
     if phase == "fast":
@@ -562,9 +575,9 @@ def prepare(phase, data, have_tokenizer, vocab):
     """The data and the tokenizer the run needs, where missing."""
     needed, present, _ = data
     if env("DATASET") == "builtin":
-        run([sys.executable, "-m", "nanochat.dataset", "--builtin"])
+        run([sys.executable, "-m", "nanochat.data.dataset", "--builtin"])
     elif present < needed:
-        run([sys.executable, "-m", "nanochat.dataset", "-n", str(PHASES[phase]["shards"])])
+        run([sys.executable, "-m", "nanochat.data.dataset", "-n", str(PHASES[phase]["shards"])])
     if not have_tokenizer:
         run([sys.executable, "-m", "scripts.tok_train", f"--max_chars={tok_chars(phase)}", f"--vocab_size={vocab}"])
 

@@ -2,9 +2,9 @@
 Plot a run so you can see at a glance whether the later supervision steps help:
 
     top row       training loss per supervision step over optimizer steps (smoothed, raw batches faint), and the
-                  smoothed gap of every supervision step to the draft step_0: below 0 = better than the draft
+                  smoothed gap of every supervision step to the draft, step 1: below 0 = better than the draft
     bottom row    the same on validation: bits per byte per supervision step (on the scale of the trained model,
-                  not the untrained one at optimizer step 0), and each step's gap to step_0
+                  not the untrained one at optimizer step 0), and each step's gap to step 1
     right         validation bpb against the number of supervision steps run at inference: the last evaluation
                   in training, and each `python -m scripts.base_loss` result of the run (also past the trained count);
                   on a second axis the task accuracies of the latest `python -m scripts.base_eval` result
@@ -16,12 +16,12 @@ Plot a run so you can see at a glance whether the later supervision steps help:
 import os
 import sys
 
-from nanochat import checkpoint_manager as ckpt
+from nanochat import checkpoint as ckpt
 from nanochat.cli import ArgumentParser, Exit
+from nanochat.eval.health import smooth
+from nanochat.eval.loss_eval import format_steps, step_name
+from nanochat.eval.metrics import MetricsError, read_metrics, read_results
 from nanochat.files import exit_on_write_error, save_figure
-from nanochat.health import smooth
-from nanochat.loss_eval import format_steps
-from nanochat.metrics import MetricsError, read_metrics, read_results
 
 
 def smoothing_beta(n):
@@ -30,7 +30,7 @@ def smoothing_beta(n):
 
 
 def step_label(s, n):
-    return f"step_{s}" + (" (draft)" if s == 0 else " (final)" if s == n - 1 else "")
+    return step_name(s) + (" (draft)" if s == 0 else " (final)" if s == n - 1 else "")
 
 
 def trained_range(values, skip):
@@ -68,14 +68,14 @@ def plot_gaps(ax, train):
     steps, n = [r["step"] for r in train], max(len(r["step_losses"]) for r in train)
     gaps = [[l - r["step_losses"][0] for l in r["step_losses"][1:]] for r in train]
     smoothed = smooth(gaps, smoothing_beta(len(train)))
-    ax.axhline(0, color="black", lw=1, ls="--", label="step_0 (the draft)")
+    ax.axhline(0, color="black", lw=1, ls="--", label="step 1 (the draft)")
     for s in range(1, n):
-        line, = ax.plot(*column(steps, smoothed, s - 1), lw=1.8, label=f"{step_label(s, n)} - step_0", color=f"C{s}")
+        line, = ax.plot(*column(steps, smoothed, s - 1), lw=1.8, label=f"{step_label(s, n)} - step 1", color=f"C{s}")
         ax.plot(*column(steps, gaps, s - 1), lw=0.5, alpha=0.15, color=line.get_color())
     values = [v for row in smoothed for v in row] + [0.0]
     ax.set_ylim(*trained_range(values, (n - 1) * max(1, len(train) // 20)))
     ax.set(title="do later supervision steps help? (training batches, smoothed)", xlabel="optimizer step",
-           ylabel="loss of step s - loss of step_0 (nats)")
+           ylabel="loss of step s - loss of step 1 (nats)")
     explain_gaps(ax, n)
     ax.legend(title="supervision step", fontsize=8)
 
@@ -102,12 +102,12 @@ def plot_val(ax, evals):
 
 def plot_val_gaps(ax, evals):
     shown, n = trained_evals(evals), len(evals[0]["val_bpb"])
-    ax.axhline(0, color="black", lw=1, ls="--", label="step_0 (the draft)")
+    ax.axhline(0, color="black", lw=1, ls="--", label="step 1 (the draft)")
     for s in range(1, n):
         ax.plot([e["step"] for e in shown], [e["val_bpb"][s] - e["val_bpb"][0] for e in shown], marker="o", ms=3,
-                label=f"{step_label(s, n)} - step_0", color=f"C{s}")
+                label=f"{step_label(s, n)} - step 1", color=f"C{s}")
     ax.set(title="do later supervision steps help? (validation)", xlabel="optimizer step",
-           ylabel="bpb of step s - bpb of step_0")
+           ylabel="bpb of step s - bpb of step 1")
     explain_gaps(ax, n)
     ax.legend(title="supervision step", fontsize=8)
 
@@ -124,7 +124,7 @@ def plot_inference(ax, evals, base_losses, n_sup_train, model_tag):
     most = max([n_sup_train] + [len(r["val_bpb"]) for r in base_losses])
     ax.set_xticks(range(1, most + 1))
     ax.set(title="validation bpb vs supervision steps run at inference", ylabel="validation bpb",
-           xlabel="supervision steps run (1 = the draft step_0 alone)")
+           xlabel="supervision steps run (1 = the draft alone)")
     if not base_losses:
         ax.text(0.5, 0.02, f"more steps: python -m scripts.base_loss --model_tag={model_tag} --n_sup={2 * n_sup_train}",
                 transform=ax.transAxes, ha="center", fontsize=8, color="dimgray")

@@ -27,7 +27,7 @@ POST /v1/completions  OpenAI's completions request: model (default: the served o
                       end token last. With stream, server-sent events of the same shape, one per piece of text, then
                       data: [DONE].
 POST /v1/refinement   what each supervision step did, per token (generate, score a text, a hops document): the
-                      fields and answers are in nanochat/refinement.py and docs/serving.md
+                      fields and answers are in nanochat/serve/refinement.py and docs/serving.md
 GET  /                the refinement viewer, a page that renders /v1/refinement (no key needed: it holds no data)
 GET  /v1/models       the served model, named by its model tag
 GET  /health          status, step, limits and generations running (no key needed: for load balancers)
@@ -41,8 +41,9 @@ generation slot busy for --queue_timeout seconds. A client that goes away stops 
 and its slot is free again.
 """
 
-import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
+import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
+# isort: split
 import asyncio
 import hmac
 import ipaddress
@@ -68,18 +69,19 @@ try:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
     from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
     from uvicorn.protocols.http.h11_impl import H11Protocol
-    from starlette.exceptions import HTTPException
 except ModuleNotFoundError as e:
     sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
 
-from nanochat import refinement
-from nanochat.checkpoint_manager import latest_model_tag, load_model, model_tag_arg, step_arg
+from nanochat.checkpoint.manager import latest_model_tag, load_model
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
-from nanochat.engine import Engine, ends_mid_character
-from nanochat.halting import forward_halting
+from nanochat.files import model_tag_arg, step_arg
+from nanochat.model.engine import Engine, ends_mid_character
+from nanochat.model.halting import forward_halting
+from nanochat.serve import refinement
 
 MAX_BODY_BYTES = 1 << 20
 READ_TIMEOUT_S, MAX_CONNECTIONS = 30.0, 256  # the flags' defaults: nginx reads headers and body in 60 s each
@@ -816,7 +818,7 @@ def create_app(server, api_key=None):
         return FileResponse(refinement.PAGE, media_type="text/html")
 
     @app.post("/v1/refinement", dependencies=keyed)
-    async def refine(request: Request):  # what each supervision step did: see nanochat/refinement.py
+    async def refine(request: Request):  # what each supervision step did: see nanochat/serve/refinement.py
         try:
             req = refinement.parse_request(server.engine, await read_body(request), server.max_tokens_limit,
                                            AUTO_HALTING)

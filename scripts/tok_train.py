@@ -12,13 +12,20 @@ import os
 import sys
 import time
 
-from nanochat import checkpoint_manager as ckpt
+from nanochat import checkpoint as ckpt
 from nanochat.cli import ArgumentParser, ExitCode
 from nanochat.common import progress_bar
-from nanochat.dataset import DatasetError, iter_documents, parquets_for_split, row_group_sizes
-from nanochat.gpt import GPTConfig
-from nanochat.tokenizer import (MIN_VOCAB_SIZE, RustBPETokenizer, TokenizerError, TokenizerNotFound, check_vocab_size,
-                                tokenizer_dir)
+from nanochat.data.dataset import DatasetError, iter_documents, parquets_for_split, row_group_sizes
+from nanochat.data.tokenizer import (
+    MIN_VOCAB_SIZE,
+    RustBPETokenizer,
+    TokenizerError,
+    TokenizerNotFound,
+    check_vocab_size,
+    tokenizer_dir,
+)
+from nanochat.files import checkpoints_root
+from nanochat.model.gpt import GPTConfig
 
 # The model's default vocabulary is the tokenizer's: a default model fits a default tokenizer.
 DEFAULT_VOCAB_SIZE = GPTConfig.vocab_size
@@ -40,7 +47,7 @@ def capped_documents(max_chars, doc_cap, stats):
 
 def dependent_model_tags(fingerprint):
     """Model tags with a checkpoint whose meta.json records this tokenizer fingerprint."""
-    root = ckpt.checkpoints_root()
+    root = checkpoints_root()
     tags = set()
     for tag in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         for step in ckpt.list_steps(tag):
@@ -122,7 +129,8 @@ def main(argv=None):
     if not args.byte_level:
         print(f"trained on {stats['chars']:,} chars ({stats['bytes'] / 1e6:.1f} MB) in {seconds:.2f}s: "
               f"{stats['bytes'] / 1e6 / seconds:.2f} MB/s")
-    print(f"vocab size {tokenizer.get_vocab_size():,}, fingerprint {tokenizer.fingerprint()}, saved to {tokenizer_dir()}")
+    print(f"vocab size {tokenizer.get_vocab_size():,}, fingerprint {tokenizer.fingerprint()}, "
+          f"saved to {tokenizer_dir()}")
     return 0
 
 

@@ -9,7 +9,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-
 WORDS = "the a model data refine step loss token draft answer of to in is was by with layer sweep".split()
 
 
@@ -40,7 +39,7 @@ def make_corpus(directory, num_shards=3, groups_per_shard=4, docs_per_group=20):
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
     """A NANOCHAT_BASE_DIR with shards and a tiny tokenizer, shared by this module's runs."""
-    from nanochat.tokenizer import RustBPETokenizer
+    from nanochat.data.tokenizer import RustBPETokenizer
     base = tmp_path_factory.mktemp("base")
     make_corpus(os.path.join(base, "base_data"))
     texts = pq.read_table(os.path.join(base, "base_data", "shard_00000.parquet")).column("text").to_pylist()

@@ -10,11 +10,11 @@ import threading
 import pytest
 import torch
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat import lifecycle
-from nanochat import checkpoint_writer
-from nanochat.checkpoint_writer import CheckpointWriter
-from nanochat.optim import setup_optimizers
+from nanochat.checkpoint import manager as ckpt
+from nanochat.checkpoint import writer as checkpoint_writer
+from nanochat.checkpoint.writer import CheckpointWriter
+from nanochat.train import lifecycle
+from nanochat.train.optim import setup_optimizers
 from scripts import base_train
 from tests.support.helpers import TINY, ckpt_dir, exit_code, private_base_dir, random_model, tiny_config, weights
 from tests.support.unwritable import FullDiskFile, one_line, temporaries

@@ -4,8 +4,8 @@ backend that runs here computes the model's attention alike."""
 import pytest
 import torch
 
-from nanochat import attention
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train import attention
 
 FLAGS = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled") for name in ("flash", "cudnn", "mem_efficient",
                                                                                     "math")}
@@ -68,7 +68,7 @@ def test_every_backend_that_runs_here_gives_the_models_logits():
 
 
 def test_base_train_takes_the_flag_with_auto_by_default():
-    from nanochat import train_config
+    from nanochat.train import config as train_config
     assert train_config.parse_args(["--depth=1"], world_size=1, check_hardware=False, vocab_size=256).attention \
         == "auto"
     assert train_config.parse_args(["--depth=1", "--attention=cudnn"], world_size=1, check_hardware=False,

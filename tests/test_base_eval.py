@@ -80,14 +80,14 @@ def loglikelihood_by_hand(model, tokenizer, context, continuation, n_sup):
 @pytest.fixture(scope="module")
 def hand(base_dir):
     """[step][doc][choice] log-likelihoods for steps 1..4 (one past the 3 trained)."""
-    from nanochat.checkpoint_manager import load_model
+    from nanochat.checkpoint.manager import load_model
     model, tokenizer, _ = load_model(MODEL_TAG, "latest")
-    return [[[loglikelihood_by_hand(model, tokenizer, doc["question"], " " + choice, n_sup) for choice in doc["choices"]]
-             for doc in DOCS] for n_sup in range(1, 5)]
+    return [[[loglikelihood_by_hand(model, tokenizer, doc["question"], " " + choice, n_sup)
+              for choice in doc["choices"]] for doc in DOCS] for n_sup in range(1, 5)]
 
 
 def test_lm_eval_loglikelihoods_equal_the_models_at_every_step(base_dir, task_dir, hand):
-    from nanochat.checkpoint_manager import load_model
+    from nanochat.checkpoint.manager import load_model
     model, tokenizer, _ = load_model(MODEL_TAG, "latest")
     lm = base_eval.NanochatLM(model, tokenizer, n_sup=4, batch_size=3)
     manager = base_eval.task_manager([TASK], str(task_dir))
@@ -105,7 +105,7 @@ def test_lm_eval_loglikelihoods_equal_the_models_at_every_step(base_dir, task_di
 def test_a_context_longer_than_the_model_keeps_its_last_tokens(base_dir):
     from lm_eval.api.instance import Instance
 
-    from nanochat.checkpoint_manager import load_model
+    from nanochat.checkpoint.manager import load_model
     model, tokenizer, _ = load_model(MODEL_TAG, "latest")
     context, continuation = "the cat sat on the mat. " * 12 + "the dog sat on the", " log"
     ids = tokenizer.encode(context + continuation, prepend="<|bos|>")
@@ -123,7 +123,7 @@ def test_a_context_longer_than_the_model_keeps_its_last_tokens(base_dir):
 def test_rolling_loglikelihood_is_the_whole_texts(base_dir):
     from lm_eval.api.instance import Instance
 
-    from nanochat.checkpoint_manager import load_model
+    from nanochat.checkpoint.manager import load_model
     model, tokenizer, _ = load_model(MODEL_TAG, "latest")
     lm = base_eval.NanochatLM(model, tokenizer, n_sup=2)
     text = "the cat sat on the log."
@@ -157,7 +157,7 @@ BASE_EVAL_RESULT = {"model_tag": "t", "step": 10, "n_sup": 2, "n_sup_train": 2, 
 
 
 def test_base_train_keeps_the_downstream_section_when_it_rebuilds_the_report(tmp_path):
-    from nanochat import metrics
+    from nanochat.eval import metrics
     (tmp_path / "base_eval_step000010.json").write_text(json.dumps(BASE_EVAL_RESULT))
     section = metrics.downstream_section(str(tmp_path))
     assert "| piqa | acc | 0.5000 | 0.6250 |" in section and "stderr" not in section
@@ -202,7 +202,8 @@ def test_a_missing_include_path_is_refused(tmp_path):
 
 
 def test_without_lm_eval_it_says_what_to_install():
-    hide = "import runpy, sys; sys.modules['lm_eval'] = None; runpy.run_module('scripts.base_eval', run_name='__main__')"
+    hide = ("import runpy, sys; sys.modules['lm_eval'] = None; "
+            "runpy.run_module('scripts.base_eval', run_name='__main__')")
     result = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
     assert "pip install -e '.[eval]'" in result.stderr

@@ -14,10 +14,24 @@ import sys
 import pytest
 import torch
 
-from nanochat import dataloader, planning, train_config
+from nanochat import trainer
+from nanochat.cli import ExitCode
+from nanochat.data import dataloader
+from nanochat.train import config as train_config
+from nanochat.train import planning
 from tests.support import processes
-from tests.support.helpers import (ROOT, TINY, TINY_SHAPE, ckpt_dir, exit_code, parsed, random_model, tiny_config,
-                                   tree, weights)
+from tests.support.helpers import (
+    ROOT,
+    TINY,
+    TINY_SHAPE,
+    ckpt_dir,
+    exit_code,
+    parsed,
+    random_model,
+    tiny_config,
+    tree,
+    weights,
+)
 
 
 def run(base_dir, *flags, torchrun=False, check=True, script="scripts.base_train"):
@@ -89,21 +103,21 @@ def test_kill_during_checkpoint_write_leaves_previous_loadable(base_dir, tmp_pat
     # a process that dies (SIGKILL) halfway through writing the step-4 checkpoint
     script = """
 import os, signal, torch
-from nanochat import checkpoint_manager as ckpt
+from nanochat.checkpoint import manager as ckpt
 model, _, meta = ckpt.load_model("midsave", "latest")
 real_save = torch.save
 def dying_save(obj, f, *a, **k):
     real_save(obj, f, *a, **k)
     os.kill(os.getpid(), signal.SIGKILL)
 torch.save = dying_save
-from nanochat.checkpoint_writer import save_checkpoint
+from nanochat.checkpoint.writer import save_checkpoint
 save_checkpoint("midsave", 4, model, [], {**meta}, {"loaders": []})
 """
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
     proc = processes.run([sys.executable, "-c", script], timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert os.path.isdir(ckpt_dir(base_dir, "midsave", 4) + ".tmp")  # the half-written attempt
-    from nanochat import checkpoint_manager as ckpt
+    from nanochat.checkpoint import manager as ckpt
     os.environ["NANOCHAT_BASE_DIR"] = base_dir
     try:
         assert ckpt.list_steps("midsave") == [2]
@@ -137,7 +151,8 @@ def test_two_gloo_processes_match_one_process_with_double_accumulation(base_dir)
     assert [step for step, _ in logged("ddp2", "sample", "samples")] == [0, 2, 4]
     assert logged("ddp2", "sample", "samples") == logged("single2", "sample", "samples")
 
-    assert torch.allclose(records("ddp2", "train", "step_losses"), records("single2", "train", "step_losses"), atol=1e-5)
+    assert torch.allclose(records("ddp2", "train", "step_losses"), records("single2", "train", "step_losses"),
+                          atol=1e-5)
     a, b = weights(base_dir, "ddp2", 4), weights(base_dir, "single2", 4)
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
     # the training-time evaluation reads the same rows on 1 and 2 processes: at step 0 (the same weights) the same
@@ -168,17 +183,17 @@ def test_resume_with_a_different_config_names_the_fields(base_dir):
 
 
 def test_nan_loss_stops_with_diagnostic_and_keeps_last_good_checkpoint(base_dir, monkeypatch):
-    import nanochat.gpt
+    import nanochat.model.gpt
     from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
-    real_loss, calls = nanochat.gpt.deep_supervision_loss, []
+    real_loss, calls = nanochat.model.gpt.deep_supervision_loss, []
 
     def poisoned(step_losses, base, scale):  # the 4th training step's loss becomes NaN
         calls.append(1)
         total = real_loss(step_losses, base, scale)
         return total * float("nan") if len(calls) == 4 else total
 
-    monkeypatch.setattr(nanochat.gpt, "deep_supervision_loss", poisoned)
+    monkeypatch.setattr(nanochat.model.gpt, "deep_supervision_loss", poisoned)
     with pytest.raises(SystemExit) as exit_info:
         base_train.main(TINY + ["--num_iterations=8", "--save_every=2", "--model_tag=nan"])
     assert exit_info.value.code == 3
@@ -220,7 +235,8 @@ def test_precedence_metrics_report_and_plot(base_dir):
         assert len(r["state"]) == 2 and all(len(row) == 4 for row in r["state"])
         rms_y, rms_z, rms_update, cos = r["state"][-1]
         assert rms_y > 0 and -1 <= cos <= 1
-    # untrained, the zero-initialised projections make every block the identity: the state does not move; trained, it does
+    # untrained, the zero-initialised projections make every block the identity: the state does not move; trained, it
+    # does
     evals = [r for r in records if r["kind"] == "eval"]
     assert evals[0]["state"][-1][2] < 1e-5 and evals[-1]["state"][-1][2] > 1e-3 and train[-1]["state"][-1][2] > 1e-3
     assert out.count("recursion state per step: rms y ") == 2
@@ -255,7 +271,6 @@ def test_ema_publishes_the_average_trains_on_the_raw_weights_and_resumes_exactly
 def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
     # every way a tensor's value reaches Python is a host sync on a GPU; count them over 2 and 5 steps: the extra
     # 3 steps (no evaluation, sample or save in between) must cost exactly 3 reads, with the weight average too
-    from scripts import base_train
     from tests.support.helpers import host_syncs
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     counts = []
@@ -263,19 +278,18 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
         run_config = train_config.parse_args([*TINY, f"--num_iterations={n}", "--eval_every=0", ema,
                                         f"--model_tag={tag}{ema[-1]}"])
         with host_syncs() as reads:
-            base_train.train(run_config)
+            trainer.train(run_config)
         counts.append(len(reads))
     assert counts[1] - counts[0] == 3, counts
 
 
 def test_mfu_is_measured_against_peak_tflops_when_given(base_dir, monkeypatch):
     # --peak_tflops' help says MFU uses it; base_train read only the GPU table, so a CPU (or unlisted GPU) showed none
-    from nanochat.gpt import GPT
-    from scripts import base_train
+    from nanochat.model.gpt import GPT
     flops, real = [], GPT.estimate_flops
     monkeypatch.setattr(GPT, "estimate_flops", lambda self, *a, **k: flops.append(real(self, *a, **k)) or flops[-1])
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
-    base_train.train(train_config.parse_args([*TINY, "--num_iterations=2", "--eval_every=0", "--peak_tflops=0.002",
+    trainer.train(train_config.parse_args([*TINY, "--num_iterations=2", "--eval_every=0", "--peak_tflops=0.002",
                                               "--model_tag=mfu"]))
     with open(os.path.join(ckpt_dir(base_dir, "mfu"), "metrics.jsonl")) as f:
         steps = [r for r in map(json.loads, f) if r["kind"] == "train"]
@@ -289,7 +303,7 @@ def test_sampled_depth_trains_logs_and_plots(base_dir):
     out = run(base_dir, *TINY, "--num_iterations=6", "--sample_n_sup", "--model_tag=sampled").stdout
     with open(os.path.join(ckpt_dir(base_dir, "sampled"), "metrics.jsonl")) as f:
         depths = [len(r["step_losses"]) for r in map(json.loads, f) if r["kind"] == "train"]
-    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.model.gpt import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=1, n_layer=1, n_embd=32, n_head=2, n_kv_head=2, sequence_len=32, n_sup_train=2,
                           sample_n_sup=True))
     assert depths == [model.train_depth(step) for step in range(6)] and len(set(depths)) > 1
@@ -299,20 +313,44 @@ def test_sampled_depth_trains_logs_and_plots(base_dir):
 
 def test_the_step_count_warmup_trains_one_step_first_and_all_of_them_by_its_fraction(base_dir):
     # --n_sup_warmup=0.5 over 8 steps at n_sup_train=4: the cap 1 + int(4 * step / 4) rises 1, 2, 3, 4, then holds
-    run(base_dir, *TINY, "--num_iterations=8", "--n_sup_train=4", "--n_sup_warmup=0.5", "--model_tag=warm")
-    with open(os.path.join(ckpt_dir(base_dir, "warm"), "metrics.jsonl")) as f:
-        depths = [len(r["step_losses"]) for r in map(json.loads, f) if r["kind"] == "train"]
-    assert depths == [1, 2, 3, 4, 4, 4, 4, 4]
+    from nanochat.model.gpt import GPT, GPTConfig
+
+    def depths(tag):
+        with open(os.path.join(ckpt_dir(base_dir, tag), "metrics.jsonl")) as f:
+            return [len(r["step_losses"]) for r in map(json.loads, f) if r["kind"] == "train"]
+
+    warm = ["--num_iterations=8", "--n_sup_train=4", "--n_sup_warmup=0.5"]
+    run(base_dir, *TINY, *warm, "--model_tag=warm")  # TINY: a fixed depth
+    assert depths("warm") == [1, 2, 3, 4, 4, 4, 4, 4]
+    # with the log-normal draw (the default) it caps the draw: never above the ramp, the draw itself past it
+    run(base_dir, *TINY, *warm, "--sample_n_sup=lognormal_poisson", "--model_tag=warm_drawn")
+    drawn = GPT(GPTConfig(sequence_len=8, vocab_size=8, n_layer=1, n_head=2, n_kv_head=2, n_embd=32, n_sup_train=4,
+                          sample_n_sup="lognormal_poisson"))
+    assert depths("warm_drawn") == [min(drawn.train_depth(s), 1 + s) for s in range(8)]
 
 
 def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_what_is_off():
-    from scripts import base_train
     run_config = train_config.parse_args([*TINY, "--device_batch_size=8", "--gradient_accumulation_steps=2"])
-    message = base_train.oom_message(run_config)
+    message = trainer.oom_message(run_config)
     assert "--device_batch_size (e.g. 4) with --gradient_accumulation_steps=4" in message
     assert "--detach_between_steps" not in message  # on by default
-    off = base_train.oom_message(train_config.parse_args([*TINY, "--detach_between_steps=false"]))
+    off = trainer.oom_message(train_config.parse_args([*TINY, "--detach_between_steps=false"]))
     assert "--detach_between_steps" in off
+
+
+def test_out_of_memory_in_a_step_exits_with_the_advice_and_code(base_dir, monkeypatch, capsys):
+    import nanochat.model.gpt
+    from scripts import base_train
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(nanochat.model.gpt.GPT, "forward_backward", out_of_memory)
+    with pytest.raises(SystemExit) as exit_info:
+        base_train.main(TINY + ["--num_iterations=2", "--model_tag=oom"])
+    assert exit_info.value.code == ExitCode.OUT_OF_MEMORY
+    assert "CUDA out of memory at --device_batch_size=" in capsys.readouterr().err
 
 
 def test_the_weight_average_is_on_for_long_runs_only():
@@ -329,8 +367,7 @@ def test_the_weight_average_is_on_for_long_runs_only():
 
 def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch):
     # bf16 on a GPU; CPU autocast stands in for it: every cached (sampling) forward must run under it
-    from nanochat.gpt import GPT
-    from scripts import base_train
+    from nanochat.model.gpt import GPT
     seen, real = [], GPT.forward
 
     def forward(self, *args, kv_cache=None, **kwargs):
@@ -340,16 +377,16 @@ def test_samples_during_training_run_in_the_training_dtype(base_dir, monkeypatch
 
     monkeypatch.setattr(GPT, "forward", forward)
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
-    base_train.train(train_config.parse_args([*TINY, "--num_iterations=1", "--dtype=bfloat16", "--model_tag=bf16"]))
+    trainer.train(train_config.parse_args([*TINY, "--num_iterations=1", "--dtype=bfloat16", "--model_tag=bf16"]))
     assert seen and all(seen_dtype == (True, torch.bfloat16) for seen_dtype in seen)
 
 
 def test_each_rank_samples_its_share_and_rank_0_reports_them_as_one_process(base_dir, monkeypatch, capsys):
     # rank 0 of 2: its share (prompts 0 and 2) generated here, rank 1's handed to it by the gather
     from types import SimpleNamespace
-    from nanochat.engine import Engine
-    from nanochat.tokenizer import get_tokenizer
-    from scripts import base_train
+
+    from nanochat.data.tokenizer import get_tokenizer
+    from nanochat.model.engine import Engine
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     tokenizer = get_tokenizer()
     model = random_model(tiny_config(vocab_size=tokenizer.get_vocab_size()), every_weight=True)
@@ -361,22 +398,22 @@ def test_each_rank_samples_its_share_and_rank_0_reports_them_as_one_process(base
     def samples(share, theirs=None, stop=never):
         """What rank share[0] prints and logs, and what it hands to the gather."""
         logged, sent = [], []
-        monkeypatch.setattr(base_train, "gather_shares", lambda mine, count: sent.append(mine) or [mine, theirs])
-        base_train.run_samples(model, tokenizer, run_config, SimpleNamespace(log=logged.append), 7, stop, share)
+        monkeypatch.setattr(trainer, "gather_shares", lambda mine, count: sent.append(mine) or [mine, theirs])
+        trainer.run_samples(model, tokenizer, run_config, SimpleNamespace(log=logged.append), 7, stop, share)
         return capsys.readouterr().out, logged, sent
 
     alone, alone_logged, sent = samples((0, 1))
     assert rows == [4] and sent == [] and alone.count("sample: ") == 4, alone
     completions = [completion for _, completion in alone_logged[0]["samples"]]
     assert len(set(completions)) == 4  # distinct: a completion in the wrong place shows
-    theirs = base_train.sample_share(model, tokenizer, run_config, base_train.SAMPLE_PROMPTS[1::2], never)
+    theirs = trainer.sample_share(model, tokenizer, run_config, trainer.SAMPLE_PROMPTS[1::2], never)
     assert samples((0, 2), theirs) == (alone, alone_logged, [(completions[0::2], None)])
     assert rows == [4, 2, 2]  # rank 1's share, then rank 0's: half the prompts each
-    assert base_train.sample_share(model, tokenizer, run_config, [], never) == ([], None) and len(rows) == 3
+    assert trainer.sample_share(model, tokenizer, run_config, [], never) == ([], None) and len(rows) == 3
     # a share cut short by a signal, or failed, on either rank: every rank still gathers, and nothing is logged
     abandoned = "samples abandoned: a stop signal arrived\n"
-    assert samples((0, 2), (None, base_train.STOPPED)) == (abandoned, [], [(completions[0::2], None)])
-    assert samples((0, 2), theirs, stop=lambda: True) == (abandoned, [], [(None, base_train.STOPPED)])
+    assert samples((0, 2), (None, trainer.STOPPED)) == (abandoned, [], [(completions[0::2], None)])
+    assert samples((0, 2), theirs, stop=lambda: True) == (abandoned, [], [(None, trainer.STOPPED)])
     skipped = "WARNING: sampling failed and was skipped: "
     assert samples((0, 2), (None, "ValueError: injected"))[:2] == (skipped + "on rank 1: ValueError: injected\n", [])
 
@@ -494,14 +531,15 @@ def test_a_shard_damaged_mid_run_saves_the_last_step_and_stops_with_one_line(bas
 
 def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
     from types import SimpleNamespace
-    from nanochat import lifecycle, resume
-    from scripts import base_train
+
+    from nanochat.checkpoint import resume
+    from nanochat.train import lifecycle
     run_config = train_config.parse_args([*TINY, "--num_iterations=6", "--warmup_steps=2", "--early_stop=3"])
     model_config = {**run_config.model_config, "vocab_size": 300}
     corpus = {"fingerprint": "abc123", "dir": "/data", "shards": 3}
     early_stop = lifecycle.EarlyStop(3)
     early_stop.record(4, 1.25)
-    meta = json.loads(json.dumps(base_train.checkpoint_meta(  # as meta.json holds it
+    meta = json.loads(json.dumps(trainer.checkpoint_meta(  # as meta.json holds it
         run_config, model_config, "tok", corpus, 6, 2, val_bpb=[1.5, 1.25], elapsed_seconds=12.5,
         early_stop=early_stop.state(), cost=0.25, loader_state={"position": 3})))
     # what start_or_resume checks: the model config, batch geometry and sharding; the tokenizer; the data
@@ -513,7 +551,7 @@ def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
     assert meta["elapsed_seconds"] == 12.5
     assert (meta["num_iterations"], meta["warmup_steps"], meta["train_config"]["warmdown_ratio"],
             meta["train_config"]["final_lr_frac"]) == (6, 2, run_config.warmdown_ratio, run_config.final_lr_frac)
-    resumed = base_train.early_stop_for(run_config, SimpleNamespace(step=4, meta=meta))
+    resumed = trainer.early_stop_for(run_config, SimpleNamespace(step=4, meta=meta))
     assert (resumed.best, resumed.stale, resumed.last_step) == ([4, 1.25], 0, 4)
     assert meta["val_bpb"] == [1.5, 1.25] and meta["dataloader"] == {"position": 3}
 
@@ -521,11 +559,11 @@ def test_the_checkpoint_meta_holds_what_a_resume_checks_and_continues():
 def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_the_last(tmp_path, monkeypatch):
     import dataclasses
     from types import SimpleNamespace
-    from nanochat import checkpoint_manager as ckpt
-    from nanochat import lifecycle
-    from nanochat.checkpoint_writer import CheckpointWriter
-    from nanochat.loss_eval import EvaluationStopped, refinement
-    from scripts import base_train
+
+    from nanochat.checkpoint import manager as ckpt
+    from nanochat.checkpoint.writer import CheckpointWriter
+    from nanochat.eval.loss_eval import EvaluationStopped, refinement
+    from nanochat.train import lifecycle
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     os.makedirs(ckpt.step_dir("alone", 4))
     with open(os.path.join(ckpt.step_dir("alone", 4), "meta.json"), "w") as f:
@@ -538,10 +576,10 @@ def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_t
             raise EvaluationStopped()  # a signal arrived during the evaluation
         return result
 
-    monkeypatch.setattr(base_train, "validation_bpb", validation)
+    monkeypatch.setattr(trainer, "validation_bpb", validation)
     logged = []
-    parts = {f.name: None for f in dataclasses.fields(base_train.Run)}  # only what evaluation uses is given
-    run = base_train.Run(**{**parts, "run_config": train_config.parse_args([*TINY, "--model_tag=alone"]), "rank": 0,
+    parts = {f.name: None for f in dataclasses.fields(trainer.Run)}  # only what evaluation uses is given
+    run = trainer.Run(**{**parts, "run_config": train_config.parse_args([*TINY, "--model_tag=alone"]), "rank": 0,
                             "early_stop": lifecycle.EarlyStop(2), "writer": CheckpointWriter(background=False),
                             "metrics": SimpleNamespace(log=logged.append, attempt=lambda write: write())})
     assert run.evaluate(4) is True

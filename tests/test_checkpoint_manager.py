@@ -14,17 +14,18 @@ import zipfile
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat import checkpoint_writer
-from nanochat import resume
-from nanochat.backup import Backup
-from nanochat.checkpoint_model import build_model
-from nanochat.optim import setup_optimizers
-from nanochat.safe_load import RefusedObject, load_shards
+from nanochat import trainer
+from nanochat.checkpoint import manager as ckpt
+from nanochat.checkpoint import resume
+from nanochat.checkpoint import writer as checkpoint_writer
+from nanochat.checkpoint.backup import Backup
+from nanochat.checkpoint.manager import build_model
+from nanochat.checkpoint.safe_load import RefusedObject, load_shards
+from nanochat.train.optim import setup_optimizers
 from scripts import base_train
 from tests.support.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree, weights
 from tests.support.unwritable import FullDiskFile
@@ -126,7 +127,7 @@ def test_full_disk_during_a_save_says_so_cleans_up_and_resume_works(base, monkey
 
 
 def test_a_swapped_tokenizer_is_refused_and_old_checkpoints_warn(base, capsys):
-    from nanochat.tokenizer import RustBPETokenizer, get_tokenizer, tokenizer_dir
+    from nanochat.data.tokenizer import RustBPETokenizer, get_tokenizer, tokenizer_dir
     assert train(*FLAGS, "--num_iterations=2", "--model_tag=tok") == 0
     trained_with, vocab_size = get_tokenizer().fingerprint(), get_tokenizer().get_vocab_size()
     assert ckpt.read_meta("tok", 2)["tokenizer_fingerprint"] == trained_with
@@ -178,7 +179,7 @@ def test_disk_preflight_refuses_before_writing(base, monkeypatch, capsys):
 
 def test_backup_retention_keeps_the_newest_and_the_best(base, tmp_path):
     assert train(*FLAGS, "--save_every=1", "--keep_last=0", "--num_iterations=3", "--model_tag=ret") == 0
-    base_train.update_checkpoint_bpb("ret", 1, [0.5, 0.1])  # step 1 becomes the best
+    trainer.update_checkpoint_bpb("ret", 1, [0.5, 0.1])  # step 1 becomes the best
     uploads = Backup.location(str(tmp_path / "bucket"), "ret", keep_last=1)
     for step in (1, 2, 3):  # one upload at a time, each waited for
         uploads.start().submit(step)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from nanochat.checkpoint_meta import CONFIG_LIMITS, best_of, final_val_bpb, meta_problem, steps_to_prune
-from nanochat.gpt import GPTConfig
+from nanochat.checkpoint.meta import CONFIG_LIMITS, best_of, final_val_bpb, meta_problem, steps_to_prune
+from nanochat.model.gpt import GPTConfig
 
 
 def test_retention_keeps_the_newest_k_and_the_best_and_never_prunes_with_k_zero():

@@ -3,14 +3,15 @@
 import pytest
 
 from nanochat.cli import underscore_flags
+from nanochat.train import config as train_config
 from scripts import base_loss, launch
-from nanochat import train_config
 from tests.support.helpers import TINY_SHAPE, parsed
 
 
 def test_dashed_flags_parse_the_same_as_underscores():
     underscored = ["--depth=2", "--device_batch_size=4", "--max_seq_len", "64", "--n_sup_train=3",
-                   "--gradient_accumulation_steps=2", "--detach_between_steps", "--model_tag=my_run", "--device_type=cpu"]
+                   "--gradient_accumulation_steps=2", "--detach_between_steps", "--model_tag=my_run",
+                   "--device_type=cpu"]
     dashed = ["--depth=2", "--device-batch-size=4", "--max-seq-len", "64", "--n-sup-train=3",
               "--gradient-accumulation-steps=2", "--detach-between-steps", "--model-tag=my_run", "--device-type=cpu"]
     assert parsed(dashed) == parsed(underscored)

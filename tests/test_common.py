@@ -9,8 +9,15 @@ import sys
 import pytest
 
 from nanochat.common import gpu_peak_flops, progress_bar
-from nanochat.files import (WriteError, atomic_write_bytes, check_writable, exit_on_write_error,
-                            remove_stale_temporaries, write_error, write_failure)
+from nanochat.files import (
+    WriteError,
+    atomic_write_bytes,
+    check_writable,
+    exit_on_write_error,
+    remove_stale_temporaries,
+    write_error,
+    write_failure,
+)
 from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line
 
 # (torch.cuda.get_device_name, dense bf16 TFLOP/s from the vendor's datasheet)
@@ -125,7 +132,8 @@ def test_check_writable_refuses_a_read_only_directory_and_leaves_nothing(tmp_pat
 
 def test_exit_on_write_error_is_one_line_and_exit_5(capsys):
     with pytest.raises(SystemExit) as stop, exit_on_write_error("plot_run"):
-        raise write_error("/x/training.png", OSError(errno.ENOSPC, "No space left on device"), ", or pick another --out")
+        raise write_error("/x/training.png", OSError(errno.ENOSPC, "No space left on device"),
+                          ", or pick another --out")
     assert stop.value.code == 5
     err = capsys.readouterr().err
     assert err == ("plot_run: cannot write /x/training.png: no space left on device; free space on that disk, or pick "

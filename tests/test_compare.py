@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.model.gpt import GPT, GPTConfig
 from scripts import compare
 from tests.support import processes
 
@@ -139,7 +139,7 @@ def test_tiny_grid_end_to_end_then_interrupted_rerun_skips_finished_configs(base
 # batch they draw into RECORD_DIR/<model tag>.jsonl.
 RECORDER = """
 import json, os, sys
-from nanochat import dataloader
+from nanochat.data import dataloader
 real_init, real_next = dataloader.DataLoader.__init__, dataloader.DataLoader.__next__
 
 def init(self, tokenizer, B, T, split, *args, **kwargs):
@@ -207,6 +207,7 @@ def test_a_figure_that_cannot_be_written_is_a_write_error_naming_it_and_leaves_n
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from nanochat.files import WriteError
     from tests.support.unwritable import READ_ONLY, fail_writes
     fig, ax = plt.subplots()

@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat.dataloader import DataLoader, evaluation_batches, evaluation_cache, evaluation_size
-from nanochat.dataset import DatasetError, import_corpus
-from nanochat.tokenizer import RustBPETokenizer
-from tests.support import processes
+from nanochat.data.dataloader import DataLoader, evaluation_batches, evaluation_cache, evaluation_size
+from nanochat.data.dataset import DatasetError, import_corpus
+from nanochat.data.tokenizer import RustBPETokenizer
 from tests.conftest import WORDS
+from tests.support import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -373,7 +373,8 @@ def test_the_advice_for_a_damaged_shard_fits_the_corpus(tmp_path, corpus):
     """A shard damaged under a running loader: the message says how to rebuild this corpus (imported, built-in) or,
     for a downloaded one (no manifest, or FineWeb's), to download it again."""
     import shutil
-    from nanochat.dataset import MANIFEST, list_parquet_files, read_source, write_source
+
+    from nanochat.data.dataset import MANIFEST, list_parquet_files, read_source, write_source
     directory = tmp_path / "data"
     shutil.copytree(corpus[0], directory)
     imported = read_source(str(directory))

@@ -1,4 +1,5 @@
-"""nanochat/dataset.py: reading shards, corpus import, and the built-in corpus (the download is test_download.py's)."""
+"""nanochat/data/dataset.py: reading shards, corpus import, and the built-in corpus (the download is
+test_download.py's)."""
 
 import hashlib
 import json
@@ -11,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nanochat import dataset
-from nanochat.dataset import DatasetError
+from nanochat.data import dataset
+from nanochat.data.dataset import DatasetError
 from tests.support.helpers import shard_texts
 
 pytestmark = pytest.mark.usefixtures("isolated_dirs")
@@ -249,7 +250,7 @@ HOPS = ["--synthetic=hops", "--synthetic_docs=300", "--hops_symbols=6", "--hops_
 
 
 def test_synthetic_hops_writes_train_and_val_shards_deterministically(tmp_path, monkeypatch, capsys):
-    from nanochat.synthetic import HopsSpec, hops_documents
+    from nanochat.data.synthetic import HopsSpec, hops_documents
     snapshots = []
     for name in ("run1", "run2"):
         monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / name))
@@ -268,7 +269,7 @@ def test_synthetic_hops_writes_train_and_val_shards_deterministically(tmp_path, 
 
 
 def test_synthetic_hops_pairs_is_the_pairs_family_and_refuses_too_many_symbols(tmp_path, monkeypatch, capsys):
-    from nanochat.synthetic import HopsSpec, hops_documents
+    from nanochat.data.synthetic import HopsSpec, hops_documents
     flags = ["--synthetic=hops_pairs", "--synthetic_docs=50", "--hops_max=3", "--hops_queries=5"]
     monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / "pairs"))
     assert dataset.main(flags + ["--hops_symbols=8"]) == 0

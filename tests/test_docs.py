@@ -120,7 +120,8 @@ def test_the_link_check_finds_what_is_broken(tmp_path):
         "[ok](docs/page.md) [ok](docs/page.md#plan-first---dry_run) [ok](docs/page.md#twice-1) [ok](#title)\n"
         "[web](https://example.com/nowhere.md#x) `[code](missing.md)`\n"
         "```\n[fenced](missing.md)\n# not a heading\n```\n"
-        "[gone](docs/missing.md) [bad anchor](docs/page.md#plan-last) [bad](#not-a-heading) [dup](docs/page.md#twice-2)\n"
+        "[gone](docs/missing.md) [bad anchor](docs/page.md#plan-last) [bad](#not-a-heading) "
+        "[dup](docs/page.md#twice-2)\n"
         "![image](docs/missing.png)\n")
     problems = broken_links(str(tmp_path / "README.md"))
     assert [p.split(": ")[1] for p in problems] == [

@@ -1,4 +1,4 @@
-"""nanochat/download.py through `nanochat.dataset -n`: shard download against a fault-injecting local server."""
+"""nanochat/data/download.py through `nanochat.dataset -n`: shard download against a fault-injecting local server."""
 
 import http.server
 import os
@@ -13,10 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nanochat import dataset
-from nanochat.dataset import DatasetError
-from tests.support.helpers import stderr_capture
-from tests.support.helpers import shard_texts
+from nanochat.data import dataset
+from nanochat.data.dataset import DatasetError
+from tests.support.helpers import shard_texts, stderr_capture
 
 pytestmark = pytest.mark.usefixtures("isolated_dirs")
 
@@ -199,7 +198,7 @@ def test_ctrl_c_stops_at_once_with_one_line_and_no_partial_file(hub, tmp_path):
     hub.faults = {"shard_00000.parquet": ["stall"], "shard_01822.parquet": ["stall"]}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # as from a terminal: a suite started in the background (`&`) ignores SIGINT, and its children would inherit that
-    proc = subprocess.Popen([sys.executable, "-m", "nanochat.dataset", "-n", "1", "-w", "2"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "nanochat.data.dataset", "-n", "1", "-w", "2"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

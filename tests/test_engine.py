@@ -7,10 +7,18 @@ import threading
 import pytest
 import torch
 
-from nanochat.engine import (Batch, Engine, KVCache, RowCache, ends_mid_character, kv_cache_bytes_per_token, left_pad,
-                             sample_next)
-from nanochat.gpt import STATE_UPDATES
-from nanochat.halting import Draft, Halting, forward_halting, rms_score
+from nanochat.model.engine import (
+    Batch,
+    Engine,
+    KVCache,
+    RowCache,
+    ends_mid_character,
+    kv_cache_bytes_per_token,
+    left_pad,
+    sample_next,
+)
+from nanochat.model.gpt import STATE_UPDATES
+from nanochat.model.halting import Draft, Halting, forward_halting, rms_score
 from scripts import base_sample
 from tests.support import helpers
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint

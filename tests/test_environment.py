@@ -3,10 +3,10 @@ one release every node installs, and the environment dev/setup_env.sh built (the
 lock's versions."""
 
 import re
-import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 

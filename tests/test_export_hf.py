@@ -10,11 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.dynamic_module_utils import get_imports
 
-from nanochat import gpt
-from nanochat.checkpoint_manager import load_model
-from nanochat.engine import Engine
-from nanochat.gpt import ACTIVATIONS, STATE_UPDATES, GPTConfig
-from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
+from nanochat.checkpoint.manager import load_model
+from nanochat.data.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
+from nanochat.model import gpt
+from nanochat.model.engine import Engine
+from nanochat.model.gpt import ACTIVATIONS, STATE_UPDATES, GPTConfig
 from scripts import export_hf
 from tests.support.helpers import ROOT, random_model
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -82,7 +82,8 @@ def test_the_exported_code_needs_only_torch_and_transformers(exported):
 @torch.no_grad()
 def test_transformers_logits_equal_ours_at_every_supervision_step(hf, base_dir):
     model, _, _ = load_model(MODEL_TAG, "best")
-    idx = torch.randint(0, model.config.vocab_size, (2, model.config.sequence_len), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, model.config.vocab_size, (2, model.config.sequence_len),
+                        generator=torch.Generator().manual_seed(0))
     assert hf.config.n_sup_inference == model.config.n_sup_inference == 3
     for n_sup in range(1, model.config.n_sup_inference + 1):
         ours = model(idx, n_sup=n_sup)
@@ -192,7 +193,8 @@ def test_an_existing_directory_is_replaced_only_with_force_and_only_if_it_is_an_
 
 
 def test_without_transformers_the_export_says_what_to_install(tmp_path):
-    hide = "import runpy, sys; sys.modules['transformers'] = None; runpy.run_module('scripts.export_hf', run_name='__main__')"
+    hide = ("import runpy, sys; sys.modules['transformers'] = None; "
+            "runpy.run_module('scripts.export_hf', run_name='__main__')")
     result = subprocess.run([sys.executable, "-c", hide, "--out", str(tmp_path / "out")], capture_output=True,
                             text=True, timeout=60, cwd=ROOT)
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr

@@ -1,4 +1,5 @@
-"""Fully sharded training (nanochat/sharding.py, base_train --sharding=fsdp) on 2 Gloo ranks against one process."""
+"""Fully sharded training (nanochat/train/sharding.py, base_train --sharding=fsdp) on 2 Gloo ranks against one
+process."""
 
 import os
 import sys
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.optim import Muon
+from nanochat.train.optim import Muon
 from tests.support import fsdp_worker as worker
 from tests.support import processes
 
@@ -61,8 +62,8 @@ def test_muon_on_shards_equals_muon_on_whole_matrices(tmp_path):
 
 
 def test_the_sharded_memory_estimate_is_within_25_percent_of_the_measured_peak(tmp_path):
-    from nanochat.gpt import GPTConfig
-    from nanochat.memory import estimate_memory
+    from nanochat.model.gpt import GPTConfig
+    from nanochat.train.memory import estimate_memory
     torchrun("memory", tmp_path / "peaks.pt")
     estimate = estimate_memory(GPTConfig(**worker.MEMORY_CONFIG), worker.MEMORY_BATCH, "float32", 2,
                                sharding="fsdp")["total"]
@@ -87,8 +88,8 @@ def test_a_sharded_training_step_makes_no_host_sync(tmp_path):
 
 @pytest.mark.parametrize("config", ["plain", "trm-one-sweep", "trm"])
 def test_a_micro_step_gathers_each_block_once_per_visit_under_one_fsdp_root(tmp_path, config):
-    from nanochat.gpt import GPTConfig
-    from nanochat.memory import collective_bytes
+    from nanochat.model.gpt import GPTConfig
+    from nanochat.train.memory import collective_bytes
     torchrun("gathers", config, tmp_path / "gathers.pt")
     _, planned = collective_bytes(GPTConfig(**worker.CONFIGS[config], detach_between_steps=True), "fsdp", 2, 1)
     # trm-one-sweep: 3 blocks x 3 supervision steps x 1 visit x 2 (forward, backward) + the prelude's 2 + the coda's
@@ -103,8 +104,8 @@ def test_a_micro_step_gathers_each_block_once_per_visit_under_one_fsdp_root(tmp_
 
 
 def test_a_model_initialised_sharded_has_the_weights_the_unsharded_init_gives(tmp_path):
-    from nanochat.checkpoint_model import build_model
-    from nanochat.gpt import GPTConfig
+    from nanochat.checkpoint.manager import build_model
+    from nanochat.model.gpt import GPTConfig
     torchrun("metainit", tmp_path / "metainit.pt")
     got = torch.load(tmp_path / "metainit.pt")
     torch.manual_seed(0)  # the unsharded model's init on the CPU, from the seed the sharded build had
@@ -124,8 +125,8 @@ def test_a_model_initialised_sharded_has_the_weights_the_unsharded_init_gives(tm
 
 def test_a_sharded_build_holds_one_weight_beyond_its_shards_in_host_memory(tmp_path):
     # it built the whole float32 model on the CPU first: 54 GB per process at depth 64
-    from nanochat.gpt import GPTConfig
-    from nanochat.memory import sharded_build_host_bytes
+    from nanochat.model.gpt import GPTConfig
+    from nanochat.train.memory import sharded_build_host_bytes
     planned = sharded_build_host_bytes(GPTConfig(**worker.BUILD_MEMORY_CONFIG), 1)  # one weight, the embedding's
     torchrun("buildmemory", tmp_path / "memory.pt")
     for rank, m in enumerate(torch.load(tmp_path / "memory.pt")):

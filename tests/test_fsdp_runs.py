@@ -31,7 +31,7 @@ def completed(proc):
 
 
 def published(base_dir, tag, step, part="model"):
-    from nanochat.checkpoint_manager import read_shards
+    from nanochat.checkpoint.manager import read_shards
     return read_shards(ckpt_dir(base_dir, tag, step), part)
 
 
@@ -81,7 +81,7 @@ def test_budget_stop_saves_shards_that_one_process_loads_and_ddp_refuses_to_resu
     stop = [line for line in out.splitlines() if line.startswith("budget spent (--max_hours=0.0005) at step")]
     assert len(stop) == 1, out[-3000:]
     at = int(stop[0].split("at step ")[1].split(":")[0])
-    from nanochat import checkpoint_manager as ckpt
+    from nanochat.checkpoint import manager as ckpt
     os.environ["NANOCHAT_BASE_DIR"] = base_dir
     try:
         assert ckpt.list_steps("fs_budget") == [at]

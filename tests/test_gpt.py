@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nanochat.gpt as gpt_module
-import nanochat.supervision as supervision
-from nanochat.gpt import GPT, STATE_UPDATES, GPTConfig
-from nanochat.supervision import STATE_DIAGNOSTICS, deep_supervision_loss, supervision_weights
-from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
+import nanochat.model.gpt as gpt_module
+import nanochat.model.supervision as supervision
+from nanochat.model.gpt import GPT, STATE_UPDATES, GPTConfig
+from nanochat.model.supervision import STATE_DIAGNOSTICS, deep_supervision_loss, supervision_weights
+from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 from tests.support.helpers import ROOT, random_model, tiny_config
 
-GPT_SOURCE = Path(ROOT, "nanochat", "gpt.py")
+GPT_SOURCE = Path(ROOT, "nanochat", "model", "gpt.py")
 
 
 def random_batch(config, B=2, seed=1):
@@ -114,7 +114,8 @@ def test_plain_blocks_with_no_grad_sweeps_are_rejected():
 
 
 @pytest.mark.parametrize("detach, T_recursion, n_loops, state_update, preset", [
-    (False, 1, 1, "residual", "aggressive"), (True, 1, 1, "residual", "aggressive"), (True, 2, 1, "residual", "moderate"),
+    (False, 1, 1, "residual", "aggressive"), (True, 1, 1, "residual", "aggressive"),
+    (True, 2, 1, "residual", "moderate"),
     (False, 1, 0, "residual", "extreme"), (False, 2, 2, "trm", "extreme"), (True, 1, 1, "postnorm", "moderate"),
     (False, 1, 2, "decay", "aggressive"), (True, 2, 1, "decay", "extreme"),
 ])
@@ -282,7 +283,7 @@ def test_improvement_reward_stops_gradient_into_previous_step():
 def test_a_solved_step_keeps_the_reward_finite():
     # a solved step's float32 loss is exactly 0 (softcapped logits at +-15); the reward's weight on the next step is
     # then scale / 0.01 (REWARD_LOSS_FLOOR), not inf: before the floor, hops runs that solved the task went NaN
-    from nanochat.supervision import REWARD_LOSS_FLOOR, ChunkedHeadLoss, head_chunk_loss_and_grads
+    from nanochat.model.supervision import REWARD_LOSS_FLOOR, ChunkedHeadLoss, head_chunk_loss_and_grads
     weight = torch.full((8, 4), -50.0)
     weight[3] = 50.0
     solved = ChunkedHeadLoss.apply(torch.ones(2, 4), weight, torch.full((2,), 3), head_chunk_loss_and_grads)
@@ -400,9 +401,9 @@ def test_editing_the_default_lines_changes_plain_gptconfig(tmp_path, monkeypatch
     path = tmp_path / "gpt_edited.py"
     path.write_text(edited)
     # inside the nanochat package, as gpt.py runs: its relative imports (.halting, .supervision) resolve there
-    spec = importlib.util.spec_from_file_location("nanochat.gpt_edited", path)
+    spec = importlib.util.spec_from_file_location("nanochat.model.gpt_edited", path)
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "nanochat.gpt_edited", module)
+    monkeypatch.setitem(sys.modules, "nanochat.model.gpt_edited", module)
     spec.loader.exec_module(module)
     assert (module.GPTConfig().supervision_weight_base, module.GPTConfig().improvement_reward_scale) == (10.0, 2.0)
     # and a model built from the edited defaults trains on them: total uses b=10, c=2
@@ -534,7 +535,7 @@ def test_the_residual_state_grows_with_the_step_count():
 
 
 def test_state_diagnostics_measure_the_update():
-    from nanochat.supervision import state_diagnostics
+    from nanochat.model.supervision import state_diagnostics
     previous = torch.ones(2, 3, 4)
     y = 3 * torch.ones(2, 3, 4)  # update 2 * previous: parallel
     z = torch.full((2, 3, 4), -2.0)
@@ -568,9 +569,9 @@ def test_a_config_saved_before_state_update_existed_loads_as_the_residual_recurs
 
 
 def test_an_old_checkpoint_gives_the_same_logits_as_before(tmp_path, monkeypatch):
-    from nanochat import checkpoint_manager as ckpt
-    from nanochat.checkpoint_model import build_model
-    from nanochat.checkpoint_writer import save_checkpoint
+    from nanochat.checkpoint import manager as ckpt
+    from nanochat.checkpoint.manager import build_model
+    from nanochat.checkpoint.writer import save_checkpoint
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     config = tiny_config(n_loops=1, n_sup_train=2, state_update="residual")  # what every old checkpoint is
     model = random_model(config).eval()
@@ -594,7 +595,7 @@ def test_sampled_supervision_depth_is_uniform_with_the_trained_mean_and_fixed_pe
 
 
 def test_lognormal_poisson_depth_has_the_trained_mean_a_longer_tail_and_the_planned_cap():
-    from nanochat.gpt import deepest_train_depth
+    from nanochat.model.gpt import deepest_train_depth
     config = tiny_config(n_loops=1, n_sup_train=4, sample_n_sup="lognormal_poisson")
     model = GPT(config)
     depths = [model.train_depth(step) for step in range(4000)]
@@ -620,7 +621,8 @@ def compiled_training_matches_eager(config, backend, steps=2):
     """Train a compiled twin and an eager model side by side: equal losses and gradients, and no graph compiled
     after the first step, even with evaluation and cached sampling in between. Returns the graphs compiled."""
     from torch._dynamo.utils import counters
-    from nanochat.engine import Engine
+
+    from nanochat.model.engine import Engine
     torch._dynamo.reset()
     counters.clear()
     eager = random_model(config)
@@ -723,7 +725,8 @@ def test_a_bf16_lm_head_gradient_is_summed_over_many_chunks_in_float32(autocast,
     h, targets = torch.randn(N, C), torch.randint(0, V, (N,))
     weight = (torch.randn(V, C) / 8).bfloat16()
     w64 = weight.double().requires_grad_()
-    reference = F.cross_entropy(supervision.SOFTCAP * torch.tanh(F.linear(h.double(), w64) / supervision.SOFTCAP), targets)
+    softcap = supervision.SOFTCAP
+    reference = F.cross_entropy(softcap * torch.tanh(F.linear(h.double(), w64) / softcap), targets)
     reference = torch.autograd.grad(reference, w64)[0]
     monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", V)  # one row a chunk
     w = weight.clone().requires_grad_()
@@ -748,7 +751,8 @@ def test_inductor_compiled_head_chunk_matches_the_plain_head(autocast):
     compiled = torch.compile(supervision.head_chunk_loss_and_grads, dynamic=False, backend="inductor")
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         logits = F.linear(h, weight).float()
-        plain = F.cross_entropy(supervision.SOFTCAP * torch.tanh(logits / supervision.SOFTCAP), targets, ignore_index=-1)
+        softcap = supervision.SOFTCAP
+        plain = F.cross_entropy(softcap * torch.tanh(logits / softcap), targets, ignore_index=-1)
         loss = supervision.ChunkedHeadLoss.apply(h, weight, targets, compiled)
     atol, rtol = (2e-3, 2e-2) if autocast else (1e-6, 1e-5)
     torch.testing.assert_close(loss, plain, atol=atol, rtol=rtol)
@@ -774,7 +778,8 @@ def test_training_never_makes_the_whole_batch_logits(monkeypatch):
 @torch.no_grad()
 def test_stream_is_a_residual_stream_renormalised_between_steps():
     torch.manual_seed(0)
-    config = GPTConfig(sequence_len=8, vocab_size=32, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, state_update="stream")
+    config = GPTConfig(sequence_len=8, vocab_size=32, n_layer=2, n_head=2, n_kv_head=2, n_embd=16,
+                       state_update="stream")
     model = GPT(config)
     model.init_weights()
     for p in model.parameters():  # non-zero output projections: every block writes something

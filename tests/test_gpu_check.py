@@ -139,7 +139,7 @@ def test_nanochat_compare_times_the_checkout_beside_ours(tmp_path):
     result = gpu_check.check_nanochat(ctx)
     assert result["name"] == "nanochat_compare" and result["ok"], result
     assert 0 < ctx.results["nanochat"]["ours_over_theirs"] < 1
-    from nanochat import gpt  # ours is back in place
+    from nanochat.model import gpt  # ours is back in place
     assert hasattr(gpt, "STATE_UPDATES")
     ctx.results["plain"]["step_s"] = 1e9  # ours far slower: the check fails
     assert not gpu_check.check_nanochat(ctx)["ok"]

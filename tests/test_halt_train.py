@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from nanochat.gpt import HALT_BIAS_INIT
-from nanochat.halting import HALT_MARGIN, frozen_halt_head_loss
+from nanochat.model.gpt import HALT_BIAS_INIT
+from nanochat.model.halting import HALT_MARGIN, frozen_halt_head_loss
 from tests.support import helpers
 from tests.test_halting import random_model, tokens
 
@@ -56,7 +56,7 @@ def halt_train(*flags):
 
 
 def test_halt_train_writes_a_new_tag_with_a_trained_head_and_the_same_model(trained_tiny, monkeypatch):
-    from nanochat.checkpoint_manager import load_model, model_dir
+    from nanochat.checkpoint.manager import load_model, model_dir
     from scripts import base_loss
     monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_tiny)
     source_files = helpers.tree(model_dir("halt"))

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat.engine import Engine, KVCache
-from nanochat.gpt import GPT, HALT_BIAS_INIT, GPTConfig
-from nanochat.halting import HALTING_RULES, Halting, forward_halting
-from nanochat.optim import setup_optimizers
+from nanochat.model.engine import Engine, KVCache
+from nanochat.model.gpt import GPT, HALT_BIAS_INIT, GPTConfig
+from nanochat.model.halting import HALTING_RULES, Halting, forward_halting
+from nanochat.train.optim import setup_optimizers
 from tests.support import helpers
 
 N = 4
@@ -240,7 +240,7 @@ def test_flops_count_the_halting_head():
 def test_evaluation_with_halting_spans_step_one_to_every_step():
     """Threshold 0 scores what evaluate_bpb scores at the last step, infinity its first step; mean steps N and 1;
     in between, the mean steps of the tokens that count, from the test's own reference forward."""
-    from nanochat.loss_eval import evaluate_bpb, evaluate_bpb_halting
+    from nanochat.eval.loss_eval import evaluate_bpb, evaluate_bpb_halting
     model = random_model()
     V = model.config.vocab_size
     token_bytes = torch.arange(V) % 3  # a third of the ids are 'specials' (0 bytes) and left out
@@ -287,7 +287,7 @@ def test_base_loss_bad_halt_is_one_line(trained_tiny, monkeypatch, capsys, flag,
 
 def test_base_train_with_halt_head_trains_the_head(trained_tiny, monkeypatch):
     """A tiny base_train run with --halt_head: the checkpoint has a head, and training moved it off its init."""
-    from nanochat.checkpoint_manager import load_model
+    from nanochat.checkpoint.manager import load_model
     from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", trained_tiny)
     base_train.main(helpers.TINY + ["--n_sup_train=3", "--num_iterations=2", "--eval_every=0", "--halt_head",

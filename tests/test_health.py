@@ -1,8 +1,8 @@
-"""nanochat/health.py: the per-supervision-step loss smoothing, and the warnings watched on it while training."""
+"""nanochat/eval/health.py: the per-supervision-step loss smoothing, and the warnings watched on it while training."""
 
 import pytest
 
-from nanochat.health import Health, LossSmoother
+from nanochat.eval.health import Health, LossSmoother
 
 
 def test_smoothing_follows_a_varying_number_of_supervision_steps():
@@ -11,7 +11,8 @@ def test_smoothing_follows_a_varying_number_of_supervision_steps():
     ema.update([2.0])  # a step that trained one supervision step leaves position 1 alone
     assert ema.value == pytest.approx([(0.25 * 4 + 0.5 * 2) / 0.75, 2.0])
     ema.update([2.0, 1.0, 3.0])
-    assert len(ema.value) == 3 and ema.value[2] == pytest.approx(3.0) and ema.value[1] == pytest.approx((0.25 * 2 + 0.5 * 1) / 0.75)
+    assert len(ema.value) == 3 and ema.value[2] == pytest.approx(3.0)
+    assert ema.value[1] == pytest.approx((0.25 * 2 + 0.5 * 1) / 0.75)
 
 
 def test_an_inverted_order_warns_after_the_window_and_then_once_per_100_steps(capsys):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from nanochat.gpt import STATE_UPDATES, GPTConfig
+from nanochat.model.gpt import STATE_UPDATES, GPTConfig
 from scripts import export_hf
 from tests.support.helpers import random_model
 from tests.support.tiny_checkpoint import tiny_checkpoint

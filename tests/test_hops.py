@@ -6,11 +6,24 @@ import random
 import pytest
 import torch
 
-from dev.hops import (ANSWERS_VOCAB, CHAIN_DIGITS, answers_eval_rows, answers_row, chains_row, chains_vocab, evaluate,
-                      masked_row, masked_vocab, VCHAIN_DIGITS, vchains_chance, vchains_eval_rows, vchains_row,
-                      vchains_vocab)
+from dev.hops import (
+    ANSWERS_VOCAB,
+    CHAIN_DIGITS,
+    VCHAIN_DIGITS,
+    answers_eval_rows,
+    answers_row,
+    chains_row,
+    chains_vocab,
+    evaluate,
+    masked_row,
+    masked_vocab,
+    vchains_chance,
+    vchains_eval_rows,
+    vchains_row,
+    vchains_vocab,
+)
 from dev.hops_quick import SPEC, quick_config, trained, validation_rows
-from nanochat.synthetic import HopsSpec
+from nanochat.data.synthetic import HopsSpec
 
 
 def solve(ids, spec):
@@ -177,14 +190,15 @@ def test_the_default_recursion_uses_its_depth_and_holds_past_its_trained_steps()
 
 
 def test_packed_rows_cut_the_stream_as_the_loader_does():
-    """--pack: the rows of T+1 tokens cut from the <|bos|>-first document stream, as nanochat/dataloader.py does."""
+    """--pack: rows of T+1 tokens cut from the <|bos|>-first document stream, as nanochat/data/dataloader.py does."""
     import dev.hops
-    from nanochat.synthetic import pairs_answers
-    from nanochat.tokenizer import RustBPETokenizer
+    from nanochat.data.synthetic import pairs_answers
+    from nanochat.data.tokenizer import RustBPETokenizer
     tok, spec = RustBPETokenizer.byte_level(), HopsSpec(n_symbols=6, max_hops=3, n_queries=24)
     dev.hops.FORMAT.update(name="pairs", answers=pairs_answers)
     rows = dev.hops.packed_rows(0, spec, tok, 4, 128)
-    stream = [t for d in dev.hops.documents("0:pack:0", 64, spec) for t in tok.encode(d, prepend=tok.get_bos_token_id())]
+    bos = tok.get_bos_token_id()
+    stream = [t for d in dev.hops.documents("0:pack:0", 64, spec) for t in tok.encode(d, prepend=bos)]
     for i in range(2):
         idx, targets = next(rows)
         window = torch.tensor(stream[i * 4 * 129:(i + 1) * 4 * 129]).view(4, 129)
@@ -195,8 +209,8 @@ def test_packed_rows_cut_the_stream_as_the_loader_does():
 def test_documents_per_row_keeps_every_document_whole():
     """--docs_per_row K: the step's documents K to a row, each whole and <|bos|>-led, none cut or lost."""
     import dev.hops
-    from nanochat.synthetic import pairs_answers
-    from nanochat.tokenizer import RustBPETokenizer
+    from nanochat.data.synthetic import pairs_answers
+    from nanochat.data.tokenizer import RustBPETokenizer
     tok, spec = RustBPETokenizer.byte_level(), HopsSpec(n_symbols=6, max_hops=3, n_queries=24)
     dev.hops.FORMAT.update(name="pairs", answers=pairs_answers)
     docs = dev.hops.documents("0:0", 8, spec)
@@ -222,7 +236,8 @@ def test_the_hops_scripts_train_one_whole_document_per_row(script):
     dev/hops.py trains. Rows of 129 tokens held document fragments and kept the recursion on the plateau (issue 36)."""
     import pathlib
     import re
-    from nanochat.synthetic import hops_documents
+
+    from nanochat.data.synthetic import hops_documents
     text = (pathlib.Path(__file__).parent.parent / script).read_text()
     symbols, max_hops = (int(re.search(rf"--{flag}=(\d+)", text).group(1)) for flag in ("hops_symbols", "hops_max"))
     seq_len, rows, batch = (int(re.search(rf"--{flag}=(\d+)", text).group(1))
@@ -235,6 +250,6 @@ def test_the_hops_scripts_train_one_whole_document_per_row(script):
 def test_hops_repeats_marks_a_query_asked_before():
     """dev/hops_repeats: a query is a repeat when the same hop count and start stood earlier in the document."""
     from dev.hops_repeats import first_times
-    from nanochat.synthetic import SEPARATOR
+    from nanochat.data.synthetic import SEPARATOR
     text = "ABC" + SEPARATOR + " ".join(["1ab", "2ac", "1ab", "1ba", "2ac", "2bc"])
     assert first_times(text) == [True, True, False, True, False, True]

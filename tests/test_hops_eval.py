@@ -1,6 +1,8 @@
-"""nanochat/hops_eval.py with stand-in models whose answers are known (a solver written here, known probabilities),
+"""nanochat/eval/hops_eval.py with stand-in models whose answers are known (a solver written here, known probabilities),
 and base_loss --hops end to end on a tiny checkpoint trained on a tiny hops corpus."""
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -9,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanochat.hops_eval import HopsEvalError, encode_hops, evaluate_hops, format_hops
-from nanochat.synthetic import HopsSpec, hops_documents
-from nanochat.tokenizer import RustBPETokenizer
+from nanochat.data.synthetic import HopsSpec, hops_documents
+from nanochat.data.tokenizer import RustBPETokenizer
+from nanochat.eval.hops_eval import HopsEvalError, encode_hops, evaluate_hops, format_hops
 
 BYTES = RustBPETokenizer.byte_level()
 SPEC = HopsSpec(n_symbols=8, max_hops=4, n_queries=12)
@@ -171,7 +173,7 @@ def test_refusals_are_one_clear_line():
 @pytest.fixture(scope="module")
 def hops_checkpoint(tmp_path_factory):
     """A base directory with a tiny hops corpus, the byte-level tokenizer and a tiny model trained 2 steps on it."""
-    from nanochat import dataset
+    from nanochat.data import dataset
     from scripts import base_train, tok_train
     from tests.support import helpers
     base = str(tmp_path_factory.mktemp("hops"))
@@ -183,8 +185,11 @@ def hops_checkpoint(tmp_path_factory):
         assert dataset.main(["--synthetic=hops", "--synthetic_docs=400", "--hops_symbols=6", "--hops_max=3",
                              "--hops_queries=6"]) == 0
         assert tok_train.main(["--byte_level"]) == 0
-        base_train.main(helpers.TINY + ["--max_seq_len=64", "--num_iterations=2", "--eval_every=0",
-                                        "--model_tag=hops"])
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            base_train.main(helpers.TINY + ["--max_seq_len=64", "--num_iterations=2", "--eval_every=0",
+                                            "--model_tag=hops"])
+    assert "samples: off, the corpus is a generated one" in out.getvalue() and "sample: " not in out.getvalue()
     return base
 
 
@@ -267,7 +272,8 @@ def test_hops_plots_mark_the_trained_steps_carry_warnings_and_show_a_one_step_mo
     console), and a one-step model's own plot shows its points (the x-axis ran 0.96-1.04 around nothing)."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
-    from nanochat.hops_eval import hops_figure
+
+    from nanochat.eval.hops_eval import hops_figure
     fig = hops_figure("t", [("trm", [0.2, 0.9, 1.0, 1.0, 0.9]), ("plain", [0.3])], 0.14, trained_steps=4,
                       warnings=["WARNING plain: 1 hop at 0.20 at best"])
     ax = fig.axes[0]

@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
+from nanochat.train.config import parse_args
 from scripts import launch
+from tests.support import processes
+from tests.support.helpers import OVERRIDES, ROOT, launcher_in_process
 
 PHASES_REFINEMENT = {"fast": "15-25%", "extreme": "50-97%"}  # the guides' figures (../shared/seeds)
-from tests.support import processes
-from nanochat.train_config import parse_args
-from tests.support.helpers import OVERRIDES, ROOT, launcher_in_process
 
 # The issue's table, written out again so the test does not check the launcher against itself:
 # script -> (GPUs, phase -> (batch per GPU, accumulation))
@@ -185,7 +185,7 @@ def test_force_goes_on_past_a_failed_preflight(tmp_path, monkeypatch, capsys):
     assert launch.main(["train", "8xH100", "fast"]) == 2 and not ran
     monkeypatch.setenv("FORCE", "1")
     assert launch.main(["train", "8xH100", "fast"]) == 1  # the recorded torchrun wrote no summary.json
-    assert [cmd[1:4] for cmd in ran[:2]] == [["-m", "nanochat.dataset", "-n"], ["-m", "scripts.tok_train",
+    assert [cmd[1:4] for cmd in ran[:2]] == [["-m", "nanochat.data.dataset", "-n"], ["-m", "scripts.tok_train",
                                                                                 "--max_chars=500000000"]]
     assert ran[2][:2] == ["torchrun", "--standalone"]
     assert "run scripts/train_8xA100_fast.sh instead" in capsys.readouterr().out
@@ -193,7 +193,8 @@ def test_force_goes_on_past_a_failed_preflight(tmp_path, monkeypatch, capsys):
 
 def test_detect_reads_the_node(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "scripts.launch", "detect"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PATH": f"{fake_nvidia_smi(tmp_path, 'NVIDIA H200', 8)}:{os.environ['PATH']}",
+                          env={**os.environ,
+                               "PATH": f"{fake_nvidia_smi(tmp_path, 'NVIDIA H200', 8)}:{os.environ['PATH']}",
                                "PYTHONPATH": ROOT})
     assert proc.returncode == 0 and proc.stdout.strip() == "8xH200"
 
@@ -253,9 +254,10 @@ def test_end_to_end_on_cpu_stopped_and_run_again(tmp_path):
     """train_8xH100_fast.sh for real: 2 Gloo processes, tiny model, built-in corpus, tiny tokenizer, 4 steps. SIGTERM
     to the script after step 2 saves a checkpoint and exits 143; the same command again continues from it."""
     from tests.support.helpers import finish, read_until
-    flags = ["--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--gradient_accumulation_steps=1",
-             "--num_iterations=4", "--compile=false", "--dtype=float32", "--eval_every=2", "--eval_tokens=256",
-             "--sample_every=0", "--sample_tokens=4", "--save_every=0", "--warmup_steps=1"]
+    flags = ["--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2",
+             "--gradient_accumulation_steps=1", "--num_iterations=4", "--compile=false", "--dtype=float32",
+             "--eval_every=2", "--eval_tokens=256", "--sample_every=0", "--sample_tokens=4", "--save_every=0",
+             "--warmup_steps=1"]
     env = dict(NPROC="2", DEVICE_TYPE="cpu", DEPTH="1", DATASET="builtin", VOCAB_SIZE="300", TOK_MAX_CHARS="300000")
     proc = start_script("scripts/train_8xH100_fast.sh", tmp_path, *flags, **env)
     assert "resume       no checkpoint of 8xH100_fast: a new run" in read_until(proc, "step 00002/", timeout=300)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from nanochat import lifecycle
+from nanochat.train import lifecycle
 from tests.support.helpers import ROOT, TINY, ckpt_dir, finish, read_until, tree, weights
 
 FLAGS = TINY + ["--eval_every=0", "--keep_last=0"]
@@ -115,7 +115,7 @@ def test_signals_ask_to_stop_and_repeats_count_once():
 
 
 def test_a_later_second_signal_exits_at_once():
-    code = ("import os, signal, time\nfrom nanochat import lifecycle\nwith lifecycle.StopSignals() as s:\n"
+    code = ("import os, signal, time\nfrom nanochat.train import lifecycle\nwith lifecycle.StopSignals() as s:\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n    s.first_at -= 60\n    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(5)\nprint('survived')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -140,7 +140,7 @@ def test_flags_budgets_and_save_cadence():
 
 
 def test_the_allocator_gets_expandable_segments_unless_the_user_set_one(monkeypatch):
-    from nanochat.lifecycle import configure_cuda_allocator
+    from nanochat.train.lifecycle import configure_cuda_allocator
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
     configure_cuda_allocator()
@@ -153,7 +153,8 @@ def test_the_allocator_gets_expandable_segments_unless_the_user_set_one(monkeypa
 
 def test_the_garbage_collector_is_frozen_after_the_first_step_and_collected_by_hand(monkeypatch):
     import gc
-    from nanochat import lifecycle
+
+    from nanochat.train import lifecycle
     collected = []
     monkeypatch.setattr(gc, "collect", lambda: collected.append(1) or 0)
     try:
@@ -225,7 +226,8 @@ def test_the_lock_is_one_holders_and_free_after_release(tmp_path):
     second.release()
 
 
-# ---------------------------------------------------------------------------------------------------- signals in evaluation
+# ---------------------------------------------------------------------------------------------------- signals in
+# evaluation
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigterm_during_an_evaluation_saves_the_step_and_exits_at_once(base_dir, processes):
     tag = f"evalterm{processes}"
@@ -286,6 +288,7 @@ GPU_ENTRY_POINTS = ("scripts.base_train", "scripts.base_loss", "scripts.base_eva
 def allocator_setting_at_torch_import(module, **env):
     import subprocess
     import sys
+
     from tests.support.helpers import ROOT
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     proc = subprocess.run([sys.executable, "-c", AT_TORCH_IMPORT, module], cwd=ROOT, env={**clean, **env},

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from nanochat.collectives import RankFailure
-from nanochat.gpt import GPT
-from nanochat.supervision import STATE_DIAGNOSTICS
-from nanochat.loss_eval import evaluate_bpb
+from nanochat.eval.loss_eval import evaluate_bpb
+from nanochat.model.gpt import GPT
+from nanochat.model.supervision import STATE_DIAGNOSTICS
 from tests.support.helpers import tiny_config
 
 V = 8
@@ -114,6 +114,7 @@ def evaluation_peak(config, batch, dtype="float32"):
     import json
     import os
     import tempfile
+
     from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(0)
     model = GPT(config)
@@ -133,7 +134,7 @@ def evaluation_peak(config, batch, dtype="float32"):
 
 def test_evaluation_holds_one_chunk_of_logits_however_large_the_batch(monkeypatch):
     # it built three (B, T, vocab) float32 tensors per batch, which the memory plan never counted
-    from nanochat import supervision
+    from nanochat.model import supervision
     config = tiny_config(**LARGE_VOCAB)
     monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", 32 * config.vocab_size)  # 32 rows of 256 or 512 a batch
     small, large = evaluation_peak(config, 4), evaluation_peak(config, 8)
@@ -142,7 +143,7 @@ def test_evaluation_holds_one_chunk_of_logits_however_large_the_batch(monkeypatc
 
 
 def test_evaluation_gives_the_losses_of_the_whole_batch_logits_exactly(monkeypatch):
-    from nanochat import supervision
+    from nanochat.model import supervision
     from tests.support.helpers import random_model
     config = tiny_config(vocab_size=512, n_coda=1, n_sup_train=3)
     model = random_model(config, every_weight=True)
@@ -165,7 +166,8 @@ def test_evaluation_gives_the_losses_of_the_whole_batch_logits_exactly(monkeypat
     (LARGE_VOCAB, 8, "bfloat16"),
 ], ids=["fp32", "bf16", "large-vocab", "large-vocab-bf16"])
 def test_the_plans_evaluation_estimate_is_within_35_percent_of_the_measured_peak(config, batch, dtype, monkeypatch):
-    from nanochat import memory, supervision
+    from nanochat.model import supervision
+    from nanochat.train import memory
     monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", 32 * 8192)
     monkeypatch.setattr(memory, "HEAD_CHUNK_ELEMENTS", 32 * 8192)
     config = tiny_config(**config)

@@ -1,4 +1,4 @@
-"""nanochat.memory against measured peak memory of real training steps on CPU, and the batch fit built on it."""
+"""nanochat.train.memory against measured peak memory of real training steps on CPU, and the batch fit built on it."""
 
 import json
 import os
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.memory import estimate_memory, fit_micro_batch, usable_bytes
-from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.memory import estimate_memory, fit_micro_batch, usable_bytes
+from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 
 # a fixed depth (training_steps trains n_sup_train steps, the estimate plans for the deepest a sampler can draw)
 SMALL = GPTConfig(sequence_len=64, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=128, n_loops=2,
@@ -79,7 +79,8 @@ def test_the_parts_move_the_way_the_model_does():
     assert ckpt["activations"] < plain["activations"] / 10 and ckpt["logits"] == plain["logits"]
     # the chunked head holds (B, T, n_embd) tensors, never (B, T, vocab): its part does not grow with the vocabulary
     assert estimate_memory(d12.replace(vocab_size=2 * d12.vocab_size), 1)["logits"] == plain["logits"]
-    # and its working set is one chunk of logits (4,096 rows: 2 sequences) and lm_head's gradient, however large the batch
+    # and its working set is one chunk of logits (4,096 rows: 2 sequences) and lm_head's gradient, however large the
+    # batch
     assert estimate_memory(d12, 32)["transient"] == estimate_memory(d12, 2)["transient"] < 5e9
     assert plain["transient"] < estimate_memory(d12, 2)["transient"]  # 2,048 rows: less than a chunk
     # detach_between_steps backpropagates the trunk step by step too: one step's activations alive at a time
@@ -103,7 +104,7 @@ def test_the_parts_move_the_way_the_model_does():
 
 
 def test_fit_keeps_effective_batch_and_prefers_a_smaller_batch_to_recompute():
-    from nanochat.memory import MIN_TOKENS_PER_MICRO_BATCH
+    from nanochat.train.memory import MIN_TOKENS_PER_MICRO_BATCH
     d12 = GPTConfig(detach_between_steps=False, sample_n_sup=False)  # all 4 steps' graphs alive: the most memory
     memory = 80e9
     fits = lambda c, n: estimate_memory(c, n)["total"] <= usable_bytes(memory)
@@ -139,7 +140,7 @@ def test_bad_dtype_is_rejected():
 
 def test_a_cpu_run_plans_with_the_ram_the_kernel_can_give_not_only_the_unused(monkeypatch):
     """MemFree leaves out the page cache: after reading files a 24 GB machine showed 2 GB free and 19 GB available."""
-    from nanochat import planning
+    from nanochat.train import planning
     monkeypatch.setattr(planning, "host_ram_available", lambda: 19 * 2**30)
     monkeypatch.setattr(planning.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 2 * 2**30 // 4096,
                                                               "SC_PAGE_SIZE": 4096}[name])
@@ -150,7 +151,7 @@ def test_a_cpu_run_plans_with_the_ram_the_kernel_can_give_not_only_the_unused(mo
 
 def test_a_sharded_build_needs_the_largest_float32_weight_of_host_ram_per_process():
     # sharding.build_sharded_model draws one weight at a time whole on the CPU; each process built the whole model
-    from nanochat.memory import sharded_build_host_bytes
+    from nanochat.train.memory import sharded_build_host_bytes
     depth64 = GPTConfig(vocab_size=65536, n_layer=64, n_head=32, n_kv_head=32, n_embd=4096, n_prelude=1, n_coda=1)
     assert sharded_build_host_bytes(depth64, 8) == 8 * 4 * 65536 * 4096  # lm_head (and wte): 8.6 GB, not 430 GB
     # a small vocabulary: the gated MLP's input projection, 2 x 1408 rows of 512, is the largest

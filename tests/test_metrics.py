@@ -1,4 +1,5 @@
-"""nanochat/metrics.py: reading metrics.jsonl, the log line, the sinks (wandb, TensorBoard, NVML), summary, report."""
+"""nanochat/eval/metrics.py: reading metrics.jsonl, the log line, the sinks (wandb, TensorBoard, NVML), summary,
+report."""
 
 import json
 import os
@@ -9,8 +10,9 @@ from argparse import Namespace
 
 import pytest
 
-from nanochat import metrics, train_config
-from nanochat.metrics import MetricsError, MetricsLog, read_metrics, read_records
+from nanochat.eval import metrics
+from nanochat.eval.metrics import MetricsError, MetricsLog, read_metrics, read_records
+from nanochat.train import config as train_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--n_loops=1",
@@ -160,7 +162,7 @@ class FakeWandb(types.ModuleType):
 
 
 def test_wandb_gets_the_same_records_as_the_file_under_the_wandb_run_name(tmp_path, monkeypatch):
-    from nanochat.train_config import parse_args
+    from nanochat.train.config import parse_args
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     monkeypatch.setenv("WANDB_RUN", "my_run")
@@ -176,6 +178,7 @@ def test_wandb_gets_the_same_records_as_the_file_under_the_wandb_run_name(tmp_pa
 
 def test_wandb_not_logged_in_warns_and_tensorboard_gets_the_run(base_dir, monkeypatch, tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from scripts import base_train
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     monkeypatch.setitem(sys.modules, "wandb", FakeWandb(fail=RuntimeError("api_key not configured (no-tty)")))
@@ -248,7 +251,7 @@ def test_summary_covers_the_whole_run_across_a_crash_a_torn_line_and_a_resume_of
         assert lines[-1] == "" and all(json.loads(line) for line in lines[:-1])
 
     # the report of the run: date, commit, tokenizer, and the samples printed during training
-    from nanochat.tokenizer import get_tokenizer
+    from nanochat.data.tokenizer import get_tokenizer
     with open(os.path.join(base_dir, "base_checkpoints", "whole", "report.md")) as f:
         text = f.read()
     assert f"- tokenizer: {get_tokenizer().fingerprint()}" in text

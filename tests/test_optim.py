@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.optim import AdamW
-from nanochat.optim import Muon, zeropower_via_newtonschulz5
-from nanochat.optim import clipped_step, reduce_gradients
+from nanochat.train.optim import AdamW, Muon, clipped_step, reduce_gradients, zeropower_via_newtonschulz5
 from tests.support import dist_optim_worker as worker
 from tests.support import processes
 
@@ -206,7 +204,7 @@ def test_dist_adamw_uses_the_old_collective_names_on_a_torch_without_the_new(mon
     only: DistAdamW must call those there, and update as the single-process AdamW does."""
     import torch.distributed as dist
 
-    from nanochat.optim import DistAdamW
+    from nanochat.train.optim import DistAdamW
     calls = []
     for new, old in (("reduce_scatter_single", "reduce_scatter_tensor"),
                      ("all_gather_single", "all_gather_into_tensor")):

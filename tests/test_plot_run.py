@@ -47,30 +47,30 @@ def test_the_figure_shows_training_and_validation_gaps_and_the_inference_curve(r
     for ax in (loss, gaps, val, val_gaps):  # over training: optimizer steps; the lines: supervision steps
         assert ax.get_xlabel() == "optimizer step"
         assert ax.get_legend().get_title().get_text() == "supervision step"
-    assert labels(loss) == ["step_0 (draft)", "step_1", "step_2 (final)"]
+    assert labels(loss) == ["step 1 (draft)", "step 2", "step 3 (final)"]
 
-    assert labels(gaps) == ["step_0 (the draft)", "step_1 - step_0", "step_2 (final) - step_0"]
+    assert labels(gaps) == ["step 1 (the draft)", "step 2 - step 1", "step 3 (final) - step 1"]
     smoothed = {line.get_label(): line.get_ydata() for line in gaps.get_lines()}
-    for s, label in ((1, "step_1 - step_0"), (2, "step_2 (final) - step_0")):
+    for s, label in ((1, "step 2 - step 1"), (2, "step 3 (final) - step 1")):
         assert len(smoothed[label]) == STEPS
         assert abs(smoothed[label][-1] - GAPS[s]) < 0.01  # the 0.03-nat gap, out of 0.3 nats of noise
     low, high = gaps.get_ylim()
     assert -0.1 < low < -0.04 and 0 < high < 0.05  # scaled to the gaps, not to the raw noise
 
-    assert labels(val) == ["step_0 (draft)", "step_1", "step_2 (final)"]
+    assert labels(val) == ["step 1 (draft)", "step 2", "step 3 (final)"]
     assert [list(line.get_xdata()) for line in val.get_lines()][0] == list(range(25, STEPS + 1, 25))
     low, high = val.get_ylim()
     assert high < 1.5 and low < VAL[STEPS][2]  # the untrained 4.0 and the steep start are off the scale
     assert "untrained (optimizer step 0): 4.00 = 4.00 = 4.00" in val.get_title()
 
     gap_lines = {line.get_label(): list(line.get_ydata()) for line in val_gaps.get_lines()}
-    assert gap_lines["step_2 (final) - step_0"] == pytest.approx([-0.015] * 8)
+    assert gap_lines["step 3 (final) - step 1"] == pytest.approx([-0.015] * 8)
 
     curves = {line.get_label(): list(line.get_ydata()) for line in inference.get_lines()}
     assert curves["last evaluation in training (optimizer step 200, --eval_tokens)"] == VAL[STEPS]
     assert curves["base_loss of the checkpoint at optimizer step 200 (--split_tokens)"][3] == 1.056
     assert list(inference.get_xticks()) == [1, 2, 3, 4, 5, 6]
-    assert inference.get_xlabel() == "supervision steps run (1 = the draft step_0 alone)"
+    assert inference.get_xlabel() == "supervision steps run (1 = the draft alone)"
     assert "trained with 3 supervision steps" in curves
 
 
@@ -87,7 +87,7 @@ def test_a_plain_model_without_evaluations_still_plots(tmp_path):
     records = [{"kind": "train", "step": s, "step_losses": [3.0 / s], "grad_norm": 1.0} for s in range(1, 4)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     fig = plot_run.figure(str(tmp_path))
-    assert labels(fig.axes[1]) == ["step_0 (the draft)"]  # no later step to compare
+    assert labels(fig.axes[1]) == ["step 1 (the draft)"]  # no later step to compare
     assert "more steps: python -m scripts.base_loss" in fig.axes[4].texts[0].get_text()
 
 
@@ -108,7 +108,8 @@ def test_a_plot_that_cannot_be_written_is_one_line_exit_5_and_the_next_plot_clea
         plot_run.main([str(run_dir)])
     err = capsys.readouterr().err
     assert stop.value.code == 5 and one_line(err)
-    assert err.startswith(f"plot_run: cannot write {run_dir}/training.png: ") and err.endswith(", or pick another --out\n")
+    assert err.startswith(f"plot_run: cannot write {run_dir}/training.png: ")
+    assert err.endswith(", or pick another --out\n")
     assert (run_dir / "training.png").read_bytes() == b"the previous plot"
     assert temporaries(str(run_dir)) == []  # this plot's own temporary file and the killed one's
     plot_run.main([str(run_dir)])

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from nanochat import multinode, preflight
+from nanochat.train import multinode, preflight
 from scripts import launch
 from tests.support import processes
 from tests.support.helpers import OVERRIDES, launcher_in_process
@@ -191,9 +191,9 @@ def test_node_0_prepares_then_marks_and_clears_an_old_marker_first(launch_env, m
     seen = []
     monkeypatch.setattr(launch, "run", lambda cmd: seen.append((cmd[:3], marker.exists())))
     launch.main(["train", "8xH100", "fast"])
-    assert seen == [([sys.executable, "-m", "nanochat.dataset"], False), ([sys.executable, "-m", "scripts.tok_train"],
-                                                                          False), (["torchrun", "--nnodes=2",
-                                                                                    "--node_rank=0"], True)]
+    assert seen == [([sys.executable, "-m", "nanochat.data.dataset"], False),
+                    ([sys.executable, "-m", "scripts.tok_train"], False),
+                    (["torchrun", "--nnodes=2", "--node_rank=0"], True)]
     assert json.loads(marker.read_text()) == {"dataset": "fineweb", "shards": 50}
 
 

@@ -5,10 +5,10 @@ optimizer groups, and old checkpoints unchanged."""
 import pytest
 import torch
 
-from nanochat.engine import KVCache
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.halting import Halting, check_halting, forward_halting
-from nanochat.optim import setup_optimizers
+from nanochat.model.engine import KVCache
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.model.halting import Halting, check_halting, forward_halting
+from nanochat.train.optim import setup_optimizers
 from tests.support.helpers import random_model, tiny_config
 from tests.test_engine import cached_logits
 from tests.test_gpt import assert_same_grads, random_batch, twin

@@ -1,5 +1,6 @@
 """The depth probe (base_train --probe=hops): its rows are mixed deterministically at the share asked, its
-evaluation gives 1.0 for a model that knows the answers and about chance for one that guesses, and base_train logs it."""
+evaluation gives 1.0 for a model that knows the answers and about chance for one that guesses, and base_train logs
+it."""
 
 import random
 from types import SimpleNamespace
@@ -7,11 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanochat import planning, train_config
-from nanochat import probe as probe_module
-from nanochat.hops_eval import encode_hops, evaluate_hops
-from nanochat.synthetic import hops_answers
-from scripts.base_train import Run
+from nanochat.data.synthetic import hops_answers
+from nanochat.eval.hops_eval import encode_hops, evaluate_hops
+from nanochat.train import config as train_config
+from nanochat.train import planning
+from nanochat.train import probe as probe_module
+from nanochat.trainer import Run
 from tests.test_hops_eval import BYTES, FakeModel, logits_with, oracle
 
 PROBE = probe_module.build("hops", share=0.1, seed=42, eval_docs=64)
@@ -129,6 +131,7 @@ def test_the_plan_states_what_the_probe_costs():
 def test_a_base_train_run_with_the_probe_trains_on_its_rows_and_logs_it_at_each_eval(base_dir, monkeypatch):
     import json
     import os
+
     from tests.support.helpers import TINY, ckpt_dir
     from tests.test_base_train import run
     mix, written = probe_module.Probe.mix, []

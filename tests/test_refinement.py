@@ -1,4 +1,4 @@
-"""Tests for /v1/refinement (nanochat/refinement.py behind scripts/serve.py): every number checked against the
+"""Tests for /v1/refinement (nanochat/serve/refinement.py behind scripts/serve.py): every number checked against the
 model's own forward at each depth, or against base_sample --show_steps."""
 
 import ast
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from fastapi.testclient import TestClient
 
-from nanochat import refinement
-from nanochat.engine import Engine
-from nanochat.halting import Halting, forward_halting
-from nanochat.synthetic import HopsSpec, hops_document
+from nanochat.data.synthetic import HopsSpec, hops_document
+from nanochat.model.engine import Engine
+from nanochat.model.halting import Halting, forward_halting
+from nanochat.serve import refinement
 from scripts import base_sample, serve
 from tests.support.server import serving
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint

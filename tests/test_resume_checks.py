@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nanochat import dataset
+from nanochat.data import dataset
 from scripts import base_train
 from tests.conftest import make_corpus
 from tests.support.helpers import TINY, ckpt_dir, exit_code, private_base_dir, tree
@@ -154,12 +154,12 @@ def test_extending_a_finished_run_says_how_the_schedule_changes(base, capsys):
 
 
 def point(step, meta):
-    from nanochat.resume import ResumePoint
+    from nanochat.checkpoint.resume import ResumePoint
     return ResumePoint(step, meta, weights=None, rank_state=None, train_weights=None)
 
 
 def test_a_changed_warmdown_or_an_unrecorded_warmup_is_reported(capsys):
-    from nanochat.resume import report_schedule_change
+    from nanochat.checkpoint.resume import report_schedule_change
     saved = {"num_iterations": 100, "warmup_steps": 1, "train_config": {"warmdown_ratio": 0.2, "final_lr_frac": 0.0}}
     report_schedule_change(point(60, saved), (100, 1, 0.5, 0.0), "--num_iterations")
     # by hand: step index 60 is before a 20-step warmdown (1.0) and 10 steps into a 50-step one (40/50 = 0.8)

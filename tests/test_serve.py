@@ -20,7 +20,7 @@ import uvicorn
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from nanochat.engine import Batch, Engine
+from nanochat.model.engine import Batch, Engine
 from scripts import serve
 from tests.support.server import running
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -376,6 +376,7 @@ def test_lm_evals_local_completions_scores_a_task_as_the_model(url, trained, tmp
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # read when datasets is first imported: the task file is local
     lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is the optional [eval] extra: pip install -e '.[eval]'")
     from lm_eval.tasks import TaskManager
+
     from scripts.export_hf import hf_tokenizer
 
     _, model, tokenizer = trained

@@ -1,8 +1,8 @@
-"""nanochat/synthetic.py's hops generator, checked by a solver written here from the document text alone."""
+"""nanochat/data/synthetic.py's hops generator, checked by a solver written here from the document text alone."""
 
 import pytest
 
-from nanochat.synthetic import HopsSpec, hops_answers, hops_documents, iter_hops_documents
+from nanochat.data.synthetic import HopsSpec, hops_answers, hops_documents, iter_hops_documents
 
 SPECS = [HopsSpec(), HopsSpec(n_symbols=2, max_hops=1, n_queries=1), HopsSpec(n_symbols=26, max_hops=9, n_queries=40)]
 
@@ -109,7 +109,7 @@ def parse_pairs(text, n):
 
 
 def test_pairs_family_answers_right_and_shows_earlier_answers():
-    from nanochat.synthetic import table_size
+    from nanochat.data.synthetic import table_size
     spec, seen = HopsSpec(n_symbols=8, max_hops=4, n_queries=8), set()
     documents = hops_documents(3, 200, spec, family="hops_pairs")
     assert documents != hops_documents(3, 200, spec) and documents == hops_documents(3, 200, spec, "hops_pairs")

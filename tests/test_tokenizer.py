@@ -9,9 +9,18 @@ import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanochat import dataset
-from nanochat.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer, TokenizerError, TokenizerNotFound,
-                                get_token_bytes, get_tokenizer, tokenizer_dir, train_bpe)
+from nanochat.data import dataset
+from nanochat.data.tokenizer import (
+    SPECIAL_TOKENS,
+    SPLIT_PATTERN,
+    RustBPETokenizer,
+    TokenizerError,
+    TokenizerNotFound,
+    get_token_bytes,
+    get_tokenizer,
+    tokenizer_dir,
+    train_bpe,
+)
 from scripts import tok_eval, tok_train
 from tests.support.helpers import stderr_capture
 
@@ -186,10 +195,16 @@ def test_tok_train_then_eval(shards, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "gpt2 (gpt2) is not available offline" in out
     assert [line.split()[0] for line in out.splitlines()[-2:]] == ["train", "val"]
+    assert tok_eval.main(["--references=none"]) == 0  # the offline pipeline's call: nothing fetched, ours alone
+    out = capsys.readouterr().out
+    assert "not available" not in out and "gpt2" not in out and "ours (300)" in out
+    with pytest.raises(SystemExit):
+        tok_eval.main(["--references=gpt5"])
+    assert "--references=gpt5: unknown gpt5; use gpt2, gpt4 or none" in capsys.readouterr().err
 
 
 def test_fingerprint_changes_with_the_merges_and_not_with_the_object(tmp_path):
-    from nanochat.tokenizer import RustBPETokenizer
+    from nanochat.data.tokenizer import RustBPETokenizer
     texts = ["the cat sat on the mat", "a dog ran to the log"] * 20
     a = RustBPETokenizer.train_from_iterator(iter(texts), 300)
     a.save(str(tmp_path / "a"))
@@ -317,8 +332,8 @@ def test_byte_level_bits_per_byte_are_bits_per_token(byte_tok):
 
     import torch
 
-    from nanochat.gpt import GPT
-    from nanochat.loss_eval import evaluate_bpb
+    from nanochat.eval.loss_eval import evaluate_bpb
+    from nanochat.model.gpt import GPT
     from tests.support.helpers import tiny_config
     model = GPT(tiny_config(vocab_size=byte_tok.get_vocab_size(), sequence_len=64))
     model.init_weights()  # zero lm_head: equal logits

@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from nanochat import memory, planning, train_config
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train import config as train_config
+from nanochat.train import memory, planning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_80GB = ["--device_type=cuda", "--device_memory_gb=80", "--dry_run"]  # a plan for a GPU this machine lacks
@@ -65,7 +66,7 @@ def test_compile_is_off_by_default_on_cpu_and_the_flag_wins():
 
 
 def test_the_row_layout_reaches_every_training_loader(tmp_path, monkeypatch):
-    from nanochat import dataloader
+    from nanochat.data import dataloader
     monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path))  # no corpus: auto is the stream
     made = []
     monkeypatch.setattr(dataloader, "DataLoader", lambda *args, **kwargs: made.append(kwargs["rows"]))
@@ -78,14 +79,16 @@ def test_the_row_layout_reaches_every_training_loader(tmp_path, monkeypatch):
 
 
 def test_auto_rows_are_whole_documents_on_a_generated_corpus_and_the_stream_on_text(tmp_path, monkeypatch):
-    from nanochat.dataset import write_source
+    from nanochat.data.dataset import write_source
     monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path))
     settle = lambda *flags: parse(["--depth=2", "--device_type=cpu", *flags], world_size=1).rows  # noqa: E731
-    assert settle() == "stream"  # no corpus yet
+    samples = lambda: parse(["--depth=2", "--device_type=cpu"], world_size=1).samples  # noqa: E731
+    assert settle() == "stream" and samples()  # no corpus yet
     write_source(str(tmp_path), "synthetic: --synthetic=hops_pairs --seed=0 --hops_symbols=8")
     assert settle() == "documents" and settle("--rows=stream") == "stream"
+    assert not samples()  # English prompts on a hops corpus mean nothing
     write_source(str(tmp_path), "builtin: the Python standard library")
-    assert settle() == "stream" and settle("--rows=documents") == "documents"
+    assert settle() == "stream" and settle("--rows=documents") == "documents" and samples()
     (tmp_path / "manifest.json").write_text("{not json")  # whatever the manifest's name, a damaged one is text
     for name in os.listdir(tmp_path):
         (tmp_path / name).write_text("{not json")

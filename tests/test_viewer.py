@@ -1,4 +1,4 @@
-"""The refinement viewer (nanochat/viewer.html) in a real headless Chromium against a server with the tiny model: a
+"""The refinement viewer (nanochat/serve/viewer.html) in a real headless Chromium against a server with the tiny model: a
 prompt typed and submitted with a click, the stream waited for, every step's row and the halting colours checked
 against the JSON the same request gets. Skipped, saying how to install it, where no Chromium is installed.
 
@@ -11,7 +11,7 @@ import os
 import httpx
 import pytest
 
-from nanochat.engine import Engine
+from nanochat.model.engine import Engine
 from scripts import serve
 from tests.support import server as support_server
 from tests.support.chromium import INSTALL, Chromium, find_chromium

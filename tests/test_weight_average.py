@@ -3,7 +3,7 @@
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from nanochat.weight_average import WeightAverage
+from nanochat.train.weight_average import WeightAverage
 
 
 def test_equals_torchs_ema_over_several_updates():

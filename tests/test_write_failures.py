@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from nanochat.metrics import MetricsLog
+from nanochat import trainer
+from nanochat.eval.metrics import MetricsLog
 from scripts import base_loss, base_train, plot_run
 from tests.support import processes
 from tests.support.helpers import ROOT, TINY, ckpt_dir, exit_code, private_base_dir, tree
@@ -45,9 +46,9 @@ def break_at(mp, owner, attr, under, code, name, when=lambda *args: True):
 # through files.atomic_write_bytes, so both kinds of failure meet that path (the message per kind: WHY)
 RUN_WRITES = [
     ("metrics.jsonl", MetricsLog, "log", lambda log, record: record["step"] == 3, FULL),  # between checkpoints 2, 4
-    ("summary.json", base_train, "write_summary", lambda *args: True, READ_ONLY),
-    ("report.md", base_train, "write_summary", lambda *args: True, FULL),
-    ("meta.json", base_train, "update_checkpoint_bpb", lambda *args: True, READ_ONLY),
+    ("summary.json", trainer, "write_summary", lambda *args: True, READ_ONLY),
+    ("report.md", trainer, "write_summary", lambda *args: True, FULL),
+    ("meta.json", trainer, "update_checkpoint_bpb", lambda *args: True, READ_ONLY),
 ]
 
 

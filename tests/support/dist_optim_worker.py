@@ -4,8 +4,9 @@ DistMuon / DistAdamW against their single-process forms. Launched by tests/test_
     torchrun --standalone --nproc_per_node=2 tests/support/dist_optim_worker.py OUT_DIR
 
 Every rank builds the same models, computes its own gradient (a different batch / random tensor per rank), and runs
-base_train's update (reduce_gradients, the norm summed over ranks, clipped_step) with the distributed optimizers; each rank saves its final parameters to OUT_DIR/rank{r}.pt. The test
-runs run(distributed=False) in one process on the average of all ranks' gradients and compares.
+base_train's update (reduce_gradients, the norm summed over ranks, clipped_step) with the distributed optimizers; each
+rank saves its final parameters to OUT_DIR/rank{r}.pt. The test runs run(distributed=False) in one process on the
+average of all ranks' gradients and compares.
 """
 
 import os
@@ -14,10 +15,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nanochat.optim import AdamW, DistAdamW, setup_optimizers
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import DistMuon, Muon
-from nanochat.optim import clipped_step, reduce_gradients
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.optim import AdamW, DistAdamW, DistMuon, Muon, clipped_step, reduce_gradients, setup_optimizers
 
 WORLD_SIZE = 2
 STEPS = 3

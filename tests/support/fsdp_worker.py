@@ -12,8 +12,8 @@ FSDP training against one process, for tests/test_fsdp.py. Launched as
     buildmemory OUT                   # host memory a sharded build takes
 
 `train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
-clipped_step) on a model sharded by nanochat.sharding; rank r trains on batch r. run_single (called by the test in its
-own process) trains the unsharded model on both batches with 2 accumulation steps: the same effective batch.
+clipped_step) on a model sharded by nanochat.train.sharding; rank r trains on batch r. run_single (called by the test in
+its own process) trains the unsharded model on both batches with 2 accumulation steps: the same effective batch.
 """
 
 import json
@@ -24,8 +24,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.optim import clipped_step, reduce_gradients, setup_optimizers
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 
 STEPS = 5
 GRAD_CLIP = 0.5
@@ -80,7 +80,7 @@ def run_single(config, detach):
 
 
 def run_sharded(config, detach, compile_visits=False):
-    from nanochat import sharding
+    from nanochat.train import sharding
     model = sharding.shard_model(build(config, detach), torch.device("cpu"))
     if compile_visits:  # base_train --compile: the layer visit (inside Block.visit, FSDP's forward method)
         model.compile_layer_visits()
@@ -93,8 +93,9 @@ def muon_on_shards():
     """ShardedMuon on FSDP-sharded toy matrices, 3 steps of random gradients; the whole matrices after each step."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
-    from nanochat import sharding
-    from nanochat.optim import Muon
+
+    from nanochat.train import sharding
+    from nanochat.train.optim import Muon
     params = toy_matrices()
     holder = torch.nn.ParameterList(params)
     fully_shard(holder)
@@ -120,8 +121,10 @@ def measured_peak():
     free some buffers where the profiler does not see it (its "Total Allocated" then grows by every step's gathers),
     so an address handed out again counts as freed first; a buffer freed unseen and never reused stays counted."""
     import tempfile
+
     from torch.profiler import ProfilerActivity, profile
-    from nanochat import sharding
+
+    from nanochat.train import sharding
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
         model = GPT(GPTConfig(**MEMORY_CONFIG))
@@ -156,7 +159,8 @@ def gathers_per_micro_step(config):
     root orders its gather after all the compute queued before it), and whether a gathered buffer outlives it (the
     last forward gather's, which only the root's end of iteration frees)."""
     from torch.profiler import ProfilerActivity, profile
-    from nanochat import sharding
+
+    from nanochat.train import sharding
     model = sharding.shard_model(build(config, detach=True), torch.device("cpu"))
     model.forward_backward(*batch(dist.get_rank(), 0))  # FSDP's lazy initialisation happens in the first
     name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch < 2.13
@@ -175,7 +179,7 @@ def syncs_per_step(config):
     """Host syncs (tests.support.helpers.host_syncs) in base_train's step on the sharded model, after a first step,
     apart from the one read of the step's norm: forward_backward, reduce_gradients and the optimizers (ShardedMuon,
     AdamW)."""
-    from nanochat import sharding
+    from nanochat.train import sharding
     from tests.support.helpers import host_syncs
     model = sharding.shard_model(build(config, detach=True), torch.device("cpu"))
     optimizers = sharding.on_shards(setup_optimizers(model, weight_decay=0.1))
@@ -196,8 +200,8 @@ def syncs_per_step(config):
 def block_input_dtypes(sharded):
     """The dtype of every block call's input in one bf16-autocast micro-step of "trm", sharded with bf16 weights (as
     on GPUs) or not (as under DDP), in call order."""
-    from nanochat import sharding
-    from nanochat.gpt import Block
+    from nanochat.model.gpt import Block
+    from nanochat.train import sharding
     seen, delta, forward = [], Block.delta, Block.forward
     Block.delta = lambda self, u, *a, **k: seen.append(str(u.dtype)) or delta(self, u, *a, **k)
     Block.forward = lambda self, u, *a, **k: seen.append(str(u.dtype)) or forward(self, u, *a, **k)
@@ -224,7 +228,8 @@ def meta_initialised():
     rotary tables."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
-    from nanochat import sharding
+
+    from nanochat.train import sharding
     torch.manual_seed(0)
     model = sharding.build_sharded_model(GPTConfig(**META_CONFIG).to_dict(), torch.device("cpu"))
     shards = {k: tuple(v.to_local().shape) for k, v in model.state_dict().items()}
@@ -251,7 +256,7 @@ def build_memory():
     """How much this rank's resident host memory peaks above where it was while base_train's build_model builds the
     sharded model (~134 MB float32) on the CPU, after a tiny build has paid the one-off costs (FSDP's and DTensor's
     first use, the device mesh); with the model's bytes and this rank's shards'."""
-    from scripts.base_train import build_model
+    from nanochat.trainer import build_model
     tiny = dict(sequence_len=8, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=8)
     build_model(GPTConfig(**tiny).to_dict(), torch.device("cpu"), True, "float32")
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import sys
 import pyarrow.parquet as pq
 import torch
 
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.model.gpt import GPT, GPTConfig
 from tests.support import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support/ -> the repo
@@ -76,14 +76,16 @@ def random_model(config, seed=0, every_weight=False):
 # A tiny model on the CPU, as parsing sees it (the total batch left at its default)...
 TINY_SHAPE = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2",
               "--device_type=cpu"]
-# ...and a run of it that takes seconds: one accumulation step, evaluation every 4 steps, 4-token samples
+# ...and a run of it that takes seconds: one accumulation step, evaluation every 4 steps, 4-token samples, a fixed
+# depth (records of n_sup_train steps each, as the tests read them; sampled depth has tests of its own)
 TINY = TINY_SHAPE + ["--n_loops=1", "--n_sup_train=2", "--eval_tokens=256", "--eval_every=4", "--sample_every=0",
-                     "--sample_tokens=4", "--matrix_lr=0.02", "--warmup_steps=1", "--gradient_accumulation_steps=1"]
+                     "--sample_tokens=4", "--matrix_lr=0.02", "--warmup_steps=1", "--gradient_accumulation_steps=1",
+                     "--sample_n_sup=false"]
 
 
 def parsed(argv, world_size=1):
     """base_train's parsed flags, less the command line they came from."""
-    from nanochat.train_config import parse_args
+    from nanochat.train.config import parse_args
     args = vars(parse_args(argv, world_size=world_size, check_hardware=False))
     args.pop("argv")
     return args

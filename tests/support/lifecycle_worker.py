@@ -8,10 +8,10 @@ Launched by tests/test_lifecycle.py as
 import os
 import sys
 
-import nanochat.dataloader
+import nanochat.data.dataloader
 from scripts import base_train
 
-real_init = nanochat.dataloader.DataLoader.__init__
+real_init = nanochat.data.dataloader.DataLoader.__init__
 
 
 def failing_on_rank_1(self, tokenizer, B, T, split, *args, **kwargs):
@@ -20,5 +20,5 @@ def failing_on_rank_1(self, tokenizer, B, T, split, *args, **kwargs):
     real_init(self, tokenizer, B, T, split, *args, **kwargs)
 
 
-nanochat.dataloader.DataLoader.__init__ = failing_on_rank_1
+nanochat.data.dataloader.DataLoader.__init__ = failing_on_rank_1
 base_train.main(sys.argv[1:])

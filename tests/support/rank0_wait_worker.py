@@ -17,15 +17,15 @@ import time
 
 import torch.distributed
 
-from nanochat import checkpoint_manager as ckpt
-from nanochat import checkpoint_writer
-from nanochat import resume
-from nanochat.backup import Backup
-from nanochat.checkpoint_model import build_model
-from nanochat.checkpoint_writer import CheckpointWriter
+from nanochat.checkpoint import manager as ckpt
+from nanochat.checkpoint import resume
+from nanochat.checkpoint import writer as checkpoint_writer
+from nanochat.checkpoint.backup import Backup
+from nanochat.checkpoint.manager import build_model
+from nanochat.checkpoint.writer import CheckpointWriter
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
 from nanochat.common import PROCESS_GROUP_TIMEOUT, compute_cleanup, compute_init
-from nanochat.gpt import GPTConfig
+from nanochat.model.gpt import GPTConfig
 
 SLOW_S = 2 * PROCESS_GROUP_TIMEOUT.total_seconds()  # twice the timeout: a collective waiting this long fails
 
@@ -55,10 +55,13 @@ def steps(backup_url):
         raise_if_any_rank_failed(run_on_rank0(fail, rank), "the work")
     except RankFailure as e:
         print(f"rank {rank}: {e}", flush=True)
-    model = build_model(GPTConfig(sequence_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, n_embd=8).to_dict(), "cpu")
+    config = GPTConfig(sequence_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, n_embd=8)
+    model = build_model(config.to_dict(), "cpu")
     real_write = checkpoint_writer._write
-    checkpoint_writer._write = lambda path, data: (slowly(real_write) if path.endswith(ckpt.WEIGHTS) else real_write)(path, data)
-    checkpoint_writer.save_checkpoint("slow", 1, model, [], {"model_config": model.config.to_dict()}, {"loaders": []}, rank)
+    checkpoint_writer._write = lambda path, data: (slowly(real_write) if path.endswith(ckpt.WEIGHTS)
+                                                   else real_write)(path, data)
+    checkpoint_writer.save_checkpoint("slow", 1, model, [], {"model_config": model.config.to_dict()}, {"loaders": []},
+                                      rank)
     checkpoint_writer._write = real_write
     print(f"rank {rank}: saved steps {ckpt.list_steps('slow')}", flush=True)
     torch.distributed.barrier()  # every rank has listed the save before rank 0 moves it to the backup

@@ -8,8 +8,8 @@ tests/test_base_train.py as
 import os
 import sys
 
-from nanochat.engine import Engine
-from nanochat.train_config import SAMPLE_PROMPTS
+from nanochat.model.engine import Engine
+from nanochat.train.config import SAMPLE_PROMPTS
 from scripts import base_train
 
 real_generate = Engine.generate

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from nanochat.checkpoint_writer import save_checkpoint
-from nanochat.gpt import GPT
-from nanochat.tokenizer import RustBPETokenizer, tokenizer_dir
+from nanochat.checkpoint.writer import save_checkpoint
+from nanochat.data.tokenizer import RustBPETokenizer, tokenizer_dir
+from nanochat.model.gpt import GPT
 from tests.support.helpers import tiny_config
 
 MODEL_TAG = "tiny"
@@ -18,7 +18,8 @@ def build_tiny_checkpoint():
     tokenizer = RustBPETokenizer.train_from_iterator(iter([TEXT]), 300)
     tokenizer.save(tokenizer_dir())
     ids = torch.tensor(tokenizer.encode(TEXT, prepend="<|bos|>"))
-    # detaching between steps, GPTConfig's default (helpers' tiny base turns it off): what this model always trained with
+    # detaching between steps, GPTConfig's default (helpers' tiny base turns it off): what this model always trained
+    # with
     config = tiny_config(sequence_len=32, vocab_size=tokenizer.get_vocab_size(), n_head=2, n_kv_head=1, n_sup_train=3,
                          detach_between_steps=True)
     torch.manual_seed(0)

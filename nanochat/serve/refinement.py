@@ -1,0 +1,317 @@
+"""
+What each supervision step did, as JSON: the data behind the server's /v1/refinement route and its viewer page
+(nanochat/serve/viewer.html), usable from scripts and notebooks too.
+
+Three modes, one request object each (parse_request checks it and says what is wrong in one sentence):
+
+- generate: a completion sampled as the engine samples it (same seed, same tokens), and for every generated token
+  what each step 1..n_sup would have put there given the same prefix (its greedy token and probability, and the
+  chosen token's probability), and the step at which a halting rule would have stopped that token. A forward with
+  the cache computes every step for the last position anyway; the extra cost is the head on each step's answer.
+  drafts: true adds base_sample --show_steps' drafts: each step's own greedy continuation (n_sup more generations).
+- score: a pasted text teacher-forced, each token's loss (nats) at every step: where later steps help.
+- hops: a hops document (pasted, or drawn from a seed), each query's predicted answer at every step, by hop count.
+
+Probabilities are the model's (softmax of the logits), before temperature, top-k and top-p.
+"""
+
+import asyncio
+import json
+import os
+import random
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanochat.data.synthetic import HopsSpec, encode_hops, hops_answers, hops_document
+from nanochat.model.engine import left_pad, sample_next
+from nanochat.model.halting import HALTING_RULES, Draft, Halting, check_halting
+
+MODES = ("generate", "score", "hops")
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "viewer.html")  # the viewer, served at /
+
+
+class RequestError(ValueError):
+    """A request the route answers with a 400: the message says what is wrong; param names the field."""
+
+    def __init__(self, message, param=None):
+        super().__init__(message)
+        self.param = param
+
+
+# per mode: field -> (types, default); numbers' ranges are checked in parse_request
+FIELDS = {
+    "generate": {"prompt": (str, None), "max_tokens": (int, 16), "temperature": ((int, float), 1.0),
+                 "top_k": (int, None), "top_p": ((int, float), None), "seed": (int, None), "n_sup": (int, None),
+                 "halt": (str, None), "drafts": (bool, False), "stream": (bool, False)},
+    "score": {"text": (str, None), "n_sup": (int, None)},
+    "hops": {"text": (str, None), "seed": (int, None), "n_queries": (int, None), "n_sup": (int, None)},
+}
+
+
+@dataclass
+class Request:
+    mode: str
+    ids: list  # prompt (generate) or document (score, hops) token ids, <|bos|> first
+    n_sup: int
+    text: str = ""
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    halting: Halting | None = None
+    drafts: bool = False
+    stream: bool = False
+    answers: list | None = None  # hops: (index in ids, hops, token id, bytes) per query
+
+
+def typed(name, value, types):
+    """value, if it has one of types (a bool is not a number); a RequestError otherwise."""
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        raise RequestError(f"{name}: must be {' or '.join(t.__name__ for t in types)}, got {json.dumps(value)}", name)
+    return value
+
+
+def parse_request(engine, body, max_tokens_limit, default_halt):
+    """A checked Request from a JSON body; a RequestError naming the first problem. default_halt: the halting rule
+    generate marks each token with when the request names none ('RULE:THRESHOLD')."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    mode = body.get("mode", "generate")
+    if mode not in MODES:
+        raise RequestError(f"mode: one of {', '.join(MODES)}, got {json.dumps(mode)}", "mode")
+    fields = FIELDS[mode]
+    unknown = sorted(set(body) - set(fields) - {"mode"})
+    if unknown:
+        raise RequestError(f"unknown field {unknown[0]!r} for mode {mode}; its fields: {', '.join(fields)}", unknown[0])
+    got = {name: default if body.get(name) is None else typed(name, body[name], types)
+           for name, (types, default) in fields.items()}
+    model, config = engine.model, engine.model.config
+    most = config.n_sup_inference
+    n_sup = most if got["n_sup"] is None else got["n_sup"]
+    if not 1 <= n_sup <= most:
+        raise RequestError(f"n_sup={n_sup}: must be from 1 to {most}", "n_sup")
+    if mode == "hops":
+        return parse_hops(engine, got, n_sup)
+    text = got["prompt" if mode == "generate" else "text"]
+    if not text:
+        raise RequestError(f"{'prompt' if mode == 'generate' else 'text'}: a non-empty string is required",
+                           "prompt" if mode == "generate" else "text")
+    ids = engine.encode_prompt(text)
+    if mode == "score":
+        check_length(ids[:-1], config.sequence_len, "text")
+        if len(ids) < 2:
+            raise RequestError("text: needs at least one token to score", "text")
+        return Request(mode, ids, n_sup, text=text)
+    check_length(ids, config.sequence_len, "prompt")
+    if config.n_coda:
+        raise RequestError("generate mode needs a model without a coda (n_coda=0): the cache holds a coda's keys for "
+                           "the last step only, so earlier steps' tokens cannot be computed; use mode score")
+    checks = [("max_tokens", 1 <= got["max_tokens"] <= max_tokens_limit, f"from 1 to {max_tokens_limit}"),
+              ("temperature", 0 <= got["temperature"] <= 2, "from 0 to 2"),
+              ("top_k", got["top_k"] is None or got["top_k"] >= 1, ">= 1"),
+              ("top_p", got["top_p"] is None or 0 <= got["top_p"] <= 1, "from 0 to 1"),
+              ("seed", got["seed"] is None or 0 <= got["seed"] < 2 ** 63, "from 0 to 2**63-1")]
+    for name, ok, allowed in checks:
+        if not ok:
+            raise RequestError(f"{name}={got[name]}: must be {allowed}", name)
+    try:
+        halting = check_halting(model, Halting.parse(got["halt"] or default_halt))
+    except ValueError as e:
+        raise RequestError(f"halt: {e}", "halt") from None
+    return Request(mode, ids, n_sup, text=text, max_tokens=got["max_tokens"], temperature=float(got["temperature"]),
+                   top_k=got["top_k"], top_p=got["top_p"], seed=got["seed"], halting=halting, drafts=got["drafts"],
+                   stream=got["stream"])
+
+
+def parse_hops(engine, got, n_sup):
+    if (got["text"] is None) == (got["seed"] is None):
+        raise RequestError("hops: send text (a hops document) or seed (to draw one), not both", "text")
+    text = got["text"]
+    most = engine.model.config.sequence_len  # a query is at least a token: more could never fit the context
+    if got["n_queries"] is not None and got["n_queries"] > most:
+        raise RequestError(f"n_queries={got['n_queries']}: at most {most} (the model's context)", "n_queries")
+    if text is None:
+        try:
+            spec = HopsSpec(n_queries=got["n_queries"] or HopsSpec.n_queries)
+        except ValueError as e:
+            raise RequestError(f"n_queries: {e}", "n_queries") from None
+        text = hops_document(random.Random(got["seed"]), spec)
+    try:
+        ids, answers = encode_hops(engine.tokenizer, text)
+    except ValueError as e:
+        raise RequestError(str(e), "text") from None
+    check_length(ids[:-1], engine.model.config.sequence_len, "text")
+    return Request("hops", ids, n_sup, text=text, answers=answers)
+
+
+def check_length(ids, limit, name):
+    if len(ids) > limit:
+        raise RequestError(f"{name} is {len(ids)} tokens (with <|bos|>); the model's context is {limit} tokens", name)
+
+
+def run(engine, req):
+    """The request's events: generate yields one per token, then a summary; score and hops one result."""
+    if req.mode == "generate":
+        return generate(engine, req)
+    return iter([(score if req.mode == "score" else hops)(engine, req)])
+
+
+def token_namer(tokenizer):
+    token_bytes = tokenizer.enc.decode_single_token_bytes
+    return lambda token: token_bytes(token).decode("utf-8", errors="replace")
+
+
+def halt_scores(model, halting, states, logits):
+    """(n,) the rule's score after each step 1..n for one position, all steps in one call of the rule. states: y at
+    steps 0 (the input) .. n; logits: (n + 1, V) of steps 0..n, or (n, V) of steps 1..n when the rule does not read
+    logits."""
+    previous, current = Draft(model, torch.stack(states[:-1])), Draft(model, torch.stack(states[1:]))
+    if len(logits) == len(states):  # computed already: cached_property reads the instance dict first
+        previous.__dict__["logits"], current.__dict__["logits"] = logits[:-1], logits[1:]
+    return HALTING_RULES[halting.rule](model, previous, current)
+
+
+def first_halt(scores, threshold):
+    """The step at which a position halts: the first whose score is below threshold, else the last (as
+    halting.forward_halting counts steps)."""
+    return next((s for s, value in enumerate(scores, start=1) if value < threshold), len(scores))
+
+
+@torch.inference_mode()
+def generate(engine, req):
+    """Yield one dict per generated token (see the module docstring), then a summary dict (object refinement.done)."""
+    model, name = engine.model, token_namer(engine.tokenizer)
+    idx, _ = left_pad([req.ids])
+    idx = idx.to(engine.device)
+    cache = engine.new_cache(1, idx.size(1) + req.max_tokens, req.n_sup)
+    rng = torch.Generator(device=engine.device).manual_seed(req.seed) if req.seed is not None else None
+    stops = engine.stop_tokens()
+    tokens, halts, finish_reason = [], [], "length"
+    for i in range(req.max_tokens):
+        with engine.autocast():
+            x = model.embed(idx, cache)
+            ys = [y for y, _ in model.refine(idx, req.n_sup, cache, x=x)]
+            final = model.head(ys[-1])[:, -1]  # as model.forward computes it, so sampling picks the engine's token
+            # the other steps' (and the input's, if the rule reads it) in one matmul: one read of the head's weights
+            states = [x[0, -1]] + [y[0, -1] for y in ys]
+            others = states[:-1] if req.halting.rule == "kl" else states[1:-1]
+            earlier = model.head(torch.stack(others)) if others else final[:0]
+        cache.advance(idx.size(1))
+        token = sample_next(final, req.temperature, req.top_k, req.top_p, rng)
+        logits = torch.cat([earlier, final]).float()  # steps 1..n, after step 0's if the rule reads it
+        probs = F.softmax(logits[len(logits) - req.n_sup:], dim=-1)
+        best_p, best = probs.max(dim=-1)
+        chosen_p = probs[:, token[0]]
+        with engine.autocast():
+            scores = halt_scores(model, req.halting, states, logits)
+        t = token.item()
+        halts.append(first_halt(scores.tolist(), req.halting.threshold))
+        if t in stops:
+            finish_reason = "stop"
+            halts.pop()
+            break
+        tokens.append(t)
+        steps = [{"id": b, "text": name(b), "prob": p, "chosen_prob": c}
+                 for b, p, c in zip(best.tolist(), best_p.tolist(), chosen_p.tolist())]
+        yield {"object": "refinement.token", "index": i, "id": t, "text": name(t), "steps": steps,
+               "halt_step": halts[-1]}
+        idx = token[:, None]
+    summary = {"object": "refinement.done", "n_sup": req.n_sup, "halt": str(req.halting),
+               "text": engine.tokenizer.decode(tokens), "finish_reason": finish_reason,
+               "mean_halt_steps": sum(halts) / len(halts) if halts else None}
+    if req.drafts:  # base_sample --show_steps: each step's greedy continuation, generated on its own
+        summary["drafts"] = [engine.tokenizer.decode(engine.generate_batch(
+            [req.ids], n_sup=s, max_tokens=req.max_tokens, temperature=0.0, top_k=req.top_k, seed=req.seed)[0])
+            for s in range(1, req.n_sup + 1)]
+    yield summary
+
+
+@torch.inference_mode()
+def score(engine, req):
+    """Each token's loss in nats at every step, teacher-forced: tokens[t] is predicted from the tokens before it."""
+    name = token_namer(engine.tokenizer)
+    idx = torch.tensor([req.ids[:-1]], device=engine.device)
+    targets = torch.tensor([req.ids[1:]], device=engine.device)
+    with engine.autocast():
+        losses = engine.model(idx, targets, n_sup=req.n_sup, loss_reduction="none")[:, 0].float()
+    return {"object": "refinement.score", "n_sup": req.n_sup, "tokens": [name(t) for t in req.ids[1:]],
+            "losses": losses.tolist(), "mean_loss": losses.mean(dim=1).tolist()}
+
+
+@torch.inference_mode()
+def hops(engine, req):
+    """Each query's predicted answer (argmax) and the right answer's probability at every step, and the accuracy
+    per step by hop count (as nanochat.eval.hops_eval scores a corpus)."""
+    model, name = engine.model, token_namer(engine.tokenizer)
+    idx = torch.tensor([req.ids[:-1]], device=engine.device)
+    positions = torch.tensor([i - 1 for i, _, _, _ in req.answers], device=engine.device)
+    want = torch.tensor([t for _, _, t, _ in req.answers], device=engine.device)
+    per_step = []
+    with engine.autocast():
+        for y, _ in model.refine(idx, req.n_sup):
+            probs = F.softmax(model.head(model.apply_coda(y)[0, positions]).float(), dim=-1)
+            per_step.append((probs.argmax(dim=-1).tolist(), probs.gather(1, want[:, None])[:, 0].tolist()))
+    queries = []
+    for q, (a, (_, h, t, _)) in enumerate(zip(hops_answers(req.text), req.answers)):
+        steps = [{"text": name(best[q]), "correct": best[q] == t, "prob": p[q]} for best, p in per_step]
+        queries.append({"offset": a.position, "hops": h, "answer": a.answer, "steps": steps})
+    hop_counts = sorted({q["hops"] for q in queries})
+    accuracy = [[sum(q["steps"][s]["correct"] for q in queries if q["hops"] == h) /
+                 sum(q["hops"] == h for q in queries) for h in hop_counts] for s in range(req.n_sup)]
+    return {"object": "refinement.hops", "n_sup": req.n_sup, "text": req.text, "queries": queries,
+            "hops": hop_counts, "accuracy": accuracy}
+
+
+END = object()
+
+
+def threaded(items, release):
+    """Iterate a blocking iterator on a worker thread from now on, so the event loop keeps serving; returns an async
+    iterator over its items. release() runs on the loop once the worker has ended, also when the consumer stops early
+    (the worker then stops at its next item) or never starts (a client gone before the response began): started here,
+    not at the first item, the worker always ends and frees what release frees."""
+    loop = asyncio.get_running_loop()
+    queue, stop = asyncio.Queue(), threading.Event()
+
+    def work():
+        for item in items:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+            if stop.is_set():
+                return
+
+    worker = loop.run_in_executor(None, work)
+    worker.add_done_callback(lambda _: (release(), queue.put_nowait(END)))
+
+    async def drain():
+        try:
+            while (item := await queue.get()) is not END:
+                yield item
+            worker.result()  # the worker's exception, if it failed
+        finally:
+            stop.set()
+
+    return drain()
+
+
+async def collect(events):
+    """A non-streamed answer: generate's token events gathered into the summary as its tokens; else the one result."""
+    items = [item async for item in events]
+    if items[-1]["object"] == "refinement.done":
+        return {**items[-1], "object": "refinement", "tokens": items[:-1]}
+    return items[-1]
+
+
+async def sse(events):
+    """Server-sent events, one per item, then data: [DONE]; a failure mid-stream ends with an error event."""
+    try:
+        async for item in events:
+            yield f"data: {json.dumps(item)}\n\n"
+    except Exception as e:  # noqa: BLE001 - the status line is sent: the client can only learn of it in the stream
+        yield f"data: {json.dumps({'error': {'message': f'generation failed: {e}', 'type': 'server_error'}})}\n\n"
+        return
+    yield "data: [DONE]\n\n"
