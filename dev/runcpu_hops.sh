@@ -52,7 +52,8 @@ wait $plain_pid
 tail -n 1 "$NANOCHAT_BASE_DIR/$trm.log" "$NANOCHAT_BASE_DIR/$plain.log"
 
 echo "== 4/5 accuracy by hop count at every supervision step"
-$py -m scripts.base_loss --device_type=cpu --model_tag="$trm" --hops --hops_docs=1000
+# to 16 supervision steps, 4x the 4 it trains: what thinking longer does to its answers (the plot marks step 4)
+$py -m scripts.base_loss --device_type=cpu --model_tag="$trm" --hops --hops_docs=1000 --n_sup=16
 # the plain block at its one step: a second would run the block again on its own answer, which it never trained for
 $py -m scripts.base_loss --device_type=cpu --model_tag="$plain" --hops --hops_docs=1000 --n_sup=1
 
