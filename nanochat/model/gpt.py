@@ -34,7 +34,6 @@ from .supervision import (
     loss_aux,
     reward_weight,
     state_diagnostics,
-    stay_weight,
     supervision_weights,
 )
 
@@ -93,8 +92,6 @@ class GPTConfig:
     # The guides tell users to edit these two lines between phases (aggressive -> extreme): keep them plain literals.
     supervision_weight_base: float = 5.0
     improvement_reward_scale: float = 1.0
-    # > 0: a step's loss worse than the best earlier step's is charged this much more (supervision.stay_weight)
-    stay_right_scale: float = 0.0
 
     def __post_init__(self):
         if self.n_sup_inference is None:
@@ -134,8 +131,6 @@ class GPTConfig:
         if not self.supervision_weight_base > 0:
             raise ValueError(f"GPTConfig.supervision_weight_base={self.supervision_weight_base} must be > 0 "
                              f"(step weights are base**s)")
-        if not self.stay_right_scale >= 0:
-            raise ValueError(f"GPTConfig.stay_right_scale={self.stay_right_scale} must be >= 0")
         if not self.improvement_reward_scale >= 0:
             raise ValueError(f"GPTConfig.improvement_reward_scale={self.improvement_reward_scale} must be >= 0 "
                              f"(a negative scale would reward making later steps worse)")
@@ -563,8 +558,7 @@ class GPT(nn.Module):
         step_losses = [self.step_loss(y, targets, loss_reduction) for y, _ in self.refine(idx, n_sup or c.n_sup_train)]
         if loss_reduction == "none":
             return torch.stack(step_losses)
-        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale,
-                                      c.stay_right_scale)
+        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
         return total, loss_aux(torch.stack([l.detach() for l in step_losses]))
 
     def halt_probability(self, y):
@@ -612,8 +606,6 @@ class GPT(nn.Module):
                     self.backward_part([halt_losses[-1] * HALT_LOSS_WEIGHT * loss_scale])
                 previous_token_losses = token_losses
             weight = weights[s] + (reward_weight(step_losses[-1], c.improvement_reward_scale) if s else 0.0)
-            if s and c.stay_right_scale:
-                weight = weight + stay_weight(step_losses, loss, c.stay_right_scale)
             self.backward_part([loss * weight * loss_scale])
             pending.append((y, y_leaf.grad))
             if self.cuts_after(s):  # the next step starts from detached states: these steps' graphs can go now
@@ -625,8 +617,7 @@ class GPT(nn.Module):
         if pending:
             self.backward_part(*zip(*pending))
         self.backward_part([x], [x_leaf.grad], last=True)
-        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale,
-                                      c.stay_right_scale)
+        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
         aux = {**loss_aux(torch.stack(step_losses)), "state": torch.stack(diagnostics)}
         if halt_losses:
             aux["halt_loss"] = torch.stack(halt_losses).detach().mean()

@@ -30,28 +30,17 @@ def reward_weight(previous_loss, scale):
     return scale / previous_loss.detach().clamp(min=REWARD_LOSS_FLOOR)
 
 
-def stay_weight(previous_losses, loss, scale):
-    """The stay-right penalty's weight on a step's loss: scale while it is worse than the best earlier step's."""
-    best = torch.stack([l.detach() for l in previous_losses]).min()
-    return scale * (loss.detach() > best).float()
-
-
-def deep_supervision_loss(step_losses, base, scale, stay_scale=0.0):
-    """total = sum_s w_s loss_s - scale * sum_{s>=1} (sg(loss_{s-1}) - loss_s) / max(sg(loss_{s-1}), floor)
-             + stay_scale * sum_{s>=1} relu(loss_s - sg(min_{j<s} loss_j)).
+def deep_supervision_loss(step_losses, base, scale):
+    """total = sum_s w_s loss_s - scale * sum_{s>=1} (sg(loss_{s-1}) - loss_s) / max(sg(loss_{s-1}), floor).
 
     The stop-gradient means a step can never earn reward by making the previous draft worse. Because of it the
     reward acts as an extra weight scale/loss_{s-1} on each later step's loss (reward_weight), which at typical
-    losses (~3-10) dominates the base**s weights. The stay-right penalty charges a step for being worse than the
-    best answer before it (stay_weight): a step that has the answer must keep it, however many steps run.
+    losses (~3-10) dominates the base**s weights.
     """
     weights = supervision_weights(len(step_losses), base)
     total = sum(w * loss for w, loss in zip(weights, step_losses))
     for prev, cur in zip(step_losses[:-1], step_losses[1:]):
         total = total - reward_weight(prev, scale) * (prev.detach() - cur)
-    for s in range(1, len(step_losses)) if stay_scale else ():
-        best = torch.stack([l.detach() for l in step_losses[:s]]).min()
-        total = total + stay_scale * torch.relu(step_losses[s] - best)
     return total
 
 

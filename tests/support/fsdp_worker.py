@@ -29,11 +29,14 @@ from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizer
 
 STEPS = 5
 GRAD_CLIP = 0.5
+# a fixed depth and the one-step detach (a backward per supervision step, what FSDP's one iteration must survive):
+# the steps a worker trains are the steps the plan counts
+FIXED = dict(sample_n_sup=False, backprop_steps=1)
 CONFIGS = {  # a plain transformer, and the recursion with a prelude and a coda block
     "plain": dict(sequence_len=16, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, n_embd=32, n_loops=0,
-                  n_sup_train=1),
+                  n_sup_train=1, **FIXED),
     "trm": dict(sequence_len=16, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, n_embd=32, n_loops=1,
-                T_recursion=2, n_sup_train=3, n_prelude=1, n_coda=1),
+                T_recursion=2, n_sup_train=3, n_prelude=1, n_coda=1, **FIXED),
 }
 CONFIGS["trm-checkpointing"] = {**CONFIGS["trm"], "activation_checkpointing": True}  # backward re-gathers in recompute
 CONFIGS["trm-one-sweep"] = {**CONFIGS["trm"], "T_recursion": 1}
@@ -111,7 +114,7 @@ def muon_on_shards():
 
 
 MEMORY_CONFIG = dict(sequence_len=32, vocab_size=2048, n_layer=4, n_head=2, n_kv_head=2, n_embd=256, n_loops=1,
-                     n_sup_train=2)
+                     n_sup_train=2, sample_n_sup=False)  # the depth it trains is the depth the estimate plans
 MEMORY_BATCH = 2
 
 
