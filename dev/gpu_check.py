@@ -62,7 +62,7 @@ from dev.bench_model import optimizer_step
 from nanochat.cli import ExitCode
 from nanochat.common import gpu_peak_flops
 from nanochat.files import atomic_write_bytes
-from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.model.gpt import GPT, GPTConfig, compile_scope_for
 from nanochat.train import attention, memory
 from nanochat.train.optim import setup_optimizers
 
@@ -304,13 +304,16 @@ def run_micro_steps(ctx, config):
     """Build, compile (regionally) and train 1 + timed_steps steps as base_train does; returns the measurements."""
     batch, checkpointing = planned_batch(ctx, config)
     config = config.replace(activation_checkpointing=checkpointing)
+    head_chunks = memory.head_chunks_that_fit(config, batch, device_memory(ctx), ctx.sizes.dtype, compiled=True)
+    scope = compile_scope_for(config)[0]  # base_train's defaults: --compile_scope=auto and the plan's head
     fresh_process(ctx)
     torch.manual_seed(0)
     model = GPT(config).to(ctx.device)
     model.init_weights()
+    model.head_chunks = head_chunks
     optimizers = setup_optimizers(model)
     graphs0, breaks0 = graph_counts()
-    model.compile_layer_visits()
+    model.compile_regions(scope)
     x, y = random_batch(ctx, config, batch)
 
     def step():
@@ -335,20 +338,24 @@ def run_micro_steps(ctx, config):
     tok_per_s = batch * config.sequence_len / seconds
     peak = gpu_peak_flops(device_name(ctx.device)) if ctx.device.type == "cuda" else None
     return {"batch": batch, "activation_checkpointing": checkpointing, "sequence_len": config.sequence_len,
+            "compile_scope": scope, "head_chunks": head_chunks,
             "first_step_s": first_s, "step_s": seconds, "fwd_bwd_s": statistics.median(t for t, _, _ in timed),
             "tok_per_s": tok_per_s, "mfu": model.estimate_flops() * tok_per_s / peak if peak else None,
             "losses": [first_loss] + [loss for _, _, loss in timed],
             "peak_memory_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None,
-            "estimated_memory_bytes": memory.estimate_memory(config, batch, ctx.sizes.dtype)["total"],
+            "estimated_memory_bytes": memory.estimate_memory(config, batch, ctx.sizes.dtype, head_chunks=head_chunks,
+                                                             compiled=True)["total"],
             "graphs_compiled": graphs1 - graphs0, "recompiles": graphs2 - graphs1, "graph_breaks": breaks2 - breaks0}
 
 
 def micro_step_rows(name, m):
     mfu = f", MFU {100 * m['mfu']:.1f}%" if m["mfu"] is not None else ", MFU n/a"
     ckpt = " + activation checkpointing" if m["activation_checkpointing"] else ""
+    head = f", head in {m['head_chunks'] or 'default'} chunk(s), compile scope {m['compile_scope']}"
     rows = [row(f"{name}_step", all(map(math.isfinite, m["losses"])),
-                f"batch {m['batch']}x{m['sequence_len']}{ckpt}: {m['step_s']:.3f} s a step ({m['fwd_bwd_s']:.3f} s "
-                f"fwd+bwd), {m['tok_per_s']:,.0f} tok/s{mfu} (first step {m['first_step_s']:.1f} s)",
+                f"batch {m['batch']}x{m['sequence_len']}{ckpt}{head}: {m['step_s']:.3f} s a step "
+                f"({m['fwd_bwd_s']:.3f} s fwd+bwd), {m['tok_per_s']:,.0f} tok/s{mfu} "
+                f"(first step {m['first_step_s']:.1f} s)",
                 "finite losses")]
     est = m["estimated_memory_bytes"]
     if m["peak_memory_bytes"] is None:

@@ -594,7 +594,7 @@ class GPT(nn.Module):
         lets FSDP finish its iteration only at the last (FSDP would end it at every backward)."""
         backward(tensors, grads)
 
-    def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None):
+    def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None, diagnostics=True):
         """A training micro-step: the loss of model(idx, targets, n_sup=n_sup), backpropagated (scaled by loss_scale).
 
         Each supervision step's head is backpropagated as soon as its loss is known, into the lm_head and into a
@@ -603,7 +603,8 @@ class GPT(nn.Module):
         the y_s at the end, or, with detach_between_steps, step by step (every backprop_steps steps), so that only
         one step's activations (one chunk's) are alive either. The gradients equal those of total.backward():
         d total / d loss_s = w_s + c / max(sg(loss_{s-1}), REWARD_LOSS_FLOOR).
-        Returns (total, aux) like model(idx, targets), detached, plus aux["state"]: state_diagnostics per step.
+        Returns (total, aux) like model(idx, targets), detached, plus aux["state"]: state_diagnostics per step (None
+        with diagnostics=False: base_train measures them every --diagnostics_every steps).
         With a halting head, its BCE (halt_head_loss, weight HALT_LOSS_WEIGHT) is backpropagated too and reported as
         aux["halt_loss"] (mean over the steps that have a next one); it is not part of total.
         """
@@ -612,7 +613,7 @@ class GPT(nn.Module):
         weights = supervision_weights(n_sup, c.supervision_weight_base)
         x = self.embed(idx)
         x_leaf = x.detach().requires_grad_()  # every step reads x: collect its gradient, backprop into wte once
-        step_losses, diagnostics, pending = [], [], []  # pending: (y_s, d loss / d y_s) of the trunk, not yet run
+        step_losses, states, pending = [], [], []  # pending: (y_s, d loss / d y_s) of the trunk, not yet run
         previous = x_leaf.detach()
         halt_losses, previous_token_losses = [], None
         for s, (y, z) in enumerate(self.refine(idx, n_sup, x=x_leaf)):
@@ -631,13 +632,14 @@ class GPT(nn.Module):
                 self.backward_part(*zip(*pending))
                 pending = []
             step_losses.append(loss.detach())
-            diagnostics.append(state_diagnostics(previous, y, z))
+            if diagnostics:
+                states.append(state_diagnostics(previous, y, z))
             previous = y.detach()
         if pending:
             self.backward_part(*zip(*pending))
         self.backward_part([x], [x_leaf.grad], last=True)
         total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
-        aux = {**loss_aux(torch.stack(step_losses)), "state": torch.stack(diagnostics)}
+        aux = {**loss_aux(torch.stack(step_losses)), "state": torch.stack(states) if diagnostics else None}
         if halt_losses:
             aux["halt_loss"] = torch.stack(halt_losses).detach().mean()
         return total, aux
