@@ -87,6 +87,10 @@ class Sizes:
     attention_batch: int  # the attention check's batch (at the model's heads and sequence_len)
     dtype: str = "bfloat16"
     compile_train: bool = True
+    # the micro-steps' torch.compile backend: CPU's checks the capture (graphs, recompiles, breaks) with aot_eager,
+    # as the model's fast tests do; inductor's C++ build of the steps' graphs took a minute more (tiny_compile and the
+    # slow tests check inductor on CPU)
+    compile_backend: str = "inductor"
 
 
 SIZES = {
@@ -100,7 +104,8 @@ SIZES = {
                  train_flags=["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2",
                               "--n_loops=1", "--n_sup_train=2", "--eval_tokens=256", "--sample_tokens=4"],
                  tokenizer=["--vocab_size=300", "--max_chars=200000"], prompt_tokens=16, decode_tokens=8,
-                 process_timeout_s=120, attention_batch=2, dtype="float32", compile_train=False),
+                 process_timeout_s=120, attention_batch=2, dtype="float32", compile_train=False,
+                 compile_backend="aot_eager"),
 }
 
 
@@ -313,7 +318,7 @@ def run_micro_steps(ctx, config):
     model.head_chunks = head_chunks
     optimizers = setup_optimizers(model)
     graphs0, breaks0 = graph_counts()
-    model.compile_regions(scope)
+    model.compile_regions(scope, backend=ctx.sizes.compile_backend)
     x, y = random_batch(ctx, config, batch)
 
     def step():
