@@ -663,6 +663,9 @@ def test_inductor_compiled_training_matches_eager_and_does_not_recompile():
     # CPU inductor compiles C++ for each graph: about a minute on 2 cores, hence slow
     graphs = compiled_training_matches_eager(tiny_config(n_loops=1, n_sup_train=2), backend="inductor")
     assert graphs <= 5  # two layer visits with gradient, the head's loss chunk, two without (evaluation)
+    # the whole plain model (compile scope "model"): the embedding, the sweep with and without gradient, the head
+    graphs = compiled_training_matches_eager(tiny_config(n_loops=0, n_sup_train=1), backend="inductor", scope="model")
+    assert graphs <= 5  # the embedding again without gradient (evaluation shares its compiled function)
 
 
 # ---------------------------------------------------------------------------------------------------- the head's loss
