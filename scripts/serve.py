@@ -83,6 +83,7 @@ from nanochat.halting import forward_halting
 
 MAX_BODY_BYTES = 1 << 20
 READ_TIMEOUT_S, MAX_CONNECTIONS = 30.0, 256  # the flags' defaults: nginx reads headers and body in 60 s each
+WRITE_TIMEOUT_S = 30.0  # --write_timeout's default: as nginx's send_timeout, from the client's last read, not per answer
 MAX_STOPS = 4  # as at OpenAI
 MAX_LOGPROBS = 20  # as vLLM's default; OpenAI's is 5
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists, none of them empty"
@@ -699,14 +700,24 @@ class Server:
 
 
 class GuardedHTTP(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a read deadline per request and a cap on open connections: uvicorn has
-    neither (its keep-alive timeout starts after a response, and --limit-concurrency answers only once a request's
-    headers arrive), so a client sending slowly, or never, held a connection forever. Subclassed by guarded_http."""
-    read_timeout, max_connections = READ_TIMEOUT_S, MAX_CONNECTIONS
+    """uvicorn's HTTP/1.1 protocol with a read deadline per request, a write deadline, a cap on open connections and
+    no Nagle delay: uvicorn has none of them (its keep-alive timeout starts after a response, --limit-concurrency
+    answers only once a request's headers arrive, and a client that stops reading is waited for forever), so a client
+    sending slowly, or never reading, held a connection forever. Subclassed by guarded_http."""
+    read_timeout, write_timeout, max_connections = READ_TIMEOUT_S, WRITE_TIMEOUT_S, MAX_CONNECTIONS
+    refused = staticmethod(lambda status: None)  # told the status of every answer given here, not by the app
 
     def connection_made(self, transport):
         super().connection_made(transport)
-        self.deadline = None
+        self.deadline = self.write_deadline = None
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # asyncio sets it only on sockets made with proto IPPROTO_TCP, and socket.create_server's are proto 0:
+            # without it a response's second write waits ~40 ms for the client's delayed ACK (Nagle's algorithm)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # pause as soon as anything waits in user space (the kernel's buffers are full: the client is not reading),
+        # so that the write deadline runs from then, and a response cannot complete with bytes still queued here
+        transport.set_write_buffer_limits(high=0)
         if len(self.connections) > self.max_connections:
             self.refuse(503, "Service Unavailable", f"server busy: {self.max_connections} connections open "
                                                     f"(--max_connections); retry later")
@@ -722,7 +733,31 @@ class GuardedHTTP(H11Protocol):
 
     def connection_lost(self, exc):
         self.disarm()
+        self.stop_write_deadline()
         super().connection_lost(exc)
+
+    def pause_writing(self):
+        super().pause_writing()
+        if self.write_deadline is None:  # the client must read within write_timeout, or be dropped
+            self.write_deadline = self.loop.call_later(self.write_timeout, self.write_timed_out)
+
+    def resume_writing(self):
+        super().resume_writing()
+        self.stop_write_deadline()
+
+    def stop_write_deadline(self):
+        if self.write_deadline is not None:
+            self.write_deadline.cancel()
+            self.write_deadline = None
+
+    def write_timed_out(self):
+        self.write_deadline = None
+        self.refused(0)  # no status: nothing more can reach the client
+        self.transport.abort()  # close() would wait for the unread bytes to be sent: forever
+
+    def send_400_response(self, msg):  # a request h11 cannot parse
+        self.refused(400)
+        super().send_400_response(msg)
 
     def arm(self):
         if self.deadline is None:
@@ -742,6 +777,7 @@ class GuardedHTTP(H11Protocol):
             self.transport.close()
 
     def refuse(self, status, reason, message):
+        self.refused(status)
         body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
                                      "server_error", "param": None, "code": None}}).encode()
         if not self.transport.is_closing():
@@ -750,9 +786,14 @@ class GuardedHTTP(H11Protocol):
             self.transport.close()
 
 
-def guarded_http(read_timeout=READ_TIMEOUT_S, max_connections=MAX_CONNECTIONS):
-    """The protocol class uvicorn.Config(http=...) takes, with these limits."""
-    return type("GuardedHTTP", (GuardedHTTP,), {"read_timeout": read_timeout, "max_connections": max_connections})
+def guarded_http(read_timeout=READ_TIMEOUT_S, max_connections=MAX_CONNECTIONS, write_timeout=WRITE_TIMEOUT_S,
+                 refused=None):
+    """The protocol class uvicorn.Config(http=...) takes, with these limits; refused(status) counts the answers the
+    protocol gives itself (408, 503, an unparsable request's 400; 0 for a client dropped by the write deadline)."""
+    limits = {"read_timeout": read_timeout, "max_connections": max_connections, "write_timeout": write_timeout}
+    if refused is not None:
+        limits["refused"] = staticmethod(refused)
+    return type("GuardedHTTP", (GuardedHTTP,), limits)
 
 
 def create_app(server, api_key=None):
@@ -848,6 +889,9 @@ def parse_args(argv=None):
     parser.add_argument("--read_timeout", type=float, default=READ_TIMEOUT_S,
                         help="seconds a request's headers and body may take to arrive; then 408 and the connection "
                              "closes (a slow client no longer holds one forever)")
+    parser.add_argument("--write_timeout", type=float, default=WRITE_TIMEOUT_S,
+                        help="seconds a client may leave the answer unread while the server waits to write more; "
+                             "then the connection is dropped (a client that never reads no longer holds one forever)")
     parser.add_argument("--max_connections", type=int, default=MAX_CONNECTIONS,
                         help="open connections at most; one more is answered 503 and closed")
     parser.add_argument("--device_type", default=None, help="cuda|cpu|mps (default: autodetect)")
@@ -865,8 +909,9 @@ def parse_args(argv=None):
         parser.error(f"--port={args.port}: must be from 1 to 65535 (or 0 for any free port)")
     if not (args.queue_timeout >= 0 and math.isfinite(args.queue_timeout)):
         parser.error(f"--queue_timeout={args.queue_timeout}: must be a number of seconds >= 0")
-    if not (args.read_timeout > 0 and math.isfinite(args.read_timeout)):
-        parser.error(f"--read_timeout={args.read_timeout}: must be a number of seconds > 0")
+    for name in ("read_timeout", "write_timeout"):
+        if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
+            parser.error(f"--{name}={getattr(args, name)}: must be a number of seconds > 0")
     for name in ("max_concurrency", "max_batch", "max_tokens_limit", "max_connections"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -888,7 +933,8 @@ def build_server(args):
     server = Server(engine, info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout,
                     args.max_batch)
     config = uvicorn.Config(create_app(server, args.api_key), host=args.host, port=args.port, log_level="warning",
-                            lifespan="off", http=guarded_http(args.read_timeout, args.max_connections))
+                            lifespan="off",
+                            http=guarded_http(args.read_timeout, args.max_connections, args.write_timeout))
     return uvicorn.Server(config), server
 
 

@@ -708,11 +708,11 @@ def test_a_key_allow_no_auth_or_a_loopback_host_may_start(trained, monkeypatch, 
     assert "no checkpoint found for model tag 'missing'" in capsys.readouterr().err
 
 
-def guarded_server(trained, read_timeout, max_connections):
+def guarded_server(trained, read_timeout, max_connections, **limits):
     _, model, tokenizer = trained
     server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
     return uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off",
-                                         http=serve.guarded_http(read_timeout, max_connections)))
+                                         http=serve.guarded_http(read_timeout, max_connections, **limits)))
 
 
 def answer(sock, timeout=10):
@@ -746,7 +746,56 @@ def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped
             sock.close()
 
 
-@pytest.mark.parametrize("flag", ["--read_timeout=0", "--read_timeout=nan", "--max_connections=0"])
+def pipeline_unread(port, request, seconds=2.0):
+    """A connection that sends request over and over and never reads an answer, with a small receive buffer so
+    the answers back up quickly; it sends until the server stops taking more, at most seconds."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: it sets the window
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    deadline, last_sent = time.monotonic() + seconds, time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - last_sent < 0.3:
+        try:
+            sock.send(request * 64)
+            last_sent = time.monotonic()
+        except BlockingIOError:
+            time.sleep(0.01)  # the server has stopped reading: its answers wait for us
+    return sock
+
+
+def test_a_client_that_never_reads_is_dropped_after_the_write_timeout(trained):
+    """Two connections pipeline GET / and never read (the page needs no key): they fill --max_connections, so a
+    third is refused, until the write deadline drops them; then the server serves again."""
+    http = guarded_server(trained, read_timeout=30.0, max_connections=2, write_timeout=3.0)
+    with running(http) as base_url:
+        port = int(base_url.rsplit(":", 1)[1])
+        request = b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+        readers = [pipeline_unread(port, request) for _ in range(2)]
+        sent = time.monotonic()
+        assert len(http.server_state.connections) == 2
+        with socket.create_connection(("127.0.0.1", port)) as third:
+            assert answer(third, timeout=5).startswith(b"HTTP/1.1 503 ")  # locked out while they hold theirs
+        while http.server_state.connections:
+            assert time.monotonic() - sent < 10, "a client that never reads still holds its connection"
+            time.sleep(0.05)
+        for sock in readers:
+            sock.close()
+        assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
+
+
+def test_answers_on_a_reused_connection_do_not_wait_for_a_delayed_ack(url):
+    """Nagle's algorithm held a response's second write until the client's delayed ACK (~40 ms) on a kept-alive
+    connection; with TCP_NODELAY a /health answers in about a millisecond on a new or reused connection alike."""
+    with httpx.Client(base_url=url, timeout=10) as client:
+        times = []
+        for _ in range(25):
+            start = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            times.append(time.perf_counter() - start)
+    assert sorted(times[5:])[len(times[5:]) // 2] < 0.02, [f"{t * 1000:.1f} ms" for t in times]
+
+
+@pytest.mark.parametrize("flag", ["--read_timeout=0", "--read_timeout=nan", "--write_timeout=inf", "--max_connections=0"])
 def test_bad_limits_are_refused_in_one_line(flag, capsys):
     with pytest.raises(SystemExit):
         serve.parse_args([flag, "--device_type=cpu"])
