@@ -307,12 +307,14 @@ async def collect(events):
     return items[-1]
 
 
-async def sse(events):
-    """Server-sent events, one per item, then data: [DONE]; a failure mid-stream ends with an error event."""
+async def sse(events, failed=lambda: None):
+    """Server-sent events, one per item, then data: [DONE]; a failure mid-stream ends with an error event (and
+    failed() is called: the status line said 200)."""
     try:
         async for item in events:
             yield f"data: {json.dumps(item)}\n\n"
     except Exception as e:  # noqa: BLE001 - the status line is sent: the client can only learn of it in the stream
+        failed()
         yield f"data: {json.dumps({'error': {'message': f'generation failed: {e}', 'type': 'server_error'}})}\n\n"
         return
     yield "data: [DONE]\n\n"

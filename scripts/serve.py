@@ -44,6 +44,8 @@ and its slot is free again.
 import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
 
 import asyncio
+import base64
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -54,6 +56,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 
 import torch
@@ -69,6 +72,7 @@ try:
     from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import ClientDisconnect
+    from starlette.routing import Match
     from uvicorn.protocols.http.h11_impl import H11Protocol
     from starlette.exceptions import HTTPException
 except ModuleNotFoundError as e:
@@ -83,7 +87,7 @@ from nanochat.halting import forward_halting
 
 MAX_BODY_BYTES = 1 << 20
 READ_TIMEOUT_S, MAX_CONNECTIONS = 30.0, 256  # the flags' defaults: nginx reads headers and body in 60 s each
-WRITE_TIMEOUT_S = 30.0  # --write_timeout's default: as nginx's send_timeout, from the client's last read, not per answer
+WRITE_TIMEOUT_S = 30.0  # --write_timeout's default: as nginx's send_timeout, from the client's last read
 MAX_STOPS = 4  # as at OpenAI
 MAX_LOGPROBS = 20  # as vLLM's default; OpenAI's is 5
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists, none of them empty"
@@ -160,6 +164,11 @@ def key_checker(api_key):
 
 async def read_body(request):
     """The JSON object of a request, or a 4xx saying what is wrong with it."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":  # a form or text/plain POST is one a page of any other site may send
+        got = f"its Content-Type is {json.dumps(media_type)}" if media_type else "it has no Content-Type"
+        raise APIError(415, f"the body must be JSON sent with the header Content-Type: application/json, and {got} "
+                            f"(curl: -H 'Content-Type: application/json')")
     body = b""
     try:
         async for chunk in request.stream():
@@ -448,8 +457,13 @@ class Metrics:
     def __init__(self, server):
         self.registry = registry = CollectorRegistry()
         latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-        self.requests = Counter("nanochat_requests", "Completion requests answered, by HTTP status", ["status"],
-                                registry=registry)
+        self.requests = Counter("nanochat_requests", "HTTP requests answered, by route and status (route \"other\": "
+                                "an unknown path; \"(connection)\": answered by the connection's limits, 408 or 503; "
+                                "499: the client left before its answer)", ["route", "status"], registry=registry)
+        self.failed = Counter("nanochat_failed_generations", "Generations that failed (a 500, or an error event in a "
+                              "stream already answered 200), by route", ["route"], registry=registry)
+        self.write_timeouts = Counter("nanochat_write_timeouts", "Connections dropped because the client left an "
+                                      "answer unread for --write_timeout seconds", registry=registry)
         self.prompt_tokens = Counter("nanochat_prompt_tokens", "Prompt tokens of completion requests served",
                                      registry=registry)
         self.completion_tokens = Counter("nanochat_completion_tokens", "Tokens generated", registry=registry)
@@ -470,10 +484,17 @@ class Metrics:
               registry=registry).set_function(lambda: server.waiting)
         Gauge("nanochat_running", "Generations running", registry=registry).set_function(lambda: server.running)
 
+    def refused(self, status):
+        """An answer the connection gave itself (GuardedHTTP): 408, 503, 400; 0: dropped by the write deadline."""
+        if status:
+            self.requests.labels(route="(connection)", status=str(status)).inc()
+        else:
+            self.write_timeouts.inc()
+
     def finished(self, job, n_sup):
         """Record a generation that ended; n_sup: the steps each token ran when no halting rule was on."""
-        failed = not job.worker.cancelled() and job.worker.exception() is not None
-        self.requests.labels(status="500" if failed else "200").inc()
+        if not job.worker.cancelled() and job.worker.exception() is not None:
+            self.failed.labels(route="/v1/completions").inc()
         tokens = sum(len(choice.tokens) for choice in job.choices)
         self.prompt_tokens.inc(sum(len(ids) for ids in job.prompts))
         self.completion_tokens.inc(tokens)
@@ -688,7 +709,7 @@ class Server:
                 index, piece, finish_reason = item
                 choice = {"text": piece, "index": index, "logprobs": None, "finish_reason": finish_reason}
                 yield f"data: {json.dumps(self.chunk(job, [choice]))}\n\n"
-            if job.worker.exception() is not None:
+            if job.worker.exception() is not None:  # counted by Metrics.finished
                 error = {"message": f"generation failed: {job.worker.exception()}", "type": "server_error"}
                 yield f"data: {json.dumps({'error': error})}\n\n"
                 return
@@ -770,10 +791,10 @@ class GuardedHTTP(H11Protocol):
 
     def timed_out(self):
         self.deadline = None
-        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:  # none under way
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no answer to this request has begun
             self.refuse(408, "Request Timeout", f"the request did not arrive within {self.read_timeout:g} s "
                                                 f"(--read_timeout)")
-        elif not self.transport.is_closing():
+        elif not self.transport.is_closing():  # answered already (a 400 before its body ended), or answering
             self.transport.close()
 
     def refuse(self, status, reason, message):
@@ -796,16 +817,139 @@ def guarded_http(read_timeout=READ_TIMEOUT_S, max_connections=MAX_CONNECTIONS, w
     return type("GuardedHTTP", (GuardedHTTP,), limits)
 
 
-def create_app(server, api_key=None):
+def host_name(value):
+    """The name or address a Host header (or an Origin's authority) names, lower case, without port, brackets or a
+    trailing dot, and its port (None when not given); (None, None) when malformed."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name, closed, rest = value[1:].partition("]")
+        port = rest[1:] if closed and rest.startswith(":") else None
+        if not closed or rest and port is None:
+            return None, None
+    else:
+        name, colon, port = value.partition(":")
+        port = port if colon else None
+    if port is not None and not (port.isascii() and port.isdigit() and int(port) < 65536):
+        return None, None
+    return name.rstrip(".") or None, None if port is None else int(port)
+
+
+def addresses(host):
+    """The IP addresses host names (an address names itself); empty when it does not resolve."""
+    try:
+        return {ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)}
+    except (socket.gaierror, UnicodeError):
+        return set()
+
+
+class HostCheck:
+    """Which Host headers name this server: its --host (and the addresses it resolves to), loopback names and
+    addresses when it listens on loopback, any address and this machine's names when it listens on all interfaces,
+    and --allowed_hosts ("*": any, "*.example": its subdomains). A page on attacker.example whose name was rebound to
+    127.0.0.1 sends Host: attacker.example, so it is refused (DNS rebinding)."""
+
+    def __init__(self, bound, allowed=()):
+        self.bound, self.any = bound, "*" in allowed
+        self.suffixes = tuple(name[1:].lower() for name in allowed if name.startswith("*."))  # .example
+        self.names = {host_name(name)[0] for name in [bound, *allowed] if not name.startswith("*")}
+        bound_addresses = addresses(bound)
+        self.names |= {str(a) for a in bound_addresses}
+        self.loopback = bool(bound_addresses) and all(a.is_loopback for a in bound_addresses)
+        self.everywhere = any(a.is_unspecified for a in bound_addresses)
+        if self.everywhere:
+            self.names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+
+    def allows(self, name):
+        if self.any or name in self.names or name.endswith(self.suffixes):
+            return True
+        if (self.loopback or self.everywhere) and (name == "localhost" or name.endswith(".localhost")):
+            return True  # RFC 6761: a browser resolves *.localhost to this machine, never to another
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return self.everywhere or self.loopback and address.is_loopback  # an address is no name to rebind
+
+
+def same_origin(origin, host, allowed):
+    """Whether a request's Origin header is the server's own (the Host it was sent to) or one of --allowed_origins."""
+    if "*" in allowed or origin.strip().lower().rstrip("/") in allowed:
+        return True
+    parts = urllib.parse.urlsplit(origin.strip())
+    default = {"http": 80, "https": 443}.get(parts.scheme.lower())
+    name, port = host_name(parts.netloc)
+    own_name, own_port = host_name(host)
+    return default is not None and name is not None and (name, port or default) == (own_name, own_port or default)
+
+
+SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff"), (b"x-frame-options", b"DENY")]
+
+
+class Gate:
+    """ASGI middleware in front of every route: refuses a request whose Host header does not name this server (DNS
+    rebinding), or that a web page of another origin sent (browsers say whose in Origin); counts every answer by
+    route and status in /metrics; adds SECURITY_HEADERS. Inside Starlette's error middleware, which answers an
+    exception's 500 after it passed through here: it is counted on its way out."""
+
+    def __init__(self, app, metrics, hosts, origins):
+        self.app, self.metrics, self.hosts = app, metrics, hosts
+        self.origins = {origin.strip().lower().rstrip("/") for origin in origins}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route, started = self.route(scope), []
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                started.append(True)
+                self.metrics.requests.labels(route=route, status=str(message["status"])).inc()
+                message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+            await send(message)
+
+        refusal = self.refusal(dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]))
+        try:
+            await (refusal or self.app)(scope, receive, counted)
+        except Exception:
+            if not started:
+                self.metrics.requests.labels(route=route, status="500").inc()
+            raise
+
+    def route(self, scope):
+        """The route's path as the app declares it (/v1/models/{model}), or "other": a label per path that was sent
+        would let clients grow /metrics without bound."""
+        for route in getattr(scope.get("app"), "routes", ()):  # Starlette puts itself in the scope
+            if route.matches(scope)[0] != Match.NONE:
+                return route.path
+        return "other"
+
+    def refusal(self, headers):
+        """An error response for a request that must not be served here, or None."""
+        host = headers.get("host")
+        name = host_name(host)[0] if host is not None else None
+        if host is not None and not (name is not None and self.hosts.allows(name)):
+            return error_response(400, f"the Host header {json.dumps(host)} does not name this server "
+                                       f"(--host={self.hosts.bound}); send the address it listens on, or start it "
+                                       f"with --allowed_hosts={name or 'NAME'} to serve that name too",
+                                  code="invalid_host")
+        origin = headers.get("origin")
+        if origin is not None and not same_origin(origin, host or "", self.origins):
+            return error_response(403, f"a web page of another origin ({origin}) may not use this server: a page "
+                                       f"elsewhere must not make it generate or read its answers; start it with "
+                                       f"--allowed_origins={origin} to allow that page", code="forbidden_origin")
+        return None
+
+
+def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed_origins=()):
     """The FastAPI app; with api_key every route but /health needs it (FastAPI's own docs pages are off: they could
-    not send it, and the API is OpenAI's, documented above)."""
+    not send it, and the API is OpenAI's, documented above). host: the address it listens on, which the Host header
+    must name (HostCheck), or one of allowed_hosts; a browser's Origin must be the server's own or allowed_origins."""
     app = FastAPI(title="nanochat-TRM", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Gate, metrics=server.metrics, hosts=HostCheck(host, allowed_hosts), origins=allowed_origins)
     keyed = [Security(key_checker(api_key))] if api_key else []  # every route's but /health's dependencies
 
     @app.exception_handler(APIError)
     async def api_error(request, e):
-        if request.url.path == "/v1/completions":
-            server.metrics.requests.labels(status=str(e.status)).inc()
         return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(HTTPException)
@@ -865,11 +1009,21 @@ def create_app(server, api_key=None):
             raise APIError(400, str(e), e.param) from None
         await server.acquire()
         events = refinement.threaded(refinement.run(server.engine, req), server.release)
+        failed = server.metrics.failed.labels(route="/v1/refinement").inc
         if req.stream:
-            return StreamingResponse(refinement.sse(events), media_type="text/event-stream")
-        return JSONResponse(await refinement.collect(events))
+            return StreamingResponse(refinement.sse(events, failed), media_type="text/event-stream")
+        try:
+            return JSONResponse(await refinement.collect(events))
+        except Exception:
+            failed()
+            raise
 
     return app
+
+
+def names_arg(value):
+    """argparse type of a comma-separated list of names: empty items dropped."""
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 def parse_args(argv=None):
@@ -898,6 +1052,12 @@ def parse_args(argv=None):
     parser.add_argument("--api_key", default=None,
                         help="every request but /health must send Authorization: Bearer <key> (default: "
                              "$NANOCHAT_API_KEY; a flag's value shows in ps, the variable does not)")
+    parser.add_argument("--allowed_hosts", type=names_arg, default=[],
+                        help="comma-separated names the Host header may give besides the --host address ('*': any), "
+                             "e.g. the name a reverse proxy serves this under; others get a 400 (DNS rebinding)")
+    parser.add_argument("--allowed_origins", type=names_arg, default=[],
+                        help="comma-separated origins (https://app.example) whose web pages may call this server; "
+                             "a browser's request from any other site gets a 403 ('*': any)")
     parser.add_argument("--allow_no_auth", action="store_true",
                         help="serve a non-loopback --host without an API key (anyone who can connect may use it)")
     args = parser.parse_args(argv)
@@ -932,9 +1092,9 @@ def build_server(args):
     engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, dtype))
     server = Server(engine, info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout,
                     args.max_batch)
-    config = uvicorn.Config(create_app(server, args.api_key), host=args.host, port=args.port, log_level="warning",
-                            lifespan="off",
-                            http=guarded_http(args.read_timeout, args.max_connections, args.write_timeout))
+    app = create_app(server, args.api_key, args.host, args.allowed_hosts, args.allowed_origins)
+    http = guarded_http(args.read_timeout, args.max_connections, args.write_timeout, server.metrics.refused)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off", http=http)
     return uvicorn.Server(config), server
 
 

@@ -23,6 +23,7 @@ from tests.support.server import serving
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 KEY = "sk-refinement-test"
+LOCAL = "http://localhost"  # TestClient's default Host, testserver, is no name of a server listening on loopback
 ATOL = 1e-4  # float32 reorderings between a cached decode and a full forward move probabilities by ~1e-6
 
 
@@ -39,7 +40,7 @@ def server(trained):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with TestClient(serve.create_app(server), raise_server_exceptions=True) as c:
+    with TestClient(serve.create_app(server), base_url=LOCAL, raise_server_exceptions=True) as c:
         yield c
 
 
@@ -168,7 +169,7 @@ def test_hops_draws_the_document_of_a_seed(trained, server, monkeypatch):
     _, model, _ = trained
     monkeypatch.setattr(model.config, "sequence_len", 128)  # a drawn table of 16 symbols outgrows the tiny context
     drawn = hops_document(random.Random(4), HopsSpec(n_queries=2))
-    got = refine(TestClient(serve.create_app(server)), mode="hops", seed=4, n_queries=2)
+    got = refine(TestClient(serve.create_app(server), base_url=LOCAL), mode="hops", seed=4, n_queries=2)
     assert got["text"] == drawn and len(got["queries"]) == 2
 
 
@@ -194,13 +195,14 @@ def test_hops_draws_the_document_of_a_seed(trained, server, monkeypatch):
 ])
 def test_a_bad_request_is_one_400_naming_the_field(client, body, param, message):
     raw = isinstance(body, str)  # sent as written: json= would refuse NaN
-    r = client.post("/v1/refinement", content=body if raw else None, json=None if raw else body)
+    r = client.post("/v1/refinement", content=body if raw else None, json=None if raw else body,
+                    headers={"content-type": "application/json"})
     error = r.json()["error"]
     assert r.status_code == 400 and message in error["message"] and error["param"] == param, error
 
 
 def test_a_wrong_or_missing_key_is_a_401_but_the_page_needs_none(server):
-    client = TestClient(serve.create_app(server, api_key=KEY))
+    client = TestClient(serve.create_app(server, api_key=KEY), base_url=LOCAL)
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = client.post("/v1/refinement", json={"prompt": "the"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

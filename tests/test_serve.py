@@ -26,6 +26,7 @@ from tests.support.server import running
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOCAL = "http://localhost"  # TestClient's default Host, testserver, is no name of a server listening on loopback
 
 
 @pytest.fixture(scope="module")
@@ -486,6 +487,70 @@ def test_an_unknown_path_is_a_404_in_openais_error_shape(url):
                                                          "param": None, "code": None}
 
 
+@pytest.fixture(scope="module")
+def local_app(trained):
+    """The app behind a server on 127.0.0.1, in process, with a host and an origin allowed besides its own."""
+    _, model, tokenizer = trained
+    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    return serve.create_app(server, host="127.0.0.1", allowed_hosts=["proxy.example"],
+                            allowed_origins=["https://page.example"])
+
+
+@pytest.mark.parametrize("headers,status,code", [
+    ({"host": "attacker.example"}, 400, "invalid_host"),  # a DNS-rebinding page: the name it used is sent
+    ({"host": "attacker.example:8000"}, 400, "invalid_host"),
+    ({"host": "10.1.2.3"}, 400, "invalid_host"),  # not an address a loopback server listens on
+    ({"host": "localhost:8000:1"}, 400, "invalid_host"),
+    ({"host": "127.0.0.1:8000", "origin": "http://attacker.example"}, 403, "forbidden_origin"),
+    ({"host": "127.0.0.1:8000", "origin": "http://127.0.0.1:9999"}, 403, "forbidden_origin"),  # another port
+    ({"host": "127.0.0.1:8000", "origin": "null"}, 403, "forbidden_origin"),  # a sandboxed frame, a file://
+    ({"host": "localhost"}, 200, None), ({"host": "LOCALHOST.:80"}, 200, None), ({"host": "127.0.0.1:8000"}, 200, None),
+    ({"host": "127.9.9.9"}, 200, None), ({"host": "[::1]:8000"}, 200, None), ({"host": "app.localhost"}, 200, None),
+    ({"host": "proxy.example"}, 200, None),  # --allowed_hosts
+    ({"host": "127.0.0.1:8000", "origin": "http://127.0.0.1:8000"}, 200, None),  # the page itself
+    ({"host": "localhost", "origin": "http://localhost:80"}, 200, None),
+    ({"host": "proxy.example", "origin": "https://page.example"}, 200, None),  # --allowed_origins
+])
+def test_a_foreign_host_or_origin_is_refused_on_every_route(local_app, headers, status, code):
+    from fastapi.testclient import TestClient
+    client = TestClient(local_app, base_url=LOCAL)
+    answers = [client.get("/health", headers=headers), client.get("/", headers=headers),
+               client.post("/v1/completions", json={**REQUEST, "max_tokens": 1}, headers=headers)]
+    assert [r.status_code for r in answers] == [status] * 3, [r.text[:200] for r in answers]
+    if code:
+        error = answers[0].json()["error"]
+        assert error["code"] == code and "\n" not in error["message"]
+        assert ("--allowed_hosts=" if status == 400 else "--allowed_origins=") in error["message"]
+
+
+@pytest.mark.parametrize("content_type,status", [
+    ("text/plain", 415), ("application/x-www-form-urlencoded", 415), ("multipart/form-data; boundary=x", 415),
+    (None, 415), ("application/json", 200), ("Application/JSON; charset=utf-8", 200)])
+def test_only_a_json_body_is_taken(local_app, content_type, status):
+    """A page of any site may POST text/plain, a form or multipart without asking; only JSON needs the browser to
+    ask the server first (a preflight, which this server does not answer)."""
+    from fastapi.testclient import TestClient
+    client = TestClient(local_app, base_url=LOCAL)
+    headers = {} if content_type is None else {"content-type": content_type}
+    for path, body in (("/v1/completions", {**REQUEST, "max_tokens": 1}), ("/v1/refinement", {"prompt": "the",
+                                                                                            "max_tokens": 1})):
+        r = client.post(path, content=json.dumps(body).encode(), headers=headers)
+        assert r.status_code == status, r.text[:200]
+        if status == 415:
+            message = r.json()["error"]["message"]
+            assert "Content-Type: application/json" in message and "\n" not in message
+
+
+def test_a_server_on_every_interface_answers_to_addresses_and_its_own_names():
+    everywhere = serve.HostCheck("0.0.0.0")
+    assert all(map(everywhere.allows, ["192.0.2.7", "::1", "localhost", socket.gethostname().lower()]))
+    assert not everywhere.allows("attacker.example")
+    one = serve.HostCheck("192.0.2.7", ["*.lan.example"])
+    assert one.allows("192.0.2.7") and not one.allows("127.0.0.1") and not one.allows("localhost")
+    assert one.allows("a.lan.example") and not one.allows("lan.example") and not one.allows("evil-lan.example")
+    assert serve.HostCheck("192.0.2.7", ["*"]).allows("any.example")
+
+
 def test_health(url, trained):
     health = httpx.get(f"{url}/health").json()
     assert health["status"] == "ok" and health["model_tag"] == MODEL_TAG and health["step"] == 40
@@ -711,8 +776,8 @@ def test_a_key_allow_no_auth_or_a_loopback_host_may_start(trained, monkeypatch, 
 def guarded_server(trained, read_timeout, max_connections, **limits):
     _, model, tokenizer = trained
     server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
-    return uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off",
-                                         http=serve.guarded_http(read_timeout, max_connections, **limits)))
+    http = serve.guarded_http(read_timeout, max_connections, refused=server.metrics.refused, **limits)
+    return uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off", http=http))
 
 
 def answer(sock, timeout=10):
@@ -725,10 +790,12 @@ def answer(sock, timeout=10):
 
 
 def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped(trained):
-    with running(guarded_server(trained, read_timeout=1.0, max_connections=2)) as base_url:
+    http = guarded_server(trained, read_timeout=1.0, max_connections=2)
+    with running(http) as base_url:
         port = int(base_url.rsplit(":", 1)[1])
         slow = socket.create_connection(("127.0.0.1", port))
-        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"prompt\"")  # stalls
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                     b"content-length: 100\r\n\r\n{\"prompt\"")  # stalls
         idle = socket.create_connection(("127.0.0.1", port))  # sends nothing at all
         time.sleep(0.2)
         third = socket.create_connection(("127.0.0.1", port))
@@ -742,8 +809,11 @@ def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped
         assert post(base_url, REQUEST).status_code == 200  # served again, and a whole request is not cut off
         with httpx.Client(base_url=base_url, timeout=30) as client:  # a kept-alive connection's later requests too
             assert [client.post("/v1/completions", json=REQUEST).status_code for _ in range(3)] == [200] * 3
+        metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
         for sock in (slow, idle, third):
             sock.close()
+    assert 'nanochat_requests_total{route="(connection)",status="503"} 1.0' in metrics
+    assert 'nanochat_requests_total{route="(connection)",status="408"} 2.0' in metrics
 
 
 def pipeline_unread(port, request, seconds=2.0):
@@ -795,7 +865,8 @@ def test_answers_on_a_reused_connection_do_not_wait_for_a_delayed_ack(url):
     assert sorted(times[5:])[len(times[5:]) // 2] < 0.02, [f"{t * 1000:.1f} ms" for t in times]
 
 
-@pytest.mark.parametrize("flag", ["--read_timeout=0", "--read_timeout=nan", "--write_timeout=inf", "--max_connections=0"])
+@pytest.mark.parametrize("flag", ["--read_timeout=0", "--read_timeout=nan", "--write_timeout=inf",
+                                  "--max_connections=0"])
 def test_bad_limits_are_refused_in_one_line(flag, capsys):
     with pytest.raises(SystemExit):
         serve.parse_args([flag, "--device_type=cpu"])
@@ -839,7 +910,8 @@ def in_process(trained):
     from fastapi.testclient import TestClient
     _, model, tokenizer = trained
     server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=2)
-    with TestClient(serve.create_app(server)) as client:  # an exception in the app is raised here, so fails the test
+    # an exception in the app is raised here, so fails the test
+    with TestClient(serve.create_app(server), base_url=LOCAL) as client:
         yield client
 
 
@@ -864,23 +936,40 @@ def test_no_request_body_gets_a_500_or_a_traceback(in_process, body):
         assert r.json()["object"] == "text_completion"
 
 
+def metric_samples(text):
+    """{(name, sorted labels): value} of Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_metrics_count_requests_tokens_latency_and_steps_in_prometheus_text(trained):
     from fastapi.testclient import TestClient
-    from prometheus_client.parser import text_string_to_metric_families
     _, model, tokenizer = trained
     server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
-    with TestClient(serve.create_app(server)) as client:
+    with TestClient(serve.create_app(server), base_url=LOCAL) as client:
         full = client.post("/v1/completions", json={**REQUEST, "max_tokens": 5, "n": 2, "n_sup": 2}).json()
         halted = client.post("/v1/completions", json={**REQUEST, "max_tokens": 4, "n_sup": "rms:inf"}).json()
         assert client.post("/v1/completions", json={**REQUEST, "temperature": 9}).status_code == 400
+        # every route and status is counted, an unknown path under one label
+        assert client.post("/v1/refinement", json={"prompt": "the", "max_tokens": 2}).status_code == 200
+        assert client.post("/v1/refinement", json={"prompt": ""}).status_code == 400
+        assert client.post("/v1/refinement", content=b"{}", headers={"content-type": "text/plain"}).status_code == 415
+        assert client.get("/health").status_code == client.get("/v1/models").status_code == 200
+        assert client.get("/v1/models/other").status_code == 404
+        assert client.get("/no/such/path").status_code == client.get("/elsewhere").status_code == 404
+        assert client.get("/health", headers={"host": "attacker.example"}).status_code == 400
         r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(r.text) for s in family.samples}
+    samples = metric_samples(r.text)
     value = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]
+    requests = {labels: v for (name, labels), v in samples.items() if name == "nanochat_requests_total"}
+    assert requests == {(("route", route), ("status", status)): n for route, status, n in [
+        ("/v1/completions", "200", 2), ("/v1/completions", "400", 1), ("/v1/refinement", "200", 1),
+        ("/v1/refinement", "400", 1), ("/v1/refinement", "415", 1), ("/health", "200", 1), ("/health", "400", 1),
+        ("/v1/models", "200", 1), ("/v1/models/{model}", "404", 1), ("other", "404", 2)]}
     tokens = full["usage"]["completion_tokens"], halted["usage"]["completion_tokens"]
     prompt_tokens = full["usage"]["prompt_tokens"] + halted["usage"]["prompt_tokens"]
-    assert value("nanochat_requests_total", status="200") == 2 and value("nanochat_requests_total", status="400") == 1
     assert value("nanochat_completion_tokens_total") == sum(tokens) and tokens[0] > 0 and tokens[1] > 0
     assert value("nanochat_prompt_tokens_total") == prompt_tokens
     assert value("nanochat_request_latency_seconds_count") == 2 and value("nanochat_request_latency_seconds_sum") > 0
