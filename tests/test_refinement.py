@@ -13,11 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fastapi.testclient import TestClient
+from hypothesis import event, example, given, settings
+from hypothesis import strategies as st
 
 from nanochat import refinement
 from nanochat.engine import Engine
 from nanochat.halting import Halting, forward_halting
-from nanochat.synthetic import HopsSpec, hops_document
+from nanochat.synthetic import HopsSpec, hops_answers, hops_document
 from scripts import base_sample, serve
 from tests.support.server import serving
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -189,6 +191,10 @@ def test_hops_draws_the_document_of_a_seed(trained, server, monkeypatch):
     ({"mode": "score", "text": "the", "prompt": "x"}, "prompt", "unknown field 'prompt' for mode score"),
     ({"mode": "hops", "text": "a>b ; a1=b", "seed": 1}, "text", "hops: send text (a hops document) or seed"),
     ({"mode": "hops", "text": "no queries"}, "text", "a document holds no hops query"),
+    ({"mode": "hops", "text": "1="}, "text", "the text ends with '=': write each query's answer after it"),
+    ({"mode": "hops", "text": "a>b ; x=y"}, "text", "the '=' at character 8 (' x=y') must follow a hop count digit"),
+    ({"mode": "hops", "text": "=a b1=a"}, "text", "the '=' at character 1 ('=a') must follow a hop count digit"),
+    ({"mode": "hops", "text": "a>b ; a\u00b2=b"}, "text", "must follow a hop count digit 0-9"),  # '²'.isdigit()
     ({"mode": "hops", "seed": 1, "n_queries": -1}, "n_queries", "n_queries: n_queries=-1: must be >= 1"),
     ({"mode": "hops", "seed": 1, "n_queries": 10 ** 9}, "n_queries", "n_queries=1000000000: at most 32"),
     ('{"prompt": "x", "temperature": NaN}', "temperature", "temperature=nan: must be from 0 to 2"),  # Python's JSON
@@ -199,6 +205,50 @@ def test_a_bad_request_is_one_400_naming_the_field(client, body, param, message)
                     headers={"content-type": "application/json"})
     error = r.json()["error"]
     assert r.status_code == 400 and message in error["message"] and error["param"] == param, error
+
+
+SMALL_HOPS = "a>b b>c c>a ; a1=b c2=b"  # fits the tiny model's context
+EDITS = st.lists(st.tuples(st.integers(0, len(SMALL_HOPS)), st.integers(0, 2),
+                           st.sampled_from(["", "=", "=", "1", "0", "a", ">", ";", " ", "\u00b2", "\u0663", "\n"])),
+                 max_size=4)
+
+
+def edited(text, edits):
+    """text with each (at, cut, insert) applied: cut characters at `at` replaced by insert."""
+    for at, cut, insert in edits:
+        text = text[:at] + insert + text[at + cut:]
+    return text
+
+
+HOPS_TEXTS = st.one_of(st.builds(edited, st.just(SMALL_HOPS), EDITS), st.text("abz>=; 019\u00b2\n", max_size=30),
+                       st.text(max_size=30))
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=HOPS_TEXTS)
+@example(text="1=")  # were a 500 (an IndexError), or Python's int() message
+@example(text="a>b ; x=y")
+@example(text="=a")
+def test_no_hops_text_gets_a_500(client, text):
+    r = client.post("/v1/refinement", json={"mode": "hops", "text": text, "n_sup": 1})
+    event(f"status {r.status_code}")  # --hypothesis-show-statistics: how many were answered
+    assert r.status_code in (200, 400), r.text[:300]
+    if r.status_code == 400:
+        error = r.json()["error"]
+        assert error["param"] == "text" and error["message"] and "\n" not in error["message"], error
+    else:
+        got = r.json()
+        assert [q["offset"] for q in got["queries"]] == [a.position for a in hops_answers(text)]
+
+
+def test_a_hops_text_error_is_counted_in_metrics(client):
+    def refused():
+        line = 'nanochat_requests_total{route="/v1/refinement",status="400"} '
+        return next((float(x[len(line):]) for x in client.get("/metrics").text.splitlines() if x.startswith(line)), 0)
+
+    before = refused()
+    assert client.post("/v1/refinement", json={"mode": "hops", "text": "1="}).status_code == 400
+    assert refused() == before + 1
 
 
 def test_a_wrong_or_missing_key_is_a_401_but_the_page_needs_none(server):
