@@ -313,6 +313,7 @@ async def sse(events, failed=lambda: None):
     try:
         async for item in events:
             yield f"data: {json.dumps(item)}\n\n"
+            await asyncio.sleep(0)  # a loop turn between writes: a closed connection is noticed before the next
     except Exception as e:  # noqa: BLE001 - the status line is sent: the client can only learn of it in the stream
         failed()
         yield f"data: {json.dumps({'error': {'message': f'generation failed: {e}', 'type': 'server_error'}})}\n\n"

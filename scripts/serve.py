@@ -89,6 +89,7 @@ MAX_BODY_BYTES = 1 << 20
 READ_TIMEOUT_S, MAX_CONNECTIONS = 30.0, 256  # the flags' defaults: nginx reads headers and body in 60 s each
 WRITE_TIMEOUT_S = 30.0  # --write_timeout's default: as nginx's send_timeout, from the client's last read
 MAX_STOPS = 4  # as at OpenAI
+CLIENT_GONE = 499  # nginx's status for a client that closed the connection before its answer (in /metrics)
 MAX_LOGPROBS = 20  # as vLLM's default; OpenAI's is 5
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists, none of them empty"
 # OpenAI's fields this server does not implement, and the values at which they change nothing
@@ -357,11 +358,11 @@ class Job:
                 "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def cancel_when_gone(request, job):
-    """uvicorn answers receive() with http.disconnect once the client has closed the connection."""
+async def when_gone(request, then):
+    """Call then() once the client has closed the connection (uvicorn answers receive() with http.disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancelled.set()
+    then()
 
 
 class Batcher:
@@ -571,7 +572,11 @@ class Server:
         req.stop = [req.stop] if isinstance(req.stop, str) else req.stop
         if len(req.stop) > MAX_STOPS or "" in req.stop:
             raise APIError(400, f"stop: up to {MAX_STOPS} non-empty strings", "stop")
-        ids = [self.engine.encode_prompt(p) if isinstance(p, str) else p for p in split_prompt(req.prompt)]
+        texts = split_prompt(req.prompt)
+        if len(texts) * req.n > self.max_batch:  # counted before tokenizing: 200,000 prompts took a second
+            raise APIError(400, f"{len(texts)} prompt(s) x n={req.n} completions exceeds this server's limit of "
+                                f"{self.max_batch} (--max_batch)", "n")
+        ids = [self.engine.encode_prompt(p) if isinstance(p, str) else p for p in texts]
         bad = next((t for p in ids for t in p if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} is not in the model's vocabulary (0 to "
@@ -580,9 +585,6 @@ class Server:
         if longest > self.config.sequence_len:
             raise APIError(400, f"prompt is {longest} tokens (a string's count includes <|bos|>); the model's context "
                                 f"is {self.config.sequence_len} tokens", "prompt")
-        if len(ids) * req.n > self.max_batch:
-            raise APIError(400, f"{len(ids)} prompt(s) x n={req.n} completions exceeds this server's limit of "
-                                f"{self.max_batch} (--max_batch)", "n")
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens=0 generates nothing; send echo: true with it to score the prompt, or "
                                 "max_tokens >= 1", "max_tokens")
@@ -702,20 +704,34 @@ class Server:
                    for i, (prompt, c, logprobs) in enumerate(zip(job.rows, job.choices, job.logprobs))]
         return self.chunk(job, choices, job.usage())
 
+    @staticmethod
+    def piece(index, text, finish_reason):
+        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+
+    def last_events(self, job):
+        """What ends a stream: an error event if the generation failed, else the usage (if asked for) and [DONE]."""
+        if job.worker.exception() is not None:  # counted by Metrics.finished
+            error = {"message": f"generation failed: {job.worker.exception()}", "type": "server_error"}
+            return f"data: {json.dumps({'error': error})}\n\n"
+        usage = f"data: {json.dumps(self.chunk(job, [], job.usage()))}\n\n" if job.include_usage else ""
+        return usage + "data: [DONE]\n\n"
+
     async def events(self, job):
         """Server-sent events as the text comes; a generation that fails mid-stream ends with an error event."""
         try:
-            while (item := await job.queue.get()) is not None:
-                index, piece, finish_reason = item
-                choice = {"text": piece, "index": index, "logprobs": None, "finish_reason": finish_reason}
-                yield f"data: {json.dumps(self.chunk(job, [choice]))}\n\n"
-            if job.worker.exception() is not None:  # counted by Metrics.finished
-                error = {"message": f"generation failed: {job.worker.exception()}", "type": "server_error"}
-                yield f"data: {json.dumps({'error': error})}\n\n"
-                return
-            if job.include_usage:
-                yield f"data: {json.dumps(self.chunk(job, [], job.usage()))}\n\n"
-            yield "data: [DONE]\n\n"
+            ended = False
+            while not ended:
+                # every event ready goes in one write: the await between writes lets a closed connection be noticed
+                # before the next (asyncio logs "socket.send() raised exception." from the fifth write after)
+                items = [await job.queue.get()]
+                while not job.queue.empty():
+                    items.append(job.queue.get_nowait())
+                ended = None in items
+                pieces = items[:items.index(None)] if ended else items
+                events = [f"data: {json.dumps(self.chunk(job, [self.piece(*item)]))}\n\n" for item in pieces]
+                if ended:
+                    events.append(self.last_events(job))
+                yield "".join(events)
         finally:
             job.cancelled.set()  # the client left mid-stream: stop generating
 
@@ -979,7 +995,7 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
     async def completions(request: Request):
         arrived = time.perf_counter()
         req = parse_request(await read_body(request))
-        prompts = server.check(req)
+        prompts = await run_in_threadpool(server.check, req)  # tokenizing a 1 MiB prompt takes ~0.1 s: not on the loop
         warning = server.bos_warning(req, prompts)
         headers = {"X-Nanochat-Warning": warning} if warning else None
         await server.acquire()
@@ -989,11 +1005,13 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
             server.release()
             raise
         job.arrived = arrived
-        watcher = asyncio.ensure_future(cancel_when_gone(request, job))
+        watcher = asyncio.ensure_future(when_gone(request, job.cancelled.set))
         job.worker.add_done_callback(lambda _: watcher.cancel())
         if req.stream:
             return StreamingResponse(server.events(job), media_type="text/event-stream", headers=headers)
         await asyncio.shield(job.worker)  # if this handler is cancelled, the slot stays taken until the thread ends
+        if job.cancelled.is_set():  # the client left: no one reads the answer, but /metrics says so
+            return Response(status_code=CLIENT_GONE)
         return JSONResponse(server.completion(job), headers=headers)
 
     @app.get("/")
@@ -1002,9 +1020,10 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
 
     @app.post("/v1/refinement", dependencies=keyed)
     async def refine(request: Request):  # what each supervision step did: see nanochat/refinement.py
-        try:
-            req = refinement.parse_request(server.engine, await read_body(request), server.max_tokens_limit,
-                                           AUTO_HALTING)
+        body = await read_body(request)
+        try:  # tokenizing off the event loop, as completions do
+            req = await run_in_threadpool(refinement.parse_request, server.engine, body, server.max_tokens_limit,
+                                          AUTO_HALTING)
         except refinement.RequestError as e:
             raise APIError(400, str(e), e.param) from None
         await server.acquire()
@@ -1012,8 +1031,18 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
         failed = server.metrics.failed.labels(route="/v1/refinement").inc
         if req.stream:
             return StreamingResponse(refinement.sse(events, failed), media_type="text/event-stream")
+        # a client that leaves stops the generation at its next token, and frees the slot, as completions do
+        collecting = asyncio.ensure_future(refinement.collect(events))
+        watcher = asyncio.ensure_future(when_gone(request, collecting.cancel))
         try:
-            return JSONResponse(await refinement.collect(events))
+            await asyncio.wait({collecting})
+        finally:
+            watcher.cancel()
+            collecting.cancel()  # a no-op once done; else this handler was cancelled: stop the generation too
+        if collecting.cancelled():
+            return Response(status_code=CLIENT_GONE)
+        try:
+            return JSONResponse(collecting.result())
         except Exception:
             failed()
             raise

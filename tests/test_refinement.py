@@ -292,6 +292,34 @@ def test_a_client_that_leaves_mid_stream_stops_the_generation_and_frees_the_slot
         assert httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 1}, timeout=30).status_code == 200
 
 
+def test_a_client_that_leaves_before_the_answer_frees_the_slot_at_once(trained, monkeypatch):
+    """Not streamed: a generation of 32 tokens at 100 ms each whose client gives up after 0.5 s stops within a token
+    or two and frees its slot, as /v1/completions does; /metrics counts it as 499 (client closed request)."""
+    _, model, tokenizer = trained
+    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
+    made, real = [], refinement.generate
+
+    def slow(engine, req):
+        for event in real(engine, req):
+            made.append(event)
+            time.sleep(0.1)
+            yield event
+
+    monkeypatch.setattr(refinement, "generate", slow)
+    with serving(serve.create_app(server)) as url:
+        start = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 32, "temperature": 1.0},
+                       timeout=0.5)
+        while server.running:
+            assert time.monotonic() - start < 2, "the slot was not freed when the client left"
+            time.sleep(0.02)
+        assert len(made) < 32
+        assert httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 1}, timeout=30).status_code == 200
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert 'nanochat_requests_total{route="/v1/refinement",status="499"} 1.0' in metrics
+
+
 def test_the_worker_ends_and_releases_even_when_no_one_reads_its_items():
     released, made = [], []
 
