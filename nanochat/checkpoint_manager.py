@@ -131,9 +131,14 @@ def best_step(model_tag):
 
 def step_arg(value):
     """argparse type of --step: 'latest', 'best' or a step number (resolve_step finds it)."""
-    if value in ("latest", "best") or value.isdigit():
+    if value in ("latest", "best") or is_step_number(value):
         return value
-    raise argparse.ArgumentTypeError(f"{value!r}: use 'latest', 'best' or a step number")
+    raise argparse.ArgumentTypeError(f"{value!r}: use 'latest', 'best' or a step number in digits 0-9")
+
+
+def is_step_number(value):
+    """ASCII digits only: str.isdigit also takes '²' (which int() refuses) and other scripts' digits ('٢٠' is 20)."""
+    return value.isascii() and value.isdigit()
 
 
 def resolve_step(model_tag, which):
@@ -150,8 +155,8 @@ def resolve_step(model_tag, which):
         if step is None:
             raise CheckpointError(f"no checkpoint of {model_tag!r} has a validation bpb yet; use 'latest'")
         return step
-    if not str(which).isdigit():
-        raise CheckpointError(f"step {which!r}: use 'latest', 'best' or a step number")
+    if not is_step_number(str(which)):
+        raise CheckpointError(f"step {which!r}: use 'latest', 'best' or a step number in digits 0-9")
     if int(which) not in steps:
         raise CheckpointError(f"no checkpoint at step {int(which)} for {model_tag!r}; available steps: {steps}")
     return int(which)

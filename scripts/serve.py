@@ -43,6 +43,7 @@ and its slot is free again.
 
 import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
 
+import argparse
 import asyncio
 import base64
 import hashlib
@@ -1050,32 +1051,53 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
     return app
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help gives each flag's default, unless its help says it already (a default that is not a value)."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
+def number_arg(kind):
+    """argparse type: an int or float, written in ASCII (int() and float() also read other scripts' digits)."""
+    def parse(value):
+        if not value.isascii():
+            raise argparse.ArgumentTypeError(f"{value!r}: write the number in ASCII digits 0-9")
+        return kind(value)
+
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value"
+    return parse
+
+
 def names_arg(value):
     """argparse type of a comma-separated list of names: empty items dropped."""
     return [name.strip() for name in value.split(",") if name.strip()]
 
 
 def parse_args(argv=None):
-    parser = ArgumentParser(description="Serve a checkpoint over OpenAI's completions API")
+    parser = ArgumentParser(description="Serve a checkpoint over OpenAI's completions API",
+                            formatter_class=DefaultsHelp)
     parser.add_argument("--model_tag", type=model_tag_arg, default=None,
                         help="checkpoint tag (default: the most recently written)")
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: localhost only)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 = any free port")
-    parser.add_argument("--max_concurrency", type=int, default=16,
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=number_arg(int), default=8000, help="port to listen on; 0 = any free port")
+    parser.add_argument("--max_concurrency", type=number_arg(int), default=16,
                         help="requests generating at once, batched together (each forward serves them all); more "
                              "wait up to --queue_timeout")
-    parser.add_argument("--queue_timeout", type=float, default=30.0,
+    parser.add_argument("--queue_timeout", type=number_arg(float), default=30.0,
                         help="seconds a request waits for a busy slot (0: answer 503 at once when all are busy)")
-    parser.add_argument("--max_tokens_limit", type=int, default=None, help="largest max_tokens (default: context)")
-    parser.add_argument("--max_batch", type=int, default=8, help="most completions per request (prompts x n)")
-    parser.add_argument("--read_timeout", type=float, default=READ_TIMEOUT_S,
+    parser.add_argument("--max_tokens_limit", type=number_arg(int), default=None,
+                        help="largest max_tokens (default: context)")
+    parser.add_argument("--max_batch", type=number_arg(int), default=8,
+                        help="most completions per request (prompts x n)")
+    parser.add_argument("--read_timeout", type=number_arg(float), default=READ_TIMEOUT_S,
                         help="seconds a request's headers and body may take to arrive; then 408 and the connection "
                              "closes (a slow client no longer holds one forever)")
-    parser.add_argument("--write_timeout", type=float, default=WRITE_TIMEOUT_S,
+    parser.add_argument("--write_timeout", type=number_arg(float), default=WRITE_TIMEOUT_S,
                         help="seconds a client may leave the answer unread while the server waits to write more; "
                              "then the connection is dropped (a client that never reads no longer holds one forever)")
-    parser.add_argument("--max_connections", type=int, default=MAX_CONNECTIONS,
+    parser.add_argument("--max_connections", type=number_arg(int), default=MAX_CONNECTIONS,
                         help="open connections at most; one more is answered 503 and closed")
     parser.add_argument("--device_type", default=None, help="cuda|cpu|mps (default: autodetect)")
     parser.add_argument("--api_key", default=None,
@@ -1083,10 +1105,11 @@ def parse_args(argv=None):
                              "$NANOCHAT_API_KEY; a flag's value shows in ps, the variable does not)")
     parser.add_argument("--allowed_hosts", type=names_arg, default=[],
                         help="comma-separated names the Host header may give besides the --host address ('*': any), "
-                             "e.g. the name a reverse proxy serves this under; others get a 400 (DNS rebinding)")
+                             "e.g. the name a reverse proxy serves this under; others get a 400 (DNS rebinding; "
+                             "default: none)")
     parser.add_argument("--allowed_origins", type=names_arg, default=[],
                         help="comma-separated origins (https://app.example) whose web pages may call this server; "
-                             "a browser's request from any other site gets a 403 ('*': any)")
+                             "a browser's request from any other site gets a 403 ('*': any; default: none)")
     parser.add_argument("--allow_no_auth", action="store_true",
                         help="serve a non-loopback --host without an API key (anyone who can connect may use it)")
     args = parser.parse_args(argv)
@@ -1168,9 +1191,10 @@ def main(argv=None):
             print(f"error: {e}", file=sys.stderr)
             return ExitCode.USAGE
         host, port = sock.getsockname()[:2]
-        print(f"serving {server.model_id} step {server.info['step']} at http://{host}:{port}/v1 "
-              f"(OpenAI completions API; max_concurrency={args.max_concurrency}; "
-              f"{'API key required' if args.api_key else 'no API key'})", flush=True)
+        base = f"http://{f'[{host}]' if ':' in host else host}:{port}"  # an IPv6 address goes in brackets in a URL
+        print(f"serving {server.model_id} step {server.info['step']} at {base}/v1 (OpenAI completions API; "
+              f"max_concurrency={args.max_concurrency}; {'API key required' if args.api_key else 'no API key'}); "
+              f"the refinement viewer: {base}/", flush=True)
         try:
             http.run(sockets=[sock])
         except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down cleanly, then may re-raise the signal

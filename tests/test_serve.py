@@ -1,11 +1,14 @@
 """Tests for the OpenAI-compatible server: the official openai client against the real server on 127.0.0.1."""
 
+import asyncio
 import json
+import logging
 import os
 import re
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -47,7 +50,9 @@ def start_cli(base_dir, *flags, deadline_s=120, env=None):
             pytest.fail(f"server did not start: {proc.communicate()[1]}")
     line = proc.stdout.readline()
     assert line.startswith(f"serving {MODEL_TAG} step 40 at http://127.0.0.1:"), line
-    return proc, line.split(" at ")[1].split()[0].removesuffix("/v1")
+    base_url = line.split(" at ")[1].split()[0].removesuffix("/v1")
+    assert line.endswith(f"; the refinement viewer: {base_url}/\n"), line  # the page's address, to click
+    return proc, base_url
 
 
 def stop_cli(proc):
@@ -683,6 +688,45 @@ def test_a_huge_prompt_list_is_refused_before_it_is_tokenized(trained, monkeypat
     assert encoded == ["the", "a"]  # only the request within the limit was tokenized
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/refinement"])
+def test_a_stream_whose_client_left_logs_nothing(trained, monkeypatch, caplog, route):
+    """The client resets the connection while the server's event loop is busy and the rest of its answer is queued:
+    the stream wrote the queued events without a loop turn between writes, so asyncio logged "socket.send() raised
+    exception." from the fifth write after the failed one."""
+    from nanochat import refinement
+    engine, http = held_server(trained, queue_timeout=5, max_concurrency=2, free=1)
+    real, loops, acquire = refinement.generate, [], serve.Server.acquire
+
+    def held(model_engine, req):  # refinement's generation: the first token, then the rest once the test says
+        events = real(model_engine, req)
+        yield next(events)
+        assert engine.go.wait(timeout=10)
+        yield from events
+
+    async def acquire_recording_the_loop(self):
+        loops.append(asyncio.get_running_loop())
+        await acquire(self)
+
+    monkeypatch.setattr(refinement, "generate", held)
+    monkeypatch.setattr(serve.Server, "acquire", acquire_recording_the_loop)
+    body = {"prompt": "the", "max_tokens": 12, "temperature": 1.0, "stream": True,
+            **({"n": 8} if route == "/v1/completions" else {})}
+    with running(http) as base_url, caplog.at_level(logging.WARNING, logger="asyncio"):
+        sock = socket.create_connection(("127.0.0.1", int(base_url.rsplit(":", 1)[1])))
+        raw = json.dumps(body).encode()
+        sock.sendall(f"POST {route} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(raw)}\r\n\r\n".encode() + raw)
+        sock.settimeout(30)
+        assert sock.recv(100).startswith(b"HTTP/1.1 200 ")
+        loops[0].call_soon_threadsafe(time.sleep, 0.5)  # the loop is busy: it notices nothing before the burst
+        time.sleep(0.1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset: the next write fails
+        engine.go.set()  # the rest of the answer is generated and queued meanwhile
+        wait_until_running(base_url, 0)
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
 # ---------------------------------------------------------------- start-up
 
 @pytest.mark.parametrize("flag,value,message", [
@@ -694,11 +738,28 @@ def test_a_huge_prompt_list_is_refused_before_it_is_tokenized(trained, monkeypat
     ("--max_batch", "0", "--max_batch=0: must be >= 1"),
     ("--api_key", "cl\u00e9", "the API key (--api_key or NANOCHAT_API_KEY) must be printable ASCII without spaces"),
     ("--api_key", "a b", "the API key (--api_key or NANOCHAT_API_KEY) must be printable ASCII without spaces"),
+    ("--step", "\u00b2", "argument --step: '\u00b2': use 'latest', 'best' or a step number in digits 0-9"),
+    ("--step", "\u0662\u0660", "argument --step: '\u0662\u0660': use 'latest', 'best' or a step number in digits"),
+    ("--step", "-1", "argument --step: '-1': use 'latest', 'best' or a step number in digits 0-9"),
+    ("--port", "\u0668\u0660\u0660\u0660", "argument --port: '\u0668\u0660\u0660\u0660': write the number in ASCII"),
+    ("--queue_timeout", "\u0661", "argument --queue_timeout: '\u0661': write the number in ASCII digits 0-9"),
 ])
 def test_bad_flags_are_refused_at_start_up(capsys, flag, value, message):
     with pytest.raises(SystemExit) as e:
         serve.parse_args([flag, value, "--device_type", "cpu"])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_help_gives_every_flags_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        serve.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert e.value.code == 0
+    for default in ["(default: latest)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
+                    "(default: 30.0)", "(default: 8)", "(default: 256)", "(default: the most recently written)",
+                    "(default: context)", "(default: autodetect)"]:
+        assert default in out, default
+    assert "None" not in out  # a default that is not a value is said in words
 
 
 def test_a_port_in_use_is_one_line(trained, monkeypatch, capsys):
@@ -777,6 +838,35 @@ def test_the_openai_client_with_the_key_from_the_environment_is_served(trained):
             openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
         assert e.value.body["code"] == "invalid_api_key"
         assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
+    finally:
+        stop_cli(proc)
+
+
+def abandon_stream(port, route, body):
+    """Send a streamed request, read the first bytes of its answer and close the connection mid-stream."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        raw = json.dumps({**body, "stream": True}).encode()
+        sock.sendall(f"POST {route} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(raw)}\r\n\r\n".encode() + raw)
+        sock.settimeout(30)
+        assert sock.recv(100).startswith(b"HTTP/1.1 200 ")
+
+
+def test_the_cli_logs_nothing_for_abandoned_streams_and_takes_its_allowed_hosts_and_origins(trained):
+    """Clients leaving streams mid-way (test_a_stream_whose_client_left_logs_nothing forces the race) log nothing
+    (stop_cli allows no other line); --allowed_hosts and --allowed_origins reach the gate."""
+    proc, base_url = start_cli(trained[0], "--allowed_hosts", "proxy.example,*.lan.example", "--allowed_origins",
+                               "https://page.example", env={"NANOCHAT_API_KEY": ""})
+    try:
+        port = int(base_url.rsplit(":", 1)[1])
+        for _ in range(3):
+            abandon_stream(port, "/v1/completions", {"prompt": "the", "max_tokens": 30, "n": 8, "temperature": 1.0})
+            abandon_stream(port, "/v1/refinement", {"prompt": "the", "max_tokens": 30, "temperature": 1.0})
+        wait_until_running(base_url, 0)
+        health = lambda **headers: httpx.get(f"{base_url}/health", headers=headers, timeout=30).status_code
+        assert health(host="proxy.example") == health(host="box.lan.example:8000") == 200
+        assert health(host="attacker.example") == 400
+        assert health(origin="https://page.example") == 200 and health(origin="https://evil.example") == 403
     finally:
         stop_cli(proc)
 
