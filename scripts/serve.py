@@ -53,6 +53,7 @@ import json
 import math
 import os
 import queue
+import re
 import socket
 import sys
 import threading
@@ -477,7 +478,7 @@ class Metrics:
                                    "the first", buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
                                    registry=registry)
         self.steps = Histogram("nanochat_steps_per_token", "Supervision steps each generated token ran (fewer than "
-                               "n_sup under halting)", buckets=range(1, server.config.n_sup_inference + 1),
+                               "n_sup under halting)", buckets=range(1, server.most_steps + 1),
                                registry=registry)
         self.batch_requests = Histogram("nanochat_batch_requests", "Requests generating together in the batch, as "
                                         "each request joins it",
@@ -514,10 +515,13 @@ class Metrics:
 class Server:
     """The engine behind the endpoints: validates requests against the model and bounds concurrent generations."""
 
-    def __init__(self, engine, info, max_concurrency=1, max_tokens_limit=None, queue_timeout=30.0, max_batch=8):
+    def __init__(self, engine, info, max_concurrency=1, max_tokens_limit=None, queue_timeout=30.0, max_batch=8,
+                 hops_corpus=None):
         self.engine, self.info = engine, info
         self.model_id, self.created = info["model_tag"], int(time.time())
         self.config = engine.model.config
+        self.most_steps = engine.most_steps = refinement.most_steps(self.config)  # past the trained steps, as base_loss
+        self.hops_corpus = hops_corpus or refinement.HopsCorpus()  # the model's own (trained_hops_corpus), or default
         self.max_concurrency, self.max_batch = max_concurrency, max_batch
         self.max_tokens_limit = max_tokens_limit or self.config.sequence_len
         self.vocab_size = min(self.config.vocab_size, engine.tokenizer.get_vocab_size())  # ids both can read
@@ -534,9 +538,10 @@ class Server:
 
     def health(self):
         return {"status": "ok", **self.info, "sequence_len": self.config.sequence_len,
-                "n_sup_max": self.config.n_sup_inference, "max_tokens_limit": self.max_tokens_limit,
+                "n_sup_max": self.most_steps, "n_sup_inference": self.config.n_sup_inference,
+                "n_sup_train": self.config.n_sup_train, "max_tokens_limit": self.max_tokens_limit,
                 "max_batch": self.max_batch, "running": self.running, "max_concurrency": self.max_concurrency,
-                "prompts_without_bos": self.without_bos}
+                "prompts_without_bos": self.without_bos, "hops_corpus": self.hops_corpus.describe()}
 
     def bos_warning(self, req, prompts):
         """A warning (also logged, the first time and every BOS_LOG_EVERY-th) when a token-id prompt does not start
@@ -598,11 +603,12 @@ class Server:
 
     def depth(self, n_sup):
         """A request's n_sup -> (steps or None for all, halting.Halting or None), or an APIError saying what is wrong."""
-        most = self.config.n_sup_inference
+        most = self.most_steps
         if n_sup is None or isinstance(n_sup, int) and 1 <= n_sup <= most:
             return n_sup, None
         if isinstance(n_sup, int):
-            raise APIError(400, f"n_sup={n_sup}: must be from 1 to {most}", "n_sup")
+            raise APIError(400, f"n_sup={n_sup}: must be from 1 to {most} ({refinement.STEPS_PAST_TRAINING}x the "
+                                f"{self.config.n_sup_train} supervision steps the model was trained with)", "n_sup")
         try:
             return None, self.engine.check_halt(AUTO_HALTING if n_sup == "auto" else n_sup)
         except ValueError as e:
@@ -902,6 +908,20 @@ def same_origin(origin, host, allowed):
 SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff"), (b"x-frame-options", b"DENY")]
 
 
+def page_policy(path):
+    """The viewer's Content-Security-Policy: its own inline script and style (by hash) and requests to this server
+    only; nothing else runs or loads, whatever markup reached the page, and no other site may frame it."""
+    with open(path, encoding="utf-8") as f:
+        page = f.read()
+    digest = lambda tag: " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(m.encode()).digest()).decode()}'"
+                                  for m in re.findall(rf"<{tag}>(.*?)</{tag}>", page, re.DOTALL))
+    return (f"default-src 'none'; script-src {digest('script')}; style-src {digest('style')}; connect-src 'self'; "
+            f"img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+PAGE_POLICY = page_policy(refinement.PAGE)
+
+
 class Gate:
     """ASGI middleware in front of every route: refuses a request whose Host header does not name this server (DNS
     rebinding), or that a web page of another origin sent (browsers say whose in Origin); counts every answer by
@@ -1015,16 +1035,16 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
             return Response(status_code=CLIENT_GONE)
         return JSONResponse(server.completion(job), headers=headers)
 
-    @app.get("/")
+    @app.api_route("/", methods=["GET", "HEAD"])
     async def viewer():  # the page holds no data and asks for the key itself, so it needs none
-        return FileResponse(refinement.PAGE, media_type="text/html")
+        return FileResponse(refinement.PAGE, media_type="text/html", headers={"Content-Security-Policy": PAGE_POLICY})
 
     @app.post("/v1/refinement", dependencies=keyed)
     async def refine(request: Request):  # what each supervision step did: see nanochat/refinement.py
         body = await read_body(request)
         try:  # tokenizing off the event loop, as completions do
             req = await run_in_threadpool(refinement.parse_request, server.engine, body, server.max_tokens_limit,
-                                          AUTO_HALTING)
+                                          AUTO_HALTING, server.hops_corpus)
         except refinement.RequestError as e:
             raise APIError(400, str(e), e.param) from None
         await server.acquire()
@@ -1143,7 +1163,7 @@ def build_server(args):
     dtype = default_dtype(args.device_type)  # bf16 matmuls and KV cache on GPU
     engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, dtype))
     server = Server(engine, info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout,
-                    args.max_batch)
+                    args.max_batch, refinement.trained_hops_corpus(meta))
     app = create_app(server, args.api_key, args.host, args.allowed_hosts, args.allowed_origins)
     http = guarded_http(args.read_timeout, args.max_connections, args.write_timeout, server.metrics.refused)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off", http=http)

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from nanochat import refinement
 from nanochat.engine import Engine
 from nanochat.halting import Halting, forward_halting
-from nanochat.synthetic import HopsSpec, hops_answers, hops_document
+from nanochat.dataset import SYNTHETIC, synthetic_flags, write_source
+from nanochat.synthetic import HopsSpec, hops_answers, hops_document, pairs_document
 from scripts import base_sample, serve
 from tests.support.server import serving
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -175,6 +176,40 @@ def test_hops_draws_the_document_of_a_seed(trained, server, monkeypatch):
     assert got["text"] == drawn and len(got["queries"]) == 2
 
 
+def test_the_corpus_a_checkpoint_was_trained_on_is_read_back_from_its_data_directory(tmp_path, monkeypatch):
+    spec = HopsSpec(n_symbols=7, max_hops=3, n_queries=24)
+    trained_on, current, text = tmp_path / "trained_on", tmp_path / "current", tmp_path / "text"
+    for directory in (trained_on, current, text):
+        directory.mkdir()
+    write_source(str(trained_on), f"{SYNTHETIC} {synthetic_flags('hops_pairs', 0, 60000, spec)}")
+    write_source(str(text), "builtin: Python 3.11 standard library")
+    want = refinement.HopsCorpus("hops_pairs", spec, f"{SYNTHETIC} {synthetic_flags('hops_pairs', 0, 60000, spec)}")
+    assert refinement.trained_hops_corpus({"data": {"dir": str(trained_on), "fingerprint": "f"}}) == want
+    assert want.draw(5) == pairs_document(random.Random(5), spec) and len(want.draw(5, n_queries=2)) == 7 + 3 + 7
+    # the recorded directory is gone; the current one (NANOCHAT_DATA_DIR) holds the same shards: read from it
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(current))
+    write_source(str(current), want.source)
+    monkeypatch.setattr("nanochat.dataset.corpus_identity", lambda directory=None: {"fingerprint": "f"})
+    assert refinement.trained_hops_corpus({"data": {"dir": str(tmp_path / "gone"), "fingerprint": "f"}}) == want
+    assert refinement.trained_hops_corpus({"data": {"dir": str(tmp_path / "gone"), "fingerprint": "g"}}) is None
+    assert refinement.trained_hops_corpus({"data": {"dir": str(text), "fingerprint": "g"}}) is None  # not hops
+    assert refinement.trained_hops_corpus({}) is None  # a checkpoint from before data was recorded
+    assert refinement.hops_corpus_of("synthetic: --synthetic=other --hops_symbols=3") is None
+
+
+def test_every_mode_runs_up_to_four_times_the_trained_steps(trained, client):
+    _, model, _ = trained
+    most = 4 * model.config.n_sup_train
+    assert client.get("/health").json()["n_sup_max"] == most
+    scored = refine(client, mode="score", text="the cat sat", n_sup=most)
+    ids = trained[2].encode("the cat sat", prepend="<|bos|>")
+    with torch.no_grad():
+        losses = model(torch.tensor([ids[:-1]]), torch.tensor([ids[1:]]), n_sup=most, loss_reduction="none")
+    assert torch.allclose(torch.tensor(scored["losses"]), losses[:, 0], atol=ATOL) and len(scored["losses"]) == most
+    got = refine(client, prompt="the", max_tokens=3, temperature=0, n_sup=most, drafts=True)
+    assert len(got["drafts"]) == most and all(len(t["steps"]) == most for t in got["tokens"])
+
+
 @pytest.mark.parametrize("body, param, message", [
     ([1], None, "the body must be a JSON object"),
     ({"mode": "chat", "prompt": "x"}, "mode", "mode: one of generate, score, hops"),
@@ -182,7 +217,8 @@ def test_hops_draws_the_document_of_a_seed(trained, server, monkeypatch):
     ({"prompt": 5}, "prompt", "prompt: must be str, got 5"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens: must be int, got true"),
     ({"prompt": ""}, "prompt", "prompt: a non-empty string is required"),
-    ({"prompt": "x", "n_sup": 9}, "n_sup", "n_sup=9: must be from 1 to 3"),
+    ({"prompt": "x", "n_sup": 13}, "n_sup", "n_sup=13: must be from 1 to 12 (4x the 3 supervision steps the model"),
+    ({"mode": "score", "text": "the cat", "n_sup": 0}, "n_sup", "n_sup=0: must be from 1 to 12"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0: must be from 1 to 32"),
     ({"prompt": "x", "temperature": 3}, "temperature", "temperature=3: must be from 0 to 2"),
     ({"prompt": "x", "halt": "kl"}, "halt", "halt: halting rule 'kl': write RULE:THRESHOLD"),
@@ -196,6 +232,8 @@ def test_hops_draws_the_document_of_a_seed(trained, server, monkeypatch):
     ({"mode": "hops", "text": "=a b1=a"}, "text", "the '=' at character 1 ('=a') must follow a hop count digit"),
     ({"mode": "hops", "text": "a>b ; a\u00b2=b"}, "text", "must follow a hop count digit 0-9"),  # '²'.isdigit()
     ({"mode": "hops", "seed": 1, "n_queries": -1}, "n_queries", "n_queries: n_queries=-1: must be >= 1"),
+    ({"mode": "hops", "seed": 1, "n_queries": 0}, "n_queries", "n_queries: n_queries=0: must be >= 1"),  # not 24
+    ({"mode": "hops", "seed": -1}, "seed", "seed=-1: must be from 0 to 2**63-1"),
     ({"mode": "hops", "seed": 1, "n_queries": 10 ** 9}, "n_queries", "n_queries=1000000000: at most 32"),
     ('{"prompt": "x", "temperature": NaN}', "temperature", "temperature=nan: must be from 0 to 2"),  # Python's JSON
 ])
@@ -315,8 +353,9 @@ def test_a_client_that_leaves_before_the_answer_frees_the_slot_at_once(trained, 
             assert time.monotonic() - start < 2, "the slot was not freed when the client left"
             time.sleep(0.02)
         assert len(made) < 32
-        assert httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 1}, timeout=30).status_code == 200
+        served = httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 1}, timeout=30)
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert served.status_code == 200
     assert 'nanochat_requests_total{route="/v1/refinement",status="499"} 1.0' in metrics
 
 

@@ -431,9 +431,9 @@ BAD_REQUESTS = [
     (dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported by this server"),
     (dict(stream_options={"include_usage": True}), "stream_options needs stream: true"),
     (dict(extra_body={"temprature": 0.5}), "temprature: Extra inputs are not permitted"),
-    (dict(extra_body={"n_sup": 99}), "n_sup=99: must be from 1 to 3"),
-    (dict(extra_body={"n_sup": 0}), "n_sup=0: must be from 1 to 3"),
-    (dict(extra_body={"n_sup": "kl"}), "n_sup='kl': an integer from 1 to 3, \"auto\", or halting rule 'kl': write "
+    (dict(extra_body={"n_sup": 99}), "n_sup=99: must be from 1 to 12 (4x the 3 supervision steps the model was"),
+    (dict(extra_body={"n_sup": 0}), "n_sup=0: must be from 1 to 12"),
+    (dict(extra_body={"n_sup": "kl"}), "n_sup='kl': an integer from 1 to 12, \"auto\", or halting rule 'kl': write "
                                        "RULE:THRESHOLD"),
     (dict(extra_body={"n_sup": "fast:1"}), "halting rule 'fast:1': write RULE:THRESHOLD with RULE one of kl, rms"),
     (dict(extra_body={"n_sup": "head:0.5"}), "this model has no halting head"),
@@ -559,7 +559,35 @@ def test_a_server_on_every_interface_answers_to_addresses_and_its_own_names():
 def test_health(url, trained):
     health = httpx.get(f"{url}/health").json()
     assert health["status"] == "ok" and health["model_tag"] == MODEL_TAG and health["step"] == 40
-    assert health["n_sup_max"] == trained[1].config.n_sup_inference and health["max_concurrency"] == 2
+    config = trained[1].config
+    assert (health["n_sup_max"], health["n_sup_inference"], health["n_sup_train"]) == (
+        4 * config.n_sup_train, config.n_sup_inference, config.n_sup_train) and health["max_concurrency"] == 2
+    assert health["hops_corpus"] == {"family": "hops", "n_symbols": 16, "max_hops": 4, "n_queries": 24,
+                                     "source": None}  # the tiny checkpoint records no corpus
+
+
+def test_completions_run_up_to_four_times_the_trained_steps(client, trained):
+    most = 4 * trained[1].config.n_sup_train
+    r = client.completions.create(model=MODEL_TAG, prompt="the cat sat", max_tokens=6, temperature=0,
+                                  extra_body={"n_sup": most})
+    _, model, tokenizer = trained
+    engine = Engine(model, tokenizer)
+    engine.most_steps = most
+    assert r.choices[0].text == engine.complete(["the cat sat"], max_tokens=6, temperature=0.0, n_sup=most)[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_TAG, prompt="the", max_tokens=1, extra_body={"n_sup": most + 1})
+    assert f"n_sup={most + 1}: must be from 1 to {most}" in e.value.body["message"]
+
+
+def test_the_page_is_sent_with_a_content_security_policy_and_answers_head(url):
+    page, head = httpx.get(f"{url}/"), httpx.head(f"{url}/")
+    assert page.status_code == head.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == page.headers["content-length"]
+    for r in (page, head):
+        policy = r.headers["content-security-policy"]
+        assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy and "script-src 'sha256-" in policy
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
+    assert httpx.get(f"{url}/health").headers["x-content-type-options"] == "nosniff"
 
 
 # ---------------------------------------------------------------- slots, in-process servers with controlled engines
