@@ -105,8 +105,10 @@ def trained_hops_corpus(meta):
     """The hops corpus a checkpoint was trained on, as base_loss --hops finds it: the manifest of the data directory
     its meta records, else of the current one (NANOCHAT_DATA_DIR) when its fingerprint is the meta's; None when
     neither is a hops corpus (a model of text, a checkpoint without data, a corpus since deleted)."""
-    from nanochat.dataset import DatasetError, corpus_identity, data_dir, read_source
     data = meta.get("data") or {}
+    if not data:
+        return None
+    from nanochat.dataset import DatasetError, corpus_identity, data_dir, read_source  # pyarrow: ~30 MB, when needed
     candidates = [data.get("dir")]
     try:
         current = data_dir(create=False)

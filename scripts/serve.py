@@ -6,7 +6,9 @@ python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrenc
 NANOCHAT_API_KEY=<secret> python -m scripts.serve --host 0.0.0.0 ...   # other machines: with a key
 
 With a key (--api_key or NANOCHAT_API_KEY) every route but /health needs the header Authorization: Bearer <key>, as
-at OpenAI and vLLM; without one, listening beyond loopback (--host 0.0.0.0) is refused unless --allow_no_auth.
+at OpenAI and vLLM; without one, listening beyond loopback (--host 0.0.0.0) is refused unless --allow_no_auth. Key
+or not, other sites' pages can neither use nor read it (Gate): bodies are JSON only, a Host that does not name the
+server and an Origin other than its own are refused (--allowed_hosts, --allowed_origins widen this).
 
 POST /v1/completions  OpenAI's completions request: model (default: the served one), prompt (a string, a list of
                       strings, a list of token ids, or a list of token-id lists: a string gets <|bos|> first, token
@@ -14,7 +16,8 @@ POST /v1/completions  OpenAI's completions request: model (default: the served o
                       top_p, n, stop (a string or up to 4), seed, stream, stream_options.include_usage, user, echo
                       (the prompt's text and, with logprobs, its tokens before the completion's), logprobs (0..20:
                       each token's log-probability and the top ones, not with stream); extras: top_k, n_sup
-                      (supervision steps, 1..n_sup_inference, default all: the log-probabilities are that step's;
+                      (supervision steps, 1..4x n_sup_train, default n_sup_inference: the log-probabilities are that
+                      step's;
                       or per-token adaptive halting within all of them: "auto" (AUTO_HALTING) or a rule
                       "RULE:THRESHOLD" such as "kl:0.0005", each token's log-probabilities from the step it halted at).
                       best_of, suffix, logit_bias, frequency_penalty and presence_penalty are accepted at their
@@ -30,15 +33,18 @@ POST /v1/refinement   what each supervision step did, per token (generate, score
                       fields and answers are in nanochat/refinement.py and docs/serving.md
 GET  /                the refinement viewer, a page that renders /v1/refinement (no key needed: it holds no data)
 GET  /v1/models       the served model, named by its model tag
-GET  /health          status, step, limits and generations running (no key needed: for load balancers)
-GET  /metrics         Prometheus text format: requests by status, prompt and completion tokens, histograms of latency,
-                      time to first token, time per output token, supervision steps per token and requests per
-                      batch; queue depth, running
+GET  /health          status, step, limits, generations running and the hops corpus the page draws from (no key
+                      needed: for load balancers)
+GET  /metrics         Prometheus text format: requests by route and status (every answer), failed generations, write
+                      timeouts, prompt and completion tokens, histograms of latency, time to first token, time per
+                      output token, supervision steps per token and requests per batch; queue depth, running
 
-Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request, 401 a
-missing or wrong API key (code "invalid_api_key"), 404 an unknown model or path, 413 a body over 1 MiB, 503 every
-generation slot busy for --queue_timeout seconds. A client that goes away stops its generation at the next token,
-and its slot is free again.
+Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request or a
+Host that does not name the server (code "invalid_host"), 401 a missing or wrong API key (code "invalid_api_key"), 403
+a web page of another origin (code "forbidden_origin"), 404 an unknown model or path, 413 a body over 1 MiB, 415 a body
+that is not Content-Type: application/json, 503 every generation slot busy for --queue_timeout seconds. A client that
+goes away stops its generation at the next token, and its slot is free again (/metrics counts its request as 499);
+one that sends too slowly gets a 408 (--read_timeout), one that leaves its answer unread is dropped (--write_timeout).
 """
 
 import nanochat.cuda_allocator  # noqa: F401, I001 - first, before torch: see the module
@@ -857,6 +863,14 @@ def host_name(value):
     return name.rstrip(".") or None, None if port is None else int(port)
 
 
+def plain_name(name):
+    """A name or address as Host headers give it once parsed: an IPv6 address may come without brackets here."""
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        return host_name(name)[0]
+
+
 def addresses(host):
     """The IP addresses host names (an address names itself); empty when it does not resolve."""
     try:
@@ -874,7 +888,7 @@ class HostCheck:
     def __init__(self, bound, allowed=()):
         self.bound, self.any = bound, "*" in allowed
         self.suffixes = tuple(name[1:].lower() for name in allowed if name.startswith("*."))  # .example
-        self.names = {host_name(name)[0] for name in [bound, *allowed] if not name.startswith("*")}
+        self.names = {plain_name(name) for name in [bound, *allowed] if not name.startswith("*")}
         bound_addresses = addresses(bound)
         self.names |= {str(a) for a in bound_addresses}
         self.loopback = bool(bound_addresses) and all(a.is_loopback for a in bound_addresses)
@@ -891,7 +905,8 @@ class HostCheck:
             address = ipaddress.ip_address(name)
         except ValueError:
             return False
-        return self.everywhere or self.loopback and address.is_loopback  # an address is no name to rebind
+        # an address is no name to rebind: any of the machine's, when it listens on all of them
+        return str(address) in self.names or self.everywhere or self.loopback and address.is_loopback
 
 
 def same_origin(origin, host, allowed):

@@ -554,6 +554,7 @@ def test_a_server_on_every_interface_answers_to_addresses_and_its_own_names():
     assert one.allows("192.0.2.7") and not one.allows("127.0.0.1") and not one.allows("localhost")
     assert one.allows("a.lan.example") and not one.allows("lan.example") and not one.allows("evil-lan.example")
     assert serve.HostCheck("192.0.2.7", ["*"]).allows("any.example")
+    assert serve.HostCheck("::1").allows("::1") and serve.HostCheck("192.0.2.7", ["2001:db8::1"]).allows("2001:db8::1")
 
 
 def test_health(url, trained):
