@@ -61,11 +61,18 @@ import os
 import queue
 import re
 import socket
+import struct
 import sys
 import threading
 import time
 import urllib.parse
 import uuid
+
+try:  # for unread_bytes: Linux's SIOCOUTQ
+    import fcntl
+    import termios
+except ImportError:
+    fcntl = termios = None
 
 import torch
 import torch.nn.functional as F
@@ -759,7 +766,8 @@ class GuardedHTTP(H11Protocol):
 
     def connection_made(self, transport):
         super().connection_made(transport)
-        self.deadline = self.write_deadline = None
+        self.deadline = self.write_deadline = self.unread_watch = None
+        self.dropped = False
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # asyncio sets it only on sockets made with proto IPPROTO_TCP, and socket.create_server's are proto 0:
@@ -784,7 +792,31 @@ class GuardedHTTP(H11Protocol):
     def connection_lost(self, exc):
         self.disarm()
         self.stop_write_deadline()
+        if self.unread_watch is not None:
+            self.unread_watch.cancel()
         super().connection_lost(exc)
+
+    def on_response_complete(self):
+        super().on_response_complete()
+        if self.unread_watch is None and not self.transport.is_closing() and unread_bytes(self.transport):
+            # answers the kernel still holds: a client that sends small requests slowly and never reads would take
+            # hours to fill the buffers (the write deadline's trigger), so watch that it reads at all
+            self.unread, self.read_at = unread_bytes(self.transport), self.loop.time()
+            self.unread_watch = self.loop.call_later(self.write_timeout / 4, self.check_unread)
+
+    def check_unread(self):
+        """Drop the client if the bytes waiting for it have not gone down for write_timeout; stop watching once
+        none wait."""
+        self.unread_watch, unread, now = None, unread_bytes(self.transport), self.loop.time()
+        if not unread or self.dropped:
+            return
+        if unread < self.unread:  # it read some
+            self.read_at = now
+        self.unread = unread
+        if now - self.read_at >= self.write_timeout:
+            self.write_timed_out()
+        else:
+            self.unread_watch = self.loop.call_later(self.write_timeout / 4, self.check_unread)
 
     def pause_writing(self):
         super().pause_writing()
@@ -802,7 +834,9 @@ class GuardedHTTP(H11Protocol):
 
     def write_timed_out(self):
         self.write_deadline = None
-        self.refused(0)  # no status: nothing more can reach the client
+        if not self.dropped:  # the unread-bytes watch and the write deadline may both fire before the loss is seen
+            self.dropped = True
+            self.refused(0)  # no status: nothing more can reach the client
         self.transport.abort()  # close() would wait for the unread bytes to be sent: forever
 
     def send_400_response(self, msg):  # a request h11 cannot parse
@@ -834,6 +868,18 @@ class GuardedHTTP(H11Protocol):
             self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: "
                                  f"{len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
             self.transport.close()
+
+
+def unread_bytes(transport):
+    """Bytes the kernel holds for the client, not sent yet or not acknowledged (Linux's SIOCOUTQ); 0 where it cannot
+    say (another system, a socket gone)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or termios is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except (OSError, ValueError):
+        return 0
 
 
 def guarded_http(read_timeout=READ_TIMEOUT_S, max_connections=MAX_CONNECTIONS, write_timeout=WRITE_TIMEOUT_S,
@@ -1130,8 +1176,9 @@ def parse_args(argv=None):
                         help="seconds a request's headers and body may take to arrive; then 408 and the connection "
                              "closes (a slow client no longer holds one forever)")
     parser.add_argument("--write_timeout", type=number_arg(float), default=WRITE_TIMEOUT_S,
-                        help="seconds a client may leave the answer unread while the server waits to write more; "
-                             "then the connection is dropped (a client that never reads no longer holds one forever)")
+                        help="seconds a client may leave its answers unread once its receive window is full (the "
+                             "server's bytes for it stop going down); then the connection is dropped (a client that "
+                             "never reads no longer holds one forever)")
     parser.add_argument("--max_connections", type=number_arg(int), default=MAX_CONNECTIONS,
                         help="open connections at most; one more is answered 503 and closed")
     parser.add_argument("--device_type", default=None, help="cuda|cpu|mps (default: autodetect)")

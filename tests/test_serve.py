@@ -1000,6 +1000,20 @@ def test_a_client_that_never_reads_is_dropped_after_the_write_timeout(trained):
         for sock in readers:
             sock.close()
         assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
+        # one that asks for /health every 50 ms and never reads would take hours to fill the server's send buffer:
+        # it is dropped once the answers its full receive window leaves in the server's kernel have not gone down
+        # for the write timeout
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as slow:
+            slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            slow.connect(("127.0.0.1", port))
+            start = time.monotonic()
+            with pytest.raises(OSError):  # the server reset the connection
+                while time.monotonic() - start < 10:
+                    slow.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+                    time.sleep(0.05)
+            assert time.monotonic() - start < 3.0 + 3.0  # the write timeout, and a quarter of it between checks
+        metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
+    assert "\nnanochat_write_timeouts_total 3.0\n" in metrics  # each dropped client counted once
 
 
 def test_answers_on_a_reused_connection_do_not_wait_for_a_delayed_ack(url):
