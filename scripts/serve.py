@@ -6,7 +6,9 @@ python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrenc
 NANOCHAT_API_KEY=<secret> python -m scripts.serve --host 0.0.0.0 ...   # other machines: with a key
 
 With a key (--api_key or NANOCHAT_API_KEY) every route but /health needs the header Authorization: Bearer <key>, as
-at OpenAI and vLLM; without one, listening beyond loopback (--host 0.0.0.0) is refused unless --allow_no_auth.
+at OpenAI and vLLM; without one, listening beyond loopback (--host 0.0.0.0) is refused unless --allow_no_auth. Key
+or not, other sites' pages can neither use nor read it (Gate): bodies are JSON only, a Host that does not name the
+server and an Origin other than its own are refused (--allowed_hosts, --allowed_origins widen this).
 
 POST /v1/completions  OpenAI's completions request: model (default: the served one), prompt (a string, a list of
                       strings, a list of token ids, or a list of token-id lists: a string gets <|bos|> first, token
@@ -14,7 +16,8 @@ POST /v1/completions  OpenAI's completions request: model (default: the served o
                       top_p, n, stop (a string or up to 4), seed, stream, stream_options.include_usage, user, echo
                       (the prompt's text and, with logprobs, its tokens before the completion's), logprobs (0..20:
                       each token's log-probability and the top ones, not with stream); extras: top_k, n_sup
-                      (supervision steps, 1..n_sup_inference, default all: the log-probabilities are that step's;
+                      (supervision steps, 1..4x n_sup_train, default n_sup_inference: the log-probabilities are that
+                      step's;
                       or per-token adaptive halting within all of them: "auto" (AUTO_HALTING) or a rule
                       "RULE:THRESHOLD" such as "kl:0.0005", each token's log-probabilities from the step it halted at).
                       best_of, suffix, logit_bias, frequency_penalty and presence_penalty are accepted at their
@@ -30,32 +33,46 @@ POST /v1/refinement   what each supervision step did, per token (generate, score
                       fields and answers are in nanochat/serve/refinement.py and docs/serving.md
 GET  /                the refinement viewer, a page that renders /v1/refinement (no key needed: it holds no data)
 GET  /v1/models       the served model, named by its model tag
-GET  /health          status, step, limits and generations running (no key needed: for load balancers)
-GET  /metrics         Prometheus text format: requests by status, prompt and completion tokens, histograms of latency,
-                      time to first token, time per output token, supervision steps per token and requests per
-                      batch; queue depth, running
+GET  /health          status, step, limits, generations running and the hops corpus the page draws from (no key
+                      needed: for load balancers)
+GET  /metrics         Prometheus text format: requests by route and status (every answer), failed generations, write
+                      timeouts, prompt and completion tokens, histograms of latency, time to first token, time per
+                      output token, supervision steps per token and requests per batch; queue depth, running
 
-Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request, 401 a
-missing or wrong API key (code "invalid_api_key"), 404 an unknown model or path, 413 a body over 1 MiB, 503 every
-generation slot busy for --queue_timeout seconds. A client that goes away stops its generation at the next token,
-and its slot is free again.
+Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request or a
+Host that does not name the server (code "invalid_host"), 401 a missing or wrong API key (code "invalid_api_key"), 403
+a web page of another origin (code "forbidden_origin"), 404 an unknown model or path, 413 a body over 1 MiB, 415 a body
+that is not Content-Type: application/json, 503 every generation slot busy for --queue_timeout seconds. A client that
+goes away stops its generation at the next token, and its slot is free again (/metrics counts its request as 499);
+one that sends too slowly gets a 408 (--read_timeout), one that leaves its answer unread is dropped (--write_timeout).
 """
 
-import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
-
-# isort: split
+import argparse
 import asyncio
+import base64
+import hashlib
 import hmac
 import ipaddress
 import json
 import math
 import os
 import queue
+import re
 import socket
+import struct
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
+
+import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
+
+try:  # for unread_bytes: Linux's SIOCOUTQ
+    import fcntl
+    import termios
+except ImportError:
+    fcntl = termios = None
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +88,7 @@ try:
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
+    from starlette.routing import Match
     from uvicorn.protocols.http.h11_impl import H11Protocol
 except ModuleNotFoundError as e:
     sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
@@ -85,7 +103,9 @@ from nanochat.serve import refinement
 
 MAX_BODY_BYTES = 1 << 20
 READ_TIMEOUT_S, MAX_CONNECTIONS = 30.0, 256  # the flags' defaults: nginx reads headers and body in 60 s each
+WRITE_TIMEOUT_S = 30.0  # --write_timeout's default: as nginx's send_timeout, from the client's last read
 MAX_STOPS = 4  # as at OpenAI
+CLIENT_GONE = 499  # nginx's status for a client that closed the connection before its answer (in /metrics)
 MAX_LOGPROBS = 20  # as vLLM's default; OpenAI's is 5
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists, none of them empty"
 # OpenAI's fields this server does not implement, and the values at which they change nothing
@@ -161,6 +181,11 @@ def key_checker(api_key):
 
 async def read_body(request):
     """The JSON object of a request, or a 4xx saying what is wrong with it."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":  # a form or text/plain POST is one a page of any other site may send
+        got = f"its Content-Type is {json.dumps(media_type)}" if media_type else "it has no Content-Type"
+        raise APIError(415, f"the body must be JSON sent with the header Content-Type: application/json, and {got} "
+                            f"(curl: -H 'Content-Type: application/json')")
     body = b""
     try:
         async for chunk in request.stream():
@@ -349,11 +374,11 @@ class Job:
                 "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def cancel_when_gone(request, job):
-    """uvicorn answers receive() with http.disconnect once the client has closed the connection."""
+async def when_gone(request, then):
+    """Call then() once the client has closed the connection (uvicorn answers receive() with http.disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancelled.set()
+    then()
 
 
 class Batcher:
@@ -449,8 +474,13 @@ class Metrics:
     def __init__(self, server):
         self.registry = registry = CollectorRegistry()
         latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-        self.requests = Counter("nanochat_requests", "Completion requests answered, by HTTP status", ["status"],
-                                registry=registry)
+        self.requests = Counter("nanochat_requests", "HTTP requests answered, by route and status (route \"other\": "
+                                "an unknown path; \"(connection)\": answered by the connection's limits, 408 or 503; "
+                                "499: the client left before its answer)", ["route", "status"], registry=registry)
+        self.failed = Counter("nanochat_failed_generations", "Generations that failed (a 500, or an error event in a "
+                              "stream already answered 200), by route", ["route"], registry=registry)
+        self.write_timeouts = Counter("nanochat_write_timeouts", "Connections dropped because the client left an "
+                                      "answer unread for --write_timeout seconds", registry=registry)
         self.prompt_tokens = Counter("nanochat_prompt_tokens", "Prompt tokens of completion requests served",
                                      registry=registry)
         self.completion_tokens = Counter("nanochat_completion_tokens", "Tokens generated", registry=registry)
@@ -462,7 +492,7 @@ class Metrics:
                                    "the first", buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
                                    registry=registry)
         self.steps = Histogram("nanochat_steps_per_token", "Supervision steps each generated token ran (fewer than "
-                               "n_sup under halting)", buckets=range(1, server.config.n_sup_inference + 1),
+                               "n_sup under halting)", buckets=range(1, server.most_steps + 1),
                                registry=registry)
         self.batch_requests = Histogram("nanochat_batch_requests", "Requests generating together in the batch, as "
                                         "each request joins it",
@@ -471,10 +501,17 @@ class Metrics:
               registry=registry).set_function(lambda: server.waiting)
         Gauge("nanochat_running", "Generations running", registry=registry).set_function(lambda: server.running)
 
+    def refused(self, status):
+        """An answer the connection gave itself (GuardedHTTP): 408, 503, 400; 0: dropped by the write deadline."""
+        if status:
+            self.requests.labels(route="(connection)", status=str(status)).inc()
+        else:
+            self.write_timeouts.inc()
+
     def finished(self, job, n_sup):
         """Record a generation that ended; n_sup: the steps each token ran when no halting rule was on."""
-        failed = not job.worker.cancelled() and job.worker.exception() is not None
-        self.requests.labels(status="500" if failed else "200").inc()
+        if not job.worker.cancelled() and job.worker.exception() is not None:
+            self.failed.labels(route="/v1/completions").inc()
         tokens = sum(len(choice.tokens) for choice in job.choices)
         self.prompt_tokens.inc(sum(len(ids) for ids in job.prompts))
         self.completion_tokens.inc(tokens)
@@ -492,10 +529,13 @@ class Metrics:
 class Server:
     """The engine behind the endpoints: validates requests against the model and bounds concurrent generations."""
 
-    def __init__(self, engine, info, max_concurrency=1, max_tokens_limit=None, queue_timeout=30.0, max_batch=8):
+    def __init__(self, engine, info, max_concurrency=1, max_tokens_limit=None, queue_timeout=30.0, max_batch=8,
+                 hops_corpus=None):
         self.engine, self.info = engine, info
         self.model_id, self.created = info["model_tag"], int(time.time())
         self.config = engine.model.config
+        self.most_steps = engine.most_steps = refinement.most_steps(self.config)  # past the trained steps, as base_loss
+        self.hops_corpus = hops_corpus or refinement.HopsCorpus()  # the model's own (trained_hops_corpus), or default
         self.max_concurrency, self.max_batch = max_concurrency, max_batch
         self.max_tokens_limit = max_tokens_limit or self.config.sequence_len
         self.vocab_size = min(self.config.vocab_size, engine.tokenizer.get_vocab_size())  # ids both can read
@@ -512,9 +552,10 @@ class Server:
 
     def health(self):
         return {"status": "ok", **self.info, "sequence_len": self.config.sequence_len,
-                "n_sup_max": self.config.n_sup_inference, "max_tokens_limit": self.max_tokens_limit,
+                "n_sup_max": self.most_steps, "n_sup_inference": self.config.n_sup_inference,
+                "n_sup_train": self.config.n_sup_train, "max_tokens_limit": self.max_tokens_limit,
                 "max_batch": self.max_batch, "running": self.running, "max_concurrency": self.max_concurrency,
-                "prompts_without_bos": self.without_bos}
+                "prompts_without_bos": self.without_bos, "hops_corpus": self.hops_corpus.describe()}
 
     def bos_warning(self, req, prompts):
         """A warning (also logged, the first time and every BOS_LOG_EVERY-th) when a token-id prompt does not start
@@ -551,7 +592,11 @@ class Server:
         req.stop = [req.stop] if isinstance(req.stop, str) else req.stop
         if len(req.stop) > MAX_STOPS or "" in req.stop:
             raise APIError(400, f"stop: up to {MAX_STOPS} non-empty strings", "stop")
-        ids = [self.engine.encode_prompt(p) if isinstance(p, str) else p for p in split_prompt(req.prompt)]
+        texts = split_prompt(req.prompt)
+        if len(texts) * req.n > self.max_batch:  # counted before tokenizing: 200,000 prompts took a second
+            raise APIError(400, f"{len(texts)} prompt(s) x n={req.n} completions exceeds this server's limit of "
+                                f"{self.max_batch} (--max_batch)", "n")
+        ids = [self.engine.encode_prompt(p) if isinstance(p, str) else p for p in texts]
         bad = next((t for p in ids for t in p if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} is not in the model's vocabulary (0 to "
@@ -560,9 +605,6 @@ class Server:
         if longest > self.config.sequence_len:
             raise APIError(400, f"prompt is {longest} tokens (a string's count includes <|bos|>); the model's context "
                                 f"is {self.config.sequence_len} tokens", "prompt")
-        if len(ids) * req.n > self.max_batch:
-            raise APIError(400, f"{len(ids)} prompt(s) x n={req.n} completions exceeds this server's limit of "
-                                f"{self.max_batch} (--max_batch)", "n")
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens=0 generates nothing; send echo: true with it to score the prompt, or "
                                 "max_tokens >= 1", "max_tokens")
@@ -575,11 +617,12 @@ class Server:
 
     def depth(self, n_sup):
         """A request's n_sup -> (steps or None for all, halting.Halting or None), or an APIError saying what is wrong."""
-        most = self.config.n_sup_inference
+        most = self.most_steps
         if n_sup is None or isinstance(n_sup, int) and 1 <= n_sup <= most:
             return n_sup, None
         if isinstance(n_sup, int):
-            raise APIError(400, f"n_sup={n_sup}: must be from 1 to {most}", "n_sup")
+            raise APIError(400, f"n_sup={n_sup}: must be from 1 to {most} ({refinement.STEPS_PAST_TRAINING}x the "
+                                f"{self.config.n_sup_train} supervision steps the model was trained with)", "n_sup")
         try:
             return None, self.engine.check_halt(AUTO_HALTING if n_sup == "auto" else n_sup)
         except ValueError as e:
@@ -682,33 +725,58 @@ class Server:
                    for i, (prompt, c, logprobs) in enumerate(zip(job.rows, job.choices, job.logprobs))]
         return self.chunk(job, choices, job.usage())
 
+    @staticmethod
+    def piece(index, text, finish_reason):
+        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+
+    def last_events(self, job):
+        """What ends a stream: an error event if the generation failed, else the usage (if asked for) and [DONE]."""
+        if job.worker.exception() is not None:  # counted by Metrics.finished
+            error = {"message": f"generation failed: {job.worker.exception()}", "type": "server_error"}
+            return f"data: {json.dumps({'error': error})}\n\n"
+        usage = f"data: {json.dumps(self.chunk(job, [], job.usage()))}\n\n" if job.include_usage else ""
+        return usage + "data: [DONE]\n\n"
+
     async def events(self, job):
         """Server-sent events as the text comes; a generation that fails mid-stream ends with an error event."""
         try:
-            while (item := await job.queue.get()) is not None:
-                index, piece, finish_reason = item
-                choice = {"text": piece, "index": index, "logprobs": None, "finish_reason": finish_reason}
-                yield f"data: {json.dumps(self.chunk(job, [choice]))}\n\n"
-            if job.worker.exception() is not None:
-                error = {"message": f"generation failed: {job.worker.exception()}", "type": "server_error"}
-                yield f"data: {json.dumps({'error': error})}\n\n"
-                return
-            if job.include_usage:
-                yield f"data: {json.dumps(self.chunk(job, [], job.usage()))}\n\n"
-            yield "data: [DONE]\n\n"
+            ended = False
+            while not ended:
+                # every event ready goes in one write: the await between writes lets a closed connection be noticed
+                # before the next (asyncio logs "socket.send() raised exception." from the fifth write after)
+                items = [await job.queue.get()]
+                while not job.queue.empty():
+                    items.append(job.queue.get_nowait())
+                ended = None in items
+                pieces = items[:items.index(None)] if ended else items
+                events = [f"data: {json.dumps(self.chunk(job, [self.piece(*item)]))}\n\n" for item in pieces]
+                if ended:
+                    events.append(self.last_events(job))
+                yield "".join(events)
         finally:
             job.cancelled.set()  # the client left mid-stream: stop generating
 
 
 class GuardedHTTP(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a read deadline per request and a cap on open connections: uvicorn has
-    neither (its keep-alive timeout starts after a response, and --limit-concurrency answers only once a request's
-    headers arrive), so a client sending slowly, or never, held a connection forever. Subclassed by guarded_http."""
-    read_timeout, max_connections = READ_TIMEOUT_S, MAX_CONNECTIONS
+    """uvicorn's HTTP/1.1 protocol with a read deadline per request, a write deadline, a cap on open connections and
+    no Nagle delay: uvicorn has none of them (its keep-alive timeout starts after a response, --limit-concurrency
+    answers only once a request's headers arrive, and a client that stops reading is waited for forever), so a client
+    sending slowly, or never reading, held a connection forever. Subclassed by guarded_http."""
+    read_timeout, write_timeout, max_connections = READ_TIMEOUT_S, WRITE_TIMEOUT_S, MAX_CONNECTIONS
+    refused = staticmethod(lambda status: None)  # told the status of every answer given here, not by the app
 
     def connection_made(self, transport):
         super().connection_made(transport)
-        self.deadline = None
+        self.deadline = self.write_deadline = self.unread_watch = None
+        self.dropped = False
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # asyncio sets it only on sockets made with proto IPPROTO_TCP, and socket.create_server's are proto 0:
+            # without it a response's second write waits ~40 ms for the client's delayed ACK (Nagle's algorithm)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # pause as soon as anything waits in user space (the kernel's buffers are full: the client is not reading),
+        # so that the write deadline runs from then, and a response cannot complete with bytes still queued here
+        transport.set_write_buffer_limits(high=0)
         if len(self.connections) > self.max_connections:
             self.refuse(503, "Service Unavailable", f"server busy: {self.max_connections} connections open "
                                                     f"(--max_connections); retry later")
@@ -724,7 +792,57 @@ class GuardedHTTP(H11Protocol):
 
     def connection_lost(self, exc):
         self.disarm()
+        self.stop_write_deadline()
+        if self.unread_watch is not None:
+            self.unread_watch.cancel()
         super().connection_lost(exc)
+
+    def on_response_complete(self):
+        super().on_response_complete()
+        if self.unread_watch is None and not self.transport.is_closing() and unread_bytes(self.transport):
+            # answers the kernel still holds: a client that sends small requests slowly and never reads would take
+            # hours to fill the buffers (the write deadline's trigger), so watch that it reads at all
+            self.unread, self.read_at = unread_bytes(self.transport), self.loop.time()
+            self.unread_watch = self.loop.call_later(self.write_timeout / 4, self.check_unread)
+
+    def check_unread(self):
+        """Drop the client if the bytes waiting for it have not gone down for write_timeout; stop watching once
+        none wait."""
+        self.unread_watch, unread, now = None, unread_bytes(self.transport), self.loop.time()
+        if not unread or self.dropped:
+            return
+        if unread < self.unread:  # it read some
+            self.read_at = now
+        self.unread = unread
+        if now - self.read_at >= self.write_timeout:
+            self.write_timed_out()
+        else:
+            self.unread_watch = self.loop.call_later(self.write_timeout / 4, self.check_unread)
+
+    def pause_writing(self):
+        super().pause_writing()
+        if self.write_deadline is None:  # the client must read within write_timeout, or be dropped
+            self.write_deadline = self.loop.call_later(self.write_timeout, self.write_timed_out)
+
+    def resume_writing(self):
+        super().resume_writing()
+        self.stop_write_deadline()
+
+    def stop_write_deadline(self):
+        if self.write_deadline is not None:
+            self.write_deadline.cancel()
+            self.write_deadline = None
+
+    def write_timed_out(self):
+        self.write_deadline = None
+        if not self.dropped:  # the unread-bytes watch and the write deadline may both fire before the loss is seen
+            self.dropped = True
+            self.refused(0)  # no status: nothing more can reach the client
+        self.transport.abort()  # close() would wait for the unread bytes to be sent: forever
+
+    def send_400_response(self, msg):  # a request h11 cannot parse
+        self.refused(400)
+        super().send_400_response(msg)
 
     def arm(self):
         if self.deadline is None:
@@ -737,13 +855,14 @@ class GuardedHTTP(H11Protocol):
 
     def timed_out(self):
         self.deadline = None
-        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:  # none under way
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no answer to this request has begun
             self.refuse(408, "Request Timeout", f"the request did not arrive within {self.read_timeout:g} s "
                                                 f"(--read_timeout)")
-        elif not self.transport.is_closing():
+        elif not self.transport.is_closing():  # answered already (a 400 before its body ended), or answering
             self.transport.close()
 
     def refuse(self, status, reason, message):
+        self.refused(status)
         body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
                                      "server_error", "param": None, "code": None}}).encode()
         if not self.transport.is_closing():
@@ -752,21 +871,184 @@ class GuardedHTTP(H11Protocol):
             self.transport.close()
 
 
-def guarded_http(read_timeout=READ_TIMEOUT_S, max_connections=MAX_CONNECTIONS):
-    """The protocol class uvicorn.Config(http=...) takes, with these limits."""
-    return type("GuardedHTTP", (GuardedHTTP,), {"read_timeout": read_timeout, "max_connections": max_connections})
+def unread_bytes(transport):
+    """Bytes the kernel holds for the client, not sent yet or not acknowledged (Linux's SIOCOUTQ); 0 where it cannot
+    say (another system, a socket gone)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or termios is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except (OSError, ValueError):
+        return 0
 
 
-def create_app(server, api_key=None):
+def guarded_http(read_timeout=READ_TIMEOUT_S, max_connections=MAX_CONNECTIONS, write_timeout=WRITE_TIMEOUT_S,
+                 refused=None):
+    """The protocol class uvicorn.Config(http=...) takes, with these limits; refused(status) counts the answers the
+    protocol gives itself (408, 503, an unparsable request's 400; 0 for a client dropped by the write deadline)."""
+    limits = {"read_timeout": read_timeout, "max_connections": max_connections, "write_timeout": write_timeout}
+    if refused is not None:
+        limits["refused"] = staticmethod(refused)
+    return type("GuardedHTTP", (GuardedHTTP,), limits)
+
+
+def host_name(value):
+    """The name or address a Host header (or an Origin's authority) names, lower case, without port, brackets or a
+    trailing dot, and its port (None when not given); (None, None) when malformed."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name, closed, rest = value[1:].partition("]")
+        port = rest[1:] if closed and rest.startswith(":") else None
+        if not closed or rest and port is None:
+            return None, None
+    else:
+        name, colon, port = value.partition(":")
+        port = port if colon else None
+    if port is not None and not (port.isascii() and port.isdigit() and int(port) < 65536):
+        return None, None
+    return name.rstrip(".") or None, None if port is None else int(port)
+
+
+def plain_name(name):
+    """A name or address as Host headers give it once parsed: an IPv6 address may come without brackets here."""
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        return host_name(name)[0]
+
+
+def addresses(host):
+    """The IP addresses host names (an address names itself); empty when it does not resolve."""
+    try:
+        return {ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(host, None)}
+    except (socket.gaierror, UnicodeError):
+        return set()
+
+
+class HostCheck:
+    """Which Host headers name this server: its --host (and the addresses it resolves to), loopback names and
+    addresses when it listens on loopback, any address and this machine's names when it listens on all interfaces,
+    and --allowed_hosts ("*": any, "*.example": its subdomains). A page on attacker.example whose name was rebound to
+    127.0.0.1 sends Host: attacker.example, so it is refused (DNS rebinding)."""
+
+    def __init__(self, bound, allowed=()):
+        self.bound, self.any = bound, "*" in allowed
+        self.suffixes = tuple(name[1:].lower() for name in allowed if name.startswith("*."))  # .example
+        self.names = {plain_name(name) for name in [bound, *allowed] if not name.startswith("*")}
+        bound_addresses = addresses(bound)
+        self.names |= {str(a) for a in bound_addresses}
+        self.loopback = bool(bound_addresses) and all(a.is_loopback for a in bound_addresses)
+        self.everywhere = any(a.is_unspecified for a in bound_addresses)
+        if self.everywhere:
+            self.names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+
+    def allows(self, name):
+        if self.any or name in self.names or name.endswith(self.suffixes):
+            return True
+        if (self.loopback or self.everywhere) and (name == "localhost" or name.endswith(".localhost")):
+            return True  # RFC 6761: a browser resolves *.localhost to this machine, never to another
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        # an address is no name to rebind: any of the machine's, when it listens on all of them
+        return str(address) in self.names or self.everywhere or self.loopback and address.is_loopback
+
+
+def same_origin(origin, host, allowed):
+    """Whether a request's Origin header is the server's own (the Host it was sent to) or one of --allowed_origins."""
+    if "*" in allowed or origin.strip().lower().rstrip("/") in allowed:
+        return True
+    parts = urllib.parse.urlsplit(origin.strip())
+    default = {"http": 80, "https": 443}.get(parts.scheme.lower())
+    name, port = host_name(parts.netloc)
+    own_name, own_port = host_name(host)
+    return default is not None and name is not None and (name, port or default) == (own_name, own_port or default)
+
+
+SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff"), (b"x-frame-options", b"DENY")]
+
+
+def page_policy(path):
+    """The viewer's Content-Security-Policy: its own inline script and style (by hash) and requests to this server
+    only; nothing else runs or loads, whatever markup reached the page, and no other site may frame it."""
+    with open(path, encoding="utf-8") as f:
+        page = f.read()
+    digest = lambda tag: " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(m.encode()).digest()).decode()}'"
+                                  for m in re.findall(rf"<{tag}>(.*?)</{tag}>", page, re.DOTALL))
+    return (f"default-src 'none'; script-src {digest('script')}; style-src {digest('style')}; connect-src 'self'; "
+            f"img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+PAGE_POLICY = page_policy(refinement.PAGE)
+
+
+class Gate:
+    """ASGI middleware in front of every route: refuses a request whose Host header does not name this server (DNS
+    rebinding), or that a web page of another origin sent (browsers say whose in Origin); counts every answer by
+    route and status in /metrics; adds SECURITY_HEADERS. Inside Starlette's error middleware, which answers an
+    exception's 500 after it passed through here: it is counted on its way out."""
+
+    def __init__(self, app, metrics, hosts, origins):
+        self.app, self.metrics, self.hosts = app, metrics, hosts
+        self.origins = {origin.strip().lower().rstrip("/") for origin in origins}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route, started = self.route(scope), []
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                started.append(True)
+                self.metrics.requests.labels(route=route, status=str(message["status"])).inc()
+                message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+            await send(message)
+
+        refusal = self.refusal(dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]))
+        try:
+            await (refusal or self.app)(scope, receive, counted)
+        except Exception:
+            if not started:
+                self.metrics.requests.labels(route=route, status="500").inc()
+            raise
+
+    def route(self, scope):
+        """The route's path as the app declares it (/v1/models/{model}), or "other": a label per path that was sent
+        would let clients grow /metrics without bound."""
+        for route in getattr(scope.get("app"), "routes", ()):  # Starlette puts itself in the scope
+            if route.matches(scope)[0] != Match.NONE:
+                return route.path
+        return "other"
+
+    def refusal(self, headers):
+        """An error response for a request that must not be served here, or None."""
+        host = headers.get("host")
+        name = host_name(host)[0] if host is not None else None
+        if host is not None and not (name is not None and self.hosts.allows(name)):
+            return error_response(400, f"the Host header {json.dumps(host)} does not name this server "
+                                       f"(--host={self.hosts.bound}); send the address it listens on, or start it "
+                                       f"with --allowed_hosts={name or 'NAME'} to serve that name too",
+                                  code="invalid_host")
+        origin = headers.get("origin")
+        if origin is not None and not same_origin(origin, host or "", self.origins):
+            return error_response(403, f"a web page of another origin ({origin}) may not use this server: a page "
+                                       f"elsewhere must not make it generate or read its answers; start it with "
+                                       f"--allowed_origins={origin} to allow that page", code="forbidden_origin")
+        return None
+
+
+def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed_origins=()):
     """The FastAPI app; with api_key every route but /health needs it (FastAPI's own docs pages are off: they could
-    not send it, and the API is OpenAI's, documented above)."""
+    not send it, and the API is OpenAI's, documented above). host: the address it listens on, which the Host header
+    must name (HostCheck), or one of allowed_hosts; a browser's Origin must be the server's own or allowed_origins."""
     app = FastAPI(title="nanochat-TRM", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Gate, metrics=server.metrics, hosts=HostCheck(host, allowed_hosts), origins=allowed_origins)
     keyed = [Security(key_checker(api_key))] if api_key else []  # every route's but /health's dependencies
 
     @app.exception_handler(APIError)
     async def api_error(request, e):
-        if request.url.path == "/v1/completions":
-            server.metrics.requests.labels(status=str(e.status)).inc()
         return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(HTTPException)
@@ -796,7 +1078,7 @@ def create_app(server, api_key=None):
     async def completions(request: Request):
         arrived = time.perf_counter()
         req = parse_request(await read_body(request))
-        prompts = server.check(req)
+        prompts = await run_in_threadpool(server.check, req)  # tokenizing a 1 MiB prompt takes ~0.1 s: not on the loop
         warning = server.bos_warning(req, prompts)
         headers = {"X-Nanochat-Warning": warning} if warning else None
         await server.acquire()
@@ -806,56 +1088,111 @@ def create_app(server, api_key=None):
             server.release()
             raise
         job.arrived = arrived
-        watcher = asyncio.ensure_future(cancel_when_gone(request, job))
+        watcher = asyncio.ensure_future(when_gone(request, job.cancelled.set))
         job.worker.add_done_callback(lambda _: watcher.cancel())
         if req.stream:
             return StreamingResponse(server.events(job), media_type="text/event-stream", headers=headers)
         await asyncio.shield(job.worker)  # if this handler is cancelled, the slot stays taken until the thread ends
+        if job.cancelled.is_set():  # the client left: no one reads the answer, but /metrics says so
+            return Response(status_code=CLIENT_GONE)
         return JSONResponse(server.completion(job), headers=headers)
 
-    @app.get("/")
+    @app.api_route("/", methods=["GET", "HEAD"])
     async def viewer():  # the page holds no data and asks for the key itself, so it needs none
-        return FileResponse(refinement.PAGE, media_type="text/html")
+        return FileResponse(refinement.PAGE, media_type="text/html", headers={"Content-Security-Policy": PAGE_POLICY})
 
     @app.post("/v1/refinement", dependencies=keyed)
     async def refine(request: Request):  # what each supervision step did: see nanochat/serve/refinement.py
-        try:
-            req = refinement.parse_request(server.engine, await read_body(request), server.max_tokens_limit,
-                                           AUTO_HALTING)
+        body = await read_body(request)
+        try:  # tokenizing off the event loop, as completions do
+            req = await run_in_threadpool(refinement.parse_request, server.engine, body, server.max_tokens_limit,
+                                          AUTO_HALTING, server.hops_corpus)
         except refinement.RequestError as e:
             raise APIError(400, str(e), e.param) from None
         await server.acquire()
         events = refinement.threaded(refinement.run(server.engine, req), server.release)
+        failed = server.metrics.failed.labels(route="/v1/refinement").inc
         if req.stream:
-            return StreamingResponse(refinement.sse(events), media_type="text/event-stream")
-        return JSONResponse(await refinement.collect(events))
+            return StreamingResponse(refinement.sse(events, failed), media_type="text/event-stream")
+        # a client that leaves stops the generation at its next token, and frees the slot, as completions do
+        collecting = asyncio.ensure_future(refinement.collect(events))
+        watcher = asyncio.ensure_future(when_gone(request, collecting.cancel))
+        try:
+            await asyncio.wait({collecting})
+        finally:
+            watcher.cancel()
+            collecting.cancel()  # a no-op once done; else this handler was cancelled: stop the generation too
+        if collecting.cancelled():
+            return Response(status_code=CLIENT_GONE)
+        try:
+            return JSONResponse(collecting.result())
+        except Exception:
+            failed()
+            raise
 
     return app
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help gives each flag's default, unless its help says it already (a default that is not a value)."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
+def number_arg(kind):
+    """argparse type: an int or float, written in ASCII (int() and float() also read other scripts' digits)."""
+    def parse(value):
+        if not value.isascii():
+            raise argparse.ArgumentTypeError(f"{value!r}: write the number in ASCII digits 0-9")
+        return kind(value)
+
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value"
+    return parse
+
+
+def names_arg(value):
+    """argparse type of a comma-separated list of names: empty items dropped."""
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
 def parse_args(argv=None):
-    parser = ArgumentParser(description="Serve a checkpoint over OpenAI's completions API")
+    parser = ArgumentParser(description="Serve a checkpoint over OpenAI's completions API",
+                            formatter_class=DefaultsHelp)
     parser.add_argument("--model_tag", type=model_tag_arg, default=None,
                         help="checkpoint tag (default: the most recently written)")
     parser.add_argument("--step", type=step_arg, default="latest", help="'latest', 'best' (lowest val bpb) or N")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: localhost only)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 = any free port")
-    parser.add_argument("--max_concurrency", type=int, default=16,
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=number_arg(int), default=8000, help="port to listen on; 0 = any free port")
+    parser.add_argument("--max_concurrency", type=number_arg(int), default=16,
                         help="requests generating at once, batched together (each forward serves them all); more "
                              "wait up to --queue_timeout")
-    parser.add_argument("--queue_timeout", type=float, default=30.0,
+    parser.add_argument("--queue_timeout", type=number_arg(float), default=30.0,
                         help="seconds a request waits for a busy slot (0: answer 503 at once when all are busy)")
-    parser.add_argument("--max_tokens_limit", type=int, default=None, help="largest max_tokens (default: context)")
-    parser.add_argument("--max_batch", type=int, default=8, help="most completions per request (prompts x n)")
-    parser.add_argument("--read_timeout", type=float, default=READ_TIMEOUT_S,
+    parser.add_argument("--max_tokens_limit", type=number_arg(int), default=None,
+                        help="largest max_tokens (default: context)")
+    parser.add_argument("--max_batch", type=number_arg(int), default=8,
+                        help="most completions per request (prompts x n)")
+    parser.add_argument("--read_timeout", type=number_arg(float), default=READ_TIMEOUT_S,
                         help="seconds a request's headers and body may take to arrive; then 408 and the connection "
                              "closes (a slow client no longer holds one forever)")
-    parser.add_argument("--max_connections", type=int, default=MAX_CONNECTIONS,
+    parser.add_argument("--write_timeout", type=number_arg(float), default=WRITE_TIMEOUT_S,
+                        help="seconds a client may leave its answers unread once its receive window is full (the "
+                             "server's bytes for it stop going down); then the connection is dropped (a client that "
+                             "never reads no longer holds one forever)")
+    parser.add_argument("--max_connections", type=number_arg(int), default=MAX_CONNECTIONS,
                         help="open connections at most; one more is answered 503 and closed")
     parser.add_argument("--device_type", default=None, help="cuda|cpu|mps (default: autodetect)")
     parser.add_argument("--api_key", default=None,
                         help="every request but /health must send Authorization: Bearer <key> (default: "
                              "$NANOCHAT_API_KEY; a flag's value shows in ps, the variable does not)")
+    parser.add_argument("--allowed_hosts", type=names_arg, default=[],
+                        help="comma-separated names the Host header may give besides the --host address ('*': any), "
+                             "e.g. the name a reverse proxy serves this under; others get a 400 (DNS rebinding; "
+                             "default: none)")
+    parser.add_argument("--allowed_origins", type=names_arg, default=[],
+                        help="comma-separated origins (https://app.example) whose web pages may call this server; "
+                             "a browser's request from any other site gets a 403 ('*': any; default: none)")
     parser.add_argument("--allow_no_auth", action="store_true",
                         help="serve a non-loopback --host without an API key (anyone who can connect may use it)")
     args = parser.parse_args(argv)
@@ -867,8 +1204,9 @@ def parse_args(argv=None):
         parser.error(f"--port={args.port}: must be from 1 to 65535 (or 0 for any free port)")
     if not (args.queue_timeout >= 0 and math.isfinite(args.queue_timeout)):
         parser.error(f"--queue_timeout={args.queue_timeout}: must be a number of seconds >= 0")
-    if not (args.read_timeout > 0 and math.isfinite(args.read_timeout)):
-        parser.error(f"--read_timeout={args.read_timeout}: must be a number of seconds > 0")
+    for name in ("read_timeout", "write_timeout"):
+        if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
+            parser.error(f"--{name}={getattr(args, name)}: must be a number of seconds > 0")
     for name in ("max_concurrency", "max_batch", "max_tokens_limit", "max_connections"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -888,9 +1226,10 @@ def build_server(args):
     dtype = default_dtype(args.device_type)  # bf16 matmuls and KV cache on GPU
     engine = Engine(model, tokenizer, autocast=lambda: autocast_for(args.device_type, dtype))
     server = Server(engine, info, args.max_concurrency, args.max_tokens_limit, args.queue_timeout,
-                    args.max_batch)
-    config = uvicorn.Config(create_app(server, args.api_key), host=args.host, port=args.port, log_level="warning",
-                            lifespan="off", http=guarded_http(args.read_timeout, args.max_connections))
+                    args.max_batch, refinement.trained_hops_corpus(meta))
+    app = create_app(server, args.api_key, args.host, args.allowed_hosts, args.allowed_origins)
+    http = guarded_http(args.read_timeout, args.max_connections, args.write_timeout, server.metrics.refused)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off", http=http)
     return uvicorn.Server(config), server
 
 
@@ -935,9 +1274,10 @@ def main(argv=None):
             print(f"error: {e}", file=sys.stderr)
             return ExitCode.USAGE
         host, port = sock.getsockname()[:2]
-        print(f"serving {server.model_id} step {server.info['step']} at http://{host}:{port}/v1 "
-              f"(OpenAI completions API; max_concurrency={args.max_concurrency}; "
-              f"{'API key required' if args.api_key else 'no API key'})", flush=True)
+        base = f"http://{f'[{host}]' if ':' in host else host}:{port}"  # an IPv6 address goes in brackets in a URL
+        print(f"serving {server.model_id} step {server.info['step']} at {base}/v1 (OpenAI completions API; "
+              f"max_concurrency={args.max_concurrency}; {'API key required' if args.api_key else 'no API key'}); "
+              f"the refinement viewer: {base}/", flush=True)
         try:
             http.run(sockets=[sock])
         except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down cleanly, then may re-raise the signal

@@ -10,7 +10,11 @@ Three modes, one request object each (parse_request checks it and says what is w
   the cache computes every step for the last position anyway; the extra cost is the head on each step's answer.
   drafts: true adds base_sample --show_steps' drafts: each step's own greedy continuation (n_sup more generations).
 - score: a pasted text teacher-forced, each token's loss (nats) at every step: where later steps help.
-- hops: a hops document (pasted, or drawn from a seed), each query's predicted answer at every step, by hop count.
+- hops: a hops document (pasted, or drawn from a seed out of the corpus the model was trained on: HopsCorpus), each
+  query's predicted answer at every step, by hop count.
+
+Every mode runs up to STEPS_PAST_TRAINING times the trained supervision steps (most_steps), as base_loss may: what
+the recursion does past the steps it learned is a question the page should be able to show.
 
 Probabilities are the model's (softmax of the logits), before temperature, top-k and top-p.
 """
@@ -25,11 +29,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanochat.data.synthetic import HopsSpec, encode_hops, hops_answers, hops_document
+from nanochat.data.synthetic import FAMILIES, HopsSpec, encode_hops, hops_answers
 from nanochat.model.engine import left_pad, sample_next
 from nanochat.model.halting import HALTING_RULES, Draft, Halting, check_halting
 
 MODES = ("generate", "score", "hops")
+STEPS_PAST_TRAINING = 4  # requests may run up to 4x the trained supervision steps
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "viewer.html")  # the viewer, served at /
 
 
@@ -49,6 +54,80 @@ FIELDS = {
     "score": {"text": (str, None), "n_sup": (int, None)},
     "hops": {"text": (str, None), "seed": (int, None), "n_queries": (int, None), "n_sup": (int, None)},
 }
+
+
+def most_steps(config):
+    """The most supervision steps a request may run: STEPS_PAST_TRAINING x the trained ones (or n_sup_inference, if
+    more); a request that names none runs n_sup_inference, as the model was configured."""
+    return max(config.n_sup_inference, STEPS_PAST_TRAINING * config.n_sup_train)
+
+
+@dataclass(frozen=True)
+class HopsCorpus:
+    """The hops corpus a drawn document comes from: family (synthetic.FAMILIES) and spec; source: the corpus's
+    recorded source (its dataset manifest) when the model's checkpoint leads to it, None for the default corpus."""
+    family: str = "hops"
+    spec: HopsSpec = HopsSpec()
+    source: str | None = None
+
+    def draw(self, seed, n_queries=None):
+        """One document of this corpus, drawn with random.Random(seed); n_queries: that many queries instead."""
+        spec = self.spec if n_queries is None else HopsSpec(self.spec.n_symbols, self.spec.max_hops, n_queries)
+        return FAMILIES[self.family](random.Random(seed), spec)
+
+    def describe(self):
+        """For /health and the page."""
+        return {"family": self.family, "n_symbols": self.spec.n_symbols, "max_hops": self.spec.max_hops,
+                "n_queries": self.spec.n_queries, "source": self.source}
+
+
+def hops_corpus_of(source):
+    """The HopsCorpus a corpus's recorded source describes ("synthetic: --synthetic=hops_pairs ... --hops_symbols=7
+    ..."), or None when it is not a hops corpus."""
+    from nanochat.data.dataset import SYNTHETIC
+    if not source or not source.startswith(SYNTHETIC):
+        return None
+    flags = dict(arg[2:].split("=", 1) for arg in source[len(SYNTHETIC):].split()
+                 if arg.startswith("--") and "=" in arg)
+    if flags.get("synthetic") not in FAMILIES:
+        return None
+    default = HopsSpec()
+    try:
+        spec = HopsSpec(int(flags.get("hops_symbols", default.n_symbols)), int(flags.get("hops_max", default.max_hops)),
+                        int(flags.get("hops_queries", default.n_queries)))
+    except ValueError:
+        return None
+    return HopsCorpus(flags["synthetic"], spec, source)
+
+
+def trained_hops_corpus(meta):
+    """The hops corpus a checkpoint was trained on, as base_loss --hops finds it: the manifest of the data directory
+    its meta records, else of the current one (NANOCHAT_DATA_DIR) when its fingerprint is the meta's; None when
+    neither is a hops corpus (a model of text, a checkpoint without data, a corpus since deleted)."""
+    data = meta.get("data") or {}
+    if not data:
+        return None
+    from nanochat.data.dataset import (  # pyarrow: ~30 MB, when needed
+        DatasetError,
+        corpus_identity,
+        data_dir,
+        read_source,
+    )
+    candidates = [data.get("dir")]
+    try:
+        current = data_dir(create=False)
+        if data.get("fingerprint") and corpus_identity(current)["fingerprint"] == data["fingerprint"]:
+            candidates.append(current)
+    except (DatasetError, OSError):
+        pass
+    for directory in candidates:
+        try:
+            corpus = hops_corpus_of(read_source(directory)) if directory and os.path.isdir(directory) else None
+        except (OSError, ValueError, KeyError, TypeError):  # an unreadable manifest: as if there were none
+            corpus = None
+        if corpus is not None:
+            return corpus
+    return None
 
 
 @dataclass
@@ -76,9 +155,10 @@ def typed(name, value, types):
     return value
 
 
-def parse_request(engine, body, max_tokens_limit, default_halt):
+def parse_request(engine, body, max_tokens_limit, default_halt, hops_corpus=HopsCorpus()):
     """A checked Request from a JSON body; a RequestError naming the first problem. default_halt: the halting rule
-    generate marks each token with when the request names none ('RULE:THRESHOLD')."""
+    generate marks each token with when the request names none ('RULE:THRESHOLD'); hops_corpus: where hops mode
+    draws a document from."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     mode = body.get("mode", "generate")
@@ -91,12 +171,13 @@ def parse_request(engine, body, max_tokens_limit, default_halt):
     got = {name: default if body.get(name) is None else typed(name, body[name], types)
            for name, (types, default) in fields.items()}
     model, config = engine.model, engine.model.config
-    most = config.n_sup_inference
-    n_sup = most if got["n_sup"] is None else got["n_sup"]
+    most = most_steps(config)
+    n_sup = config.n_sup_inference if got["n_sup"] is None else got["n_sup"]
     if not 1 <= n_sup <= most:
-        raise RequestError(f"n_sup={n_sup}: must be from 1 to {most}", "n_sup")
+        raise RequestError(f"n_sup={n_sup}: must be from 1 to {most} ({STEPS_PAST_TRAINING}x the "
+                           f"{config.n_sup_train} supervision steps the model was trained with)", "n_sup")
     if mode == "hops":
-        return parse_hops(engine, got, n_sup)
+        return parse_hops(engine, got, n_sup, hops_corpus)
     text = got["prompt" if mode == "generate" else "text"]
     if not text:
         raise RequestError(f"{'prompt' if mode == 'generate' else 'text'}: a non-empty string is required",
@@ -128,19 +209,20 @@ def parse_request(engine, body, max_tokens_limit, default_halt):
                    stream=got["stream"])
 
 
-def parse_hops(engine, got, n_sup):
+def parse_hops(engine, got, n_sup, corpus):
     if (got["text"] is None) == (got["seed"] is None):
         raise RequestError("hops: send text (a hops document) or seed (to draw one), not both", "text")
     text = got["text"]
     most = engine.model.config.sequence_len  # a query is at least a token: more could never fit the context
     if got["n_queries"] is not None and got["n_queries"] > most:
         raise RequestError(f"n_queries={got['n_queries']}: at most {most} (the model's context)", "n_queries")
+    if got["seed"] is not None and not 0 <= got["seed"] < 2 ** 63:
+        raise RequestError(f"seed={got['seed']}: must be from 0 to 2**63-1", "seed")
     if text is None:
-        try:
-            spec = HopsSpec(n_queries=got["n_queries"] or HopsSpec.n_queries)
+        try:  # None: the corpus's own count; 0 is refused, not taken for the default
+            text = corpus.draw(got["seed"], got["n_queries"])
         except ValueError as e:
             raise RequestError(f"n_queries: {e}", "n_queries") from None
-        text = hops_document(random.Random(got["seed"]), spec)
     try:
         ids, answers = encode_hops(engine.tokenizer, text)
     except ValueError as e:
@@ -306,12 +388,15 @@ async def collect(events):
     return items[-1]
 
 
-async def sse(events):
-    """Server-sent events, one per item, then data: [DONE]; a failure mid-stream ends with an error event."""
+async def sse(events, failed=lambda: None):
+    """Server-sent events, one per item, then data: [DONE]; a failure mid-stream ends with an error event (and
+    failed() is called: the status line said 200)."""
     try:
         async for item in events:
             yield f"data: {json.dumps(item)}\n\n"
+            await asyncio.sleep(0)  # a loop turn between writes: a closed connection is noticed before the next
     except Exception as e:  # noqa: BLE001 - the status line is sent: the client can only learn of it in the stream
+        failed()
         yield f"data: {json.dumps({'error': {'message': f'generation failed: {e}', 'type': 'server_error'}})}\n\n"
         return
     yield "data: [DONE]\n\n"
