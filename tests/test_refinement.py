@@ -21,7 +21,8 @@ from nanochat.data.synthetic import HopsSpec, hops_answers, hops_document, pairs
 from nanochat.model.engine import Engine
 from nanochat.model.halting import Halting, forward_halting
 from nanochat.serve import refinement
-from scripts import base_sample, serve
+from nanochat.serve.server import Server, create_app
+from scripts import base_sample
 from tests.support.server import serving
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
@@ -38,12 +39,12 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(trained):
     _, model, tokenizer = trained
-    return serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
+    return Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with TestClient(serve.create_app(server), base_url=LOCAL, raise_server_exceptions=True) as c:
+    with TestClient(create_app(server), base_url=LOCAL, raise_server_exceptions=True) as c:
         yield c
 
 
@@ -172,7 +173,7 @@ def test_hops_draws_the_document_of_a_seed(trained, server, monkeypatch):
     _, model, _ = trained
     monkeypatch.setattr(model.config, "sequence_len", 128)  # a drawn table of 16 symbols outgrows the tiny context
     drawn = hops_document(random.Random(4), HopsSpec(n_queries=2))
-    got = refine(TestClient(serve.create_app(server), base_url=LOCAL), mode="hops", seed=4, n_queries=2)
+    got = refine(TestClient(create_app(server), base_url=LOCAL), mode="hops", seed=4, n_queries=2)
     assert got["text"] == drawn and len(got["queries"]) == 2
 
 
@@ -290,7 +291,7 @@ def test_a_hops_text_error_is_counted_in_metrics(client):
 
 
 def test_a_wrong_or_missing_key_is_a_401_but_the_page_needs_none(server):
-    client = TestClient(serve.create_app(server, api_key=KEY), base_url=LOCAL)
+    client = TestClient(create_app(server, api_key=KEY), base_url=LOCAL)
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = client.post("/v1/refinement", json={"prompt": "the"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -303,18 +304,18 @@ def test_a_wrong_or_missing_key_is_a_401_but_the_page_needs_none(server):
 
 def test_a_client_that_leaves_mid_stream_stops_the_generation_and_frees_the_slot(trained, monkeypatch):
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
     made, real = [], refinement.generate
 
     def slow(engine, req):  # a token every 50 ms: the client leaves long before the 32nd
-        for event in real(engine, req):
-            made.append(event)
+        for item in real(engine, req):
+            made.append(item)
             time.sleep(0.05)
-            yield event
+            yield item
 
     monkeypatch.setattr(refinement, "generate", slow)
     body = {"prompt": "the", "max_tokens": 32, "temperature": 1.0, "stream": True}
-    with serving(serve.create_app(server)) as url:
+    with serving(create_app(server)) as url:
         with httpx.stream("POST", f"{url}/v1/refinement", json=body, timeout=30) as r:
             lines = r.iter_lines()  # kept: a dropped line iterator closes the connection
             first = next(lines)
@@ -327,24 +328,25 @@ def test_a_client_that_leaves_mid_stream_stops_the_generation_and_frees_the_slot
             assert time.monotonic() < deadline, "the slot was never freed"
             time.sleep(0.02)
         assert len(made) < 32
-        assert httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 1}, timeout=30).status_code == 200
+        served = httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 1}, timeout=30)
+        assert served.status_code == 200
 
 
 def test_a_client_that_leaves_before_the_answer_frees_the_slot_at_once(trained, monkeypatch):
     """Not streamed: a generation of 32 tokens at 100 ms each whose client gives up after 0.5 s stops within a token
     or two and frees its slot, as /v1/completions does; /metrics counts it as 499 (client closed request)."""
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
     made, real = [], refinement.generate
 
     def slow(engine, req):
-        for event in real(engine, req):
-            made.append(event)
+        for item in real(engine, req):
+            made.append(item)
             time.sleep(0.1)
-            yield event
+            yield item
 
     monkeypatch.setattr(refinement, "generate", slow)
-    with serving(serve.create_app(server)) as url:
+    with serving(create_app(server)) as url:
         start = time.monotonic()
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 32, "temperature": 1.0},

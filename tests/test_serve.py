@@ -24,6 +24,10 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from nanochat.model.engine import Batch, Engine
+from nanochat.serve.api import AUTO_HALTING, MAX_BODY_BYTES, token_offsets
+from nanochat.serve.http import HostCheck, guarded_http
+from nanochat.serve.server import Server, create_app
+from nanochat.serve.stops import Choice
 from scripts import serve
 from tests.support.server import running
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -121,7 +125,7 @@ def test_streaming_gives_the_same_text_in_pieces(client, url):
 def test_a_character_split_across_tokens_is_held_back_until_complete(trained):
     _, _, tokenizer = trained
     ids = tokenizer.encode("a \u20ac!")  # the euro sign's three bytes are three tokens of the tiny tokenizer
-    choice = serve.Choice(tokenizer, stops=[])
+    choice = Choice(tokenizer, stops=[])
     pieces = [choice.add(token, last=False) for token in ids]
     assert pieces[-4:] == ["", "", "\u20ac", "!"] and "".join(pieces) == "a \u20ac!"
 
@@ -135,7 +139,7 @@ class CharTokenizer:
 
 
 def stream_choice(tokens, stops):
-    choice = serve.Choice(CharTokenizer(), stops)
+    choice = Choice(CharTokenizer(), stops)
     pieces = []
     for i, token in enumerate(tokens):
         pieces.append(choice.add(token, last=i == len(tokens) - 1))
@@ -338,9 +342,9 @@ def test_logprobs_stop_where_a_stop_string_cuts_the_text(client, trained):
 
 def test_the_end_token_the_model_chose_is_scored_but_not_text(trained):
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
     bos = tokenizer.get_bos_token_id()
-    choice = serve.Choice(tokenizer, stops=[], end_tokens={bos})
+    choice = Choice(tokenizer, stops=[], end_tokens={bos})
     pieces = [choice.add(token, last=False) for token in tokenizer.encode(" sat on") + [bos]]
     assert "".join(pieces) == choice.text == " sat on" and choice.finish_reason == "stop"
     prompt = tokenizer.encode("the cat", prepend="<|bos|>")
@@ -356,8 +360,8 @@ def test_text_offsets_count_characters_split_across_tokens(trained):
     pieces = [tokenizer.enc.decode_single_token_bytes(t) for t in tokenizer.encode(text)]
     char_of_byte = [i for i, ch in enumerate(text) for _ in ch.encode()]
     starts = [sum(map(len, pieces[:t])) for t in range(len(pieces))]
-    assert serve.token_offsets(pieces) == [char_of_byte[b] for b in starts]
-    assert serve.token_offsets(pieces)[2:5] == [2, 2, 2]  # the euro sign's three bytes are three tokens
+    assert token_offsets(pieces) == [char_of_byte[b] for b in starts]
+    assert token_offsets(pieces)[2:5] == [2, 2, 2]  # the euro sign's three bytes are three tokens
 
 
 MC_TASK = """task: tiny_mc
@@ -456,7 +460,7 @@ def test_a_bad_request_is_a_400_and_the_server_keeps_serving(client, url, change
 def test_n_sup_auto_and_a_rule_halt_per_token(client, trained):
     r = client.completions.create(model=MODEL_TAG, prompt="the cat sat", max_tokens=8, temperature=0,
                                   extra_body={"n_sup": "auto"})
-    assert r.choices[0].text == greedy(trained, "the cat sat", 8, halt=serve.AUTO_HALTING)
+    assert r.choices[0].text == greedy(trained, "the cat sat", 8, halt=AUTO_HALTING)
     # an infinite threshold halts every token after step 1: step 1's tokens and log-probabilities
     prompt = trained[2].encode("the dog sat", prepend=trained[2].get_bos_token_id())
     r = client.completions.create(model=MODEL_TAG, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2,
@@ -475,7 +479,7 @@ def test_an_unknown_model_is_a_404(client):
 @pytest.mark.parametrize("body,status,message", [
     (b'\xff\xfe{"prompt": "the"}', 400, "not valid UTF-8"),
     (b'{"prompt": "the"', 400, "not valid JSON"),
-    (b"x" * (serve.MAX_BODY_BYTES + 1), 413, "exceeds"),
+    (b"x" * (MAX_BODY_BYTES + 1), 413, "exceeds"),
     (b"[1, 2]", 400, "valid dictionary"),
     (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "request body nests too deeply to parse"),
     (b'{"prompt": "the", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nests too deeply"),
@@ -497,8 +501,8 @@ def test_an_unknown_path_is_a_404_in_openais_error_shape(url):
 def local_app(trained):
     """The app behind a server on 127.0.0.1, in process, with a host and an origin allowed besides its own."""
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
-    return serve.create_app(server, host="127.0.0.1", allowed_hosts=["proxy.example"],
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    return create_app(server, host="127.0.0.1", allowed_hosts=["proxy.example"],
                             allowed_origins=["https://page.example"])
 
 
@@ -548,14 +552,14 @@ def test_only_a_json_body_is_taken(local_app, content_type, status):
 
 
 def test_a_server_on_every_interface_answers_to_addresses_and_its_own_names():
-    everywhere = serve.HostCheck("0.0.0.0")
+    everywhere = HostCheck("0.0.0.0")
     assert all(map(everywhere.allows, ["192.0.2.7", "::1", "localhost", socket.gethostname().lower()]))
     assert not everywhere.allows("attacker.example")
-    one = serve.HostCheck("192.0.2.7", ["*.lan.example"])
+    one = HostCheck("192.0.2.7", ["*.lan.example"])
     assert one.allows("192.0.2.7") and not one.allows("127.0.0.1") and not one.allows("localhost")
     assert one.allows("a.lan.example") and not one.allows("lan.example") and not one.allows("evil-lan.example")
-    assert serve.HostCheck("192.0.2.7", ["*"]).allows("any.example")
-    assert serve.HostCheck("::1").allows("::1") and serve.HostCheck("192.0.2.7", ["2001:db8::1"]).allows("2001:db8::1")
+    assert HostCheck("192.0.2.7", ["*"]).allows("any.example")
+    assert HostCheck("::1").allows("::1") and HostCheck("192.0.2.7", ["2001:db8::1"]).allows("2001:db8::1")
 
 
 def test_health(url, trained):
@@ -629,9 +633,9 @@ class HeldEngine(Engine):
 def held_server(trained, queue_timeout=0.2, max_concurrency=1, **engine_kwargs):
     _, model, tokenizer = trained
     engine = HeldEngine(model, tokenizer, **engine_kwargs)
-    server = serve.Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=max_concurrency,
+    server = Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=max_concurrency,
                           queue_timeout=queue_timeout)
-    return engine, uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off"))
+    return engine, uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off"))
 
 
 def wait_until_running(base_url, n, timeout=10):
@@ -695,9 +699,9 @@ def test_a_huge_prompt_list_is_refused_before_it_is_tokenized(trained, monkeypat
     engine = Engine(model, tokenizer)
     encoded, encode = [], engine.encode_prompt
     monkeypatch.setattr(engine, "encode_prompt", lambda text: encoded.append(text) or encode(text))
-    server = serve.Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_batch=8)
+    server = Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_batch=8)
     bodies = [json.dumps({"prompt": ["a"] * 200_000}).encode()] * 7 + [json.dumps({"prompt": [[1]] * 200_000}).encode()]
-    http = uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off"))
+    http = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off"))
     with running(http) as base_url:
         answers = [None] * len(bodies)
 
@@ -725,7 +729,7 @@ def test_a_stream_whose_client_left_logs_nothing(trained, monkeypatch, caplog, r
     exception." from the fifth write after the failed one."""
     from nanochat.serve import refinement
     engine, http = held_server(trained, queue_timeout=5, max_concurrency=2, free=1)
-    real, loops, acquire = refinement.generate, [], serve.Server.acquire
+    real, loops, acquire = refinement.generate, [], Server.acquire
 
     def held(model_engine, req):  # refinement's generation: the first token, then the rest once the test says
         events = real(model_engine, req)
@@ -738,7 +742,7 @@ def test_a_stream_whose_client_left_logs_nothing(trained, monkeypatch, caplog, r
         await acquire(self)
 
     monkeypatch.setattr(refinement, "generate", held)
-    monkeypatch.setattr(serve.Server, "acquire", acquire_recording_the_loop)
+    monkeypatch.setattr(Server, "acquire", acquire_recording_the_loop)
     body = {"prompt": "the", "max_tokens": 12, "temperature": 1.0, "stream": True,
             **({"n": 8} if route == "/v1/completions" else {})}
     with running(http) as base_url, caplog.at_level(logging.WARNING, logger="asyncio"):
@@ -786,7 +790,7 @@ def test_help_gives_every_flags_default(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert e.value.code == 0
     for default in ["(default: latest)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
-                    "(default: 30.0)", "(default: 8)", "(default: 256)", "(default: the most recently written)",
+                    "(default: 30.0)", "(default: 8)", "(default: 256)", "(default: the newest)",
                     "(default: context)", "(default: autodetect)"]:
         assert default in out, default
     assert "None" not in out  # a default that is not a value is said in words
@@ -829,8 +833,8 @@ def route_requests(app):
 
 def test_every_route_but_health_refuses_a_missing_or_wrong_key(trained):
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
-    app = serve.create_app(server, api_key=KEY)
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    app = create_app(server, api_key=KEY)
     requests = list(route_requests(app))
     assert {("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions")} <= set(requests)
     missing = "no API key: send the header Authorization: Bearer <key>"
@@ -925,9 +929,9 @@ def test_a_key_allow_no_auth_or_a_loopback_host_may_start(trained, monkeypatch, 
 
 def guarded_server(trained, read_timeout, max_connections, **limits):
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
-    http = serve.guarded_http(read_timeout, max_connections, refused=server.metrics.refused, **limits)
-    return uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off", http=http))
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    http = guarded_http(read_timeout, max_connections, refused=server.metrics.refused, **limits)
+    return uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off", http=http))
 
 
 def answer(sock, timeout=10):
@@ -1073,9 +1077,9 @@ BODIES = st.one_of(
 def in_process(trained):
     from fastapi.testclient import TestClient
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=2)
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=2)
     # an exception in the app is raised here, so fails the test
-    with TestClient(serve.create_app(server), base_url=LOCAL) as client:
+    with TestClient(create_app(server), base_url=LOCAL) as client:
         yield client
 
 
@@ -1110,8 +1114,8 @@ def metric_samples(text):
 def test_metrics_count_requests_tokens_latency_and_steps_in_prometheus_text(trained):
     from fastapi.testclient import TestClient
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
-    with TestClient(serve.create_app(server), base_url=LOCAL) as client:
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    with TestClient(create_app(server), base_url=LOCAL) as client:
         full = client.post("/v1/completions", json={**REQUEST, "max_tokens": 5, "n": 2, "n_sup": 2}).json()
         halted = client.post("/v1/completions", json={**REQUEST, "max_tokens": 4, "n_sup": "rms:inf"}).json()
         assert client.post("/v1/completions", json={**REQUEST, "temperature": 9}).status_code == 400

@@ -1,6 +1,6 @@
-"""The refinement viewer (nanochat/serve/viewer.html) in a real headless Chromium against a server with the tiny model: a
-prompt typed and submitted with a click, the stream waited for, every step's row and the halting colours checked
-against the JSON the same request gets. Skipped, saying how to install it, where no Chromium is installed.
+"""The refinement viewer (nanochat/serve/viewer.html) in a real headless Chromium against a server with the tiny
+model: a prompt typed and submitted with a click, the stream waited for, every step's row and the halting colours
+checked against the JSON the same request gets. Skipped, saying how to install it, where no Chromium is installed.
 
 VIEWER_SCREENSHOT=dev/results/viewer.png pytest tests/test_viewer.py  # also saves what the browser showed"""
 
@@ -16,7 +16,7 @@ from nanochat.data.dataset import SYNTHETIC, synthetic_flags, write_source
 from nanochat.data.synthetic import HopsSpec, pairs_document
 from nanochat.model.engine import Engine
 from nanochat.serve import refinement
-from scripts import serve
+from nanochat.serve.server import Server, create_app
 from tests.support import server as support_server
 from tests.support.chromium import INSTALL, Chromium, find_chromium
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -36,8 +36,8 @@ def trained(tmp_path_factory):
 @contextlib.contextmanager
 def serving(trained, api_key=None, hops_corpus=None):
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, hops_corpus=hops_corpus)
-    with support_server.serving(serve.create_app(server, api_key)) as url:
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, hops_corpus=hops_corpus)
+    with support_server.serving(create_app(server, api_key)) as url:
         yield url
 
 
