@@ -22,6 +22,7 @@ from nanochat.model.engine import Engine
 from nanochat.model.halting import Halting, forward_halting
 from nanochat.serve import refinement
 from nanochat.serve.server import Server, create_app
+from nanochat.serve.streaming import Worker
 from scripts import base_sample
 from tests.support.server import serving
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -361,17 +362,25 @@ def test_a_client_that_leaves_before_the_answer_frees_the_slot_at_once(trained, 
     assert 'nanochat_requests_total{route="/v1/refinement",status="499"} 1.0' in metrics
 
 
+def items_work(made, count, gate=None):
+    """A streaming.Worker's work emitting 0, 1, ... count-1 (each after the last was taken by the loop, if gate)."""
+    def work(emit, cancelled):
+        for i in range(count):
+            made.append(i)
+            emit(i)
+            if gate is not None:
+                gate.wait(timeout=10)  # the next item waits until the consumer has left
+            if cancelled.is_set():
+                return
+    return work
+
+
 def test_the_worker_ends_and_releases_even_when_no_one_reads_its_items():
     released, made = [], []
 
-    def items():
-        for i in range(3):
-            made.append(i)
-            yield i
-
     async def never_read():
         done = asyncio.Event()
-        refinement.threaded(items(), lambda: (released.append(True), done.set()))
+        Worker(items_work(made, 3), [lambda worker: (released.append(True), done.set())])
         await asyncio.wait_for(done.wait(), timeout=10)
 
     asyncio.run(never_read())
@@ -381,17 +390,12 @@ def test_the_worker_ends_and_releases_even_when_no_one_reads_its_items():
 def test_a_consumer_that_stops_early_stops_the_worker():
     released, made, gate = [], [], threading.Event()
 
-    def items():
-        for i in range(1000):
-            made.append(i)
-            yield i
-            gate.wait(timeout=10)  # the next item waits until the consumer has left
-
     async def read_one():
         done = asyncio.Event()
-        events = refinement.threaded(items(), lambda: (released.append(True), done.set()))
-        assert await anext(events) == 0
-        await events.aclose()
+        worker = Worker(items_work(made, 1000, gate), [lambda worker: (released.append(True), done.set())])
+        batches = worker.batches()
+        assert await anext(batches) == ([0], False)
+        await batches.aclose()
         gate.set()
         await asyncio.wait_for(done.wait(), timeout=10)
 

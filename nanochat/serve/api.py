@@ -3,12 +3,6 @@
 
 import json
 
-try:  # for unread_bytes: Linux's SIOCOUTQ
-    import fcntl
-    import termios
-except ImportError:
-    fcntl = termios = None
-
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import ClientDisconnect

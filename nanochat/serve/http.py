@@ -329,13 +329,6 @@ def key_checker(api_key):
     return check
 
 
-async def when_gone(request, then):
-    """Call then() once the client has closed the connection (uvicorn answers receive() with http.disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    then()
-
-
 def is_loopback(host):
     """Whether every address host names is a loopback one, so that only this machine can connect."""
     try:

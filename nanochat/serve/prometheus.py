@@ -2,12 +2,6 @@
 
 import time
 
-try:  # for unread_bytes: Linux's SIOCOUTQ
-    import fcntl
-    import termios
-except ImportError:
-    fcntl = termios = None
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -51,9 +45,10 @@ class Metrics:
         else:
             self.write_timeouts.inc()
 
-    def finished(self, job, n_sup):
-        """Record a generation that ended; n_sup: the steps each token ran when no halting rule was on."""
-        if not job.worker.cancelled() and job.worker.exception() is not None:
+    def finished(self, job, n_sup, error=None):
+        """Record a generation that ended (error: what failed it); n_sup: the steps each token ran when no halting
+        rule was on."""
+        if error is not None:
             self.failed.labels(route="/v1/completions").inc()
         tokens = sum(len(choice.tokens) for choice in job.choices)
         self.prompt_tokens.inc(sum(len(ids) for ids in job.prompts))

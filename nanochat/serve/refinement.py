@@ -19,11 +19,9 @@ the recursion does past the steps it learned is a question the page should be ab
 Probabilities are the model's (softmax of the logits), before temperature, top-k and top-p.
 """
 
-import asyncio
 import json
 import os
 import random
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -236,7 +234,7 @@ def check_length(ids, limit, name):
         raise RequestError(f"{name} is {len(ids)} tokens (with <|bos|>); the model's context is {limit} tokens", name)
 
 
-def run(engine, req):
+def run_events(engine, req):
     """The request's events: generate yields one per token, then a summary; score and hops one result."""
     if req.mode == "generate":
         return generate(engine, req)
@@ -349,54 +347,19 @@ def hops(engine, req):
             "hops": hop_counts, "accuracy": accuracy}
 
 
-END = object()
-
-
-def threaded(items, release):
-    """Iterate a blocking iterator on a worker thread from now on, so the event loop keeps serving; returns an async
-    iterator over its items. release() runs on the loop once the worker has ended, also when the consumer stops early
-    (the worker then stops at its next item) or never starts (a client gone before the response began): started here,
-    not at the first item, the worker always ends and frees what release frees."""
-    loop = asyncio.get_running_loop()
-    queue, stop = asyncio.Queue(), threading.Event()
-
-    def work():
-        for item in items:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-            if stop.is_set():
+def work(engine, req):
+    """The request's work for a streaming.Worker: each event emitted as it is made; stops at the next event once
+    cancelled."""
+    def run(emit, cancelled):
+        for item in run_events(engine, req):
+            emit(item)
+            if cancelled.is_set():
                 return
-
-    worker = loop.run_in_executor(None, work)
-    worker.add_done_callback(lambda _: (release(), queue.put_nowait(END)))
-
-    async def drain():
-        try:
-            while (item := await queue.get()) is not END:
-                yield item
-            worker.result()  # the worker's exception, if it failed
-        finally:
-            stop.set()
-
-    return drain()
+    return run
 
 
-async def collect(events):
+def answer(items):
     """A non-streamed answer: generate's token events gathered into the summary as its tokens; else the one result."""
-    items = [item async for item in events]
     if items[-1]["object"] == "refinement.done":
         return {**items[-1], "object": "refinement", "tokens": items[:-1]}
     return items[-1]
-
-
-async def sse(events, failed=lambda: None):
-    """Server-sent events, one per item, then data: [DONE]; a failure mid-stream ends with an error event (and
-    failed() is called: the status line said 200)."""
-    try:
-        async for item in events:
-            yield f"data: {json.dumps(item)}\n\n"
-            await asyncio.sleep(0)  # a loop turn between writes: a closed connection is noticed before the next
-    except Exception as e:  # noqa: BLE001 - the status line is sent: the client can only learn of it in the stream
-        failed()
-        yield f"data: {json.dumps({'error': {'message': f'generation failed: {e}', 'type': 'server_error'}})}\n\n"
-        return
-    yield "data: [DONE]\n\n"

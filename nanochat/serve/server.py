@@ -43,12 +43,6 @@ import json
 import sys
 import time
 
-try:  # for unread_bytes: Linux's SIOCOUTQ
-    import fcntl
-    import termios
-except ImportError:
-    fcntl = termios = None
-
 import torch
 import torch.nn.functional as F
 from fastapi import FastAPI, Request, Security
@@ -71,9 +65,10 @@ from nanochat.serve.api import (
     token_offsets,
 )
 from nanochat.serve.batcher import Batcher, Job
-from nanochat.serve.http import Gate, HostCheck, key_checker, page_policy, when_gone
+from nanochat.serve.http import Gate, HostCheck, key_checker, page_policy
 from nanochat.serve.prometheus import Metrics
 from nanochat.serve.stops import Choice
+from nanochat.serve.streaming import Worker
 
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection before its answer (in /metrics)
 
@@ -199,12 +194,13 @@ class Server:
             self.waiting -= 1
         self.running += 1
 
-    def release(self, _=None):
+    def release(self, _worker=None):
         self.running -= 1
         self.slots.release()
 
-    def start(self, req, prompts):
-        """Take a slot and start the request's generation in a worker thread; the slot is freed when it ends."""
+    def start(self, req, prompts, client=None):
+        """Start the request's generation on a worker thread (its slot taken, freed when it ends); client: the HTTP
+        request, watched so that a client that leaves stops it."""
         rows = [ids for ids in prompts for _ in range(req.n)]  # choice index = prompt index * n + j, as at OpenAI
         stats = {}
         n_sup, halting = self.depth(req.n_sup)
@@ -221,12 +217,9 @@ class Server:
         job = Job(prompts, rows, choices, columns, req.max_tokens,
                   req.stream_options is not None and req.stream_options.include_usage, score, req.echo)
         job.stats = stats
-        loop = asyncio.get_running_loop()
-        emit = (lambda item: loop.call_soon_threadsafe(job.queue.put_nowait, item)) if req.stream else (lambda _: None)
-        job.worker = asyncio.ensure_future(run_in_threadpool(job.run, emit))
-        job.worker.add_done_callback(self.release)
-        job.worker.add_done_callback(lambda _: self.metrics.finished(job, n_sup or self.config.n_sup_inference))
-        job.worker.add_done_callback(lambda _: job.queue.put_nowait(None))
+        steps = n_sup or self.config.n_sup_inference
+        job.worker = Worker(job.run, (self.release, lambda worker: self.metrics.finished(job, steps, worker.error())),
+                            client)
         return job
 
     def next_token_logprobs(self, ids, n_sup, halting=None):
@@ -287,32 +280,10 @@ class Server:
     def piece(index, text, finish_reason):
         return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
 
-    def last_events(self, job):
-        """What ends a stream: an error event if the generation failed, else the usage (if asked for) and [DONE]."""
-        if job.worker.exception() is not None:  # counted by Metrics.finished
-            error = {"message": f"generation failed: {job.worker.exception()}", "type": "server_error"}
-            return f"data: {json.dumps({'error': error})}\n\n"
-        usage = f"data: {json.dumps(self.chunk(job, [], job.usage()))}\n\n" if job.include_usage else ""
-        return usage + "data: [DONE]\n\n"
-
-    async def events(self, job):
-        """Server-sent events as the text comes; a generation that fails mid-stream ends with an error event."""
-        try:
-            ended = False
-            while not ended:
-                # every event ready goes in one write: the await between writes lets a closed connection be noticed
-                # before the next (asyncio logs "socket.send() raised exception." from the fifth write after)
-                items = [await job.queue.get()]
-                while not job.queue.empty():
-                    items.append(job.queue.get_nowait())
-                ended = None in items
-                pieces = items[:items.index(None)] if ended else items
-                events = [f"data: {json.dumps(self.chunk(job, [self.piece(*item)]))}\n\n" for item in pieces]
-                if ended:
-                    events.append(self.last_events(job))
-                yield "".join(events)
-        finally:
-            job.cancelled.set()  # the client left mid-stream: stop generating
+    def events(self, job):
+        """Server-sent events as the text comes; then the usage, if asked for."""
+        last = lambda: [self.chunk(job, [], job.usage())] if job.include_usage else []  # noqa: E731
+        return job.worker.events(lambda item: self.chunk(job, [self.piece(*item)]), last)
 
 
 PAGE_POLICY = page_policy(refinement.PAGE)
@@ -362,17 +333,14 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
         headers = {"X-Nanochat-Warning": warning} if warning else None
         await server.acquire()
         try:
-            job = server.start(req, prompts)
+            job = server.start(req, prompts, request)
         except BaseException:
             server.release()
             raise
         job.arrived = arrived
-        watcher = asyncio.ensure_future(when_gone(request, job.cancelled.set))
-        job.worker.add_done_callback(lambda _: watcher.cancel())
         if req.stream:
             return StreamingResponse(server.events(job), media_type="text/event-stream", headers=headers)
-        await asyncio.shield(job.worker)  # if this handler is cancelled, the slot stays taken until the thread ends
-        if job.cancelled.is_set():  # the client left: no one reads the answer, but /metrics says so
+        if await job.worker.finished() is None:  # the client left: no one reads the answer, but /metrics says so
             return Response(status_code=CLIENT_GONE)
         return JSONResponse(server.completion(job), headers=headers)
 
@@ -389,24 +357,11 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
         except refinement.RequestError as e:
             raise APIError(400, str(e), e.param) from None
         await server.acquire()
-        events = refinement.threaded(refinement.run(server.engine, req), server.release)
-        failed = server.metrics.failed.labels(route="/v1/refinement").inc
+        failed = lambda worker: worker.error() and server.metrics.failed.labels(route="/v1/refinement").inc()  # noqa: E731
+        worker = Worker(refinement.work(server.engine, req), (server.release, failed), request)
         if req.stream:
-            return StreamingResponse(refinement.sse(events, failed), media_type="text/event-stream")
-        # a client that leaves stops the generation at its next token, and frees the slot, as completions do
-        collecting = asyncio.ensure_future(refinement.collect(events))
-        watcher = asyncio.ensure_future(when_gone(request, collecting.cancel))
-        try:
-            await asyncio.wait({collecting})
-        finally:
-            watcher.cancel()
-            collecting.cancel()  # a no-op once done; else this handler was cancelled: stop the generation too
-        if collecting.cancelled():
-            return Response(status_code=CLIENT_GONE)
-        try:
-            return JSONResponse(collecting.result())
-        except Exception:
-            failed()
-            raise
+            return StreamingResponse(worker.events(lambda item: item), media_type="text/event-stream")
+        items = await worker.finished()  # a client that leaves stops the generation at its next token, as above
+        return Response(status_code=CLIENT_GONE) if items is None else JSONResponse(refinement.answer(items))
 
     return app

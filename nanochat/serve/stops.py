@@ -2,13 +2,6 @@
 them or the model's end token (Choice)."""
 
 
-try:  # for unread_bytes: Linux's SIOCOUTQ
-    import fcntl
-    import termios
-except ImportError:
-    fcntl = termios = None
-
-
 from nanochat.model.engine import ends_mid_character
 
 
