@@ -435,7 +435,7 @@ BAD_REQUESTS = [
     (dict(best_of=2), "best_of=2 is not supported by this server"),
     (dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported by this server"),
     (dict(stream_options={"include_usage": True}), "stream_options needs stream: true"),
-    (dict(extra_body={"temprature": 0.5}), "temprature: Extra inputs are not permitted"),
+    (dict(extra_body={"temprature": 0.5}), "temprature: unknown field; the fields are model, prompt,"),
     (dict(extra_body={"n_sup": 99}), "n_sup=99: must be from 1 to 12 (4x the 3 supervision steps the model was"),
     (dict(extra_body={"n_sup": 0}), "n_sup=0: must be from 1 to 12"),
     (dict(extra_body={"n_sup": "kl"}), "n_sup='kl': an integer from 1 to 12, \"auto\", or halting rule 'kl': write "

@@ -2,37 +2,36 @@
 (one error line naming every field that is wrong), and every error answer has OpenAI's shape."""
 
 import json
+from typing import Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import ClientDisconnect
 
 MAX_BODY_BYTES = 1 << 20
-
-
 MAX_STOPS = 4  # as at OpenAI
-
-
 MAX_LOGPROBS = 20  # as vLLM's default; OpenAI's is 5
-
-
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists, none of them empty"
-
-
 AUTO_HALTING = "kl:0.0005"  # what n_sup "auto" runs: Huginn's exit threshold on KL(p_s || p_{s-1})
-
-
+# OpenAI's fields this server does not implement, and the values at which they change nothing
 NEUTRAL = {"best_of": 1, "suffix": "", "logit_bias": {}, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
-class StreamOptions(BaseModel):
+class Body(BaseModel):
+    """A request body: a typo'd field or "5" for 5 is an error, as at OpenAI; null means the default."""
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_means_default(cls, data):  # as at OpenAI, where every optional field is nullable
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # a typo'd field or "5" for 5 is an error, as at OpenAI
-
+class CompletionRequest(Body):
     model: str | None = None
     prompt: object  # four forms, told apart (and refused in one sentence) by split_prompt
     max_tokens: int | None = Field(None, ge=0)  # None: 16, or the server's limit if lower
@@ -54,10 +53,37 @@ class CompletionRequest(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
 
-    @model_validator(mode="before")
-    @classmethod
-    def null_means_default(cls, data):  # as at OpenAI, where every optional field is nullable
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+# /v1/refinement, one body per mode (nanochat/serve/refinement.py); ranges are checked against the model there
+class RefineGenerate(Body):
+    mode: Literal["generate"] = "generate"
+    prompt: str
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    n_sup: int | None = None
+    halt: str | None = None  # "RULE:THRESHOLD": the rule each token's halting step is marked by
+    drafts: bool = False
+    stream: bool = False
+
+
+class RefineScore(Body):
+    mode: Literal["score"]
+    text: str
+    n_sup: int | None = None
+
+
+class RefineHops(Body):
+    mode: Literal["hops"]
+    text: str | None = None  # a hops document, or seed: draw one
+    seed: int | None = None
+    n_queries: int | None = None
+    n_sup: int | None = None
+
+
+REFINEMENT_MODES = {"generate": RefineGenerate, "score": RefineScore, "hops": RefineHops}
 
 
 class APIError(Exception):
@@ -104,13 +130,27 @@ def field_path(loc):
     return ".".join(p if isinstance(p, str) and p.isprintable() else json.dumps(p) for p in loc)
 
 
-def parse_request(obj):
+def parse_request(obj, schema=CompletionRequest):
+    """The body obj as a schema (a Body), or an APIError naming every field that is wrong."""
     try:
-        return CompletionRequest.model_validate(obj)
+        return schema.model_validate(obj)
     except ValidationError as e:
-        problems = "; ".join(f"{field_path(err['loc']) or 'body'}: {err['msg']}" for err in e.errors())
+        fields = ", ".join(schema.model_fields)
+        problems = "; ".join(f"{field_path(err['loc']) or 'body'}: " + (f"unknown field; the fields are {fields}"
+                                                                        if err["type"] == "extra_forbidden"
+                                                                        else err["msg"]) for err in e.errors())
         param = field_path(e.errors()[0]["loc"][:1]) or None
         raise APIError(400, problems, param) from None
+
+
+def parse_refinement(obj):
+    """A /v1/refinement body as the schema of its mode (generate by default), or an APIError."""
+    if not isinstance(obj, dict):
+        raise APIError(400, "the body must be a JSON object")
+    mode = obj.get("mode") or "generate"
+    if mode not in REFINEMENT_MODES:
+        raise APIError(400, f"mode: one of {', '.join(REFINEMENT_MODES)}, got {json.dumps(mode)}", "mode")
+    return parse_request(obj, REFINEMENT_MODES[mode])
 
 
 def is_token_ids(value):

@@ -2,7 +2,8 @@
 What each supervision step did, as JSON: the data behind the server's /v1/refinement route and its viewer page
 (nanochat/serve/viewer.html), usable from scripts and notebooks too.
 
-Three modes, one request object each (parse_request checks it and says what is wrong in one sentence):
+Three modes, one request body each (api.REFINEMENT_MODES; check_request checks it against the model and says what
+is wrong in one sentence):
 
 - generate: a completion sampled as the engine samples it (same seed, same tokens), and for every generated token
   what each step 1..n_sup would have put there given the same prefix (its greedy token and probability, and the
@@ -19,7 +20,6 @@ the recursion does past the steps it learned is a question the page should be ab
 Probabilities are the model's (softmax of the logits), before temperature, top-k and top-p.
 """
 
-import json
 import os
 import random
 from dataclasses import dataclass
@@ -31,7 +31,6 @@ from nanochat.data.synthetic import FAMILIES, HopsSpec, encode_hops, hops_answer
 from nanochat.model.engine import left_pad, sample_next
 from nanochat.model.halting import HALTING_RULES, Draft, Halting, check_halting
 
-MODES = ("generate", "score", "hops")
 STEPS_PAST_TRAINING = 4  # requests may run up to 4x the trained supervision steps
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "viewer.html")  # the viewer, served at /
 
@@ -42,16 +41,6 @@ class RequestError(ValueError):
     def __init__(self, message, param=None):
         super().__init__(message)
         self.param = param
-
-
-# per mode: field -> (types, default); numbers' ranges are checked in parse_request
-FIELDS = {
-    "generate": {"prompt": (str, None), "max_tokens": (int, 16), "temperature": ((int, float), 1.0),
-                 "top_k": (int, None), "top_p": ((int, float), None), "seed": (int, None), "n_sup": (int, None),
-                 "halt": (str, None), "drafts": (bool, False), "stream": (bool, False)},
-    "score": {"text": (str, None), "n_sup": (int, None)},
-    "hops": {"text": (str, None), "seed": (int, None), "n_queries": (int, None), "n_sup": (int, None)},
-}
 
 
 def most_steps(config):
@@ -145,29 +134,11 @@ class Request:
     answers: list | None = None  # hops: (index in ids, hops, token id, bytes) per query
 
 
-def typed(name, value, types):
-    """value, if it has one of types (a bool is not a number); a RequestError otherwise."""
-    types = types if isinstance(types, tuple) else (types,)
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        raise RequestError(f"{name}: must be {' or '.join(t.__name__ for t in types)}, got {json.dumps(value)}", name)
-    return value
-
-
-def parse_request(engine, body, max_tokens_limit, default_halt, hops_corpus=HopsCorpus()):
-    """A checked Request from a JSON body; a RequestError naming the first problem. default_halt: the halting rule
-    generate marks each token with when the request names none ('RULE:THRESHOLD'); hops_corpus: where hops mode
-    draws a document from."""
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
-    mode = body.get("mode", "generate")
-    if mode not in MODES:
-        raise RequestError(f"mode: one of {', '.join(MODES)}, got {json.dumps(mode)}", "mode")
-    fields = FIELDS[mode]
-    unknown = sorted(set(body) - set(fields) - {"mode"})
-    if unknown:
-        raise RequestError(f"unknown field {unknown[0]!r} for mode {mode}; its fields: {', '.join(fields)}", unknown[0])
-    got = {name: default if body.get(name) is None else typed(name, body[name], types)
-           for name, (types, default) in fields.items()}
+def check_request(engine, body, max_tokens_limit, default_halt, hops_corpus=HopsCorpus()):
+    """A Request from a parsed body (api.RefineGenerate, RefineScore or RefineHops), checked against the model and
+    tokenized; a RequestError naming the first problem. default_halt: the halting rule generate marks each token with
+    when the request names none ('RULE:THRESHOLD'); hops_corpus: where hops mode draws a document from."""
+    mode, got = body.mode, body.model_dump()
     model, config = engine.model, engine.model.config
     most = most_steps(config)
     n_sup = config.n_sup_inference if got["n_sup"] is None else got["n_sup"]

@@ -59,6 +59,7 @@ from nanochat.serve.api import (
     NEUTRAL,
     APIError,
     error_response,
+    parse_refinement,
     parse_request,
     read_body,
     split_prompt,
@@ -350,9 +351,9 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
 
     @app.post("/v1/refinement", dependencies=keyed)
     async def refine(request: Request):  # what each supervision step did: see nanochat/serve/refinement.py
-        body = await read_body(request)
+        body = parse_refinement(await read_body(request))
         try:  # tokenizing off the event loop, as completions do
-            req = await run_in_threadpool(refinement.parse_request, server.engine, body, server.max_tokens_limit,
+            req = await run_in_threadpool(refinement.check_request, server.engine, body, server.max_tokens_limit,
                                           AUTO_HALTING, server.hops_corpus)
         except refinement.RequestError as e:
             raise APIError(400, str(e), e.param) from None
