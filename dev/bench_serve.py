@@ -68,8 +68,9 @@ def parse_args(argv=None):
     parser.add_argument("--n_sup", default="all", help="comma-separated depths, each run at every level on the same "
                         "prompts and seeds: all (the model's), a number of steps, or RULE:THRESHOLD to halt per token "
                         "(docs/serving.md)")
-    parser.add_argument("--connections", default="reused,new", help="comma-separated: reused (each client keeps "
-                        "its connection alive) and/or new (a new connection per request); each level runs once per kind")
+    parser.add_argument("--connections", default="reused,new",
+                        help="comma-separated: reused (each client keeps its connection alive) and/or new (a new "
+                             "connection per request); each level runs once per kind")
     parser.add_argument("--score", type=int, default=0, help="score this many held-out windows of the corpus at "
                         "each depth (answer bpb); needs --model_tag and its corpus under $NANOCHAT_BASE_DIR")
     args = parser.parse_args(argv)
@@ -300,8 +301,9 @@ def main(argv=None):
                 bpb[n_sup] = answer_bpb(base_url, api_key, windows, args.max_tokens, tokenizer, n_sup)
             rss_before = rss_mib(proc.pid)
             compare = args.depths != [None] or args.score
-            print(f"| clients | connections | {'n_sup | steps/token | answer bpb | ' if compare else ''}requests | ok | "
-                  f"ok req/s | tokens/s | p50 ms | p99 ms | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | RSS MiB | errors |")
+            depth = "n_sup | steps/token | answer bpb | " if compare else ""
+            print(f"| clients | connections | {depth}requests | ok | ok req/s | tokens/s | p50 ms | p99 ms | "
+                  f"TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | RSS MiB | errors |")
             print("|---" * (13 + 3 * bool(compare)) + "|")
             defects = Counter()
             for concurrency in args.levels:
