@@ -629,14 +629,13 @@ def test_regional_compile_graphs_do_not_grow_with_the_recursion_and_never_recomp
         assert shallow == deep <= 8, (T, shallow, deep)
 
 
-@pytest.mark.parametrize("n_loops", [0, 1])
-def test_the_whole_model_compiled_matches_eager_in_a_fixed_number_of_graphs(n_loops):
+def test_the_whole_model_compiled_matches_eager_in_a_fixed_number_of_graphs():
     # compile scope "model": the embedding and each sweep one region; a plain GPT's trunk is then one graph (forward
-    # and backward), however deep; the TRM's sweep too (every visit unrolled in it)
-    shallow = compiled_training_matches_eager(tiny_config(n_loops=n_loops, n_layer=2), "aot_eager", scope="model")
-    deep = compiled_training_matches_eager(tiny_config(n_loops=n_loops, n_layer=4), "aot_eager", steps=1,
-                                           scope="model")
-    assert shallow == deep <= 8, (shallow, deep)
+    # and backward), however deep; the TRM's sweep too (every visit unrolled in it: not its default, checked once)
+    shallow = compiled_training_matches_eager(tiny_config(n_loops=0, n_layer=2), "aot_eager", scope="model")
+    deep = compiled_training_matches_eager(tiny_config(n_loops=0, n_layer=4), "aot_eager", steps=1, scope="model")
+    assert shallow == deep <= 6, (shallow, deep)
+    assert compiled_training_matches_eager(tiny_config(n_loops=1), "aot_eager", steps=1, scope="model") <= 8
 
 
 def test_compile_scope_auto_is_the_model_for_a_plain_gpt_and_the_layer_visit_for_the_recursion():

@@ -328,11 +328,9 @@ def compile_scope_for(config, requested="auto", fsdp=False):
     would compile n_layer*(n_loops+1) blocks; FSDP gathers a block per layer visit and activation checkpointing
     recomputes one, so both keep "layer"."""
     if requested == "auto":
-        if config.n_loops or fsdp or config.activation_checkpointing:
-            return "layer", "auto: the layer visit (" + ("FSDP" if fsdp else "activation checkpointing" if
-                                                         config.activation_checkpointing and not config.n_loops
-                                                         else "the recursion") + ")"
-        return "model", "auto: the whole model (a plain GPT)"
+        why = ("FSDP" if fsdp else "activation checkpointing" if config.activation_checkpointing else
+               "the recursion" if config.n_loops else None)
+        return ("layer", f"auto: the layer visit ({why})") if why else ("model", "auto: the whole model (a plain GPT)")
     if requested not in COMPILE_SCOPES:
         raise ValueError(f"compile scope {requested!r} is unknown; choose auto or one of {COMPILE_SCOPES}")
     if requested == "model" and (fsdp or config.activation_checkpointing):
