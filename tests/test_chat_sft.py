@@ -87,6 +87,18 @@ def test_the_fine_tuned_checkpoint_keeps_the_base_config_and_trains_every_step(b
     assert "step 4" in sample.stdout  # n_sup_inference=4: the draft of every step, the base's setting kept
     check(run(base_dir, "plot_run", "base_sft"))
     assert os.path.exists(os.path.join(ckpt_dir(base_dir, "base_sft"), "training.png"))
+    # chat evaluation by supervision step, past the 4 steps of n_sup_inference too
+    evaluated = check(run(base_dir, "chat_eval", "--model_tag=base_sft", "--limit=2", "--n_sup=5", "--max_tokens=4",
+                          "--device_type=cpu"))
+    assert "| step 5 |" in evaluated.stdout and "| step 3 (trained) |" in evaluated.stdout
+    results = os.path.join(ckpt_dir(base_dir, "base_sft"), "chat_eval_step000004")
+    with open(results + ".json") as f:
+        result = json.load(f)
+    assert result["steps"] == [1, 2, 3, 4, 5] and set(result["tasks"]) == {"arithmetic", "hops"}
+    assert result["all"]["count"] == 4 and result["init_from"]["model_tag"] == "base"
+    assert os.path.getsize(results + ".png") > 0 and os.path.exists(results + ".md")
+    refused = run(base_dir, "chat_eval", "--model_tag=base_sft", f"--data={chats}.missing.jsonl", "--device_type=cpu")
+    assert refused.returncode == ExitCode.USAGE and "cannot read it" in refused.stderr
 
 
 def test_a_fresh_run_starts_from_the_base_weights(base_dir, chats):
