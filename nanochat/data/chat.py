@@ -40,6 +40,25 @@ ROLES = ("system", "user", "assistant")
 RENDERING = ("<|bos|>, then per message: <|user_start|>text<|user_end|> or <|assistant_start|>text<|assistant_end|>; "
              "a system message opens the first user message, a blank line after it")
 BUILTIN = "builtin"  # --data=builtin: the built conversation set
+# RENDERING as a Jinja chat template: what the HF export's tokenizer carries, so transformers' apply_chat_template
+# writes the ids chat_sft trained on (tests/test_chat_template.py checks it against render_conversation), and its
+# {% generation %} marks give return_assistant_tokens_mask the loss mask
+CHAT_TEMPLATE = (
+    "{{- '<|bos|>' -}}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{%- set ns.system = message['content'] -%}"
+    "{%- elif message['role'] == 'user' -%}"
+    "{{- '<|user_start|>' -}}"
+    "{%- if ns.system -%}{{- ns.system + '\n\n' -}}{%- set ns.system = '' -%}{%- endif -%}"
+    "{{- message['content'] + '<|user_end|>' -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{- '<|assistant_start|>' -}}{%- generation -%}{{- message['content'] + '<|assistant_end|>' -}}"
+    "{%- endgeneration -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant_start|>' -}}{%- endif -%}"
+)
 VAL_EVERY = 20  # without --val_data, one conversation in 20 (5%, drawn with the seed) is held out for validation
 ENCODE_CHUNK = 4096  # message texts encoded together (tiktoken's threaded batch)
 
