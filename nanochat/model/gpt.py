@@ -501,6 +501,11 @@ class GPT(nn.Module):
         model(idx, targets) -> (total, aux): the deep-supervision loss over n_sup (default n_sup_train) steps, and
             aux = {"step_losses": (N,) detached, in order, "refinement": (loss_0 - loss_last) / loss_0}.
         model(idx, targets, loss_reduction="none") -> per-token losses of every step, shape (N, B, T).
+
+        Why training has a second path, forward_backward: total.backward() here must keep every supervision step's
+        graph alive until the end, trunk and head; forward_backward backpropagates each step's head as soon as its
+        loss is known and the trunk step by step, so only one step's activations are alive. Both compute the same
+        loss with the same supervision functions; tests/test_gpt.py checks that their gradients agree.
         """
         c = self.config
         if targets is None:
