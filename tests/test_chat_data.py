@@ -44,7 +44,7 @@ def test_rendering_uses_the_chat_tokens_and_scores_the_assistant_and_its_end_onl
         expected[:expected.index(special("<|assistant_end|>")) + 1 + 1 + len(text("ok?")) + 2]
     # the threaded batch renders exactly as one at a time
     many = [conv("a", "b"), conv("c", "d", "e", "f", system=""), conv("x" * 50, "y")]
-    assert chat.render_many(TOK, many) == [chat.render_conversation(TOK, c) for c in many]
+    assert list(chat.render_many(TOK, many)) == [chat.render_conversation(TOK, c) for c in many]
 
 
 @pytest.mark.parametrize("record, problem", [
@@ -120,7 +120,8 @@ def rendered(n, seed=0):
     """n conversations of varied lengths, rendered."""
     import random
     rng = random.Random(seed)
-    return chat.render_many(TOK, [conv("q" * rng.randint(1, 12), "a" * rng.randint(1, 8)) for _ in range(n)])
+    return chat.Rendered(chat.render_many(TOK, [conv("q" * rng.randint(1, 12), "a" * rng.randint(1, 8))
+                                                for _ in range(n)]))
 
 
 def test_rows_hold_whole_conversations_and_score_only_assistant_tokens():
@@ -133,13 +134,13 @@ def test_rows_hold_whole_conversations_and_score_only_assistant_tokens():
         starts = [i for i, t in enumerate(tokens) if t == TOK.get_bos_token_id()]
         assert starts[0] == 0  # every row starts at a conversation
         pieces = [tokens[a:b] for a, b in zip(starts, starts[1:] + [len(tokens)])]
-        assert all(p in [c[0] for c in convs] for p in pieces)  # whole conversations only
+        assert all(p in [c[0].tolist() for c in convs] for p in pieces)  # whole conversations only
     placed = sum(1 for row in ids.tolist() for t in row if t == TOK.get_bos_token_id())
     assert placed == at
     scored = y[y != UNSCORED]
     assert len(scored) and set(scored.tolist()) <= set(text("a")) | {special("<|assistant_end|>")}
     # a conversation longer than a row is cut to it; the next starts a new row
-    long = chat.render_many(TOK, [conv("q", "a" * 100), conv("q", "b")])
+    long = list(chat.render_many(TOK, [conv("q", "a" * 100), conv("q", "b")]))
     ids, mask, at = chat.pack_rows(long, [0, 1], 0, 2, 30)
     assert at == 2 and ids[0].tolist() == long[0][0][:30] and ids[1, :len(long[1][0])].tolist() == long[1][0]
 
@@ -159,11 +160,12 @@ def test_the_loader_resumes_exactly_and_the_data_ranks_share_each_epoch():
     assert sorted(sum(shares, [])) == list(range(15))
     assert chat.ChatLoader(convs, 2, 32, 0, 1, seed=4).share(0) != straight.share(0)  # the seed shuffles
     with pytest.raises(ValueError, match="the conversations changed"):
-        chat.ChatLoader(convs[:5], 2, 32, 0, 1, seed=3, resume_state={"epoch": 0, "index": 20})
+        chat.ChatLoader(chat.Rendered(convs[i] for i in range(5)), 2, 32, 0, 1, seed=3,
+                        resume_state={"epoch": 0, "index": 20})
     with pytest.raises(ValueError, match="not a chat loader's position"):
         chat.ChatLoader(convs, 2, 32, 0, 1, seed=3, resume_state={"epoch": 0, "shard": "x"})
     with pytest.raises(chat.ChatDataError, match="2 training conversations for 3 data ranks"):
-        chat.ChatLoader(convs[:2], 2, 32, 0, 3, seed=3)
+        chat.ChatLoader(chat.Rendered(convs[i] for i in range(2)), 2, 32, 0, 3, seed=3)
 
 
 def test_chat_data_holds_out_validation_and_leaves_out_what_could_never_train():

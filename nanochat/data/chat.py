@@ -163,17 +163,40 @@ def prompt_problem(messages):
 
 
 def render_many(tokenizer, conversations):
-    """render_conversation of every conversation, their texts encoded in threaded batches."""
+    """render_conversation of every conversation, their texts encoded in threaded batches (an iterator)."""
     tokens = ChatTokens(tokenizer)
-    rendered = []
     for start in range(0, len(conversations), ENCODE_CHUNK):
         chunk = [turns(messages) for messages in conversations[start:start + ENCODE_CHUNK]]
         flat = tokenizer.encode([text for pairs in chunk for _, text in pairs]) if chunk else []
         at = 0
         for pairs in chunk:
-            rendered.append(assemble(tokens, pairs, flat[at:at + len(pairs)]))
+            yield assemble(tokens, pairs, flat[at:at + len(pairs)])
             at += len(pairs)
-    return rendered
+
+
+class Rendered:
+    """Rendered conversations in two flat tensors (int32 ids, bool mask) and offsets: as Python lists of ints, a
+    SmolTalk-sized set (~300M tokens) would take ~10 GB in every process. rendered[i] is (ids, mask) of one."""
+
+    def __init__(self, pairs):
+        ids, mask, lengths = [], [], []
+        for conv_ids, conv_mask in pairs:
+            ids.append(torch.as_tensor(conv_ids, dtype=torch.int32))
+            mask.append(torch.as_tensor(conv_mask, dtype=torch.bool))
+            lengths.append(len(conv_ids))
+        self.ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
+        self.mask = torch.cat(mask) if mask else torch.zeros(0, dtype=torch.bool)
+        self.lengths = lengths
+        self.offsets = [0]
+        for n in lengths:
+            self.offsets.append(self.offsets[-1] + n)
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.ids[a:b], self.mask[a:b]
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -266,8 +289,8 @@ def pack_rows(rendered, order, start, B, width):
             if filled and len(conv_ids) > width - filled:
                 break  # it starts the next row rather than being cut
             take = min(len(conv_ids), width - filled)
-            ids[row, filled:filled + take] = torch.tensor(conv_ids[:take], dtype=torch.int32)
-            mask[row, filled:filled + take] = torch.tensor(conv_mask[:take], dtype=torch.bool)
+            ids[row, filled:filled + take] = torch.as_tensor(conv_ids[:take], dtype=torch.int32)
+            mask[row, filled:filled + take] = torch.as_tensor(conv_mask[:take], dtype=torch.bool)
             filled, at = filled + take, at + 1
     return ids, mask, at
 
@@ -339,15 +362,17 @@ class ChatLoader:
         return inputs.to(self.device), targets.to(self.device)
 
 
-def rows_per_epoch(rendered, T, seed):
-    """Rows of T + 1 tokens one epoch packs into (one stream, epoch 0's order): sizes a run of --num_epochs."""
-    order = list(range(len(rendered)))
+def rows_per_epoch(lengths, T, seed):
+    """Rows of T + 1 tokens one epoch of conversations of these lengths packs into (one stream, epoch 0's order, as
+    pack_rows packs): sizes a run of --num_epochs."""
+    order = list(range(len(lengths)))
     random.Random(f"chat:{seed}:0").shuffle(order)
-    rows, at = 0, 0
-    while at < len(order):
-        _, _, at = pack_rows(rendered, order, at, 1, T + 1)
-        rows += 1
-    return rows
+    rows, filled = 0, 0
+    for i in order:
+        if filled and lengths[i] > T + 1 - filled:
+            rows, filled = rows + 1, 0
+        filled = min(T + 1, filled + lengths[i])
+    return rows + (filled > 0)
 
 
 # ---------------------------------------------------------------------------------------------------- the data source
@@ -382,15 +407,24 @@ class ChatData:
         return dict(self.record)
 
     def scored(self, rendered, what):
-        """The rendered conversations with an assistant token within the first row (the rest could never train, and
-        a batch of them alone would have nothing to score)."""
-        kept = [(ids, mask) for ids, mask in rendered if any(mask[1:self.T + 1])]
-        if not kept:
+        """The rendered conversations (Rendered) with an assistant token within the first row: the rest could never
+        train, and a batch of them alone would have nothing to score."""
+        left_out = []
+
+        def scorable():
+            for ids, mask in rendered:
+                if any(mask[1:self.T + 1]):
+                    yield ids, mask
+                else:
+                    left_out.append(1)
+        kept = Rendered(scorable())
+        left_out = len(left_out)
+        if not len(kept):
             raise ChatDataError(f"{self.spec}: no {what} conversation has an assistant token within the first "
                                 f"{self.T} tokens (--max_seq_len of the base model): nothing to train on")
-        if len(kept) < len(rendered):
-            print0(f"WARNING: {len(rendered) - len(kept)} {what} conversation(s) left out: their first assistant "
-                   f"token lies beyond the {self.T}-token row")
+        if left_out:
+            print0(f"WARNING: {left_out} {what} conversation(s) left out: their first assistant token lies beyond "
+                   f"the {self.T}-token row")
         return kept
 
     def loaders(self, run_config, tokenizer, rank, resume_states, device="cpu"):
@@ -401,7 +435,8 @@ class ChatData:
 
     def steps_per_epoch(self, run_config):
         rows_per_step = run_config.device_batch_size * run_config.world_size * run_config.grad_accum
-        return max(1, math.ceil(rows_per_epoch(self.train, run_config.max_seq_len, self.seed) / rows_per_step))
+        rows = rows_per_epoch(self.train.lengths, run_config.max_seq_len, self.seed)
+        return max(1, math.ceil(rows / rows_per_step))
 
     def validation(self, tokenizer, B, T, num_tokens, rank, world_size, device="cpu"):
         """(a function returning this rank's validation batches, how many): the validation conversations packed in
