@@ -36,13 +36,16 @@ def test_exact_match_and_ended_are_scored_per_task_at_every_step(monkeypatch):
     assert [n for n, _ in seen] == [1, 2, 3]
     assert seen[0][1][2] == chat.render_prompt(TOK, items[2][1][:-1])  # answered from the chat rendering
     assert result["steps"] == [1, 2, 3]
-    assert result["tasks"]["add"] == {"count": 2, "accuracy": [0.0, 0.5, 1.0], "ended": [1.0, 0.5, 1.0]}
-    assert result["tasks"]["hops"] == {"count": 1, "accuracy": [0.0, 1.0, 1.0], "ended": [1.0, 1.0, 1.0]}
+    assert result["tasks"]["add"] == {"count": 2, "constant": 0.5, "accuracy": [0.0, 0.5, 1.0],
+                                      "ended": [1.0, 0.5, 1.0]}
+    assert result["tasks"]["hops"] == {"count": 1, "constant": 1.0, "accuracy": [0.0, 1.0, 1.0],
+                                       "ended": [1.0, 1.0, 1.0]}
     assert result["all"]["accuracy"] == [0.0, 2 / 3, 1.0]
     assert result["examples"]["add"][0] == {"question": "1+1?", "answer": "two", "replies": ["three", "two", "two"]}
     table = chat_eval.format_chat_eval(result, trained_steps=2)
     assert "| step 2 (trained) | 0.500 | 1.000 | 0.667 | 0.667 |" in table
     assert "| step 3 | 1.000 | 1.000 | 1.000 | 1.000 |" in table
+    assert table.endswith("| one reply to every question, at best | 0.500 | 1.000 | | |")
     json.dumps(result)  # JSON-ready
 
 

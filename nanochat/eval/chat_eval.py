@@ -47,8 +47,9 @@ def items_from(spec, limit=None):
 @torch.no_grad()
 def evaluate_chat(model, tokenizer, items, n_steps, batch_size=32, max_tokens=16, autocast=None):
     """Exact match and ended rate per task at every supervision step 1..n_steps, as a JSON-ready dict: steps, tasks
-    {task: {count, accuracy[step], ended[step]}}, all {count, accuracy, ended}, examples {task: [{question, answer,
-    replies[step]}]}."""
+    {task: {count, constant, accuracy[step], ended[step]}}, all {...}, examples {task: [{question, answer,
+    replies[step]}]}. constant: the best exact match one reply given to every question gets (the commonest answer's
+    share), the floor a model that learned only the format can reach."""
     if not items:
         raise ChatDataError("no conversations to evaluate")
     for task, messages in items:
@@ -71,7 +72,9 @@ def evaluate_chat(model, tokenizer, items, n_steps, batch_size=32, max_tokens=16
     tasks = sorted({task for task, _ in items}, key=[task for task, _ in items].index)
 
     def scores(indices):
+        references = [answers[i] for i in indices]
         return {"count": len(indices),
+                "constant": max(map(references.count, set(references))) / len(indices),  # one reply to all
                 "accuracy": [sum(replies[s][i][0] == answers[i] for i in indices) / len(indices)
                              for s in range(n_steps)],
                 "ended": [sum(replies[s][i][1] for i in indices) / len(indices) for s in range(n_steps)]}
@@ -85,7 +88,8 @@ def evaluate_chat(model, tokenizer, items, n_steps, batch_size=32, max_tokens=16
 
 
 def format_chat_eval(result, trained_steps=None):
-    """The result as a Markdown table: a row per supervision step, exact match per task, overall, and ended."""
+    """The result as a Markdown table: a row per supervision step, exact match per task, overall, and ended; the last
+    row the floor a constant reply reaches."""
     tasks = list(result["tasks"])
     lines = ["| supervision step | " + " | ".join(f"{t} (n={result['tasks'][t]['count']})" for t in tasks) +
              " | all | ended with <\\|assistant_end\\|> |",
@@ -95,6 +99,8 @@ def format_chat_eval(result, trained_steps=None):
         lines.append(f"| {step_name(s)}{mark} | " +
                      " | ".join(f"{result['tasks'][t]['accuracy'][s]:.3f}" for t in tasks) +
                      f" | {result['all']['accuracy'][s]:.3f} | {result['all']['ended'][s]:.3f} |")
+    lines.append("| one reply to every question, at best | " +
+                 " | ".join(f"{result['tasks'][t]['constant']:.3f}" for t in tasks) + " | | |")
     return "\n".join(lines)
 
 
@@ -109,13 +115,15 @@ def format_examples(result):
 
 
 def plot_chat_eval(result, title, trained_steps=None):
-    """A matplotlib figure: exact match against supervision steps, a line per task and overall (dashed)."""
+    """A matplotlib figure: exact match against supervision steps, a line per task and overall (dashed), each task's
+    constant-reply floor dotted."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after matplotlib.use, which must precede it
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for task, scores in result["tasks"].items():
-        ax.plot(result["steps"], scores["accuracy"], marker="o", label=f"{task} (n={scores['count']})")
+        line, = ax.plot(result["steps"], scores["accuracy"], marker="o", label=f"{task} (n={scores['count']})")
+        ax.axhline(scores["constant"], color=line.get_color(), lw=0.8, ls=":")  # a constant reply's best
     ax.plot(result["steps"], result["all"]["accuracy"], "k--", marker="s", label="all")
     if trained_steps and trained_steps < result["steps"][-1]:
         ax.axvline(trained_steps + 0.5, color="grey", lw=0.8, ls=":")
