@@ -25,7 +25,6 @@ holds, common.rng_state's.
 import glob
 import json
 import os
-import re
 import shutil
 import warnings
 from typing import NamedTuple
@@ -37,7 +36,7 @@ from nanochat.checkpoint.meta import best_of, final_val_bpb, meta_problem, steps
 from nanochat.checkpoint.safe_load import LEGACY_RANK_GLOBALS, NO_CHECKPOINT_DOES, load_shards, shard_reader, unreadable
 from nanochat.common import describe_error, print0
 from nanochat.data.tokenizer import get_tokenizer, tokenizer_dir
-from nanochat.files import checkpoints_root, free_bytes, gigabytes, model_tag_arg, step_arg, tag_problem
+from nanochat.files import checkpoints_root, free_bytes, gigabytes, is_step_number, model_tag_arg, step_arg, tag_problem
 from nanochat.model.gpt import GPT, GPTConfig
 
 WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
@@ -88,7 +87,7 @@ def list_steps(model_tag):
     steps = []
     for path in glob.glob(os.path.join(model_dir(model_tag), "step_*")):
         name = os.path.basename(path)
-        if re.fullmatch(r"[0-9]+", name[5:]) and os.path.exists(os.path.join(path, "meta.json")):
+        if is_step_number(name[5:]) and os.path.exists(os.path.join(path, "meta.json")):
             steps.append(int(name[5:]))
     return sorted(steps)
 
@@ -141,8 +140,8 @@ def resolve_step(model_tag, which):
         if step is None:
             raise CheckpointError(f"no checkpoint of {model_tag!r} has a validation bpb yet; use 'latest'")
         return step
-    if not re.fullmatch(r"[0-9]+", str(which)):  # ASCII digits: int() would take "٢٠" as 20
-        raise CheckpointError(f"step {which!r}: use 'latest', 'best' or a step number")
+    if not is_step_number(str(which)):
+        raise CheckpointError(f"step {which!r}: use 'latest', 'best' or a step number in digits 0-9")
     if int(which) not in steps:
         raise CheckpointError(f"no checkpoint at step {int(which)} for {model_tag!r}; available steps: {steps}")
     return int(which)
