@@ -1,7 +1,7 @@
 """POST /v1/chat/completions with the official openai client against a real server on 127.0.0.1 (the tiny model): the
 conversation rendered as chat_sft trains on it and answered as the engine answers it, streaming or not, with n_sup and
-halting; its errors; the same batching, slots and key as completions; lm-eval's chat backend against it; and the
-viewer's Chat tab in headless Chromium."""
+halting; its errors; the same batching, slots and key as completions; chat_eval through lm-eval's chat backend
+against it; and the viewer's Chat tab in headless Chromium."""
 
 import json
 import threading
@@ -153,42 +153,6 @@ def test_the_refinement_route_answers_a_conversation_step_by_step(url, trained):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
 
 
-CHAT_TASK = """task: tiny_chat
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: []
-  max_gen_toks: 5
-  temperature: 0
-metric_list:
-  - metric: exact_match
-"""
-
-
-def test_lm_evals_chat_backend_gets_the_servers_answers_at_each_step(url, trained, tmp_path, monkeypatch):
-    """lm-eval's local-chat-completions against the chat route, at two supervision steps through gen_kwargs."""
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the task file is local
-    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is the optional [eval] extra: pip install -e '.[eval]'")
-    from lm_eval.tasks import TaskManager
-    docs = [{"question": "the cat", "answer": "x"}, {"question": "the dog sat", "answer": "y"}]
-    (tmp_path / "tiny_chat.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tmp_path / "tiny_chat.yaml").write_text(CHAT_TASK.format(data=tmp_path / "tiny_chat.jsonl"))
-    for n_sup in (1, 3):
-        results = lm_eval.simple_evaluate(
-            model="local-chat-completions", tasks=["tiny_chat"], task_manager=TaskManager(include_path=str(tmp_path)),
-            model_args={"base_url": f"{url}/v1/chat/completions", "model": MODEL_TAG, "max_retries": 1},
-            apply_chat_template=True, gen_kwargs={"n_sup": n_sup}, log_samples=True)
-        samples = sorted(results["samples"]["tiny_chat"], key=lambda sample: sample["doc_id"])
-        got = [sample["resps"][0][0] for sample in samples]
-        assert got == [answer(trained, [{"role": "user", "content": d["question"]}], 5, n_sup=n_sup) for d in docs]
-
-
 def test_chat_eval_through_the_server_scores_as_in_process(url, trained, tmp_path, monkeypatch):
     """chat_eval --server: the same questions through lm-eval's chat backend, the same replies and exact match at
     every step as the model evaluated in-process (a system message folded in as the rendering folds it)."""
@@ -200,17 +164,17 @@ def test_chat_eval_through_the_server_scores_as_in_process(url, trained, tmp_pat
     items = [("echo", [*USER, {"role": "assistant", "content": right_at_2}]),
              ("other", [{"role": "system", "content": "mat"}, {"role": "user", "content": "dog"},  # the system
                         {"role": "assistant", "content": "no"}])]  # message changes this reply
-    served = evaluate_chat_server(url, MODEL_TAG, items, 3, max_tokens=5)
-    here = evaluate_chat(trained[1], trained[2], items, 3, max_tokens=5)
-    assert served["tasks"]["echo"]["accuracy"] == here["tasks"]["echo"]["accuracy"] == [0.0, 1.0, 1.0]
-    assert served["examples"] == here["examples"] and served["all"]["ended"] == [None] * 3
+    served = evaluate_chat_server(url, MODEL_TAG, items, 2, max_tokens=5)
+    here = evaluate_chat(trained[1], trained[2], items, 2, max_tokens=5)
+    assert served["tasks"]["echo"]["accuracy"] == here["tasks"]["echo"]["accuracy"] == [0.0, 1.0]
+    assert served["examples"] == here["examples"] and served["all"]["ended"] == [None] * 2
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for _, m in items))
     with pytest.raises(SystemExit) as refused:
         chat_eval.main([f"--server={url}", f"--data={data}", "--n_sup=99", f"--out={tmp_path}"])
     assert refused.value.code == 2
-    result = chat_eval.main([f"--server={url}", f"--data={data}", "--n_sup=2", "--max_tokens=5", f"--out={tmp_path}"])
-    assert result["all"]["accuracy"] == [0.0, 0.5] and result["server"] == url
+    result = chat_eval.main([f"--server={url}", f"--data={data}", "--n_sup=1", "--max_tokens=5", f"--out={tmp_path}"])
+    assert result["all"]["accuracy"] == [0.0] and result["server"] == url
     written = {p.name for p in tmp_path.iterdir()}
     assert written >= {f"chat_eval_step000040_server.{ext}" for ext in ("json", "md", "png")}
 
