@@ -1,6 +1,6 @@
 """
-Serve a checkpoint over OpenAI's completions API (FastAPI + uvicorn), on localhost by default, with the refinement
-viewer at /. The routes, their answers and errors: nanochat/serve/server.py and docs/serving.md.
+Serve a checkpoint over OpenAI's completions and chat APIs (FastAPI + uvicorn), on localhost by default, with the
+refinement viewer at /. The routes, their answers and errors: nanochat/serve/server.py and docs/serving.md.
 
 pip install -e '.[serve]'
 python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrency 16
@@ -59,7 +59,7 @@ def names_arg(value):
 
 
 def parse_args(argv=None):
-    parser = ArgumentParser(description="Serve a checkpoint over OpenAI's completions API",
+    parser = ArgumentParser(description="Serve a checkpoint over OpenAI's completions and chat completions APIs",
                             formatter_class=DefaultsHelp)
     ckpt.checkpoint_flags(parser)
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (127.0.0.1: this machine only)")

@@ -588,7 +588,7 @@ def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_t
         json.dump({"step": 4, "val_bpb": None}, f)  # step 4's checkpoint, saved before its evaluation
     results = iter([([1.5, 1.25], "state"), None])
 
-    def validation(*args, stop):
+    def validation(*args, stop, batches):
         result = next(results)
         if result is None:
             raise EvaluationStopped()  # a signal arrived during the evaluation

@@ -215,7 +215,7 @@ def test_every_mode_runs_up_to_four_times_the_trained_steps(trained, client):
 @pytest.mark.parametrize("body, param, message", [
     ([1], None, "the body must be a JSON object"),
     ({"mode": "chat", "prompt": "x"}, "mode", "mode: one of generate, score, hops"),
-    ({"prompt": "x", "text": "y"}, "text", "text: unknown field; the fields are mode, prompt, max_tokens,"),
+    ({"prompt": "x", "text": "y"}, "text", "text: unknown field; the fields are mode, prompt, messages, max_tokens,"),
     ({"prompt": 5}, "prompt", "prompt: Input should be a valid string"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
     ({"mode": "score"}, "text", "text: Field required"),

@@ -45,7 +45,8 @@ TRAIN_WEIGHTS = "train_weights.safetensors"  # with --ema_decay: model.safetenso
 
 
 def build_model(config_dict, device):
-    """GPT(GPTConfig.from_dict(config_dict)) on device, its weights uninitialised (a checkpoint overwrites them)."""
+    """Build the GPT that config_dict describes on device. Its weights are left uninitialised, because a checkpoint
+    overwrites them."""
     config = GPTConfig.from_dict(config_dict)
     with torch.device("meta"):
         model = GPT(config)
@@ -55,7 +56,8 @@ def build_model(config_dict, device):
 
 
 def weights_problem(model, weights):
-    """Why a state dict does not load into model (names and shapes, compared without touching values), or None."""
+    """Say why a state dict does not load into model, or return None when it does. Names and shapes are compared;
+    no value is touched."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     given = {k: tuple(v.shape) for k, v in weights.items()}
     missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
@@ -83,7 +85,8 @@ def step_dir(model_tag, step):
 
 
 def list_steps(model_tag):
-    """Steps with a complete checkpoint (a final-named directory holding meta.json), ascending."""
+    """The steps that have a complete checkpoint, in ascending order. A checkpoint is complete once its directory
+    has its final name and holds meta.json."""
     steps = []
     for path in glob.glob(os.path.join(model_dir(model_tag), "step_*")):
         name = os.path.basename(path)
@@ -127,7 +130,8 @@ def best_step(model_tag):
 
 
 def resolve_step(model_tag, which):
-    """'latest', 'best' or a step number -> an existing step, or a CheckpointError that says what exists."""
+    """Turn 'latest', 'best' or a step number into a step that exists. Otherwise raise a CheckpointError that says
+    which steps do exist."""
     steps = list_steps(model_tag)
     if not steps:
         raise CheckpointError(f"no checkpoint found for model tag {model_tag!r} under {model_dir(model_tag)}; "
@@ -262,9 +266,9 @@ def load_rank_state(model_tag, step, rank):
 
 
 def load_model(model_tag=None, step="latest", device="cpu", **config_overrides):
-    """(model in eval mode, tokenizer, meta) from a checkpoint; config_overrides e.g. n_sup_inference=2.
-
-    A checkpoint trained with another tokenizer is refused; an unreadable file is named, with the other steps."""
+    """Load a checkpoint and return the model in eval mode, the tokenizer and the checkpoint's meta.json.
+    config_overrides change fields of the saved config, for example n_sup_inference=2. A checkpoint trained with
+    another tokenizer is refused. An unreadable file is named in the error, together with the other steps."""
     model_tag = model_tag or latest_model_tag()
     step = resolve_step(model_tag, step)
     try:

@@ -54,10 +54,52 @@ class CompletionRequest(Body):
     presence_penalty: float = 0.0
 
 
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]  # a string, or OpenAI's list of text parts
+    name: str | None = None  # OpenAI's participant name: nothing to do with it here
+
+    def plain(self):
+        """{role, content} as nanochat/data/chat.py renders it: text parts joined, a developer message (OpenAI's newer
+        name) a system one."""
+        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(Body):
+    model: str | None = None
+    messages: list[ChatMessage]  # rendered as chat_sft trained (nanochat/data/chat.py), answered by the assistant
+    max_tokens: int | None = Field(None, ge=1)  # None: the server's limit (the reply ends at <|assistant_end|>)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] = []
+    seed: int | None = Field(None, ge=0, lt=2 ** 63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n_sup: int | str | None = None  # as completions': steps, or "auto" / "RULE:THRESHOLD" for per-token halting
+    user: str | None = None
+    logprobs: bool = False
+    logit_bias: dict[str, float] = {}
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+
+CHAT_NEUTRAL = {"logprobs": False, "logit_bias": {}, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+
 # /v1/refinement, one body per mode (nanochat/serve/refinement.py); ranges are checked against the model there
 class RefineGenerate(Body):
     mode: Literal["generate"] = "generate"
-    prompt: str
+    prompt: str | None = None  # a text, after <|bos|>; or
+    messages: list[ChatMessage] | None = None  # a conversation, answered as /v1/chat/completions answers it
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int | None = None

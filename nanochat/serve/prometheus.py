@@ -45,11 +45,11 @@ class Metrics:
         else:
             self.write_timeouts.inc()
 
-    def finished(self, job, n_sup, error=None):
+    def finished(self, job, n_sup, error=None, route="/v1/completions"):
         """Record a generation that ended (error: what failed it); n_sup: the steps each token ran when no halting
-        rule was on."""
+        rule was on; route: the one that started it."""
         if error is not None:
-            self.failed.labels(route="/v1/completions").inc()
+            self.failed.labels(route=route).inc()
         tokens = sum(len(choice.tokens) for choice in job.choices)
         self.prompt_tokens.inc(sum(len(ids) for ids in job.prompts))
         self.completion_tokens.inc(tokens)

@@ -10,6 +10,8 @@ is wrong in one sentence):
   chosen token's probability), and the step at which a halting rule would have stopped that token. A forward with
   the cache computes every step for the last position anyway; the extra cost is the head on each step's answer.
   drafts: true adds base_sample --show_steps' drafts: each step's own greedy continuation (n_sup more generations).
+  The prompt is a text (after <|bos|>) or messages, a conversation rendered as chat_sft trained on it
+  (nanochat/data/chat.py) and answered until <|assistant_end|>: the viewer's Chat tab.
 - score: a pasted text teacher-forced, each token's loss (nats) at every step: where later steps help.
 - hops: a hops document (pasted, or drawn from a seed out of the corpus the model was trained on: HopsCorpus), each
   query's predicted answer at every step, by hop count.
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanochat.data.chat import prompt_problem, render_prompt
 from nanochat.data.synthetic import FAMILIES, HopsSpec, encode_hops, hops_answers
 from nanochat.model.engine import left_pad, sample_next
 from nanochat.model.halting import HALTING_RULES, Draft, Halting, check_halting
@@ -147,11 +150,16 @@ def check_request(engine, body, max_tokens_limit, default_halt, hops_corpus=Hops
                            f"{config.n_sup_train} supervision steps the model was trained with)", "n_sup")
     if mode == "hops":
         return parse_hops(engine, got, n_sup, hops_corpus)
-    text = got["prompt" if mode == "generate" else "text"]
-    if not text:
-        raise RequestError(f"{'prompt' if mode == 'generate' else 'text'}: a non-empty string is required",
-                           "prompt" if mode == "generate" else "text")
-    ids = engine.encode_prompt(text)
+    if mode == "generate" and (body.prompt is None) == (body.messages is None):
+        raise RequestError("generate: send prompt (a text) or messages (a conversation), one of them", "prompt")
+    if mode == "generate" and body.messages is not None:
+        text, ids = "", chat_prompt(engine, body.messages)
+    else:
+        text = got["prompt" if mode == "generate" else "text"]
+        if not text:
+            raise RequestError(f"{'prompt' if mode == 'generate' else 'text'}: a non-empty string is required",
+                               "prompt" if mode == "generate" else "text")
+        ids = engine.encode_prompt(text)
     if mode == "score":
         check_length(ids[:-1], config.sequence_len, "text")
         if len(ids) < 2:
@@ -176,6 +184,16 @@ def check_request(engine, body, max_tokens_limit, default_halt, hops_corpus=Hops
     return Request(mode, ids, n_sup, text=text, max_tokens=got["max_tokens"], temperature=float(got["temperature"]),
                    top_k=got["top_k"], top_p=got["top_p"], seed=got["seed"], halting=halting, drafts=got["drafts"],
                    stream=got["stream"])
+
+
+def chat_prompt(engine, messages):
+    """The ids a conversation (api.ChatMessage list) is answered from, as chat_sft rendered it; a RequestError naming
+    what breaks the conversation's rules."""
+    plain = [m.plain() for m in messages]
+    problem = prompt_problem(plain)
+    if problem:
+        raise RequestError(f"messages: {problem}", "messages")
+    return render_prompt(engine.tokenizer, plain)
 
 
 def parse_hops(engine, got, n_sup, corpus):

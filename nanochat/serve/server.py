@@ -20,6 +20,17 @@ POST /v1/completions  OpenAI's completions request: model (default: the served o
                       (the likeliest tokens and the chosen one), text_offset}; a completion the model ended lists its
                       end token last. With stream, server-sent events of the same shape, one per piece of text, then
                       data: [DONE].
+POST /v1/chat/completions  OpenAI's chat request: messages (system or developer, then user and assistant in turn, the
+                      user first and last; content a string or text parts), rendered as chat_sft trained on them
+                      (nanochat/data/chat.py) and answered until <|assistant_end|>; max_tokens or
+                      max_completion_tokens (default: the server's limit), and temperature, top_p, n, stop, seed,
+                      stream, stream_options, user as completions take them; extras top_k and n_sup (steps, "auto" or
+                      "RULE:THRESHOLD", as completions). logprobs, logit_bias and the penalties at their defaults
+                      only. -> {id: "chatcmpl-...", object: "chat.completion", created, model, choices: [{index,
+                      message: {role: "assistant", content}, logprobs: null, finish_reason}], usage, n_sup: the
+                      steps each token ran, or the halting rule}; with stream, chat.completion.chunk events whose
+                      delta carries the role first, then the text as it comes, then data: [DONE]. The same slots,
+                      batching, key and limits as completions.
 POST /v1/refinement   what each supervision step did, per token (generate, score a text, a hops document): the
                       fields and answers are in nanochat/serve/refinement.py and docs/serving.md
 GET  /                the refinement viewer, a page that renders /v1/refinement (no key needed: it holds no data)
@@ -51,13 +62,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from nanochat.data.chat import prompt_problem, render_prompt
 from nanochat.model.halting import forward_halting
 from nanochat.serve import refinement
 from nanochat.serve.api import (
     AUTO_HALTING,
+    CHAT_NEUTRAL,
     MAX_STOPS,
     NEUTRAL,
     APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
     error_response,
     parse_refinement,
     parse_request,
@@ -199,9 +214,61 @@ class Server:
         self.running -= 1
         self.slots.release()
 
-    def start(self, req, prompts, client=None):
+    def check_chat(self, req):
+        """(a completions request of a chat request, its prompt ids): the conversation rendered as chat_sft trained
+        on it, every other field checked as completions checks it; or an APIError naming what is wrong."""
+        for name, neutral in CHAT_NEUTRAL.items():
+            if getattr(req, name) != neutral:
+                raise APIError(400, f"{name}={getattr(req, name)!r} is not supported by this server; leave it out or "
+                                    f"send {json.dumps(neutral)}", name)
+        if None not in (req.max_tokens, req.max_completion_tokens) and req.max_tokens != req.max_completion_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens differ: send one of them", "max_tokens")
+        messages = [m.plain() for m in req.messages]
+        problem = prompt_problem(messages)
+        if problem:
+            raise APIError(400, f"messages: {problem}", "messages")
+        ids = render_prompt(self.engine.tokenizer, messages)
+        if len(ids) > self.config.sequence_len:
+            raise APIError(400, f"messages: the conversation is {len(ids)} tokens as the model reads it; its context "
+                                f"is {self.config.sequence_len} tokens", "messages")
+        fields = {k: getattr(req, k) for k in ("model", "temperature", "top_p", "top_k", "n", "stop", "seed",
+                                                "stream", "stream_options", "n_sup", "user")}
+        completion = CompletionRequest.model_validate({**fields, "prompt": ids, "max_tokens": req.max_tokens or
+                                                       req.max_completion_tokens or self.max_tokens_limit})
+        return completion, self.check(completion)
+
+    def chat_completion(self, job, n_sup):
+        choices = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                    "finish_reason": c.finish_reason} for i, c in enumerate(job.choices)]
+        return {**self.chat_chunk(job, choices, job.usage(), "chat.completion"), "n_sup": self.steps_run(n_sup)}
+
+    def chat_chunk(self, job, choices, usage=None, kind="chat.completion.chunk"):
+        return {"id": job.id, "object": kind, "created": job.created, "model": self.model_id, "choices": choices,
+                "usage": usage}
+
+    def chat_events(self, job, n_sup):
+        """chat.completion.chunk events as the text comes: each choice's first delta names the role; the last chunk
+        carries the usage, if asked for, and the steps run."""
+        started = set()
+
+        def event(item):
+            index, text, finish_reason = item
+            delta = {"content": text} if index in started else {"role": "assistant", "content": text}
+            started.add(index)
+            chunk = self.chat_chunk(job, [{"index": index, "delta": delta, "logprobs": None,
+                                           "finish_reason": finish_reason}])
+            return {**chunk, "n_sup": self.steps_run(n_sup)} if finish_reason else chunk
+        last = lambda: [self.chat_chunk(job, [], job.usage())] if job.include_usage else []  # noqa: E731
+        return job.worker.events(event, last)
+
+    def steps_run(self, n_sup):
+        """What a request's n_sup ran, for the answer: the steps, or the halting rule ("kl:0.0005")."""
+        steps, halting = self.depth(n_sup)
+        return str(halting) if halting else steps or self.config.n_sup_inference
+
+    def start(self, req, prompts, client=None, route="/v1/completions"):
         """Start the request's generation on a worker thread (its slot taken, freed when it ends); client: the HTTP
-        request, watched so that a client that leaves stops it."""
+        request, watched so that a client that leaves stops it; route: the one /metrics counts a failure under."""
         rows = [ids for ids in prompts for _ in range(req.n)]  # choice index = prompt index * n + j, as at OpenAI
         stats = {}
         n_sup, halting = self.depth(req.n_sup)
@@ -219,8 +286,8 @@ class Server:
                   req.stream_options is not None and req.stream_options.include_usage, score, req.echo)
         job.stats = stats
         steps = n_sup or self.config.n_sup_inference
-        job.worker = Worker(job.run, (self.release, lambda worker: self.metrics.finished(job, steps, worker.error())),
-                            client)
+        job.worker = Worker(job.run, (self.release, lambda worker: self.metrics.finished(job, steps, worker.error(),
+                                                                                          route)), client)
         return job
 
     def next_token_logprobs(self, ids, n_sup, halting=None):
@@ -344,6 +411,24 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
         if await job.worker.finished() is None:  # the client left: no one reads the answer, but /metrics says so
             return Response(status_code=CLIENT_GONE)
         return JSONResponse(server.completion(job), headers=headers)
+
+    @app.post("/v1/chat/completions", dependencies=keyed)
+    async def chat_completions(request: Request):
+        arrived = time.perf_counter()
+        req = parse_request(await read_body(request), ChatCompletionRequest)
+        completion, prompts = await run_in_threadpool(server.check_chat, req)  # rendering off the loop, as above
+        await server.acquire()
+        try:
+            job = server.start(completion, prompts, request, route="/v1/chat/completions")
+        except BaseException:
+            server.release()
+            raise
+        job.id, job.arrived = "chat" + job.id, arrived
+        if completion.stream:
+            return StreamingResponse(server.chat_events(job, completion.n_sup), media_type="text/event-stream")
+        if await job.worker.finished() is None:
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(server.chat_completion(job, completion.n_sup))
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def viewer():  # the page holds no data and asks for the key itself, so it needs none
