@@ -94,6 +94,7 @@ def train(run_config, data=None, init=None):
     if init and fsdp:
         raise Exit("initial weights (chat_sft) load into an unsharded model: run without --sharding=fsdp")
     model = build_model(model_config, device, fsdp, run_config.dtype)
+    model.head_chunks = run_config.head_chunks  # the plan's (planning.plan_head)
     if init and not resume:
         init.load(model)  # before the optimizers and the weight average read the weights
     model.train()
@@ -113,8 +114,9 @@ def train(run_config, data=None, init=None):
     start_step, prior_seconds, loader_states = restore(run_config, resume, model, optimizers, ema)
     attention.choose(run_config.attention, model.config, run_config.device_batch_size, device,
                      getattr(torch, run_config.dtype), log=print0)  # before the first step traces any graph
-    if run_config.compile:
-        model.compile_layer_visits()
+    if run_config.compile:  # the EMA's copy too: it was deep-copied before, and evaluation would run it eager
+        for compiled in (model, ema.module) if ema else (model,):
+            compiled.compile_regions(run_config.compile_scope)
     loaders, prefetched = open_training_data(run_config, tokenizer, device, rank, loader_states,
                                              first_batch=start_step < num_iterations, data=data)
     token_bytes = get_token_bytes(device=device)
@@ -212,6 +214,7 @@ class Run:
     last_eval_step: int | None = None  # the step it measured (None before the first)
     saved_step: int | None = None  # the step of the last checkpoint this process saved
     history: list = field(default_factory=list)  # every step's losses, for the NaN diagnostic
+    state_seen: tuple = (None, [])  # (the step logged, its state diagnostics): the last step that measured them
     health: Health = field(default_factory=Health)
 
     @property
@@ -363,6 +366,7 @@ class Run:
         every rank, before the update."""
         cfg, model = self.run_config, self.model
         n_sup = model.train_depth(step)  # a function of the step alone: every rank and micro-batch agrees
+        diagnose = self.diagnoses(step)  # so is this
         sums = torch.zeros(StepStats.size(n_sup), device=self.device)  # on the device until the reduction
         after, data_error = None, None
         try:
@@ -370,7 +374,8 @@ class Run:
                 x, y = self.prefetched if j == 0 else next(loader)
                 x, y = self.mix_probe(x, y, step, j)
                 with autocast_for(cfg.device_type, cfg.dtype):
-                    loss, aux = model.forward_backward(x, y, loss_scale=1 / cfg.grad_accum, n_sup=n_sup)
+                    loss, aux = model.forward_backward(x, y, loss_scale=1 / cfg.grad_accum, n_sup=n_sup,
+                                                       diagnostics=diagnose)
                 sums += StepStats.pack(loss, aux)  # no .item() here: the host runs ahead of the device
             after = [loader.state_dict() for loader in self.loaders]
             # the next step's first batch, read now, while the device still works through this step's kernels
@@ -387,6 +392,7 @@ class Run:
         self.stop_on_data_failure(flags["data"], data_error)
         self.consumed = after  # the loaders' positions a checkpoint of this step resumes from
         stats = StepStats.unpack(values, n_sup)
+        self.state_seen = (step + 1, stats.state) if diagnose else self.state_seen
         self.stop_on_nan(step, stats)
         lrm = lr_multiplier(step, self.num_iterations, self.warmup_steps, cfg.warmdown_ratio, cfg.final_lr_frac)
         set_schedule(self.optimizers, lrm, muon_momentum(step))
@@ -396,6 +402,10 @@ class Run:
         if self.ema:
             self.ema.update_parameters(model)
         return stats, flags, lrm
+
+    def diagnoses(self, step):
+        """Whether step measures the recursion's state: every --diagnostics_every steps, and the first and last."""
+        return step % self.run_config.diagnostics_every == 0 or step in (self.start_step, self.num_iterations - 1)
 
     def mix_probe(self, x, y, step, micro_step):
         """The micro-batch with the depth probe's hops documents written over some rows, or as it is."""
@@ -434,7 +444,8 @@ class Run:
         mem_gb = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else None
         record = {"kind": "train", "step": step, "loss": stats.losses[-1], "total_loss": stats.total,
                   "step_losses": stats.losses, "refinement": refinement(stats.losses),
-                  "state": [[round(v, 5) for v in row] for row in stats.state], "grad_norm": stats.grad_norm,
+                  "state": [[round(v, 5) for v in row] for row in self.state_seen[1]],
+                  "state_step": self.state_seen[0], "grad_norm": stats.grad_norm,
                   "lr_multiplier": lrm, "dt": dt, "tok_per_sec": tok_per_sec, "mfu": mfu, "peak_mem_gb": mem_gb,
                   "elapsed_s": self.control.elapsed(), "cost": self.control.cost() or None}
         self.metrics.log(record)
@@ -625,7 +636,10 @@ class StepStats(NamedTuple):
 
     @staticmethod
     def pack(loss, aux):
-        return torch.cat([loss.view(1), aux["step_losses"], aux["state"].flatten()]).float()
+        """aux["state"] is None on a step that does not measure it: zeros travel in its place."""
+        state = aux["state"] if aux["state"] is not None else aux["step_losses"].new_zeros(
+            len(aux["step_losses"]), len(STATE_DIAGNOSTICS))
+        return torch.cat([loss.view(1), aux["step_losses"], state.flatten()]).float()
 
     @classmethod
     def unpack(cls, values, n_sup):
