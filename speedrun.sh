@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The whole nanochat-TRM pipeline on one 8-GPU node (8x B200, H200, H100 or A100 80GB), top to bottom:
 #   environment -> data -> tokenizer (+ its evaluation) -> Phase 1 (fast) -> its verification -> Phase 2 (extreme)
-#   -> evaluation of the final model -> samples -> the run report.
+#   -> evaluation of the final model -> samples -> chat fine-tuning (SFT) -> chat evaluation -> the run report.
 #
 #   bash speedrun.sh                 # the GPUs are detected; HARDWARE=8xA100 picks a row of the table yourself
 #   DRY_RUN=1 bash speedrun.sh       # print every step and both plans, run nothing
 #   FORCE=1 bash speedrun.sh         # go on to Phase 2 even if Phase 1 misses a success criterion
+#   SFT_DATA=chats.jsonl bash speedrun.sh   # the SFT conversations (default hf:HuggingFaceTB/smol-smoltalk)
 # The environment overrides of scripts/train_*.sh (DEPTH, NANOCHAT_BASE_DIR, ...) apply here too.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -58,5 +59,12 @@ run torchrun --standalone --nproc_per_node=8 -m scripts.base_loss -- --model_tag
 say "9. Samples from the final model"
 run python -m scripts.base_sample --model_tag="${hw}_extreme"
 
-say "10. Run report"
+say "10. Chat: the final model fine-tuned on conversations, every supervision step trained (docs/chat.md)"
+run torchrun --standalone --nproc_per_node=8 -m scripts.chat_sft -- --model_tag="${hw}_extreme" \
+    --data="${SFT_DATA:-hf:HuggingFaceTB/smol-smoltalk}"
+
+say "11. Chat evaluation: exact match by supervision step on the built tasks"
+run python -m scripts.chat_eval --model_tag="${hw}_extreme_sft"
+
+say "12. Run report"
 run python -m scripts.launch report "${hw}_fast:fast" "${hw}_extreme:extreme" --out="$NANOCHAT_BASE_DIR/speedrun_report.md"

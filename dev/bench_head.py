@@ -5,13 +5,20 @@ reset after the warm-up that compiles) is its own.
 
     eager             the plain head + F.cross_entropy, as training ran before the chunked head
     compiled          the same, torch.compile'd whole (inductor, dynamic=False)
-    chunked           ChunkedHeadLoss with the eager chunk (training without --compile)
-    chunked-compiled  ChunkedHeadLoss with the inductor-compiled chunk (training with --compile)
+    chunked           ChunkedHeadLoss with the eager chunk (training without --compile), default chunks
+    chunked-compiled  the same chunk compiled (inductor), default chunks
+    one-chunk         the head as training runs it now without --compile: the final norm folded in, one chunk of
+                      every row (the plan's, where memory allows)
+    one-chunk-fused   the same, compiled as --compile compiles it (the fusable chunk: one region)
+
+The default chunk is HEAD_CHUNK_ELEMENTS logits (4,096 rows at vocab 65,536); the one-chunk variants take y before
+the final norm, the others norm(y).
 
 Usage: OMP_NUM_THREADS=1 python dev/bench_head.py [--rows 2048] [--n-embd 768] [--vocab 65536] [--iters 3]
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -23,7 +30,7 @@ import torch.nn.functional as F
 
 import nanochat.model.supervision as supervision
 
-VARIANTS = ("eager", "compiled", "chunked", "chunked-compiled")
+VARIANTS = ("eager", "compiled", "chunked", "chunked-compiled", "one-chunk", "one-chunk-fused")
 
 
 def plain_head_loss(h, weight, targets):
@@ -36,6 +43,10 @@ def head_loss_fn(variant):
         return plain_head_loss
     if variant == "compiled":
         return torch.compile(plain_head_loss, dynamic=False)
+    if variant.startswith("one-chunk"):
+        chunk = functools.partial(supervision.normed_head_chunk_loss_and_grads, fusable=variant.endswith("fused"))
+        chunk = torch.compile(chunk, dynamic=False) if variant.endswith("fused") else chunk
+        return lambda y, weight, targets: supervision.ChunkedHeadLoss.apply(y, weight, targets, chunk, y.size(0))
     chunk = supervision.head_chunk_loss_and_grads
     chunk = torch.compile(chunk, dynamic=False) if variant == "chunked-compiled" else chunk
     return lambda h, weight, targets: supervision.ChunkedHeadLoss.apply(h, weight, targets, chunk)

@@ -76,7 +76,10 @@ def main():
     runs = {"ours": (nanochat.train.optim, build(nanochat.model.gpt, nanochat.train.optim, args, rank))}
     if args.baseline:
         with other_nanochat(args.baseline) as load:  # setup_optimizers imports the optimizers: build in here
-            runs["baseline"] = (load("nanochat.optim"), build(load("nanochat.gpt"), load("nanochat.optim"), args, rank))
+            new_layout = os.path.isdir(os.path.join(args.baseline, "nanochat", "train"))  # the move of 2026-11-28
+            optim = load("nanochat.train.optim" if new_layout else "nanochat.optim")
+            runs["baseline"] = (optim, build(load("nanochat.model.gpt" if new_layout else "nanochat.gpt"), optim, args,
+                                             rank))
     times = {name: [] for name in runs}
     for step in range(args.warmup + args.steps):
         for name, run in runs.items():

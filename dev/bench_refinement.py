@@ -1,7 +1,7 @@
 """
-What the viewer's per-step data costs: time to first token and per-token decode time of nanochat.serve.refinement.generate
-(each step's head, probabilities and halting score per token, each event JSON-encoded as the server sends it) against
-a plain Engine.generate, same model, prompt and tokens.
+What the viewer's per-step data costs: time to first token and per-token decode time of
+nanochat.serve.refinement.generate (each step's head, probabilities and halting score per token, each event
+JSON-encoded as the server sends it) against a plain Engine.generate, same model, prompt and tokens.
 
 python -m dev.bench_refinement --n_sup 4 --vocab 4096 --threads 1      # dev/runcpu.sh's model shape, random weights
 

@@ -13,6 +13,9 @@ tenths of the model's context). A 503 is expected once --max_concurrency generat
 the table is printed and the exit code is 1. RSS is the server process's resident memory, from /proc (Linux).
 tokens/s counts the completion tokens of the requests served (their usage), over the level's wall time; time per
 output token (TPOT) is a streamed request's (latency - time to first token) / (tokens - 1), as vLLM's benchmark has it.
+--connections reused,new runs each level once per kind of connection: each client keeping its connection alive (as
+the openai client does), or opening a new one per request; time to first token differs between them where the
+server's small writes wait for the client's delayed ACK (Nagle's algorithm).
 
 Halting against every step, on the same prompts and seeds (issue 37): --n_sup all,kl:0.1 runs each level once per
 depth, and the table gains the depth, the mean supervision steps a generated token ran (the server's /metrics) and,
@@ -24,6 +27,7 @@ prompts are held-out text too (the windows' starts), not random tokens.
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -64,10 +68,16 @@ def parse_args(argv=None):
     parser.add_argument("--n_sup", default="all", help="comma-separated depths, each run at every level on the same "
                         "prompts and seeds: all (the model's), a number of steps, or RULE:THRESHOLD to halt per token "
                         "(docs/serving.md)")
+    parser.add_argument("--connections", default="reused,new",
+                        help="comma-separated: reused (each client keeps its connection alive) and/or new (a new "
+                             "connection per request); each level runs once per kind")
     parser.add_argument("--score", type=int, default=0, help="score this many held-out windows of the corpus at "
                         "each depth (answer bpb); needs --model_tag and its corpus under $NANOCHAT_BASE_DIR")
     args = parser.parse_args(argv)
     args.depths = [None if d == "all" else int(d) if d.isdigit() else d for d in args.n_sup.split(",")]
+    args.kinds = args.connections.split(",")
+    if not args.kinds or not set(args.kinds) <= {"reused", "new"}:
+        parser.error(f"--connections={args.connections}: write reused, new or reused,new")
     if args.score < 0 or args.score and args.model_tag is None:
         parser.error("--score N needs N >= 0 and a --model_tag trained on the corpus under $NANOCHAT_BASE_DIR")
     try:
@@ -152,16 +162,18 @@ async def one_request(client, body):
     return (None if done else "stream without [DONE]"), time.perf_counter() - start, first, tokens
 
 
-async def run_level(base_url, api_key, concurrency, prompts, args, n_sup=None):
-    """Every request of one concurrency level at one depth (n_sup None: the model's): a list of (error kind or None,
-    latency, ttft, streamed, completion tokens), and seconds."""
+async def run_level(base_url, api_key, concurrency, prompts, args, n_sup=None, connections="reused"):
+    """Every request of one concurrency level at one depth (n_sup None: the model's), on kept-alive connections
+    (reused) or a new one per request (new): a list of (error kind or None, latency, ttft, streamed, completion
+    tokens), and seconds."""
     depth = {} if n_sup is None else {"n_sup": n_sup}
     bodies = [{"prompt": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "temperature": 1.0,
                "seed": i, "stream": i % 2 == 1, **depth,
                **({"stream_options": {"include_usage": True}} if i % 2 else {})}
               for i in range(args.requests)]
     results, started = [], time.perf_counter()
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    keep = concurrency if connections == "reused" else 0  # 0: every connection closes after its request
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=keep)
     async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, limits=limits,
                                  timeout=args.request_timeout) as client:
         pending = iter(bodies)
@@ -184,9 +196,10 @@ def percentile_ms(values, q, decimals=0):
     return f"{np.percentile(values, q) * 1000:.{decimals}f}" if values else "-"
 
 
-def summarize(concurrency, results, seconds, rss=None, depth=None):
+def summarize(concurrency, results, seconds, rss=None, depth=None, connections=None):
     """One table row of a level, and its error kinds that are defects (not the expected 503); rss: the server's MiB
-    after the level; depth: (n_sup, mean steps per token, answer bpb) for the depth columns."""
+    after the level; depth: (n_sup, mean steps per token, answer bpb) for the depth columns; connections: reused or
+    new, for its column."""
     ok = [r for r in results if r[0] is None]
     latencies = [r[1] for r in ok]
     ttfts = [r[2] for r in ok if r[3] and r[2] is not None]
@@ -197,6 +210,7 @@ def summarize(concurrency, results, seconds, rss=None, depth=None):
         n_sup, steps, bpb = depth
         columns = (f"{'all' if n_sup is None else n_sup} | {'-' if steps is None else f'{steps:.2f}'} | "
                    f"{'-' if bpb is None else f'{bpb:.4f}'} | ")
+    columns = ("" if connections is None else f"{connections} | ") + columns
     row = (f"| {concurrency} | {columns}{len(results)} | {len(ok)} | {len(ok) / seconds:.2f} | "
            f"{sum(r[4] for r in ok) / seconds:.1f} | {percentile_ms(latencies, 50)} | {percentile_ms(latencies, 99)} | "
            f"{percentile_ms(ttfts, 50)} | {percentile_ms(ttfts, 99)} | {percentile_ms(tpots, 50, 1)} | "
@@ -287,18 +301,21 @@ def main(argv=None):
                 bpb[n_sup] = answer_bpb(base_url, api_key, windows, args.max_tokens, tokenizer, n_sup)
             rss_before = rss_mib(proc.pid)
             compare = args.depths != [None] or args.score
-            print(f"| clients | {'n_sup | steps/token | answer bpb | ' if compare else ''}requests | ok | ok req/s | "
-                  f"tokens/s | p50 ms | p99 ms | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | RSS MiB | errors |")
-            print("|---" * (12 + 3 * bool(compare)) + "|")
+            depth = "n_sup | steps/token | answer bpb | " if compare else ""
+            print(f"| clients | connections | {depth}requests | ok | ok req/s | tokens/s | p50 ms | p99 ms | "
+                  f"TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | RSS MiB | errors |")
+            print("|---" * (13 + 3 * bool(compare)) + "|")
             defects = Counter()
             for concurrency in args.levels:
-                for n_sup in args.depths:  # interleaved, so that the machine's load falls on every depth alike
+                # interleaved, so that the machine's load falls on every depth and kind of connection alike
+                for n_sup, kind in itertools.product(args.depths, args.kinds):
                     before = steps_counter(base_url, api_key)
-                    results, seconds = asyncio.run(run_level(base_url, api_key, concurrency, prompts, args, n_sup))
+                    results, seconds = asyncio.run(run_level(base_url, api_key, concurrency, prompts, args, n_sup,
+                                                             kind))
                     after = steps_counter(base_url, api_key)
                     steps = (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else None
                     depth = (n_sup, steps, bpb.get(n_sup)) if compare else None
-                    row, level_defects = summarize(concurrency, results, seconds, rss_mib(proc.pid), depth)
+                    row, level_defects = summarize(concurrency, results, seconds, rss_mib(proc.pid), depth, kind)
                     print(row, flush=True)
                     defects.update(level_defects)
             rss_after = rss_mib(proc.pid)

@@ -3,14 +3,15 @@ One CPU training step (forward + backward + optimizer step) of our model against
 config, and of TRM configs against our plain model. Every timed round runs one step of each model in turn (in
 alternating order), so a change in background load hits all of them alike; medians are reported.
 
-    git clone https://github.com/karpathy/nanochat /tmp/nanochat && git -C /tmp/nanochat checkout 10231df
+    git clone https://github.com/karpathy/nanochat /tmp/nanochat      # HEAD (92d63d4 when last measured)
     python -m dev.bench_train_step --nanochat_dir /tmp/nanochat
     python -m dev.bench_train_step --nanochat_dir /tmp/nanochat --steps 3 --configs plain,loops1-sup2
 
-10231df (2025-12-31) is nanochat's last 2025 commit; its GPT runs on CPU as is (SDPA attention, fp32 when not on
-CUDA). Its single-process optimizers are fused torch AdamW and a Muon whose Newton-Schulz is torch.compile'd and runs
-in bfloat16 (slow on a CPU without native bfloat16 matmuls); it clips with torch.nn.utils.clip_grad_norm_ at 1.0, as
-its base_train does. Ours runs base_train's step: forward_backward, then reduce_gradients and clipped_step at 1.0.
+nanochat's GPT runs on CPU as is (SDPA attention, float32 when not on CUDA), every layer full-context (window "L")
+like ours. HEAD's optimizer is one MuonAdamW whose AdamW and Muon updates are torch.compile'd (2025 versions: fused
+torch AdamW and a Muon with compiled Newton-Schulz); the bench clips with torch.nn.utils.clip_grad_norm_ at 1.0 for
+both (HEAD's base_train does not clip: its optimizer column is a little high). Ours runs base_train's step:
+forward_backward, then reduce_gradients and clipped_step at 1.0.
 
 Targets (issue 13): our plain step <= 1.0x nanochat's, and each TRM config's step-time ratio over plain within 1.10x
 of its FLOP ratio (GPT.estimate_flops). Our plain step and nanochat's do the same FLOPs. Times are wall and CPU
@@ -29,7 +30,6 @@ import torch
 
 from dev.bench_args import add_model_flags, build_config
 from dev.bench_model import build, optimizer_step
-from nanochat.train.optim import setup_optimizers
 
 # (name, n_loops, T_recursion, n_sup_train); plain is our GPT in nanochat's shape, the others are compared with it
 CONFIGS = [
@@ -60,13 +60,18 @@ def other_nanochat(path):
 
 
 def build_nanochat(nanochat_dir, args):
+    """nanochat's GPT at our plain model's shape with its own optimizers: HEAD's one MuonAdamW (setup_optimizer), 2025
+    versions' list (setup_optimizers); every layer full-context (window "L"), as ours, for the same attention FLOPs."""
     with other_nanochat(nanochat_dir) as load:
         gpt = load("nanochat.gpt")
-        config = build_config(args, gpt.GPTConfig, sequence_len=args.seq_len)
+        windows = {"window_pattern": "L"} if "window_pattern" in gpt.GPTConfig.__dataclass_fields__ else {}
+        config = build_config(args, gpt.GPTConfig, sequence_len=args.seq_len, **windows)
         torch.manual_seed(0)
         model = gpt.GPT(config)
         model.init_weights()
-        return model, setup_optimizers(model)
+        if hasattr(model, "setup_optimizer"):
+            return model, [model.setup_optimizer()]
+        return model, list(model.setup_optimizers())
 
 
 def timed(fn):

@@ -206,6 +206,11 @@ def model_tag_arg(value):
 
 def step_arg(value):
     """argparse type of --step: 'latest', 'best' or a step number (resolve_step finds it)."""
-    if value in ("latest", "best") or re.fullmatch(r"[0-9]+", value):  # ASCII digits only: str.isdigit takes "²"
+    if value in ("latest", "best") or is_step_number(value):
         return value
-    raise argparse.ArgumentTypeError(f"{value!r}: use 'latest', 'best' or a step number")
+    raise argparse.ArgumentTypeError(f"{value!r}: use 'latest', 'best' or a step number in digits 0-9")
+
+
+def is_step_number(value):
+    """ASCII digits only: str.isdigit also takes '²' (which int() refuses) and other scripts' digits ('٢٠' is 20)."""
+    return value.isascii() and value.isdigit()

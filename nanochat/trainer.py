@@ -48,22 +48,55 @@ from nanochat.train.weight_average import WeightAverage
 
 
 # ---------------------------------------------------------------------------------------------------- the run
-def train(run_config):
+class CorpusData:
+    """base_train's data: the pretraining corpus's shards. A data source is what train() reads batches from; chat_sft
+    passes its conversations (nanochat/data/chat.ChatData), which answer the same calls."""
+    sample_prompts = SAMPLE_PROMPTS  # strings, encoded after <|bos|>; a chat source gives token lists
+
+    def problem(self):
+        return data_problem()
+
+    def identity(self):
+        return corpus_identity()
+
+    def loaders(self, run_config, tokenizer, rank, resume_states, device="cpu"):
+        return training_loaders(run_config, tokenizer, rank, resume_states, device)
+
+    def validation(self, tokenizer, B, T, num_tokens, rank, world_size, device="cpu"):
+        return None  # validation_bpb reads the corpus's validation rows itself
+
+
+class Init(NamedTuple):
+    """Initial weights for a fresh run (chat_sft: the base checkpoint's): load(model) writes them into the built model,
+    record (plain data) goes into every checkpoint's meta.json as init_from."""
+    record: dict
+    load: object
+
+
+def train(run_config, data=None, init=None):
+    """The run, start to end; returns the step it stopped at. data: the data source (default: the pretraining corpus);
+    init: an Init, the weights a fresh run starts from (default: drawn from the seed)."""
+    data = data or CorpusData()
     run_dir = ckpt.model_dir(run_config.model_tag)
     check_writable(run_dir)  # a read-only run directory stops here, before any spending
     ddp, rank, local_rank, world_size, device = compute_init(run_config.device_type, run_config.seed)
     if ddp and world_size != run_config.world_size:
         raise Exit(f"internal: parsed for {run_config.world_size} processes, running {world_size}")
-    missing = data_problem()
+    missing = data.problem()
     if missing:
         raise Exit(missing)
     tokenizer = get_tokenizer()
     model_config = {**run_config.model_config, "vocab_size": tokenizer.get_vocab_size()}
     run_lock = lifecycle.RunLock(run_dir, active=rank == 0)  # held until the run ends
-    resume, corpus = start_or_resume(run_config, model_config, tokenizer, rank, run_lock)
+    resume, corpus = start_or_resume(run_config, model_config, tokenizer, rank, run_lock, data)
 
     fsdp = run_config.sharding == "fsdp"  # every block's weights, gradients and optimizer state sharded over the ranks
+    if init and fsdp:
+        raise Exit("initial weights (chat_sft) load into an unsharded model: run without --sharding=fsdp")
     model = build_model(model_config, device, fsdp, run_config.dtype)
+    model.head_chunks = run_config.head_chunks  # the plan's (planning.plan_head)
+    if init and not resume:
+        init.load(model)  # before the optimizers and the weight average read the weights
     model.train()
     optimizers = build_optimizers(model, run_config, fsdp)
     num_iterations, horizon_source = num_iterations_for(run_config, model)
@@ -81,10 +114,11 @@ def train(run_config):
     start_step, prior_seconds, loader_states = restore(run_config, resume, model, optimizers, ema)
     attention.choose(run_config.attention, model.config, run_config.device_batch_size, device,
                      getattr(torch, run_config.dtype), log=print0)  # before the first step traces any graph
-    if run_config.compile:
-        model.compile_layer_visits()
+    if run_config.compile:  # the EMA's copy too: it was deep-copied before, and evaluation would run it eager
+        for compiled in (model, ema.module) if ema else (model,):
+            compiled.compile_regions(run_config.compile_scope)
     loaders, prefetched = open_training_data(run_config, tokenizer, device, rank, loader_states,
-                                             first_batch=start_step < num_iterations)
+                                             first_batch=start_step < num_iterations, data=data)
     token_bytes = get_token_bytes(device=device)
     try:
         run_lock.claim()  # every check passed: from here the run directory is ours, until the run ends
@@ -106,7 +140,7 @@ def train(run_config):
                                                                 run_config.save_every_minutes, prior_seconds,
                                                                 price_per_hour, signals),
                   early_stop=early_stop_for(run_config, resume), backup=backup, writer=writer,
-                  model_config=model_config,
+                  model_config=model_config, data=data, init_from=init.record if init else None,
                   corpus=corpus, num_iterations=num_iterations, warmup_steps=warmup_steps, start_step=start_step,
                   resuming=resume is not None, flops_per_token=flops_per_token,
                   peak_flops=peak_flops(run_config.peak_tflops, run_config.device_type, device), prefetched=prefetched,
@@ -172,12 +206,15 @@ class Run:
     flops_per_token: float
     peak_flops: float | None  # FLOP/s of one device; None: no MFU
     probe: Probe | None = None  # the depth probe
+    data: object = None  # the data source (CorpusData, or chat_sft's conversations): validation and sample prompts
+    init_from: dict | None = None  # where a fresh run's initial weights came from (chat_sft's base checkpoint)
     prefetched: tuple | None = None  # (inputs, targets) of the next step's first batch, read while the device works
     consumed: list | None = None  # the loaders' positions after the last trained batch: what a checkpoint resumes from
     val_bpb: list | None = None  # the last evaluation's validation bpb per supervision step
     last_eval_step: int | None = None  # the step it measured (None before the first)
     saved_step: int | None = None  # the step of the last checkpoint this process saved
     history: list = field(default_factory=list)  # every step's losses, for the NaN diagnostic
+    state_seen: tuple = (None, [])  # (the step logged, its state diagnostics): the last step that measured them
     health: Health = field(default_factory=Health)
 
     @property
@@ -231,7 +268,7 @@ class Run:
                                self.num_iterations, self.warmup_steps,
                                val_bpb=self.val_bpb if self.last_eval_step == step else None,
                                elapsed_seconds=self.control.elapsed(), early_stop=self.early_stop.state(),
-                               cost=self.control.cost(), loader_state=self.consumed[0])
+                               cost=self.control.cost(), loader_state=self.consumed[0], init_from=self.init_from)
         try:
             path = self.writer.save(self.run_config.model_tag, step, self.published, self.optimizers, meta,
                                     {"loaders": self.consumed}, self.rank,
@@ -276,10 +313,14 @@ class Run:
     def evaluate(self, step):
         """Validation bpb per supervision step into val_bpb and last_eval_step, logged, counted by early stopping and
         recorded in step's checkpoint if it is saved. False when a signal stopped it."""
+        cfg, data = self.run_config, self.data or CorpusData()
         try:
-            self.val_bpb, val_state = validation_bpb(self.published, self.tokenizer, self.run_config, self.device,
+            self.val_bpb, val_state = validation_bpb(self.published, self.tokenizer, cfg, self.device,
                                                      self.rank, self.world_size, self.token_bytes,
-                                                     stop=self.stop_asked)
+                                                     stop=self.stop_asked,
+                                                     batches=data.validation(self.tokenizer, cfg.device_batch_size,
+                                                                             cfg.max_seq_len, cfg.eval_tokens,
+                                                                             self.rank, self.world_size, self.device))
         except EvaluationStopped:
             return False
         if self.val_bpb:
@@ -316,7 +357,7 @@ class Run:
         # DDP: a share per rank, none idle; FSDP: each token gathers from every rank, so all run every prompt to the end
         run_samples(self.published, self.tokenizer, self.run_config, self.metrics, step,
                     (lambda: False) if self.fsdp else self.stop_asked,
-                    (0, 1) if self.fsdp else (self.rank, self.world_size))
+                    (0, 1) if self.fsdp else (self.rank, self.world_size), (self.data or CorpusData()).sample_prompts)
 
     def optimizer_step(self, step):
         """One optimizer step, top to bottom: forward and backward over the micro-batches, one all_reduce carrying the
@@ -327,6 +368,7 @@ class Run:
         n_sup = model.train_depth(step)  # a function of the step alone: every rank and micro-batch agrees
         if cfg.n_sup_warmup:  # the step-count curriculum: a cap rising from 1 to n_sup_train
             n_sup = min(n_sup, 1 + int(model.config.n_sup_train * step / (cfg.n_sup_warmup * self.num_iterations)))
+        diagnose = self.diagnoses(step)  # so is this
         sums = torch.zeros(StepStats.size(n_sup), device=self.device)  # on the device until the reduction
         after, data_error = None, None
         try:
@@ -334,7 +376,8 @@ class Run:
                 x, y = self.prefetched if j == 0 else next(loader)
                 x, y = self.mix_probe(x, y, step, j)
                 with autocast_for(cfg.device_type, cfg.dtype):
-                    loss, aux = model.forward_backward(x, y, loss_scale=1 / cfg.grad_accum, n_sup=n_sup)
+                    loss, aux = model.forward_backward(x, y, loss_scale=1 / cfg.grad_accum, n_sup=n_sup,
+                                                       diagnostics=diagnose)
                 sums += StepStats.pack(loss, aux)  # no .item() here: the host runs ahead of the device
             after = [loader.state_dict() for loader in self.loaders]
             # the next step's first batch, read now, while the device still works through this step's kernels
@@ -351,6 +394,7 @@ class Run:
         self.stop_on_data_failure(flags["data"], data_error)
         self.consumed = after  # the loaders' positions a checkpoint of this step resumes from
         stats = StepStats.unpack(values, n_sup)
+        self.state_seen = (step + 1, stats.state) if diagnose else self.state_seen
         self.stop_on_nan(step, stats)
         lrm = lr_multiplier(step, self.num_iterations, self.warmup_steps, cfg.warmdown_ratio, cfg.final_lr_frac)
         set_schedule(self.optimizers, lrm, muon_momentum(step))
@@ -360,6 +404,10 @@ class Run:
         if self.ema:
             self.ema.update_parameters(model)
         return stats, flags, lrm
+
+    def diagnoses(self, step):
+        """Whether step measures the recursion's state: every --diagnostics_every steps, and the first and last."""
+        return step % self.run_config.diagnostics_every == 0 or step in (self.start_step, self.num_iterations - 1)
 
     def mix_probe(self, x, y, step, micro_step):
         """The micro-batch with the depth probe's hops documents written over some rows, or as it is."""
@@ -398,7 +446,8 @@ class Run:
         mem_gb = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else None
         record = {"kind": "train", "step": step, "loss": stats.losses[-1], "total_loss": stats.total,
                   "step_losses": stats.losses, "refinement": refinement(stats.losses),
-                  "state": [[round(v, 5) for v in row] for row in stats.state], "grad_norm": stats.grad_norm,
+                  "state": [[round(v, 5) for v in row] for row in self.state_seen[1]],
+                  "state_step": self.state_seen[0], "grad_norm": stats.grad_norm,
                   "lr_multiplier": lrm, "dt": dt, "tok_per_sec": tok_per_sec, "mfu": mfu, "peak_mem_gb": mem_gb,
                   "elapsed_s": self.control.elapsed(), "cost": self.control.cost() or None}
         self.metrics.log(record)
@@ -427,10 +476,12 @@ class Run:
 
 
 def checkpoint_meta(run_config, model_config, tokenizer_fingerprint, corpus, num_iterations, warmup_steps, val_bpb,
-                    elapsed_seconds, early_stop, cost, loader_state):
+                    elapsed_seconds, early_stop, cost, loader_state, init_from=None):
     """A checkpoint's meta.json: what resuming checks (model config, batch geometry, sharding, tokenizer, data),
-    continues (the schedule, the clock, early stopping's count) and reports (the flags, validation bpb, cost)."""
-    return {"model_config": model_config, "config_sources": run_config.config_sources, "user_flags": run_config.argv,
+    continues (the schedule, the clock, early stopping's count) and reports (the flags, validation bpb, cost, and
+    init_from: the checkpoint a fine-tuning run started from)."""
+    return {**({"init_from": init_from} if init_from else {}),
+            "model_config": model_config, "config_sources": run_config.config_sources, "user_flags": run_config.argv,
             "train_config": {k: v for k, v in asdict(run_config).items()
                              if k not in ("model_config", "config_sources")},
             "batch_geometry": batch_geometry(run_config), "num_iterations": num_iterations,
@@ -486,12 +537,12 @@ def restore(run_config, resume, model, optimizers, ema):
     return start_step, prior_seconds, loader_states
 
 
-def open_training_data(run_config, tokenizer, device, rank, loader_states, first_batch):
+def open_training_data(run_config, tokenizer, device, rank, loader_states, first_batch, data=None):
     """This process's training loaders (one per accumulation step, at their resume positions) and the first batch;
-    data unreadable on any rank stops every rank with one line."""
+    data unreadable on any rank stops every rank with one line. data: the data source (default: the corpus)."""
     loaders, prefetched, error = [], None, None
     try:
-        loaders = training_loaders(run_config, tokenizer, rank, loader_states, device)
+        loaders = (data or CorpusData()).loaders(run_config, tokenizer, rank, loader_states, device)
         prefetched = next(loaders[0]) if first_batch else None
     except DatasetError as e:
         error = e
@@ -518,14 +569,15 @@ def print_config(run_config, num_iterations, horizon_source, model, tokens_per_s
     print0(f"horizon: {num_iterations} steps ({horizon_source}), {num_iterations * tokens_per_step:,} tokens")
 
 
-def start_or_resume(run_config, model_config, tokenizer, rank, run_lock):
+def start_or_resume(run_config, model_config, tokenizer, rank, run_lock, data=None):
     """(the resume point (step, meta, weights, rank state), checked against this run, or None for a fresh run, on a
     tag that holds no other run (--overwrite moves one aside); the data's identity). A live run on the tag refuses us
     first (run_lock holds the tag's lock from here); every check passes before anything is written."""
     resuming = run_config.resume or run_config.resume_from_step is not None
     try:
         run_lock.hold_existing()
-        corpus = corpus_identity()
+        data = data or CorpusData()
+        corpus = data.identity()
         if run_config.backup_dir:
             ckpt.Backup.location(run_config.backup_dir, run_config.model_tag)  # a bad URL stops here, not after a save
         if not resuming:
@@ -553,7 +605,7 @@ def start_or_resume(run_config, model_config, tokenizer, rank, run_lock):
             raise Exit(f"cannot resume {run_config.model_tag} from step {step}: the checkpoint was written with a "
                        f"different configuration:\n  " + "\n  ".join(diffs) +
                        "\nPass the checkpoint's values, or start a new run with another --model_tag.")
-        ckpt.check_data_positions(point, run_config, rank, tokenizer)  # the loaders' geometry matches by now
+        ckpt.check_data_positions(point, run_config, rank, tokenizer, data.loaders)  # the geometry matches by now
     except (ckpt.CheckpointError, RankFailure, DatasetError, lifecycle.RunLockError) as e:
         raise Exit(f"cannot {'resume' if resuming else 'start'}: {e}")
     return point, corpus
@@ -586,7 +638,10 @@ class StepStats(NamedTuple):
 
     @staticmethod
     def pack(loss, aux):
-        return torch.cat([loss.view(1), aux["step_losses"], aux["state"].flatten()]).float()
+        """aux["state"] is None on a step that does not measure it: zeros travel in its place."""
+        state = aux["state"] if aux["state"] is not None else aux["step_losses"].new_zeros(
+            len(aux["step_losses"]), len(STATE_DIAGNOSTICS))
+        return torch.cat([loss.view(1), aux["step_losses"], state.flatten()]).float()
 
     @classmethod
     def unpack(cls, values, n_sup):
@@ -618,21 +673,23 @@ def oom_message(run_config):
 STOPPED = "stopped"  # a share's problem when a stop signal cut it short; otherwise the error that failed it
 
 
-def run_samples(model, tokenizer, run_config, metrics, step, stop, share=(0, 1)):
-    """Greedy completions of SAMPLE_PROMPTS, printed and logged (rank 0); skipped, with one line saying why, when a
-    stop signal cut a share short (checked token by token; the stop itself is agreed at the next step's reduction) or
-    a share failed. share=(index, count): this process generates prompts index, index + count, ... and, with count >
-    1, every rank's share is gathered: call it on the count ranks together."""
+def run_samples(model, tokenizer, run_config, metrics, step, stop, share=(0, 1), prompts=SAMPLE_PROMPTS):
+    """Greedy completions of prompts (strings, or token lists such as chat prompts), printed and logged (rank 0);
+    skipped, with one line saying why, when a stop signal cut a share short (checked token by token; the stop itself
+    is agreed at the next step's reduction) or a share failed. share=(index, count): this process generates prompts
+    index, index + count, ... and, with count > 1, every rank's share is gathered: call it on the count ranks
+    together."""
     index, count = share
-    mine = sample_share(model, tokenizer, run_config, SAMPLE_PROMPTS[index::count], stop)
+    mine = sample_share(model, tokenizer, run_config, prompts[index::count], stop)
     shares = [mine] if count == 1 else gather_shares(mine, count)  # every rank, stopped or failed too: none waits
-    completions, problem = merge_shares(shares)
+    completions, problem = merge_shares(shares, len(prompts))
     if problem:
         print0(problem)
         return
-    for prompt, completion in zip(SAMPLE_PROMPTS, completions):
-        print0(f"sample: {prompt!r} -> {completion!r}")
-    metrics.log({"kind": "sample", "step": step, "samples": list(zip(SAMPLE_PROMPTS, completions))})
+    labels = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+    for label, completion in zip(labels, completions):
+        print0(f"sample: {label!r} -> {completion!r}")
+    metrics.log({"kind": "sample", "step": step, "samples": list(zip(labels, completions))})
 
 
 def sample_share(model, tokenizer, run_config, prompts, stop):
@@ -644,7 +701,7 @@ def sample_share(model, tokenizer, run_config, prompts, stop):
         model.eval()
         engine = Engine(model, tokenizer, autocast=lambda: autocast_for(run_config.device_type, run_config.dtype))
         outputs = [[] for _ in prompts]
-        for column in engine.generate([engine.encode_prompt(p) for p in prompts],
+        for column in engine.generate([engine.encode_prompt(p) if isinstance(p, str) else p for p in prompts],
                                       max_tokens=run_config.sample_tokens, temperature=0):
             if stop():
                 return None, STOPPED
@@ -665,7 +722,7 @@ def gather_shares(mine, count):
     return shares
 
 
-def merge_shares(shares):
+def merge_shares(shares, num_prompts=len(SAMPLE_PROMPTS)):
     """The ranks' (completions, problem), prompt i's on rank i % len(shares) -> (every completion in prompt order,
     None), or (None, the line that says why the samples were skipped)."""
     if any(problem == STOPPED for _, problem in shares):
@@ -674,7 +731,7 @@ def merge_shares(shares):
     if failed:
         causes = "; ".join(problem if len(shares) == 1 else f"on rank {rank}: {problem}" for rank, problem in failed)
         return None, f"WARNING: sampling failed and was skipped: {causes}"
-    return [shares[i % len(shares)][0][i // len(shares)] for i in range(len(SAMPLE_PROMPTS))], None
+    return [shares[i % len(shares)][0][i // len(shares)] for i in range(num_prompts)], None
 
 
 def update_checkpoint_bpb(model_tag, step, val_bpb):

@@ -44,6 +44,7 @@ try:
 except ImportError as e:  # transformers missing, or older than 5
     reason = f"the export needs {e.name}" if isinstance(e, ModuleNotFoundError) else str(e)
     sys.exit(f"error: {reason}; install it with: pip install -e '.[hf]'")
+from nanochat.data.chat import CHAT_TEMPLATE
 from nanochat.data.tokenizer import SPECIAL_TOKENS
 from nanochat.model.engine import STOP_TOKENS
 
@@ -62,14 +63,15 @@ class RanksConverter(TikTokenConverter):
 
 
 def hf_tokenizer(tokenizer, model_max_length):
-    """Our BPE (ranks, split pattern, special tokens) as a fast tokenizer that prepends <|bos|> like the Engine."""
+    """Our BPE (ranks, split pattern, special tokens) as a fast tokenizer that prepends <|bos|> like the Engine, with
+    chat_sft's rendering as its chat template (apply_chat_template)."""
     converted = RanksConverter(vocab_file=tokenizer.mergeable_ranks, pattern=tokenizer.pattern,
                                extra_special_tokens=SPECIAL_TOKENS).converted()
     bos = tokenizer.get_bos_token_id()
     converted.post_processor = processors.TemplateProcessing(
         single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)])
     return PreTrainedTokenizerFast(tokenizer_object=converted, bos_token="<|bos|>", eos_token="<|bos|>",
-                                   model_max_length=model_max_length)
+                                   model_max_length=model_max_length, chat_template=CHAT_TEMPLATE)
 
 
 def hf_model(model, tokenizer):

@@ -283,6 +283,42 @@ def test_a_training_step_reads_the_device_once(base_dir, monkeypatch, ema):
     assert counts[1] - counts[0] == 3, counts
 
 
+def test_the_state_is_measured_every_k_steps_and_the_log_keeps_the_last_measured(base_dir, monkeypatch):
+    # --diagnostics_every=3 over 6 steps: measured at steps 0, 3 and 5 (the first, every 3rd, the last), each train
+    # record holding the last measured values and the step they are from
+    from nanochat.model import gpt
+    measured, real = [], gpt.state_diagnostics
+    monkeypatch.setattr(gpt, "state_diagnostics", lambda *a: measured.append(1) or real(*a))
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    trainer.train(train_config.parse_args([*TINY, "--num_iterations=6", "--eval_every=0", "--diagnostics_every=3",
+                                           "--model_tag=every3"]))
+    with open(os.path.join(ckpt_dir(base_dir, "every3"), "metrics.jsonl")) as f:
+        train = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    assert [r["state_step"] for r in train] == [1, 1, 1, 4, 4, 6]
+    assert train[1]["state"] == train[0]["state"] and train[3]["state"] != train[2]["state"]
+    assert all(len(r["state"]) == 2 and r["state"][-1][0] > 0 for r in train)
+    assert len(measured) == 3 * 2 + 2  # 3 steps x 2 supervision steps, one micro-batch each; the final evaluation's
+
+
+@pytest.mark.parametrize("flags, scope", [(["--n_loops=0", "--n_sup_train=1"], "model"), ([], "layer")])
+def test_compile_compiles_the_ema_copy_too_in_the_settled_scope(base_dir, monkeypatch, flags, scope):
+    # the EMA is deep-copied from the model before compilation: without its own compiled regions, evaluation with the
+    # EMA (automatic from 300 steps) ran eager; a stand-in compile_regions records who asks for what
+    from nanochat.model.gpt import GPT
+    compiled = []
+    monkeypatch.setattr(GPT, "compile_regions", lambda self, scope="layer", backend="inductor":
+                        compiled.append((self, scope)))
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    run_config = train_config.parse_args([*TINY, *flags, "--num_iterations=2", "--eval_every=0", "--compile",
+                                          "--ema_decay=0.5", f"--model_tag=ema_compiled_{scope}"])
+    assert run_config.compile_scope == scope
+    built = []
+    real_ema = trainer.build_weight_average
+    monkeypatch.setattr(trainer, "build_weight_average", lambda *a: built.append(real_ema(*a)) or built[-1])
+    trainer.train(run_config)
+    assert [(model is built[0].module, s) for model, s in compiled] == [(False, scope), (True, scope)]
+
+
 def test_mfu_is_measured_against_peak_tflops_when_given(base_dir, monkeypatch):
     # --peak_tflops' help says MFU uses it; base_train read only the GPU table, so a CPU (or unlisted GPU) showed none
     from nanochat.model.gpt import GPT
@@ -570,7 +606,7 @@ def test_the_evaluation_stage_records_its_bpb_and_step_and_a_stopped_one_keeps_t
         json.dump({"step": 4, "val_bpb": None}, f)  # step 4's checkpoint, saved before its evaluation
     results = iter([([1.5, 1.25], "state"), None])
 
-    def validation(*args, stop):
+    def validation(*args, stop, batches):
         result = next(results)
         if result is None:
             raise EvaluationStopped()  # a signal arrived during the evaluation

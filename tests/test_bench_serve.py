@@ -26,12 +26,15 @@ def test_a_tiny_load_run_reports_every_level_and_no_defect(tmp_path_factory):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| 1 |")
             or line.startswith("| 4 |")]
-    # each level once per depth, in turn; a token ran all 3 steps, or halted after the first (rms:inf)
-    assert [row[:3] for row in rows] == [["| 1", "all", "3.00"], ["| 1", "rms:inf", "1.00"], ["| 4", "all", "3.00"],
-                                         ["| 4", "rms:inf", "1.00"]]
-    assert rows[0][4:6] == ["8", "8"] and rows[0][-1] == "none |"  # one client: every request served
-    assert "503 server_busy" in rows[2][-1] and int(rows[2][5]) >= 1
-    assert float(rows[0][7]) > 0 and float(rows[0][12]) > 0  # tokens/s and time per output token
+    # each level once per depth and kind of connection, in turn; a token ran all 3 steps, or halted after the first
+    # (rms:inf)
+    assert [row[:4] for row in rows] == [[f"| {level}", kind, depth, steps] for level in (1, 4)
+                                         for depth, steps in (("all", "3.00"), ("rms:inf", "1.00"))
+                                         for kind in ("reused", "new")]
+    for row in rows[:4]:  # one client: every request served, on kept-alive and on new connections alike
+        assert row[5:7] == ["8", "8"] and row[-1] == "none |"
+        assert float(row[8]) > 0 and float(row[11]) > 0 and float(row[13]) > 0  # tokens/s, TTFT, TPOT
+    assert "503 server_busy" in rows[4][-1] and int(rows[4][6]) >= 1
     assert "server RSS: " in result.stdout and " MiB after the last" in result.stdout
 
 

@@ -6,7 +6,9 @@ import math
 import os
 import random
 import re
+import statistics
 import sys
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -65,15 +67,16 @@ def test_first_window_starts_with_bos_and_first_document(corpus):
     assert tokenizer.decode(inputs[0, 1:].tolist()).startswith("doc-")
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["here", "background"])
 @pytest.mark.parametrize("rows", ["stream", "documents"])
-def test_resume_reproduces_following_batches_across_epochs(corpus, rows):
-    loader = make_loader(corpus, rank=0, world_size=1, rows=rows)
+def test_resume_reproduces_following_batches_across_epochs(corpus, rows, prefetch):
+    loader = make_loader(corpus, rank=0, world_size=1, rows=rows, prefetch=prefetch)
     states, batches = [], []
     while not states or states[-1]["epoch"] < 2:  # well past an epoch boundary
         states.append(json.loads(json.dumps(loader.state_dict())))
         batches.append(next(loader))
     for i in range(0, len(batches) - 3, 5):
-        resumed = make_loader(corpus, rank=0, world_size=1, resume_state=states[i], rows=rows)
+        resumed = make_loader(corpus, rank=0, world_size=1, resume_state=states[i], rows=rows, prefetch=prefetch)
         for inputs, targets in batches[i:i + 3]:
             got_inputs, got_targets = next(resumed)
             assert torch.equal(got_inputs, inputs) and torch.equal(got_targets, targets)
@@ -109,6 +112,45 @@ def test_document_rows_start_at_documents_hold_whole_ones_and_lose_no_token(corp
                 next_document = starts[starts.index(at) + 1] - at  # the row ended at a document's start ...
                 assert next_document > len(row) - len(content)  # ... which did not fit in the rest
     assert padded and continued and whole  # the corpus exercises every case
+
+
+class SlowTokenizer:
+    """The tokenizer, each encode call SLOW_ENCODE_S slower (as a large batch of real documents is)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def get_bos_token_id(self):
+        return self.tokenizer.get_bos_token_id()
+
+    def encode(self, *args, **kwargs):
+        time.sleep(SLOW_ENCODE_S)
+        return self.tokenizer.encode(*args, **kwargs)
+
+
+SLOW_ENCODE_S, STEP_S = 0.05, 0.03
+
+
+def test_tokenizing_in_the_background_takes_the_slow_steps_off_the_training_loop(corpus):
+    # a step of STEP_S between batches: the loader that tokenizes when it runs short makes every few batches wait
+    # SLOW_ENCODE_S; tokenizing ahead in the background, no batch waits, and the batches are the same
+    directory, tokenizer = corpus
+    waits, batches = {}, {}
+    for prefetch in (False, True):
+        loader = DataLoader(SlowTokenizer(tokenizer), B, T, "train", data_dir=directory, rank=0, world_size=1,
+                            tokenizer_threads=1, prefetch=prefetch)
+        next(loader)  # the first read: both wait for it
+        waits[prefetch], batches[prefetch] = [], []
+        for _ in range(40):
+            time.sleep(STEP_S)  # the device's step, during which the background thread reads
+            start = time.perf_counter()
+            batches[prefetch].append(next(loader))
+            waits[prefetch].append(time.perf_counter() - start)
+    assert max(waits[False]) >= SLOW_ENCODE_S and sum(w >= SLOW_ENCODE_S for w in waits[False]) >= 3
+    assert max(waits[True]) < SLOW_ENCODE_S / 2, waits[True]
+    spread = {p: max(w) - statistics.median(w) for p, w in waits.items()}
+    assert spread[True] < spread[False] / 4, spread
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches[False], batches[True]))
 
 
 def documents_seen_in_first_epoch(loader, tokenizer):
@@ -234,10 +276,11 @@ def test_unreadable_shards_are_named(tmp_path, corpus):
     damaged = bytearray(good)  # footer intact, a data page overwritten
     damaged[4:200] = b"\xff" * 196
     shard.write_bytes(bytes(damaged))
-    loader = make_loader((directory, corpus[1]), rank=0, world_size=1)
-    with pytest.raises(DatasetError, match="shard_00001.parquet: unreadable shard"):
-        for _ in range(100):
-            next(loader)
+    for prefetch in (False, True):  # read in the background, the error is raised by the batch that needs it
+        loader = make_loader((directory, corpus[1]), rank=0, world_size=1, prefetch=prefetch)
+        with pytest.raises(DatasetError, match="shard_00001.parquet: unreadable shard"):
+            for _ in range(100):
+                next(loader)
 
 
 # -----------------------------------------------------------------------------
@@ -298,6 +341,8 @@ def test_batches_and_states_equal_a_plain_reference(tmp_path, corpus, split, ran
             assert torch.equal(inputs, expected[:, :-1]) and torch.equal(targets, expected[:, 1:])
 
     assert_batches_from(make_loader((directory, tokenizer), split, rank=rank, world_size=world_size), 0, num_batches)
+    background = make_loader((directory, tokenizer), split, rank=rank, world_size=world_size, prefetch=True)
+    assert_batches_from(background, 0, num_batches)  # tokenized ahead in a thread: the same batches and states
     mid_document = [k for k in range(num_batches) if states[start(k)]["token"]]
     for k in mid_document[::len(mid_document) // 5]:  # resuming inside a document
         resumed = make_loader((directory, tokenizer), split, rank=rank, world_size=world_size,

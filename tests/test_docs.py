@@ -192,3 +192,38 @@ def test_the_table_check_finds_a_difference():
         "8xH100: $/hour 31.60, HARDWARE 32.0",
         "4xA100: Phase 2 (extreme) '14 x 4, 2.0-3.0 s', HARDWARE (14, 4, (2.0, 3.5))",
         "8xB200: GPU memory 180 GB, HARDWARE 192 GB"])
+
+
+# ---------------------------------------------------------------------------------------------------- commands
+PROJECT_MODULE = re.compile(r"-m\s+((?:nanochat|scripts|dev)(?:\.[a-z_0-9]+)+)\b")
+
+
+def documented_modules(texts):
+    """Every project module a text runs as `python -m MODULE` (or `torchrun ... -m MODULE`)."""
+    return {m for text in texts for m in PROJECT_MODULE.findall(text)}
+
+
+def module_problem(module):
+    """Why `python -m module` cannot run from the repository root, or None: it must be a file of the tree."""
+    path = os.path.join(ROOT, *module.split(".")) + ".py"
+    return None if os.path.isfile(path) else f"{module}: no {os.path.relpath(path, ROOT)}"
+
+
+def test_every_documented_command_names_a_module_that_exists():
+    """After a move of files every command in the README, the docs, the shell scripts and the code's messages still
+    names a module that exists (python -m nanochat.dataset included)."""
+    paths = [*markdown_files()[:-1], *glob.glob(os.path.join(ROOT, "**", "*.sh"), recursive=True),
+             *glob.glob(os.path.join(ROOT, "nanochat", "**", "*.py"), recursive=True),
+             *glob.glob(os.path.join(ROOT, "scripts", "*.py")), *glob.glob(os.path.join(ROOT, "dev", "*.py"))]
+    texts = [open(p).read() for p in paths if ".venv" not in p]
+    modules = documented_modules(texts)
+    assert {"nanochat.dataset", "scripts.base_train", "scripts.serve"} <= modules
+    assert [problem for problem in map(module_problem, sorted(modules)) if problem] == []
+
+
+def test_the_command_check_finds_a_moved_module():
+    text = "python -m nanochat.dataset --builtin\ntorchrun --standalone -m scripts.base_train -- --depth=4\n" \
+           "python -m nanochat.gpt_old"
+    assert documented_modules([text]) == {"nanochat.dataset", "scripts.base_train", "nanochat.gpt_old"}
+    assert module_problem("nanochat.gpt_old") == "nanochat.gpt_old: no nanochat/gpt_old.py"
+    assert module_problem("nanochat.dataset") is None

@@ -1,5 +1,6 @@
 """Tests for the TRM GPT: causality, gradient flow, baseline equivalence, the deep-supervision loss, the config."""
 
+import functools
 import importlib.util
 import itertools
 import math
@@ -597,9 +598,10 @@ def test_flops_are_the_same_for_every_state_update_and_for_sampled_depth(state_u
 
 # ---------------------------------------------------------------------------------------------------- compile
 
-def compiled_training_matches_eager(config, backend, steps=2):
-    """Train a compiled twin and an eager model side by side: equal losses and gradients, and no graph compiled
-    after the first step, even with evaluation and cached sampling in between. Returns the graphs compiled."""
+def compiled_training_matches_eager(config, backend, steps=2, scope="layer"):
+    """Train a compiled twin (compile scope `scope`) and an eager model side by side: equal losses and gradients, and
+    no graph compiled after the first step, even with evaluation and cached sampling in between. Returns the graphs
+    compiled."""
     from torch._dynamo.utils import counters
 
     from nanochat.model.engine import Engine
@@ -607,7 +609,7 @@ def compiled_training_matches_eager(config, backend, steps=2):
     counters.clear()
     eager = random_model(config)
     compiled = twin(eager, config)
-    compiled.compile_layer_visits(backend=backend)
+    compiled.compile_regions(scope, backend=backend)
     batch = random_batch(config)
     for step in range(steps):
         for model in (eager, compiled):
@@ -641,6 +643,28 @@ def test_regional_compile_graphs_do_not_grow_with_the_recursion_and_never_recomp
         assert shallow == deep <= 8, (T, shallow, deep)
 
 
+def test_the_whole_model_compiled_matches_eager_in_a_fixed_number_of_graphs():
+    # compile scope "model": the embedding and each sweep one region; a plain GPT's trunk is then one graph (forward
+    # and backward), however deep; the TRM's sweep too (every visit unrolled in it: not its default, checked once)
+    shallow = compiled_training_matches_eager(tiny_config(n_loops=0, n_layer=2), "aot_eager", scope="model")
+    deep = compiled_training_matches_eager(tiny_config(n_loops=0, n_layer=4), "aot_eager", steps=1, scope="model")
+    assert shallow == deep <= 6, (shallow, deep)
+    assert compiled_training_matches_eager(tiny_config(n_loops=1), "aot_eager", steps=1, scope="model") <= 8
+
+
+def test_compile_scope_auto_is_the_model_for_a_plain_gpt_and_the_layer_visit_for_the_recursion():
+    from nanochat.model.gpt import compile_scope_for
+    assert compile_scope_for(tiny_config(n_loops=0))[0] == "model"
+    assert compile_scope_for(tiny_config(n_loops=1))[0] == "layer"
+    assert compile_scope_for(tiny_config(n_loops=0), fsdp=True)[0] == "layer"
+    assert compile_scope_for(tiny_config(n_loops=0, activation_checkpointing=True))[0] == "layer"
+    assert compile_scope_for(tiny_config(n_loops=1), "model")[0] == "model"  # asked: taken
+    with pytest.raises(ValueError, match="FSDP gathers"):
+        compile_scope_for(tiny_config(n_loops=0), "model", fsdp=True)
+    with pytest.raises(ValueError, match="unknown"):
+        compile_scope_for(tiny_config(), "everything")
+
+
 def test_compile_takes_effect_with_detached_steps():
     graphs = compiled_training_matches_eager(tiny_config(n_loops=1, n_sup_train=3, detach_between_steps=True),
                                              "aot_eager", steps=1)
@@ -652,6 +676,9 @@ def test_inductor_compiled_training_matches_eager_and_does_not_recompile():
     # CPU inductor compiles C++ for each graph: about a minute on 2 cores, hence slow
     graphs = compiled_training_matches_eager(tiny_config(n_loops=1, n_sup_train=2), backend="inductor")
     assert graphs <= 5  # two layer visits with gradient, the head's loss chunk, two without (evaluation)
+    # the whole plain model (compile scope "model"): the embedding, the sweep with and without gradient, the head
+    graphs = compiled_training_matches_eager(tiny_config(n_loops=0, n_sup_train=1), backend="inductor", scope="model")
+    assert graphs <= 5  # the embedding again without gradient (evaluation shares its compiled function)
 
 
 # ---------------------------------------------------------------------------------------------------- the head's loss
@@ -719,6 +746,51 @@ def test_a_bf16_lm_head_gradient_is_summed_over_many_chunks_in_float32(autocast,
     assert (grad.double() - reference).abs().max() / reference.abs().max() < 0.01
 
 
+def test_one_planned_chunk_is_one_call_over_every_row_with_the_chunked_heads_gradients(monkeypatch):
+    # model.head_chunks = 1 (the plan, where memory allows): the head is one call over the micro-batch's rows, with
+    # the loss and gradients of the default 5-row chunks
+    config = tiny_config(n_loops=1, n_sup_train=2)
+    monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", 5 * config.vocab_size)
+    chunked = random_model(config)
+    whole = twin(chunked, config)
+    whole.head_chunks = 1
+    rows, real = [], gpt_module.normed_head_chunk_loss_and_grads
+    monkeypatch.setattr(gpt_module, "normed_head_chunk_loss_and_grads",
+                        lambda y, *a, **k: rows.append(y.size(0)) or real(y, *a, **k))
+    batch = head_batch(config)
+    (total, aux), (total_w, aux_w) = [model.forward_backward(*batch) for model in (chunked, whole)]
+    n = batch[0].numel()
+    assert rows[:2 * -(-n // 5)] == ([5] * (n // 5) + [n % 5]) * 2 and rows[2 * -(-n // 5):] == [n, n]
+    torch.testing.assert_close(total_w, total, atol=1e-6, rtol=1e-5)
+    for (name, p), q in zip(chunked.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_the_fusable_head_the_compiled_region_runs_equals_the_in_place_one(autocast):
+    # the norm folded in, no in-place ops (what inductor fuses); aot_eager traces it as torch.compile does
+    torch.manual_seed(0)
+    y, weight = torch.randn(24, 32) * 3, torch.randn(100, 32)
+    targets = torch.randint(0, 100, (24,))
+    targets[:3] = -1
+    fusable = torch.compile(functools.partial(supervision.normed_head_chunk_loss_and_grads, fusable=True),
+                            backend="aot_eager", dynamic=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        w = weight.bfloat16() if autocast else weight
+        got = fusable(y, w, targets, torch.tensor(1 / 21))
+        want = supervision.normed_head_chunk_loss_and_grads(y, w, targets, torch.tensor(1 / 21))
+    atol, rtol = (2e-3, 2e-2) if autocast else (1e-6, 1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol)
+    # and the normed head's y-gradient is the plain head's through norm(y)
+    y_ref = y.clone().requires_grad_()
+    softcap = supervision.SOFTCAP
+    plain = F.cross_entropy(softcap * torch.tanh(F.linear(gpt_module.norm(y_ref), weight) / softcap), targets,
+                            ignore_index=-1, reduction="sum") / 21
+    grad_y = supervision.normed_head_chunk_loss_and_grads(y, weight, targets, torch.tensor(1 / 21))[1]
+    torch.testing.assert_close(grad_y, torch.autograd.grad(plain, y_ref)[0], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 def test_inductor_compiled_head_chunk_matches_the_plain_head(autocast):
@@ -728,9 +800,10 @@ def test_inductor_compiled_head_chunk_matches_the_plain_head(autocast):
     weight = torch.randn(100, 32, requires_grad=True)
     targets = torch.randint(0, 100, (24,))
     targets[:3] = -1
-    compiled = torch.compile(supervision.head_chunk_loss_and_grads, dynamic=False, backend="inductor")
+    compiled = torch.compile(functools.partial(supervision.normed_head_chunk_loss_and_grads, fusable=True),
+                             dynamic=False, backend="inductor")  # what compile_regions compiles
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logits = F.linear(h, weight).float()
+        logits = F.linear(gpt_module.norm(h), weight).float()
         softcap = supervision.SOFTCAP
         plain = F.cross_entropy(softcap * torch.tanh(logits / softcap), targets, ignore_index=-1)
         loss = supervision.ChunkedHeadLoss.apply(h, weight, targets, compiled)
@@ -745,11 +818,11 @@ def test_training_never_makes_the_whole_batch_logits(monkeypatch):
     monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", 8 * config.vocab_size)
     model = random_model(config)
     idx, targets = random_batch(config, B=4)
-    chunk_logits, head_chunk = [], gpt_module.head_chunk_loss_and_grads
+    chunk_logits, head_chunk = [], gpt_module.normed_head_chunk_loss_and_grads
     def counting_chunk(h, weight, targets, grad_scale):
         chunk_logits.append(h.size(0) * weight.size(0))
         return head_chunk(h, weight, targets, grad_scale)
-    monkeypatch.setattr(gpt_module, "head_chunk_loss_and_grads", counting_chunk)
+    monkeypatch.setattr(gpt_module, "normed_head_chunk_loss_and_grads", counting_chunk)
     model.forward_backward(idx, targets)
     # 2 steps of 4 x 16 rows, 8 rows a chunk; with no chunk larger than 8 rows' logits
     assert len(chunk_logits) == 2 * 4 * 16 // 8 and max(chunk_logits) == 8 * config.vocab_size

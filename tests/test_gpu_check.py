@@ -162,6 +162,7 @@ def test_the_bf16_state_step_is_compared_with_the_float32_states(tmp_path, monke
     assert skipped["ok"] and skipped["value"].startswith("not run: a bf16 state needs bf16 autocast")
     measured = lambda tok_per_s, peak, batch, loss: {
         "batch": batch, "activation_checkpointing": False, "sequence_len": 2048, "first_step_s": 30.0,
+        "compile_scope": "layer", "head_chunks": 1,
         "step_s": batch * 2048 / tok_per_s, "fwd_bwd_s": 1.0, "tok_per_s": tok_per_s, "mfu": 0.4,
         "losses": [loss, loss], "peak_memory_bytes": peak, "estimated_memory_bytes": 2 * peak, "graphs_compiled": 3,
         "recompiles": 0, "graph_breaks": 0}

@@ -243,7 +243,10 @@ def test_speedrun_dry_run_tells_the_whole_story(tmp_path):
              "+ python -m scripts.tok_eval", "Phase 1 (fast) on 8xA100", "check --model_tag=8xA100_fast --phase=fast",
              "Phase 2 (extreme) on 8xA100",
              "+ torchrun --standalone --nproc_per_node=8 -m scripts.base_loss -- --model_tag=8xA100_extreme",
-             "+ python -m scripts.base_sample --model_tag=8xA100_extreme", "+ python -m scripts.launch report"]
+             "+ python -m scripts.base_sample --model_tag=8xA100_extreme",
+             "+ torchrun --standalone --nproc_per_node=8 -m scripts.chat_sft -- --model_tag=8xA100_extreme "
+             "--data=hf:HuggingFaceTB/smol-smoltalk", "+ python -m scripts.chat_eval --model_tag=8xA100_extreme_sft",
+             "+ python -m scripts.launch report"]
     positions = [out.index(step) for step in steps]
     assert positions == sorted(positions)
     commands = [line for line in out.splitlines() if line.startswith("command ")]

@@ -16,12 +16,13 @@ SMALL = GPTConfig(sequence_len=64, vocab_size=512, n_layer=2, n_head=2, n_kv_hea
                   n_sup_train=2, sample_n_sup=False)
 
 
-def training_steps(config, batch, dtype):
+def training_steps(config, batch, dtype, head_chunks=None):
     """Two optimizer steps as base_train runs them; gradients kept between steps so the second step's backward
     holds parameters, gradients, optimizer state and activations at once (the steady state of accumulation)."""
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()
+    model.head_chunks = head_chunks
     optimizers = setup_optimizers(model)
     idx = torch.randint(0, config.vocab_size, (batch, config.sequence_len))
     for _ in range(2):
@@ -30,7 +31,7 @@ def training_steps(config, batch, dtype):
         clipped_step(optimizers, reduce_gradients(optimizers).sqrt().item(), 1.0)  # base_train's update
 
 
-def measured_peak(config, batch, dtype, tmp_path):
+def measured_peak(config, batch, dtype, tmp_path, head_chunks=None):
     """Peak bytes of live CPU tensors during training_steps.
 
     With profile_memory=True the CPU allocator reports every allocation and free to the profiler, and each
@@ -39,7 +40,7 @@ def measured_peak(config, batch, dtype, tmp_path):
     would also count the allocator's cache, the Python heap and libraries; this counts exactly the tensors.)
     """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        training_steps(config, batch, dtype)
+        training_steps(config, batch, dtype, head_chunks)
     trace = os.path.join(tmp_path, "trace.json")
     prof.export_chrome_trace(trace)
     with open(trace) as f:
@@ -65,6 +66,36 @@ def test_estimate_within_25_percent_of_measured_peak(config, batch, dtype, tmp_p
     estimate = estimate_memory(config, batch, dtype)["total"]
     measured = measured_peak(config, batch, dtype, tmp_path)
     assert abs(estimate - measured) <= 0.25 * measured, f"estimate {estimate:,} vs measured {measured:,}"
+
+
+@pytest.mark.parametrize("head_chunks", [None, 2, 1])
+def test_the_head_planned_in_fewer_chunks_is_estimated_within_25_percent(head_chunks, tmp_path, monkeypatch):
+    # a vocabulary-heavy model whose default chunk is 16 rows of the micro-batch's 256: the plan's 2 or 1 chunks hold
+    # 8x and 16x the logits at once, and the estimate follows them
+    from nanochat.model import supervision
+    config = SMALL.replace(vocab_size=8192, n_embd=64, n_head=1, n_kv_head=1)
+    monkeypatch.setattr(supervision, "HEAD_CHUNK_ELEMENTS", 16 * config.vocab_size)
+    estimate = estimate_memory(config, 4, "bfloat16", head_chunks=head_chunks)["total"]
+    measured = measured_peak(config, 4, "bfloat16", tmp_path, head_chunks)
+    assert abs(estimate - measured) <= 0.25 * measured, f"estimate {estimate:,} vs measured {measured:,}"
+
+
+def test_the_plan_gives_the_head_the_fewest_chunks_its_memory_holds():
+    from nanochat.train.memory import head_chunks_that_fit
+    d12 = GPTConfig()  # 32 x 2048 rows, vocab 65,536: one float32 logits tensor of the micro-batch is 17 GB
+    need = lambda chunks, compiled=False: estimate_memory(d12, 32, head_chunks=chunks, compiled=compiled)["total"]
+    for memory in (80e9, 141e9, 300e9):
+        for compiled in (False, True):
+            chunks = head_chunks_that_fit(d12, 32, memory, compiled=compiled)
+            if chunks is None:  # only the default chunk fits
+                assert need(8, compiled) > usable_bytes(memory)
+                continue
+            assert need(chunks, compiled) <= usable_bytes(memory)
+            assert chunks == 1 or need(chunks // 2, compiled) > usable_bytes(memory)
+    assert head_chunks_that_fit(d12, 32, 300e9) == 1 and head_chunks_that_fit(d12, 32, 141e9) == 4
+    assert head_chunks_that_fit(d12, 32, 141e9, compiled=True) == 2  # the compiled chunk holds fewer bytes a logit
+    assert head_chunks_that_fit(d12, 32, 40e9) is None  # the default 4,096-row chunk and no larger
+    assert head_chunks_that_fit(d12.replace(sequence_len=1024), 1, 1e9) == 1  # within one default chunk already
 
 
 def test_the_parts_move_the_way_the_model_does():

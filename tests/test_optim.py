@@ -173,6 +173,49 @@ def test_reduce_gradients_gives_the_global_norm_and_clipped_step_scales_to_the_c
     assert a.scales == b.scales == [pytest.approx(expected_scale, rel=1e-5)]
 
 
+# ---------------------------------------------------------------------------------------------------- the step
+
+def stepped_model(n_layer):
+    """A tiny model's optimizers after one step (state made), every parameter given a fresh random gradient."""
+    from nanochat.train.optim import setup_optimizers
+    from tests.support.helpers import random_model, tiny_config
+    model = random_model(tiny_config(n_layer=n_layer, n_loops=1, state_update="decay"), every_weight=True)
+    optimizers = setup_optimizers(model, weight_decay=0.1)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        norm = reduce_gradients(optimizers).sqrt().item()
+        clipped_step(optimizers, norm, 1.0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    return optimizers, reduce_gradients(optimizers).sqrt().item()
+
+
+def test_the_optimizer_step_reads_nothing_from_the_device():
+    # the update is queued whole: no tensor value reaches Python (a host sync on a GPU) once the norm is known
+    from tests.support.helpers import host_syncs
+    optimizers, norm = stepped_model(2)
+    with host_syncs() as syncs:
+        clipped_step(optimizers, norm, 1.0)
+    assert syncs == []
+
+
+def test_the_optimizer_step_launches_as_many_ops_for_a_deeper_model():
+    # AdamW and Muon's elementwise work runs as torch._foreach_* ops over lists: the ops the host issues a step (one
+    # launch or a few on a GPU each) do not grow with the number of matrices, as they did parameter by parameter
+    from torch.profiler import ProfilerActivity, profile
+
+    def ops(n_layer):
+        optimizers, norm = stepped_model(n_layer)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            clipped_step(optimizers, norm, 1.0)
+        aten = [e for e in prof.events() if e.name.startswith("aten::")]  # each issued by Python, not inside an op
+        return sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+
+    shallow, deep = ops(2), ops(6)
+    assert shallow == deep, (shallow, deep)
+
+
 # ---------------------------------------------------------------------------------------------------- distributed
 
 def test_dist_optimizers_on_two_gloo_ranks_match_single_process(tmp_path):

@@ -13,16 +13,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fastapi.testclient import TestClient
+from hypothesis import event, example, given, settings
+from hypothesis import strategies as st
 
-from nanochat.data.synthetic import HopsSpec, hops_document
+from nanochat.data.dataset import SYNTHETIC, synthetic_flags, write_source
+from nanochat.data.synthetic import HopsSpec, hops_answers, hops_document, pairs_document
 from nanochat.model.engine import Engine
 from nanochat.model.halting import Halting, forward_halting
 from nanochat.serve import refinement
-from scripts import base_sample, serve
+from nanochat.serve.server import Server, create_app
+from nanochat.serve.streaming import Worker
+from scripts import base_sample
 from tests.support.server import serving
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 KEY = "sk-refinement-test"
+LOCAL = "http://localhost"  # TestClient's default Host, testserver, is no name of a server listening on loopback
 ATOL = 1e-4  # float32 reorderings between a cached decode and a full forward move probabilities by ~1e-6
 
 
@@ -34,12 +40,12 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(trained):
     _, model, tokenizer = trained
-    return serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
+    return Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with TestClient(serve.create_app(server), raise_server_exceptions=True) as c:
+    with TestClient(create_app(server), base_url=LOCAL, raise_server_exceptions=True) as c:
         yield c
 
 
@@ -168,39 +174,126 @@ def test_hops_draws_the_document_of_a_seed(trained, server, monkeypatch):
     _, model, _ = trained
     monkeypatch.setattr(model.config, "sequence_len", 128)  # a drawn table of 16 symbols outgrows the tiny context
     drawn = hops_document(random.Random(4), HopsSpec(n_queries=2))
-    got = refine(TestClient(serve.create_app(server)), mode="hops", seed=4, n_queries=2)
+    got = refine(TestClient(create_app(server), base_url=LOCAL), mode="hops", seed=4, n_queries=2)
     assert got["text"] == drawn and len(got["queries"]) == 2
+
+
+def test_the_corpus_a_checkpoint_was_trained_on_is_read_back_from_its_data_directory(tmp_path, monkeypatch):
+    spec = HopsSpec(n_symbols=7, max_hops=3, n_queries=24)
+    trained_on, current, text = tmp_path / "trained_on", tmp_path / "current", tmp_path / "text"
+    for directory in (trained_on, current, text):
+        directory.mkdir()
+    write_source(str(trained_on), f"{SYNTHETIC} {synthetic_flags('hops_pairs', 0, 60000, spec)}")
+    write_source(str(text), "builtin: Python 3.11 standard library")
+    want = refinement.HopsCorpus("hops_pairs", spec, f"{SYNTHETIC} {synthetic_flags('hops_pairs', 0, 60000, spec)}")
+    assert refinement.trained_hops_corpus({"data": {"dir": str(trained_on), "fingerprint": "f"}}) == want
+    assert want.draw(5) == pairs_document(random.Random(5), spec) and len(want.draw(5, n_queries=2)) == 7 + 3 + 7
+    # the recorded directory is gone; the current one (NANOCHAT_DATA_DIR) holds the same shards: read from it
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(current))
+    write_source(str(current), want.source)
+    monkeypatch.setattr("nanochat.data.dataset.corpus_identity", lambda directory=None: {"fingerprint": "f"})
+    assert refinement.trained_hops_corpus({"data": {"dir": str(tmp_path / "gone"), "fingerprint": "f"}}) == want
+    assert refinement.trained_hops_corpus({"data": {"dir": str(tmp_path / "gone"), "fingerprint": "g"}}) is None
+    assert refinement.trained_hops_corpus({"data": {"dir": str(text), "fingerprint": "g"}}) is None  # not hops
+    assert refinement.trained_hops_corpus({}) is None  # a checkpoint from before data was recorded
+    assert refinement.hops_corpus_of("synthetic: --synthetic=other --hops_symbols=3") is None
+
+
+def test_every_mode_runs_up_to_four_times_the_trained_steps(trained, client):
+    _, model, _ = trained
+    most = 4 * model.config.n_sup_train
+    assert client.get("/health").json()["n_sup_max"] == most
+    scored = refine(client, mode="score", text="the cat sat", n_sup=most)
+    ids = trained[2].encode("the cat sat", prepend="<|bos|>")
+    with torch.no_grad():
+        losses = model(torch.tensor([ids[:-1]]), torch.tensor([ids[1:]]), n_sup=most, loss_reduction="none")
+    assert torch.allclose(torch.tensor(scored["losses"]), losses[:, 0], atol=ATOL) and len(scored["losses"]) == most
+    got = refine(client, prompt="the", max_tokens=3, temperature=0, n_sup=most, drafts=True)
+    assert len(got["drafts"]) == most and all(len(t["steps"]) == most for t in got["tokens"])
 
 
 @pytest.mark.parametrize("body, param, message", [
     ([1], None, "the body must be a JSON object"),
     ({"mode": "chat", "prompt": "x"}, "mode", "mode: one of generate, score, hops"),
-    ({"prompt": "x", "text": "y"}, "text", "unknown field 'text' for mode generate"),
-    ({"prompt": 5}, "prompt", "prompt: must be str, got 5"),
-    ({"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens: must be int, got true"),
+    ({"prompt": "x", "text": "y"}, "text", "text: unknown field; the fields are mode, prompt, messages, max_tokens,"),
+    ({"prompt": 5}, "prompt", "prompt: Input should be a valid string"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
+    ({"mode": "score"}, "text", "text: Field required"),
     ({"prompt": ""}, "prompt", "prompt: a non-empty string is required"),
-    ({"prompt": "x", "n_sup": 9}, "n_sup", "n_sup=9: must be from 1 to 3"),
+    ({"prompt": "x", "n_sup": 13}, "n_sup", "n_sup=13: must be from 1 to 12 (4x the 3 supervision steps the model"),
+    ({"mode": "score", "text": "the cat", "n_sup": 0}, "n_sup", "n_sup=0: must be from 1 to 12"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0: must be from 1 to 32"),
-    ({"prompt": "x", "temperature": 3}, "temperature", "temperature=3: must be from 0 to 2"),
+    ({"prompt": "x", "temperature": 3}, "temperature", "temperature=3.0: must be from 0 to 2"),
     ({"prompt": "x", "halt": "kl"}, "halt", "halt: halting rule 'kl': write RULE:THRESHOLD"),
     ({"prompt": "x", "halt": "head:0.5"}, "halt", "halt: halting rule head:0.5: this model has no halting head"),
     ({"prompt": "the cat " * 20}, "prompt", "tokens (with <|bos|>); the model's context is 32 tokens"),
-    ({"mode": "score", "text": "the", "prompt": "x"}, "prompt", "unknown field 'prompt' for mode score"),
+    ({"mode": "score", "text": "the", "prompt": "x"}, "prompt", "prompt: unknown field; the fields are mode, text"),
     ({"mode": "hops", "text": "a>b ; a1=b", "seed": 1}, "text", "hops: send text (a hops document) or seed"),
     ({"mode": "hops", "text": "no queries"}, "text", "a document holds no hops query"),
+    ({"mode": "hops", "text": "1="}, "text", "the text ends with '=': write each query's answer after it"),
+    ({"mode": "hops", "text": "a>b ; x=y"}, "text", "the '=' at character 8 (' x=y') must follow a hop count digit"),
+    ({"mode": "hops", "text": "=a b1=a"}, "text", "the '=' at character 1 ('=a') must follow a hop count digit"),
+    ({"mode": "hops", "text": "a>b ; a\u00b2=b"}, "text", "must follow a hop count digit 0-9"),  # '²'.isdigit()
     ({"mode": "hops", "seed": 1, "n_queries": -1}, "n_queries", "n_queries: n_queries=-1: must be >= 1"),
+    ({"mode": "hops", "seed": 1, "n_queries": 0}, "n_queries", "n_queries: n_queries=0: must be >= 1"),  # not 24
+    ({"mode": "hops", "seed": -1}, "seed", "seed=-1: must be from 0 to 2**63-1"),
     ({"mode": "hops", "seed": 1, "n_queries": 10 ** 9}, "n_queries", "n_queries=1000000000: at most 32"),
     ('{"prompt": "x", "temperature": NaN}', "temperature", "temperature=nan: must be from 0 to 2"),  # Python's JSON
 ])
 def test_a_bad_request_is_one_400_naming_the_field(client, body, param, message):
     raw = isinstance(body, str)  # sent as written: json= would refuse NaN
-    r = client.post("/v1/refinement", content=body if raw else None, json=None if raw else body)
+    r = client.post("/v1/refinement", content=body if raw else None, json=None if raw else body,
+                    headers={"content-type": "application/json"})
     error = r.json()["error"]
     assert r.status_code == 400 and message in error["message"] and error["param"] == param, error
 
 
+SMALL_HOPS = "a>b b>c c>a ; a1=b c2=b"  # fits the tiny model's context
+EDITS = st.lists(st.tuples(st.integers(0, len(SMALL_HOPS)), st.integers(0, 2),
+                           st.sampled_from(["", "=", "=", "1", "0", "a", ">", ";", " ", "\u00b2", "\u0663", "\n"])),
+                 max_size=4)
+
+
+def edited(text, edits):
+    """text with each (at, cut, insert) applied: cut characters at `at` replaced by insert."""
+    for at, cut, insert in edits:
+        text = text[:at] + insert + text[at + cut:]
+    return text
+
+
+HOPS_TEXTS = st.one_of(st.builds(edited, st.just(SMALL_HOPS), EDITS), st.text("abz>=; 019\u00b2\n", max_size=30),
+                       st.text(max_size=30))
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=HOPS_TEXTS)
+@example(text="1=")  # were a 500 (an IndexError), or Python's int() message
+@example(text="a>b ; x=y")
+@example(text="=a")
+def test_no_hops_text_gets_a_500(client, text):
+    r = client.post("/v1/refinement", json={"mode": "hops", "text": text, "n_sup": 1})
+    event(f"status {r.status_code}")  # --hypothesis-show-statistics: how many were answered
+    assert r.status_code in (200, 400), r.text[:300]
+    if r.status_code == 400:
+        error = r.json()["error"]
+        assert error["param"] == "text" and error["message"] and "\n" not in error["message"], error
+    else:
+        got = r.json()
+        assert [q["offset"] for q in got["queries"]] == [a.position for a in hops_answers(text)]
+
+
+def test_a_hops_text_error_is_counted_in_metrics(client):
+    def refused():
+        line = 'nanochat_requests_total{route="/v1/refinement",status="400"} '
+        return next((float(x[len(line):]) for x in client.get("/metrics").text.splitlines() if x.startswith(line)), 0)
+
+    before = refused()
+    assert client.post("/v1/refinement", json={"mode": "hops", "text": "1="}).status_code == 400
+    assert refused() == before + 1
+
+
 def test_a_wrong_or_missing_key_is_a_401_but_the_page_needs_none(server):
-    client = TestClient(serve.create_app(server, api_key=KEY))
+    client = TestClient(create_app(server, api_key=KEY), base_url=LOCAL)
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = client.post("/v1/refinement", json={"prompt": "the"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -213,18 +306,18 @@ def test_a_wrong_or_missing_key_is_a_401_but_the_page_needs_none(server):
 
 def test_a_client_that_leaves_mid_stream_stops_the_generation_and_frees_the_slot(trained, monkeypatch):
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
     made, real = [], refinement.generate
 
     def slow(engine, req):  # a token every 50 ms: the client leaves long before the 32nd
-        for event in real(engine, req):
-            made.append(event)
+        for item in real(engine, req):
+            made.append(item)
             time.sleep(0.05)
-            yield event
+            yield item
 
     monkeypatch.setattr(refinement, "generate", slow)
     body = {"prompt": "the", "max_tokens": 32, "temperature": 1.0, "stream": True}
-    with serving(serve.create_app(server)) as url:
+    with serving(create_app(server)) as url:
         with httpx.stream("POST", f"{url}/v1/refinement", json=body, timeout=30) as r:
             lines = r.iter_lines()  # kept: a dropped line iterator closes the connection
             first = next(lines)
@@ -237,20 +330,58 @@ def test_a_client_that_leaves_mid_stream_stops_the_generation_and_frees_the_slot
             assert time.monotonic() < deadline, "the slot was never freed"
             time.sleep(0.02)
         assert len(made) < 32
-        assert httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 1}, timeout=30).status_code == 200
+        served = httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 1}, timeout=30)
+        assert served.status_code == 200
+
+
+def test_a_client_that_leaves_before_the_answer_frees_the_slot_at_once(trained, monkeypatch):
+    """Not streamed: a generation of 32 tokens at 100 ms each whose client gives up after 0.5 s stops within a token
+    or two and frees its slot, as /v1/completions does; /metrics counts it as 499 (client closed request)."""
+    _, model, tokenizer = trained
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, queue_timeout=0)
+    made, real = [], refinement.generate
+
+    def slow(engine, req):
+        for item in real(engine, req):
+            made.append(item)
+            time.sleep(0.1)
+            yield item
+
+    monkeypatch.setattr(refinement, "generate", slow)
+    with serving(create_app(server)) as url:
+        start = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 32, "temperature": 1.0},
+                       timeout=0.5)
+        while server.running:
+            assert time.monotonic() - start < 2, "the slot was not freed when the client left"
+            time.sleep(0.02)
+        assert len(made) < 32
+        served = httpx.post(f"{url}/v1/refinement", json={"prompt": "the", "max_tokens": 1}, timeout=30)
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert served.status_code == 200
+    assert 'nanochat_requests_total{route="/v1/refinement",status="499"} 1.0' in metrics
+
+
+def items_work(made, count, gate=None):
+    """A streaming.Worker's work emitting 0, 1, ... count-1 (each after the last was taken by the loop, if gate)."""
+    def work(emit, cancelled):
+        for i in range(count):
+            made.append(i)
+            emit(i)
+            if gate is not None:
+                gate.wait(timeout=10)  # the next item waits until the consumer has left
+            if cancelled.is_set():
+                return
+    return work
 
 
 def test_the_worker_ends_and_releases_even_when_no_one_reads_its_items():
     released, made = [], []
 
-    def items():
-        for i in range(3):
-            made.append(i)
-            yield i
-
     async def never_read():
         done = asyncio.Event()
-        refinement.threaded(items(), lambda: (released.append(True), done.set()))
+        Worker(items_work(made, 3), [lambda worker: (released.append(True), done.set())])
         await asyncio.wait_for(done.wait(), timeout=10)
 
     asyncio.run(never_read())
@@ -260,17 +391,12 @@ def test_the_worker_ends_and_releases_even_when_no_one_reads_its_items():
 def test_a_consumer_that_stops_early_stops_the_worker():
     released, made, gate = [], [], threading.Event()
 
-    def items():
-        for i in range(1000):
-            made.append(i)
-            yield i
-            gate.wait(timeout=10)  # the next item waits until the consumer has left
-
     async def read_one():
         done = asyncio.Event()
-        events = refinement.threaded(items(), lambda: (released.append(True), done.set()))
-        assert await anext(events) == 0
-        await events.aclose()
+        worker = Worker(items_work(made, 1000, gate), [lambda worker: (released.append(True), done.set())])
+        batches = worker.batches()
+        assert await anext(batches) == ([0], False)
+        await batches.aclose()
         gate.set()
         await asyncio.wait_for(done.wait(), timeout=10)
 

@@ -1,11 +1,14 @@
 """Tests for the OpenAI-compatible server: the official openai client against the real server on 127.0.0.1."""
 
+import asyncio
 import json
+import logging
 import os
 import re
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -21,11 +24,16 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from nanochat.model.engine import Batch, Engine
+from nanochat.serve.api import AUTO_HALTING, MAX_BODY_BYTES, token_offsets
+from nanochat.serve.http import HostCheck, guarded_http
+from nanochat.serve.server import Server, create_app
+from nanochat.serve.stops import Choice
 from scripts import serve
 from tests.support.server import running
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOCAL = "http://localhost"  # TestClient's default Host, testserver, is no name of a server listening on loopback
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +54,9 @@ def start_cli(base_dir, *flags, deadline_s=120, env=None):
             pytest.fail(f"server did not start: {proc.communicate()[1]}")
     line = proc.stdout.readline()
     assert line.startswith(f"serving {MODEL_TAG} step 40 at http://127.0.0.1:"), line
-    return proc, line.split(" at ")[1].split()[0].removesuffix("/v1")
+    base_url = line.split(" at ")[1].split()[0].removesuffix("/v1")
+    assert line.endswith(f"; the refinement viewer: {base_url}/\n"), line  # the page's address, to click
+    return proc, base_url
 
 
 def stop_cli(proc):
@@ -115,7 +125,7 @@ def test_streaming_gives_the_same_text_in_pieces(client, url):
 def test_a_character_split_across_tokens_is_held_back_until_complete(trained):
     _, _, tokenizer = trained
     ids = tokenizer.encode("a \u20ac!")  # the euro sign's three bytes are three tokens of the tiny tokenizer
-    choice = serve.Choice(tokenizer, stops=[])
+    choice = Choice(tokenizer, stops=[])
     pieces = [choice.add(token, last=False) for token in ids]
     assert pieces[-4:] == ["", "", "\u20ac", "!"] and "".join(pieces) == "a \u20ac!"
 
@@ -129,7 +139,7 @@ class CharTokenizer:
 
 
 def stream_choice(tokens, stops):
-    choice = serve.Choice(CharTokenizer(), stops)
+    choice = Choice(CharTokenizer(), stops)
     pieces = []
     for i, token in enumerate(tokens):
         pieces.append(choice.add(token, last=i == len(tokens) - 1))
@@ -332,9 +342,9 @@ def test_logprobs_stop_where_a_stop_string_cuts_the_text(client, trained):
 
 def test_the_end_token_the_model_chose_is_scored_but_not_text(trained):
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
     bos = tokenizer.get_bos_token_id()
-    choice = serve.Choice(tokenizer, stops=[], end_tokens={bos})
+    choice = Choice(tokenizer, stops=[], end_tokens={bos})
     pieces = [choice.add(token, last=False) for token in tokenizer.encode(" sat on") + [bos]]
     assert "".join(pieces) == choice.text == " sat on" and choice.finish_reason == "stop"
     prompt = tokenizer.encode("the cat", prepend="<|bos|>")
@@ -350,8 +360,8 @@ def test_text_offsets_count_characters_split_across_tokens(trained):
     pieces = [tokenizer.enc.decode_single_token_bytes(t) for t in tokenizer.encode(text)]
     char_of_byte = [i for i, ch in enumerate(text) for _ in ch.encode()]
     starts = [sum(map(len, pieces[:t])) for t in range(len(pieces))]
-    assert serve.token_offsets(pieces) == [char_of_byte[b] for b in starts]
-    assert serve.token_offsets(pieces)[2:5] == [2, 2, 2]  # the euro sign's three bytes are three tokens
+    assert token_offsets(pieces) == [char_of_byte[b] for b in starts]
+    assert token_offsets(pieces)[2:5] == [2, 2, 2]  # the euro sign's three bytes are three tokens
 
 
 MC_TASK = """task: tiny_mc
@@ -425,10 +435,10 @@ BAD_REQUESTS = [
     (dict(best_of=2), "best_of=2 is not supported by this server"),
     (dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported by this server"),
     (dict(stream_options={"include_usage": True}), "stream_options needs stream: true"),
-    (dict(extra_body={"temprature": 0.5}), "temprature: Extra inputs are not permitted"),
-    (dict(extra_body={"n_sup": 99}), "n_sup=99: must be from 1 to 3"),
-    (dict(extra_body={"n_sup": 0}), "n_sup=0: must be from 1 to 3"),
-    (dict(extra_body={"n_sup": "kl"}), "n_sup='kl': an integer from 1 to 3, \"auto\", or halting rule 'kl': write "
+    (dict(extra_body={"temprature": 0.5}), "temprature: unknown field; the fields are model, prompt,"),
+    (dict(extra_body={"n_sup": 99}), "n_sup=99: must be from 1 to 12 (4x the 3 supervision steps the model was"),
+    (dict(extra_body={"n_sup": 0}), "n_sup=0: must be from 1 to 12"),
+    (dict(extra_body={"n_sup": "kl"}), "n_sup='kl': an integer from 1 to 12, \"auto\", or halting rule 'kl': write "
                                        "RULE:THRESHOLD"),
     (dict(extra_body={"n_sup": "fast:1"}), "halting rule 'fast:1': write RULE:THRESHOLD with RULE one of kl, rms"),
     (dict(extra_body={"n_sup": "head:0.5"}), "this model has no halting head"),
@@ -450,7 +460,7 @@ def test_a_bad_request_is_a_400_and_the_server_keeps_serving(client, url, change
 def test_n_sup_auto_and_a_rule_halt_per_token(client, trained):
     r = client.completions.create(model=MODEL_TAG, prompt="the cat sat", max_tokens=8, temperature=0,
                                   extra_body={"n_sup": "auto"})
-    assert r.choices[0].text == greedy(trained, "the cat sat", 8, halt=serve.AUTO_HALTING)
+    assert r.choices[0].text == greedy(trained, "the cat sat", 8, halt=AUTO_HALTING)
     # an infinite threshold halts every token after step 1: step 1's tokens and log-probabilities
     prompt = trained[2].encode("the dog sat", prepend=trained[2].get_bos_token_id())
     r = client.completions.create(model=MODEL_TAG, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2,
@@ -469,7 +479,7 @@ def test_an_unknown_model_is_a_404(client):
 @pytest.mark.parametrize("body,status,message", [
     (b'\xff\xfe{"prompt": "the"}', 400, "not valid UTF-8"),
     (b'{"prompt": "the"', 400, "not valid JSON"),
-    (b"x" * (serve.MAX_BODY_BYTES + 1), 413, "exceeds"),
+    (b"x" * (MAX_BODY_BYTES + 1), 413, "exceeds"),
     (b"[1, 2]", 400, "valid dictionary"),
     (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "request body nests too deeply to parse"),
     (b'{"prompt": "the", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nests too deeply"),
@@ -487,10 +497,103 @@ def test_an_unknown_path_is_a_404_in_openais_error_shape(url):
                                                          "param": None, "code": None}
 
 
+@pytest.fixture(scope="module")
+def local_app(trained):
+    """The app behind a server on 127.0.0.1, in process, with a host and an origin allowed besides its own."""
+    _, model, tokenizer = trained
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    return create_app(server, host="127.0.0.1", allowed_hosts=["proxy.example"],
+                            allowed_origins=["https://page.example"])
+
+
+@pytest.mark.parametrize("headers,status,code", [
+    ({"host": "attacker.example"}, 400, "invalid_host"),  # a DNS-rebinding page: the name it used is sent
+    ({"host": "attacker.example:8000"}, 400, "invalid_host"),
+    ({"host": "10.1.2.3"}, 400, "invalid_host"),  # not an address a loopback server listens on
+    ({"host": "localhost:8000:1"}, 400, "invalid_host"),
+    ({"host": "127.0.0.1:8000", "origin": "http://attacker.example"}, 403, "forbidden_origin"),
+    ({"host": "127.0.0.1:8000", "origin": "http://127.0.0.1:9999"}, 403, "forbidden_origin"),  # another port
+    ({"host": "127.0.0.1:8000", "origin": "null"}, 403, "forbidden_origin"),  # a sandboxed frame, a file://
+    ({"host": "localhost"}, 200, None), ({"host": "LOCALHOST.:80"}, 200, None), ({"host": "127.0.0.1:8000"}, 200, None),
+    ({"host": "127.9.9.9"}, 200, None), ({"host": "[::1]:8000"}, 200, None), ({"host": "app.localhost"}, 200, None),
+    ({"host": "proxy.example"}, 200, None),  # --allowed_hosts
+    ({"host": "127.0.0.1:8000", "origin": "http://127.0.0.1:8000"}, 200, None),  # the page itself
+    ({"host": "localhost", "origin": "http://localhost:80"}, 200, None),
+    ({"host": "proxy.example", "origin": "https://page.example"}, 200, None),  # --allowed_origins
+])
+def test_a_foreign_host_or_origin_is_refused_on_every_route(local_app, headers, status, code):
+    from fastapi.testclient import TestClient
+    client = TestClient(local_app, base_url=LOCAL)
+    answers = [client.get("/health", headers=headers), client.get("/", headers=headers),
+               client.post("/v1/completions", json={**REQUEST, "max_tokens": 1}, headers=headers)]
+    assert [r.status_code for r in answers] == [status] * 3, [r.text[:200] for r in answers]
+    if code:
+        error = answers[0].json()["error"]
+        assert error["code"] == code and "\n" not in error["message"]
+        assert ("--allowed_hosts=" if status == 400 else "--allowed_origins=") in error["message"]
+
+
+@pytest.mark.parametrize("content_type,status", [
+    ("text/plain", 415), ("application/x-www-form-urlencoded", 415), ("multipart/form-data; boundary=x", 415),
+    (None, 415), ("application/json", 200), ("Application/JSON; charset=utf-8", 200)])
+def test_only_a_json_body_is_taken(local_app, content_type, status):
+    """A page of any site may POST text/plain, a form or multipart without asking; only JSON needs the browser to
+    ask the server first (a preflight, which this server does not answer)."""
+    from fastapi.testclient import TestClient
+    client = TestClient(local_app, base_url=LOCAL)
+    headers = {} if content_type is None else {"content-type": content_type}
+    for path, body in (("/v1/completions", {**REQUEST, "max_tokens": 1}), ("/v1/refinement", {"prompt": "the",
+                                                                                            "max_tokens": 1})):
+        r = client.post(path, content=json.dumps(body).encode(), headers=headers)
+        assert r.status_code == status, r.text[:200]
+        if status == 415:
+            message = r.json()["error"]["message"]
+            assert "Content-Type: application/json" in message and "\n" not in message
+
+
+def test_a_server_on_every_interface_answers_to_addresses_and_its_own_names():
+    everywhere = HostCheck("0.0.0.0")
+    assert all(map(everywhere.allows, ["192.0.2.7", "::1", "localhost", socket.gethostname().lower()]))
+    assert not everywhere.allows("attacker.example")
+    one = HostCheck("192.0.2.7", ["*.lan.example"])
+    assert one.allows("192.0.2.7") and not one.allows("127.0.0.1") and not one.allows("localhost")
+    assert one.allows("a.lan.example") and not one.allows("lan.example") and not one.allows("evil-lan.example")
+    assert HostCheck("192.0.2.7", ["*"]).allows("any.example")
+    assert HostCheck("::1").allows("::1") and HostCheck("192.0.2.7", ["2001:db8::1"]).allows("2001:db8::1")
+
+
 def test_health(url, trained):
     health = httpx.get(f"{url}/health").json()
     assert health["status"] == "ok" and health["model_tag"] == MODEL_TAG and health["step"] == 40
-    assert health["n_sup_max"] == trained[1].config.n_sup_inference and health["max_concurrency"] == 2
+    config = trained[1].config
+    assert (health["n_sup_max"], health["n_sup_inference"], health["n_sup_train"]) == (
+        4 * config.n_sup_train, config.n_sup_inference, config.n_sup_train) and health["max_concurrency"] == 2
+    assert health["hops_corpus"] == {"family": "hops", "n_symbols": 16, "max_hops": 4, "n_queries": 24,
+                                     "source": None}  # the tiny checkpoint records no corpus
+
+
+def test_completions_run_up_to_four_times_the_trained_steps(client, trained):
+    most = 4 * trained[1].config.n_sup_train
+    r = client.completions.create(model=MODEL_TAG, prompt="the cat sat", max_tokens=6, temperature=0,
+                                  extra_body={"n_sup": most})
+    _, model, tokenizer = trained
+    engine = Engine(model, tokenizer)
+    engine.most_steps = most
+    assert r.choices[0].text == engine.complete(["the cat sat"], max_tokens=6, temperature=0.0, n_sup=most)[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_TAG, prompt="the", max_tokens=1, extra_body={"n_sup": most + 1})
+    assert f"n_sup={most + 1}: must be from 1 to {most}" in e.value.body["message"]
+
+
+def test_the_page_is_sent_with_a_content_security_policy_and_answers_head(url):
+    page, head = httpx.get(f"{url}/"), httpx.head(f"{url}/")
+    assert page.status_code == head.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == page.headers["content-length"]
+    for r in (page, head):
+        policy = r.headers["content-security-policy"]
+        assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy and "script-src 'sha256-" in policy
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
+    assert httpx.get(f"{url}/health").headers["x-content-type-options"] == "nosniff"
 
 
 # ---------------------------------------------------------------- slots, in-process servers with controlled engines
@@ -530,9 +633,9 @@ class HeldEngine(Engine):
 def held_server(trained, queue_timeout=0.2, max_concurrency=1, **engine_kwargs):
     _, model, tokenizer = trained
     engine = HeldEngine(model, tokenizer, **engine_kwargs)
-    server = serve.Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=max_concurrency,
+    server = Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=max_concurrency,
                           queue_timeout=queue_timeout)
-    return engine, uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off"))
+    return engine, uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off"))
 
 
 def wait_until_running(base_url, n, timeout=10):
@@ -589,6 +692,75 @@ def test_a_client_that_leaves_before_the_answer_frees_its_slot_at_once(trained):
         assert post(base_url, REQUEST).status_code == 200
 
 
+def test_a_huge_prompt_list_is_refused_before_it_is_tokenized(trained, monkeypatch):
+    """200,000 one-character prompts took 0.5-1.4 s each to tokenize on the event loop before --max_batch refused
+    them; eight at once stalled /health for seconds. They are counted first now: nothing is tokenized."""
+    _, model, tokenizer = trained
+    engine = Engine(model, tokenizer)
+    encoded, encode = [], engine.encode_prompt
+    monkeypatch.setattr(engine, "encode_prompt", lambda text: encoded.append(text) or encode(text))
+    server = Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_batch=8)
+    bodies = [json.dumps({"prompt": ["a"] * 200_000}).encode()] * 7 + [json.dumps({"prompt": [[1]] * 200_000}).encode()]
+    http = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off"))
+    with running(http) as base_url:
+        answers = [None] * len(bodies)
+
+        def send(i):
+            answers[i] = httpx.post(f"{base_url}/v1/completions", content=bodies[i], timeout=60,
+                                    headers={"content-type": "application/json"})
+
+        senders = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+        for t in senders:
+            t.start()
+        assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200
+        for t in senders:
+            t.join(timeout=60)
+        assert post(base_url, {"prompt": ["the", "a"], "max_tokens": 1}).status_code == 200
+    for r in answers:
+        assert r.status_code == 400 and "200000 prompt(s) x n=1 completions exceeds this server's limit of 8 " \
+                                       "(--max_batch)" in r.json()["error"]["message"]
+    assert encoded == ["the", "a"]  # only the request within the limit was tokenized
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/refinement"])
+def test_a_stream_whose_client_left_logs_nothing(trained, monkeypatch, caplog, route):
+    """The client resets the connection while the server's event loop is busy and the rest of its answer is queued:
+    the stream wrote the queued events without a loop turn between writes, so asyncio logged "socket.send() raised
+    exception." from the fifth write after the failed one."""
+    from nanochat.serve import refinement
+    engine, http = held_server(trained, queue_timeout=5, max_concurrency=2, free=1)
+    real, loops, acquire = refinement.generate, [], Server.acquire
+
+    def held(model_engine, req):  # refinement's generation: the first token, then the rest once the test says
+        events = real(model_engine, req)
+        yield next(events)
+        assert engine.go.wait(timeout=10)
+        yield from events
+
+    async def acquire_recording_the_loop(self):
+        loops.append(asyncio.get_running_loop())
+        await acquire(self)
+
+    monkeypatch.setattr(refinement, "generate", held)
+    monkeypatch.setattr(Server, "acquire", acquire_recording_the_loop)
+    body = {"prompt": "the", "max_tokens": 12, "temperature": 1.0, "stream": True,
+            **({"n": 8} if route == "/v1/completions" else {})}
+    with running(http) as base_url, caplog.at_level(logging.WARNING, logger="asyncio"):
+        sock = socket.create_connection(("127.0.0.1", int(base_url.rsplit(":", 1)[1])))
+        raw = json.dumps(body).encode()
+        sock.sendall(f"POST {route} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(raw)}\r\n\r\n".encode() + raw)
+        sock.settimeout(30)
+        assert sock.recv(100).startswith(b"HTTP/1.1 200 ")
+        loops[0].call_soon_threadsafe(time.sleep, 0.5)  # the loop is busy: it notices nothing before the burst
+        time.sleep(0.1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset: the next write fails
+        engine.go.set()  # the rest of the answer is generated and queued meanwhile
+        wait_until_running(base_url, 0)
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
 # ---------------------------------------------------------------- start-up
 
 @pytest.mark.parametrize("flag,value,message", [
@@ -600,11 +772,28 @@ def test_a_client_that_leaves_before_the_answer_frees_its_slot_at_once(trained):
     ("--max_batch", "0", "--max_batch=0: must be >= 1"),
     ("--api_key", "cl\u00e9", "the API key (--api_key or NANOCHAT_API_KEY) must be printable ASCII without spaces"),
     ("--api_key", "a b", "the API key (--api_key or NANOCHAT_API_KEY) must be printable ASCII without spaces"),
+    ("--step", "\u00b2", "argument --step: '\u00b2': use 'latest', 'best' or a step number in digits 0-9"),
+    ("--step", "\u0662\u0660", "argument --step: '\u0662\u0660': use 'latest', 'best' or a step number in digits"),
+    ("--step", "-1", "argument --step: '-1': use 'latest', 'best' or a step number in digits 0-9"),
+    ("--port", "\u0668\u0660\u0660\u0660", "argument --port: '\u0668\u0660\u0660\u0660': write the number in ASCII"),
+    ("--queue_timeout", "\u0661", "argument --queue_timeout: '\u0661': write the number in ASCII digits 0-9"),
 ])
 def test_bad_flags_are_refused_at_start_up(capsys, flag, value, message):
     with pytest.raises(SystemExit) as e:
         serve.parse_args([flag, value, "--device_type", "cpu"])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_help_gives_every_flags_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        serve.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert e.value.code == 0
+    for default in ["(default: latest)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
+                    "(default: 30.0)", "(default: 8)", "(default: 256)", "(default: the newest)",
+                    "(default: context)", "(default: autodetect)"]:
+        assert default in out, default
+    assert "None" not in out  # a default that is not a value is said in words
 
 
 def test_a_port_in_use_is_one_line(trained, monkeypatch, capsys):
@@ -644,8 +833,8 @@ def route_requests(app):
 
 def test_every_route_but_health_refuses_a_missing_or_wrong_key(trained):
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
-    app = serve.create_app(server, api_key=KEY)
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    app = create_app(server, api_key=KEY)
     requests = list(route_requests(app))
     assert {("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions")} <= set(requests)
     missing = "no API key: send the header Authorization: Bearer <key>"
@@ -655,7 +844,8 @@ def test_every_route_but_health_refuses_a_missing_or_wrong_key(trained):
                 ({"Authorization": "Bearer \u00e9".encode("latin-1")}, "incorrect API key")]  # not ASCII: no 500
     with running(uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))) as base_url:
         for method, path in requests:
-            send = lambda headers: httpx.request(method, base_url + path, headers=headers, json=REQUEST, timeout=30)
+            body = {"messages": [{"role": "user", "content": "the"}], "max_tokens": 3} if "chat" in path else REQUEST
+            send = lambda headers: httpx.request(method, base_url + path, headers=headers, json=body, timeout=30)
             if path in ("/health", "/"):  # the page holds no data: it asks for the key itself
                 assert send({}).status_code == 200
                 continue
@@ -687,6 +877,35 @@ def test_the_openai_client_with_the_key_from_the_environment_is_served(trained):
         stop_cli(proc)
 
 
+def abandon_stream(port, route, body):
+    """Send a streamed request, read the first bytes of its answer and close the connection mid-stream."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        raw = json.dumps({**body, "stream": True}).encode()
+        sock.sendall(f"POST {route} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(raw)}\r\n\r\n".encode() + raw)
+        sock.settimeout(30)
+        assert sock.recv(100).startswith(b"HTTP/1.1 200 ")
+
+
+def test_the_cli_logs_nothing_for_abandoned_streams_and_takes_its_allowed_hosts_and_origins(trained):
+    """Clients leaving streams mid-way (test_a_stream_whose_client_left_logs_nothing forces the race) log nothing
+    (stop_cli allows no other line); --allowed_hosts and --allowed_origins reach the gate."""
+    proc, base_url = start_cli(trained[0], "--allowed_hosts", "proxy.example,*.lan.example", "--allowed_origins",
+                               "https://page.example", env={"NANOCHAT_API_KEY": ""})
+    try:
+        port = int(base_url.rsplit(":", 1)[1])
+        for _ in range(3):
+            abandon_stream(port, "/v1/completions", {"prompt": "the", "max_tokens": 30, "n": 8, "temperature": 1.0})
+            abandon_stream(port, "/v1/refinement", {"prompt": "the", "max_tokens": 30, "temperature": 1.0})
+        wait_until_running(base_url, 0)
+        health = lambda **headers: httpx.get(f"{base_url}/health", headers=headers, timeout=30).status_code
+        assert health(host="proxy.example") == health(host="box.lan.example:8000") == 200
+        assert health(host="attacker.example") == 400
+        assert health(origin="https://page.example") == 200 and health(origin="https://evil.example") == 403
+    finally:
+        stop_cli(proc)
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
 def test_a_non_loopback_host_without_a_key_refuses_to_start(trained, monkeypatch, capsys, host):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(trained[0]))
@@ -709,11 +928,11 @@ def test_a_key_allow_no_auth_or_a_loopback_host_may_start(trained, monkeypatch, 
     assert "no checkpoint found for model tag 'missing'" in capsys.readouterr().err
 
 
-def guarded_server(trained, read_timeout, max_connections):
+def guarded_server(trained, read_timeout, max_connections, **limits):
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
-    return uvicorn.Server(uvicorn.Config(serve.create_app(server), log_level="warning", lifespan="off",
-                                         http=serve.guarded_http(read_timeout, max_connections)))
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    http = guarded_http(read_timeout, max_connections, refused=server.metrics.refused, **limits)
+    return uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off", http=http))
 
 
 def answer(sock, timeout=10):
@@ -726,10 +945,12 @@ def answer(sock, timeout=10):
 
 
 def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped(trained):
-    with running(guarded_server(trained, read_timeout=1.0, max_connections=2)) as base_url:
+    http = guarded_server(trained, read_timeout=1.0, max_connections=2)
+    with running(http) as base_url:
         port = int(base_url.rsplit(":", 1)[1])
         slow = socket.create_connection(("127.0.0.1", port))
-        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"prompt\"")  # stalls
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                     b"content-length: 100\r\n\r\n{\"prompt\"")  # stalls
         idle = socket.create_connection(("127.0.0.1", port))  # sends nothing at all
         time.sleep(0.2)
         third = socket.create_connection(("127.0.0.1", port))
@@ -743,11 +964,80 @@ def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped
         assert post(base_url, REQUEST).status_code == 200  # served again, and a whole request is not cut off
         with httpx.Client(base_url=base_url, timeout=30) as client:  # a kept-alive connection's later requests too
             assert [client.post("/v1/completions", json=REQUEST).status_code for _ in range(3)] == [200] * 3
+        metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
         for sock in (slow, idle, third):
             sock.close()
+    assert 'nanochat_requests_total{route="(connection)",status="503"} 1.0' in metrics
+    assert 'nanochat_requests_total{route="(connection)",status="408"} 2.0' in metrics
 
 
-@pytest.mark.parametrize("flag", ["--read_timeout=0", "--read_timeout=nan", "--max_connections=0"])
+def pipeline_unread(port, request, seconds=2.0):
+    """A connection that sends request over and over and never reads an answer, with a small receive buffer so
+    the answers back up quickly; it sends until the server stops taking more, at most seconds."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: it sets the window
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    deadline, last_sent = time.monotonic() + seconds, time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - last_sent < 0.3:
+        try:
+            sock.send(request * 64)
+            last_sent = time.monotonic()
+        except BlockingIOError:
+            time.sleep(0.01)  # the server has stopped reading: its answers wait for us
+    return sock
+
+
+def test_a_client_that_never_reads_is_dropped_after_the_write_timeout(trained):
+    """Two connections pipeline GET / and never read (the page needs no key): they fill --max_connections, so a
+    third is refused, until the write deadline drops them; then the server serves again."""
+    http = guarded_server(trained, read_timeout=30.0, max_connections=2, write_timeout=3.0)
+    with running(http) as base_url:
+        port = int(base_url.rsplit(":", 1)[1])
+        request = b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+        readers = [pipeline_unread(port, request) for _ in range(2)]
+        sent = time.monotonic()
+        while len(http.server_state.connections) < 2:  # accepted by the event loop when it gets to them
+            assert time.monotonic() - sent < 10, "the two connections were never accepted"
+            time.sleep(0.01)
+        with socket.create_connection(("127.0.0.1", port)) as third:
+            assert answer(third, timeout=5).startswith(b"HTTP/1.1 503 ")  # locked out while they hold theirs
+        while http.server_state.connections:
+            assert time.monotonic() - sent < 10, "a client that never reads still holds its connection"
+            time.sleep(0.05)
+        for sock in readers:
+            sock.close()
+        assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
+        # one that asks for /health every 50 ms and never reads would take hours to fill the server's send buffer:
+        # it is dropped once the answers its full receive window leaves in the server's kernel have not gone down
+        # for the write timeout
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as slow:
+            slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            slow.connect(("127.0.0.1", port))
+            start = time.monotonic()
+            with pytest.raises(OSError):  # the server reset the connection
+                while time.monotonic() - start < 10:
+                    slow.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+                    time.sleep(0.05)
+            assert time.monotonic() - start < 3.0 + 3.0  # the write timeout, and a quarter of it between checks
+        metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
+    assert "\nnanochat_write_timeouts_total 3.0\n" in metrics  # each dropped client counted once
+
+
+def test_answers_on_a_reused_connection_do_not_wait_for_a_delayed_ack(url):
+    """Nagle's algorithm held a response's second write until the client's delayed ACK (~40 ms) on a kept-alive
+    connection; with TCP_NODELAY a /health answers in about a millisecond on a new or reused connection alike."""
+    with httpx.Client(base_url=url, timeout=10) as client:
+        times = []
+        for _ in range(25):
+            start = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            times.append(time.perf_counter() - start)
+    assert sorted(times[5:])[len(times[5:]) // 2] < 0.02, [f"{t * 1000:.1f} ms" for t in times]
+
+
+@pytest.mark.parametrize("flag", ["--read_timeout=0", "--read_timeout=nan", "--write_timeout=inf",
+                                  "--max_connections=0"])
 def test_bad_limits_are_refused_in_one_line(flag, capsys):
     with pytest.raises(SystemExit):
         serve.parse_args([flag, "--device_type=cpu"])
@@ -790,8 +1080,9 @@ BODIES = st.one_of(
 def in_process(trained):
     from fastapi.testclient import TestClient
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=2)
-    with TestClient(serve.create_app(server)) as client:  # an exception in the app is raised here, so fails the test
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=2)
+    # an exception in the app is raised here, so fails the test
+    with TestClient(create_app(server), base_url=LOCAL) as client:
         yield client
 
 
@@ -816,23 +1107,40 @@ def test_no_request_body_gets_a_500_or_a_traceback(in_process, body):
         assert r.json()["object"] == "text_completion"
 
 
+def metric_samples(text):
+    """{(name, sorted labels): value} of Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_metrics_count_requests_tokens_latency_and_steps_in_prometheus_text(trained):
     from fastapi.testclient import TestClient
-    from prometheus_client.parser import text_string_to_metric_families
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
-    with TestClient(serve.create_app(server)) as client:
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    with TestClient(create_app(server), base_url=LOCAL) as client:
         full = client.post("/v1/completions", json={**REQUEST, "max_tokens": 5, "n": 2, "n_sup": 2}).json()
         halted = client.post("/v1/completions", json={**REQUEST, "max_tokens": 4, "n_sup": "rms:inf"}).json()
         assert client.post("/v1/completions", json={**REQUEST, "temperature": 9}).status_code == 400
+        # every route and status is counted, an unknown path under one label
+        assert client.post("/v1/refinement", json={"prompt": "the", "max_tokens": 2}).status_code == 200
+        assert client.post("/v1/refinement", json={"prompt": ""}).status_code == 400
+        assert client.post("/v1/refinement", content=b"{}", headers={"content-type": "text/plain"}).status_code == 415
+        assert client.get("/health").status_code == client.get("/v1/models").status_code == 200
+        assert client.get("/v1/models/other").status_code == 404
+        assert client.get("/no/such/path").status_code == client.get("/elsewhere").status_code == 404
+        assert client.get("/health", headers={"host": "attacker.example"}).status_code == 400
         r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(r.text) for s in family.samples}
+    samples = metric_samples(r.text)
     value = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]
+    requests = {labels: v for (name, labels), v in samples.items() if name == "nanochat_requests_total"}
+    assert requests == {(("route", route), ("status", status)): n for route, status, n in [
+        ("/v1/completions", "200", 2), ("/v1/completions", "400", 1), ("/v1/refinement", "200", 1),
+        ("/v1/refinement", "400", 1), ("/v1/refinement", "415", 1), ("/health", "200", 1), ("/health", "400", 1),
+        ("/v1/models", "200", 1), ("/v1/models/{model}", "404", 1), ("other", "404", 2)]}
     tokens = full["usage"]["completion_tokens"], halted["usage"]["completion_tokens"]
     prompt_tokens = full["usage"]["prompt_tokens"] + halted["usage"]["prompt_tokens"]
-    assert value("nanochat_requests_total", status="200") == 2 and value("nanochat_requests_total", status="400") == 1
     assert value("nanochat_completion_tokens_total") == sum(tokens) and tokens[0] > 0 and tokens[1] > 0
     assert value("nanochat_prompt_tokens_total") == prompt_tokens
     assert value("nanochat_request_latency_seconds_count") == 2 and value("nanochat_request_latency_seconds_sum") > 0

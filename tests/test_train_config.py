@@ -3,6 +3,7 @@ device batch shared with the launcher, and --dry_run."""
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -127,11 +128,11 @@ def test_early_stop_and_eval_tokens_are_checked(flag, message, capsys):
 
 
 def test_auto_sharding_is_fsdp_only_when_data_parallelism_cannot_hold_one_sequence():
-    # depth 64 at width 4096: 13.4 B parameters, ~215 GB per GPU replicated even at one checkpointed sequence (the
-    # head's chunk: 2,048 rows of 4,096 since HEAD_CHUNK_ELEMENTS = 2**28, 1 GB more than at 1,024; the inputs of 4
-    # supervision steps' layer visits kept since backprop_steps=4, 13 GB more than 1 step's)
+    # depth 64 at width 4096: 13.4 B parameters, ~214 GB per GPU replicated even at one checkpointed sequence (the
+    # head's chunk: 2,048 rows of 4,096 since HEAD_CHUNK_ELEMENTS = 2**28, compiled: 10 bytes a logit; the inputs of 4
+    # supervision steps' layer visits kept since backprop_steps=4)
     big = parse(["--depth=64", "--n_loops=2", "--activation_checkpointing", *GPU_80GB])
-    assert big.sharding == "fsdp" and "sharding fsdp (auto)" in big.sharding_note and "215.1 GB" in big.sharding_note
+    assert big.sharding == "fsdp" and "sharding fsdp (auto)" in big.sharding_note and "214.3 GB" in big.sharding_note
     est = memory.estimate_memory(planning.model_config(big, 65536), big.device_batch_size, "bfloat16", 8,
                                  planning.keeps_ema(big.ema_decay, big.num_iterations), "fsdp")["total"]
     assert est <= memory.usable_bytes(80e9)  # the batch was fitted to the sharded estimate
@@ -198,3 +199,35 @@ def test_state_dtype_reaches_the_model_config_and_the_plan_and_needs_autocast():
     assert bf16.device_batch_size >= fp32.device_batch_size  # the planner counts the smaller state
     with pytest.raises(SystemExit, match="--state_dtype=bfloat16 needs autocast: add --dtype=bfloat16"):
         parse(["--depth=2", "--device_type=cpu", "--dtype=float32", "--state_dtype=bfloat16", "--dry_run"], 1)
+
+
+def test_the_plan_sets_the_heads_chunks_from_memory_and_the_compile_scope_from_the_model():
+    # a plain depth-12 GPT at 32 x 2048 (the kit's step): compiled, 2 chunks fit 80 GB by the estimate and 1 fits
+    # 141 GB; without compilation the eager chunk holds more bytes a logit; --head_chunks and --compile_scope win
+    plain = ["--depth=12", "--n_loops=0", "--n_sup_train=1", "--device_batch_size=32", "--device_type=cuda",
+             "--dry_run"]
+    h100 = parse([*plain, "--device_memory_gb=80"], world_size=1)
+    assert h100.head_chunks == 2 and h100.compile_scope == "model"
+    assert "training head: 2 chunks of 32,768 rows" in "\n".join(h100.batch_notes)
+    assert parse([*plain, "--device_memory_gb=141"], world_size=1).head_chunks == 1
+    assert parse([*plain, "--device_memory_gb=100"], world_size=1).head_chunks == 1
+    assert parse([*plain, "--device_memory_gb=100", "--compile=false"], world_size=1).head_chunks == 2
+    assert parse([*plain, "--device_memory_gb=40"], world_size=1).head_chunks is None  # the default chunk
+    assert parse([*plain, "--device_memory_gb=80", "--head_chunks=16"], world_size=1).head_chunks == 16
+    trm = parse(["--depth=12", *GPU_80GB])
+    assert trm.compile_scope == "layer"
+    assert parse(["--depth=12", "--compile_scope=model", *GPU_80GB]).compile_scope == "model"
+    lines = "\n".join(planning.plan_lines(h100))
+    assert "compile True (scope model)" in lines
+    need = memory.estimate_memory(planning.model_config(h100, 65536), 32, "bfloat16", 1, True, "ddp", 2, True)
+    assert f"~{need['total'] / 1e9:.1f} GB per device" in lines  # the plan counts the head it planned (EMA auto)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--compile_scope=model", "--sharding=fsdp"], "--compile_scope: compile scope model compiles whole sweeps"),
+    (["--head_chunks=0"], "--head_chunks=0 must be >= 1"),
+    (["--diagnostics_every=0"], "--diagnostics_every=0 must be >= 1"),
+])
+def test_a_bad_compile_scope_head_or_diagnostics_flag_is_one_line(flags, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        parse(["--depth=2", "--n_loops=0", *flags, *GPU_80GB])

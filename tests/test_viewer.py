@@ -1,18 +1,22 @@
-"""The refinement viewer (nanochat/serve/viewer.html) in a real headless Chromium against a server with the tiny model: a
-prompt typed and submitted with a click, the stream waited for, every step's row and the halting colours checked
-against the JSON the same request gets. Skipped, saying how to install it, where no Chromium is installed.
+"""The refinement viewer (nanochat/serve/viewer.html) in a real headless Chromium against a server with the tiny
+model: a prompt typed and submitted with a click, the stream waited for, every step's row and the halting colours
+checked against the JSON the same request gets. Skipped, saying how to install it, where no Chromium is installed.
 
 VIEWER_SCREENSHOT=dev/results/viewer.png pytest tests/test_viewer.py  # also saves what the browser showed"""
 
 import contextlib
 import json
 import os
+import random
 
 import httpx
 import pytest
 
+from nanochat.data.dataset import SYNTHETIC, synthetic_flags, write_source
+from nanochat.data.synthetic import HopsSpec, pairs_document
 from nanochat.model.engine import Engine
-from scripts import serve
+from nanochat.serve import refinement
+from nanochat.serve.server import Server, create_app
 from tests.support import server as support_server
 from tests.support.chromium import INSTALL, Chromium, find_chromium
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -30,10 +34,10 @@ def trained(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(trained, api_key=None):
+def serving(trained, api_key=None, hops_corpus=None):
     _, model, tokenizer = trained
-    server = serve.Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
-    with support_server.serving(serve.create_app(server, api_key)) as url:
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, hops_corpus=hops_corpus)
+    with support_server.serving(create_app(server, api_key)) as url:
         yield url
 
 
@@ -50,13 +54,39 @@ def submit_tab(browser, tab, field, text):
     browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
 
 
-def fill_and_generate(browser, prompt):
-    browser.wait_for("['ready', 'error'].includes(document.body.dataset.state)")
+def fill_and_generate(browser, prompt, drafts=False, **settings):
+    browser.wait_for("['ready', 'error', 'done'].includes(document.body.dataset.state)")
     browser.type_into("#prompt", prompt)
-    for name, value in SETTINGS.items():
-        browser.type_into(f"#{name}", str(value))
+    for name, value in {**SETTINGS, **settings}.items():
+        browser.type_into(f"#{name}" if name != "n_sup" else "#generate .n_sup", str(value))
+    if drafts:
+        browser.click("#drafts")
     browser.click("#generate button[type=submit]")
     browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
+
+
+# every Content-Security-Policy violation the page causes from now on (an inline style refused, a script blocked)
+WATCH_POLICY = ("window.violations = []; document.addEventListener('securitypolicyviolation', "
+                "(e) => window.violations.push(`${e.violatedDirective}: ${e.sample}`)); true")
+
+# the score heat map, step by step: each token's loss as shown and its colour
+HEAT = """(() => {
+  const columns = [...document.querySelectorAll('#heat .token')];
+  const steps = columns.length ? columns[0].querySelectorAll('.loss').length : 0;
+  return Array.from({length: steps}, (_, s) => columns.map((c) => {
+    const cell = c.querySelectorAll('.loss')[s];
+    return [cell.textContent, getComputedStyle(cell).backgroundColor];
+  }));
+})()"""
+
+# how the heat map's token columns lie: right edges against the map's, and how many lines they take
+HEAT_LAYOUT = """(() => {
+  const map = document.getElementById('heat').getBoundingClientRect();
+  const columns = [...document.querySelectorAll('#heat .token')].map((c) => c.getBoundingClientRect());
+  return {right: Math.max(...columns.map((r) => r.right)), width: map.right,
+          lines: new Set(columns.map((r) => Math.round(r.top))).size,
+          overflow: document.getElementById('out').scrollWidth > document.getElementById('out').clientWidth};
+})()"""
 
 
 RENDERED = """(() => {
@@ -75,24 +105,31 @@ RENDERED = """(() => {
 
 
 def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours_then_score_and_hops_render(trained):
-    prompt = "the dog sat"
+    prompt, text = "the dog sat", "the cat sat on the mat. the dog sat on the log. the dog sat on the mat."
     with serving(trained) as url, Chromium(CHROMIUM, timeout_s=BROWSER_S) as browser:
-        want = httpx.post(f"{url}/v1/refinement", json={"prompt": prompt, **SETTINGS}, timeout=60).json()
+        want = httpx.post(f"{url}/v1/refinement", json={"prompt": prompt, **SETTINGS, "drafts": True},
+                          timeout=60).json()
         browser.open(f"{url}/")
-        fill_and_generate(browser, prompt)
+        browser.evaluate(WATCH_POLICY)
+        fill_and_generate(browser, prompt, drafts=True)
         page = browser.evaluate(RENDERED)
+        drafts = browser.evaluate("[[...document.querySelectorAll('#step_drafts div')].map((d) => d.textContent), "
+                                  "document.body.innerText, document.getElementById('drafts').childNodes.length]")
         png = browser.screenshot()
-        submit_tab(browser, "score", "#text", "the cat sat on the mat.")
-        heat = browser.evaluate("[...document.querySelectorAll('#heat tr.step')].map((r) => [...r.querySelectorAll('td')]"
-                                ".map((td) => [td.textContent, getComputedStyle(td).backgroundColor]))")
-        scored = httpx.post(f"{url}/v1/refinement", json={"mode": "score", "text": "the cat sat on the mat."},
-                            timeout=60).json()
+        browser.evaluate("document.body.style.width = '360px'; true")  # a narrow window: the heat map must wrap
+        submit_tab(browser, "score", "#text", text)
+        heat, layout = browser.evaluate(HEAT), browser.evaluate(HEAT_LAYOUT)
+        scored = httpx.post(f"{url}/v1/refinement", json={"mode": "score", "text": text}, timeout=60).json()
         submit_tab(browser, "hops", "#hopstext", "a>b b>c c>a ; a1=b c2=b")
         hops = browser.evaluate("[...document.querySelectorAll('#queries tr')].slice(1).map((r) => "
                                 "[...r.querySelectorAll('td.right, td.wrong')].map((td) => td.className))")
         answered = httpx.post(f"{url}/v1/refinement", json={"mode": "hops", "text": "a>b b>c c>a ; a1=b c2=b"},
                               timeout=60).json()
+        violations = browser.evaluate("window.violations")
+    assert violations == []  # the page runs under its own Content-Security-Policy: every colour below is allowed
     assert [[text for text, _ in row] for row in heat] == [[f"{v:.1f}" for v in row] for row in scored["losses"]]
+    assert len(scored["tokens"]) > 15 and layout["lines"] > 1 and layout["right"] <= layout["width"] + 0.5
+    assert not layout["overflow"]  # the tokens wrap onto lines: nothing runs off the right edge
     hottest = max(range(len(scored["losses"][0])), key=lambda t: scored["losses"][0][t])
     coolest = min(range(len(scored["losses"][0])), key=lambda t: scored["losses"][0][t])
     assert heat[0][hottest][1] != heat[0][coolest][1]  # the heat map's colours follow the loss
@@ -110,10 +147,48 @@ def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours_then_sco
         assert background not in ("", "rgba(0, 0, 0, 0)") and colour.setdefault(text, background) == background
     assert len(set(colour.values())) == len(colour) > 1
     assert f"mean {want['mean_halt_steps']:.2f} of {n_sup} steps per token" in page["summary"]
+    # "each step's own greedy draft": shown under the table, one line per step, as the API gives them
+    shown, seen, inside_checkbox = drafts
+    assert shown == [f"step {s} draft: {json.dumps(d)}" for s, d in enumerate(want["drafts"], start=1)]
+    assert len(shown) == n_sup and all(line in seen for line in shown) and inside_checkbox == 0
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     if os.environ.get("VIEWER_SCREENSHOT"):
         with open(os.environ["VIEWER_SCREENSHOT"], "wb") as f:
             f.write(png)
+
+
+def test_the_hops_tab_draws_from_the_models_own_corpus_and_runs_past_the_trained_steps(trained, tmp_path):
+    """A checkpoint whose data directory holds the hops_pairs corpus: the page says so, a document drawn with a seed
+    is one of that corpus, and the page runs 4x the trained supervision steps, marking those past training."""
+    spec = HopsSpec(n_symbols=5, max_hops=2, n_queries=6)  # 31 characters: within the tiny model's context
+    write_source(str(tmp_path), f"{SYNTHETIC} {synthetic_flags('hops_pairs', 0, 1000, spec)}")
+    corpus = refinement.trained_hops_corpus({"data": {"dir": str(tmp_path), "fingerprint": "0" * 12}})
+    trained_steps = trained[1].config.n_sup_train
+    most = 4 * trained_steps
+    with serving(trained, hops_corpus=corpus) as url, Chromium(CHROMIUM, timeout_s=BROWSER_S) as browser:
+        browser.open(f"{url}/")
+        browser.wait_for("document.body.dataset.state === 'ready'")
+        said = browser.evaluate("[document.getElementById('corpus').textContent, "
+                                "document.querySelector('#hops .n_sup').max]")
+        browser.click("nav button[data-tab=hops]")
+        browser.type_into("#hopsseed", "3")
+        browser.type_into("#hops .n_sup", str(most))
+        browser.click("#hops button[type=submit]")
+        browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
+        hops = browser.evaluate("""[document.body.dataset.state, document.getElementById('error').textContent,
+            document.getElementById('hopstext').value,
+            [...document.querySelectorAll('#queries tr:first-child td[data-step]')].map((td) => td.className),
+            document.querySelectorAll('#accuracy tr').length - 1]""")
+        browser.click("nav button[data-tab=generate]")
+        fill_and_generate(browser, "the cat", n_sup=most, max_tokens=3)
+        generated = browser.evaluate(RENDERED)
+    assert said == ["A drawn document comes from hops_pairs (5 symbols, 1-2 hops, 6 queries): the corpus this model "
+                    "was trained on.", str(most)]
+    state, error, text, step_classes, accuracy_rows = hops
+    assert state == "done", error
+    assert text == pairs_document(random.Random(3), spec)  # the corpus's generator, the seed typed in
+    assert step_classes == [""] * trained_steps + ["past"] * (most - trained_steps) and accuracy_rows == most
+    assert generated["state"] == "done" and len(generated["steps"]) == most, generated["error"]
 
 
 def test_the_page_asks_for_the_key_says_why_and_keeps_it_in_the_tab(trained):

@@ -25,7 +25,6 @@ holds, common.rng_state's.
 import glob
 import json
 import os
-import re
 import shutil
 import warnings
 from typing import NamedTuple
@@ -37,7 +36,7 @@ from nanochat.checkpoint.meta import best_of, final_val_bpb, meta_problem, steps
 from nanochat.checkpoint.safe_load import LEGACY_RANK_GLOBALS, NO_CHECKPOINT_DOES, load_shards, shard_reader, unreadable
 from nanochat.common import describe_error, print0
 from nanochat.data.tokenizer import get_tokenizer, tokenizer_dir
-from nanochat.files import checkpoints_root, free_bytes, gigabytes, model_tag_arg, step_arg, tag_problem
+from nanochat.files import checkpoints_root, free_bytes, gigabytes, is_step_number, model_tag_arg, step_arg, tag_problem
 from nanochat.model.gpt import GPT, GPTConfig
 
 WEIGHTS, LEGACY_WEIGHTS = "model.safetensors", "model.pt"
@@ -46,7 +45,8 @@ TRAIN_WEIGHTS = "train_weights.safetensors"  # with --ema_decay: model.safetenso
 
 
 def build_model(config_dict, device):
-    """GPT(GPTConfig.from_dict(config_dict)) on device, its weights uninitialised (a checkpoint overwrites them)."""
+    """Build the GPT that config_dict describes on device. Its weights are left uninitialised, because a checkpoint
+    overwrites them."""
     config = GPTConfig.from_dict(config_dict)
     with torch.device("meta"):
         model = GPT(config)
@@ -56,7 +56,8 @@ def build_model(config_dict, device):
 
 
 def weights_problem(model, weights):
-    """Why a state dict does not load into model (names and shapes, compared without touching values), or None."""
+    """Say why a state dict does not load into model, or return None when it does. Names and shapes are compared;
+    no value is touched."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     given = {k: tuple(v.shape) for k, v in weights.items()}
     missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
@@ -84,11 +85,12 @@ def step_dir(model_tag, step):
 
 
 def list_steps(model_tag):
-    """Steps with a complete checkpoint (a final-named directory holding meta.json), ascending."""
+    """The steps that have a complete checkpoint, in ascending order. A checkpoint is complete once its directory
+    has its final name and holds meta.json."""
     steps = []
     for path in glob.glob(os.path.join(model_dir(model_tag), "step_*")):
         name = os.path.basename(path)
-        if re.fullmatch(r"[0-9]+", name[5:]) and os.path.exists(os.path.join(path, "meta.json")):
+        if is_step_number(name[5:]) and os.path.exists(os.path.join(path, "meta.json")):
             steps.append(int(name[5:]))
     return sorted(steps)
 
@@ -128,7 +130,8 @@ def best_step(model_tag):
 
 
 def resolve_step(model_tag, which):
-    """'latest', 'best' or a step number -> an existing step, or a CheckpointError that says what exists."""
+    """Turn 'latest', 'best' or a step number into a step that exists. Otherwise raise a CheckpointError that says
+    which steps do exist."""
     steps = list_steps(model_tag)
     if not steps:
         raise CheckpointError(f"no checkpoint found for model tag {model_tag!r} under {model_dir(model_tag)}; "
@@ -141,8 +144,8 @@ def resolve_step(model_tag, which):
         if step is None:
             raise CheckpointError(f"no checkpoint of {model_tag!r} has a validation bpb yet; use 'latest'")
         return step
-    if not re.fullmatch(r"[0-9]+", str(which)):  # ASCII digits: int() would take "٢٠" as 20
-        raise CheckpointError(f"step {which!r}: use 'latest', 'best' or a step number")
+    if not is_step_number(str(which)):
+        raise CheckpointError(f"step {which!r}: use 'latest', 'best' or a step number in digits 0-9")
     if int(which) not in steps:
         raise CheckpointError(f"no checkpoint at step {int(which)} for {model_tag!r}; available steps: {steps}")
     return int(which)
@@ -263,9 +266,9 @@ def load_rank_state(model_tag, step, rank):
 
 
 def load_model(model_tag=None, step="latest", device="cpu", **config_overrides):
-    """(model in eval mode, tokenizer, meta) from a checkpoint; config_overrides e.g. n_sup_inference=2.
-
-    A checkpoint trained with another tokenizer is refused; an unreadable file is named, with the other steps."""
+    """Load a checkpoint and return the model in eval mode, the tokenizer and the checkpoint's meta.json.
+    config_overrides change fields of the saved config, for example n_sup_inference=2. A checkpoint trained with
+    another tokenizer is refused. An unreadable file is named in the error, together with the other steps."""
     model_tag = model_tag or latest_model_tag()
     step = resolve_step(model_tag, step)
     try:

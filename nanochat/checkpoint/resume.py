@@ -125,13 +125,14 @@ def check_data(meta, corpus, allow_change, what):
     print0(f"WARNING: --allow_data_change: {change}; going on with this data")
 
 
-def check_data_positions(point, run_config, rank, tokenizer):
+def check_data_positions(point, run_config, rank, tokenizer, loaders=training_loaders):
     """Refuse, on every rank, a checkpoint whose data positions the current shards do not hold: one line before
     anything is written, rather than the loader's traceback after 'resumed'. Opens this process's train loaders
-    at their saved positions, as base_train does, so the loader's own rule decides. run_config: the run's RunConfig."""
+    at their saved positions, as base_train does, so the loader's own rule decides. run_config: the run's RunConfig;
+    loaders: how the run opens them (chat_sft's conversations have loaders of their own)."""
     error = None
     try:
-        training_loaders(run_config, tokenizer, rank, point.rank_state["loaders"])
+        loaders(run_config, tokenizer, rank, point.rank_state["loaders"])
     except ValueError as e:
         error = CheckpointError(f"the data position saved in step {point.step} is not in the current data ({e}); "
                                 f"restore the data it was trained on, or start a new --model_tag")

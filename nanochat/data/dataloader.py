@@ -21,12 +21,18 @@ tokenization is deterministic, so a loader started there yields exactly the batc
 Memory stays flat in the number of loaders (base_train holds one per accumulation step): a loader tokenizes only
 the documents its next few windows need and keeps their tokens as int32, and row groups' texts come from a small
 cache shared by all loaders of the process.
+
+Training loaders (prefetch=True) read and tokenize the next WINDOWS_AHEAD windows' documents in a background thread
+once fewer than half of them are left, so a step never waits for the tokenizer (it did every WINDOWS_AHEAD windows:
+the depth run's slow step every ~8). The documents are chosen in order and taken in order: the batches and the
+positions are those of the synchronous loader, and a read error surfaces where it would have.
 """
 
 import functools
 import math
 import os
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -44,6 +50,12 @@ ROW_GROUPS_CACHED = 4
 # base_train's micro-steps walk the data ranks in order, and neighbouring ranks share row groups when there are
 # more ranks than row groups: a few cached row groups serve them all
 cached_texts = functools.lru_cache(maxsize=ROW_GROUPS_CACHED)(read_texts)
+
+
+@functools.cache
+def background():
+    """The process's one tokenizing thread: the loaders' reads queue in it, one at a time, in the order asked."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
 
 def plan_shares(paths, rank, world_size):
@@ -67,7 +79,7 @@ def plan_shares(paths, rank, world_size):
 class DataLoader:
 
     def __init__(self, tokenizer, B, T, split, device="cpu", rank=None, world_size=None, resume_state=None,
-                 data_dir=None, tokenizer_threads=4, tokenizer_batch_size=128, rows="stream"):
+                 data_dir=None, tokenizer_threads=4, tokenizer_batch_size=128, rows="stream", prefetch=False):
         _, dist_rank, _, dist_world_size = get_dist_info()
         self.rank = dist_rank if rank is None else rank
         self.world_size = dist_world_size if world_size is None else world_size
@@ -83,6 +95,8 @@ class DataLoader:
         self.pending = deque()  # tokenized documents: [epoch, share index, doc index, int32 tokens, tokens used]
         self.buffered = 0  # unused tokens in pending
         self.skip = self.position["token"]  # resuming mid-document
+        self.prefetch = prefetch
+        self.inflight = None  # the future of the next documents' tokens, read in the background (prefetch)
         if self.stride > 1 and not resume_state:  # batches are dealt out in turn: rank r's first is the r-th
             for _ in range(self.rank):
                 self.next_window()
@@ -128,9 +142,10 @@ class DataLoader:
                 doc = None
             start, epoch = 0, epoch + 1
 
-    def tokenize_more(self, missing):
-        """Tokenize the next few documents: about enough characters for `missing` tokens, at least one document,
-        at most tokenizer_batch_size."""
+    def read_and_encode(self, missing):
+        """The next few documents, tokenized: about enough characters for `missing` tokens, at least one document, at
+        most tokenizer_batch_size; [(epoch, share index, doc index, int32 tokens)]. Advances self.upcoming, so one
+        call at a time (the background job is taken before any other)."""
         chosen, texts, chars = [], [], 0
         while chars < CHARS_PER_TOKEN * missing and len(texts) < self.tokenizer_batch_size:
             epoch, index, doc = next(self.upcoming)
@@ -140,10 +155,29 @@ class DataLoader:
             chars += len(texts[-1])
         encoded = self.tokenizer.encode(texts, prepend=self.tokenizer.get_bos_token_id(),
                                         num_threads=self.tokenizer_threads)
-        for (epoch, index, doc), ids in zip(chosen, encoded):
-            self.pending.append([epoch, index, doc, torch.tensor(ids, dtype=torch.int32), self.skip])
-            self.buffered += len(ids) - self.skip
+        return [(*where, torch.tensor(ids, dtype=torch.int32)) for where, ids in zip(chosen, encoded)]
+
+    def take(self, documents):
+        for epoch, index, doc, tokens in documents:
+            self.pending.append([epoch, index, doc, tokens, self.skip])
+            self.buffered += len(tokens) - self.skip
             self.skip = 0
+
+    def fill(self, needed, ahead):
+        """At least needed + 1 tokens buffered: the background job's documents first, then (none in flight) `ahead`
+        tokens' worth read here."""
+        while self.buffered <= needed:
+            if self.inflight is not None:
+                documents, self.inflight = self.inflight.result(), None  # its read error is raised here
+                self.take(documents)
+            else:
+                self.take(self.read_and_encode(ahead - self.buffered))
+
+    def read_ahead(self, window):
+        """prefetch: once fewer than half of WINDOWS_AHEAD windows are buffered, the next WINDOWS_AHEAD windows'
+        documents are read and tokenized in the background."""
+        if self.prefetch and self.inflight is None and self.buffered < WINDOWS_AHEAD // 2 * window:
+            self.inflight = background().submit(self.read_and_encode, WINDOWS_AHEAD * window)
 
     def next_window(self):
         """The next B*(T+1) tokens of this rank's document stream (int32), laid out as self.rows says; moves the
@@ -152,8 +186,7 @@ class DataLoader:
             return self.next_document_rows()
         needed = self.B * (self.T + 1)
         # keep at least one token past the window, so the next window's start is a tokenized document
-        while self.buffered <= needed:
-            self.tokenize_more(WINDOWS_AHEAD * needed + 1 - self.buffered)
+        self.fill(needed, WINDOWS_AHEAD * needed + 1)
         pieces, filled = [], 0
         while filled < needed:
             head = self.pending[0]
@@ -167,6 +200,7 @@ class DataLoader:
         self.buffered -= needed
         epoch, index, doc, _, used = self.pending[0]
         self.position = self.state_at(epoch, index, doc, used)
+        self.read_ahead(needed)
         return torch.cat(pieces)
 
     def next_document_rows(self):
@@ -177,8 +211,7 @@ class DataLoader:
         for row in rows:
             filled = 0
             while filled < width:
-                if not self.pending:
-                    self.tokenize_more(WINDOWS_AHEAD * self.B * width)
+                self.fill(0, WINDOWS_AHEAD * self.B * width)  # buffered > 0: a document is pending
                 head = self.pending[0]
                 tokens, used = head[3], head[4]
                 left = len(tokens) - used
@@ -189,10 +222,10 @@ class DataLoader:
                 filled, head[4], self.buffered = filled + take, used + take, self.buffered - take
                 if head[4] == len(tokens):
                     self.pending.popleft()
-        if not self.pending:  # the position names the next document, so it must be tokenized
-            self.tokenize_more(WINDOWS_AHEAD * self.B * width)
+        self.fill(0, WINDOWS_AHEAD * self.B * width)  # the position names the next document: it must be tokenized
         epoch, index, doc, _, used = self.pending[0]
         self.position = self.state_at(epoch, index, doc, used)
+        self.read_ahead(self.B * width)
         return rows.view(-1)
 
     def to_device(self, windows):
@@ -265,5 +298,5 @@ def training_loaders(run_config, tokenizer, rank, resume_states, device="cpu"):
     exist in the current data."""
     return [DataLoader(tokenizer, run_config.device_batch_size, run_config.max_seq_len, "train", device=device,
                        rank=data_rank, world_size=run_config.world_size * run_config.grad_accum, resume_state=state,
-                       rows=run_config.rows)
+                       rows=run_config.rows, prefetch=True)
             for data_rank, state in zip(data_ranks(rank, run_config.grad_accum), resume_states)]

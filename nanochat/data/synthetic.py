@@ -90,7 +90,7 @@ def pairs_document(rng, spec):
             " ".join(f"{h}{letters[x]}{letters[y]}" for x, h, y in queries))
 
 
-PAIRS_QUERY = re.compile(r"(\d)[a-z]([a-z])")  # " 3ac": hops, x, the answer
+PAIRS_QUERY = re.compile(r"([0-9])[a-z]([a-z])")  # " 3ac": hops, x, the answer (\d would take any script's digits)
 
 
 def pairs_answers(text):
@@ -121,10 +121,21 @@ def hops_documents(seed, count, spec=HopsSpec(), family="hops"):
 
 def hops_answers(text):
     """The answers of a document of either family, read from its text. "hops": every "=" is followed by one answer
-    character, and the digit before it is the hop count. "hops_pairs" (no "=" anywhere): pairs_answers."""
+    character, and the digit before it is the hop count. "hops_pairs" (no "=" anywhere): pairs_answers. A ValueError
+    says where a "hops" query is malformed (a pasted document)."""
     if "=" not in text:
         return pairs_answers(text)
-    return [Answer(i + 1, int(text[i - 1]), text[i + 1]) for i, ch in enumerate(text) if ch == "="]
+    answers = []
+    for i, ch in enumerate(text):
+        if ch != "=":
+            continue
+        if i == 0 or text[i - 1] not in string.digits:  # not str.isdigit: it takes any script's digits, and ²
+            raise ValueError(f"the '=' at character {i + 1} ({text[max(0, i - 2):i + 2]!r}) must follow a hop count "
+                             f"digit 0-9, as in 'a3=b' (a query: symbol, hops, '=', answer)")
+        if i + 1 == len(text):
+            raise ValueError("the text ends with '=': write each query's answer after it, as in 'a3=b'")
+        answers.append(Answer(i + 1, int(text[i - 1]), text[i + 1]))
+    return answers
 
 
 def table_size(text):

@@ -95,16 +95,18 @@ def format_steps(values, digits=4, names=False):
     return parts[0] + "".join(f" {sign} {part}" for sign, part in zip(signs, parts[1:])) if parts else ""
 
 
-def validation_bpb(model, tokenizer, run_config, device, rank, world_size, token_bytes, stop=None):
+def validation_bpb(model, tokenizer, run_config, device, rank, world_size, token_bytes, stop=None, batches=None):
     """Validation bpb per supervision step of a training run's model (run_config: its train_config.RunConfig), and the
     state diagnostics; printed. The same --eval_tokens rows on any number of processes (dataloader.evaluation_rows).
-    A failure on any rank is reported and skipped by every rank together: (None, None). stop: as evaluate_bpb."""
+    A failure on any rank is reported and skipped by every rank together: (None, None). stop: as evaluate_bpb.
+    batches: (a function returning this rank's batches, how many) of other validation data (chat_sft's)."""
     B, T = run_config.device_batch_size, run_config.max_seq_len
+    make, steps = batches or (lambda: evaluation_batches(tokenizer, B, T, "val", run_config.eval_tokens, rank,
+                                                         world_size, device),
+                              evaluation_size(run_config.eval_tokens, B, T, world_size)[1])
     try:
         model.eval()
-        bpb, state = evaluate_bpb(model, lambda: evaluation_batches(tokenizer, B, T, "val", run_config.eval_tokens,
-                                                                    rank, world_size, device),
-                                  evaluation_size(run_config.eval_tokens, B, T, world_size)[1], token_bytes,
+        bpb, state = evaluate_bpb(model, make, steps, token_bytes,
                                   autocast=autocast_for(run_config.device_type, run_config.dtype), stop=stop)
         print0(f"validation bpb per step: {format_steps(bpb)} | refinement "
                f"{100 * refinement(bpb):.1f}%")

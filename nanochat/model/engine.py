@@ -315,16 +315,18 @@ class Engine:
     def __init__(self, model, tokenizer=None, autocast=contextlib.nullcontext):
         self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
         self.stats = {}  # timings of the last generation: prefill/decode tokens and seconds; "steps" under halting
+        self.most_steps = None  # the most supervision steps a request may ask for; None: the model's n_sup_inference
 
     @property
     def device(self):
         return self.model.lm_head.weight.device
 
     def check_n_sup(self, n_sup):
-        most = self.model.config.n_sup_inference
-        n_sup = most if n_sup is None else n_sup
-        if not isinstance(n_sup, int) or not 1 <= n_sup <= most:
-            raise ValueError(f"n_sup={n_sup!r}: must be an integer from 1 to the model's n_sup_inference={most}")
+        default = self.model.config.n_sup_inference
+        n_sup = default if n_sup is None else n_sup
+        if not isinstance(n_sup, int) or not 1 <= n_sup <= (self.most_steps or default):
+            limit = self.most_steps or f"the model's n_sup_inference={default}"
+            raise ValueError(f"n_sup={n_sup!r}: must be an integer from 1 to {limit}")
         return n_sup
 
     def check_halt(self, halt):

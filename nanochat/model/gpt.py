@@ -30,9 +30,10 @@ from .supervision import (
     ChunkedHeadLoss,
     chunked_token_losses,
     deep_supervision_loss,
-    head_chunk_loss_and_grads,
     loss_aux,
+    normed_head_chunk_loss_and_grads,
     reward_weight,
+    rows_per_chunk,
     state_diagnostics,
     supervision_weights,
 )
@@ -342,6 +343,41 @@ def state_update_in(name, state_dtype):
     return lambda state, u, delta, retain: update(state, u, delta, retain).to(dtype)
 
 
+def sweep_layers(blocks, x, y, z, cos_sin, n_loops, update):
+    """One sweep without a cache: every layer visit in order (compile scope "model" compiles this whole)."""
+    for block in blocks:
+        y, z = visit_layer(block, x, y, z, cos_sin, n_loops, update)
+    return y, z
+
+
+def embed_tokens(weight, idx):
+    """x = norm(wte(idx)) without prelude or cache (compile scope "model" compiles it, its backward with it)."""
+    return norm(F.embedding(idx, weight))
+
+
+# What torch.compile compiles for training (GPT.compile_regions): "layer", one layer visit serving every layer, loop,
+# sweep and supervision step (compile time flat in the depth and the recursion); "model", the embedding and each whole
+# sweep (every layer visit) as one region each, so the residual stream is fused across layers (for a plain GPT the
+# sweep is the whole trunk, as nanochat compiles its model). The head's chunk is one region in both.
+COMPILE_SCOPES = ("layer", "model")
+
+
+def compile_scope_for(config, requested="auto", fsdp=False):
+    """(scope, why): auto is "model" for a plain GPT (n_loops=0) and "layer" for the recursion, whose sweeps unrolled
+    would compile n_layer*(n_loops+1) blocks; FSDP gathers a block per layer visit and activation checkpointing
+    recomputes one, so both keep "layer"."""
+    if requested == "auto":
+        why = ("FSDP" if fsdp else "activation checkpointing" if config.activation_checkpointing else
+               "the recursion" if config.n_loops else None)
+        return ("layer", f"auto: the layer visit ({why})") if why else ("model", "auto: the whole model (a plain GPT)")
+    if requested not in COMPILE_SCOPES:
+        raise ValueError(f"compile scope {requested!r} is unknown; choose auto or one of {COMPILE_SCOPES}")
+    if requested == "model" and (fsdp or config.activation_checkpointing):
+        raise ValueError("compile scope model compiles whole sweeps, but FSDP gathers and activation checkpointing "
+                         "recomputes one layer visit at a time: use --compile_scope=layer (or auto)")
+    return requested, "asked"
+
+
 def visit_layer(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
     """One layer visit: n_loops latent updates then one answer update, each through `update` (a plain block when
     n_loops=0, exactly nanochat's)."""
@@ -356,6 +392,9 @@ def visit_layer(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0)
 
 
 class GPT(nn.Module):
+    # the training head's chunks per micro-batch (None: HEAD_CHUNK_ELEMENTS logits a chunk); a run sets the plan's
+    head_chunks = None
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -438,7 +477,11 @@ class GPT(nn.Module):
 
     def embed(self, idx, kv_cache=None):
         """The recursion's input x = norm(wte(idx)), through the prelude blocks if any (once per forward)."""
-        x = norm(self.transformer.wte(idx))
+        compiled = getattr(self, "_compiled_embed", None)
+        if compiled is not None and kv_cache is None:
+            x = compiled(self.transformer.wte.weight, idx)
+        else:
+            x = norm(self.transformer.wte(idx))
         if not self.config.n_prelude:
             return x
         cos_sin = self.rotary(idx.size(1), kv_cache)
@@ -457,14 +500,26 @@ class GPT(nn.Module):
         return y
 
     def compile_layer_visits(self, backend="inductor"):
-        """Regional torch.compile: one compiled layer visit serves every layer, loop, sweep and supervision step, so
-        compile time does not grow with the recursion. Calls with gradient and calls without (evaluation, the
-        no-gradient sweeps) each have their own twin, so neither recompiles the other's graph; cached sampling runs
-        eagerly. The training loss's head chunk is compiled too: fused, its softcap and cross-entropy read the
-        logits once."""
-        self._compiled_visit = torch.compile(visit_layer, dynamic=False, backend=backend)
-        self._compiled_eval_visit = torch.compile(visit_layer, dynamic=False, backend=backend)
-        self._compiled_head_chunk = torch.compile(head_chunk_loss_and_grads, dynamic=False, backend=backend)
+        """compile_regions("layer"): what every caller before compile scopes asked for."""
+        self.compile_regions("layer", backend)
+
+    def compile_regions(self, scope="layer", backend="inductor"):
+        """Regional torch.compile, in COMPILE_SCOPES' scope: one compiled layer visit, or one compiled sweep and
+        embedding, serves every layer, loop, sweep and supervision step, so compile time does not grow with the
+        recursion. Calls with gradient and calls without (evaluation, the no-gradient sweeps) each have their own
+        twin, so neither recompiles the other's graph; cached sampling runs eagerly. The training loss's head chunk
+        is compiled too: fused, its norm, softcap and cross-entropy read the logits once."""
+        if scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile scope {scope!r} is unknown; choose one of {COMPILE_SCOPES}")
+        if scope == "layer":
+            self._compiled_visit = torch.compile(visit_layer, dynamic=False, backend=backend)
+            self._compiled_eval_visit = torch.compile(visit_layer, dynamic=False, backend=backend)
+        else:
+            self._compiled_sweep = torch.compile(sweep_layers, dynamic=False, backend=backend)
+            self._compiled_eval_sweep = torch.compile(sweep_layers, dynamic=False, backend=backend)
+            self._compiled_embed = torch.compile(embed_tokens, dynamic=False, backend=backend)
+        self._compiled_head_chunk = torch.compile(functools.partial(normed_head_chunk_loss_and_grads, fusable=True),
+                                                  dynamic=False, backend=backend)
 
     def _visit_layer(self, layer, x, y, z, cos_sin, kv_cache, slot):
         block, args = self.transformer.h[layer], (x, y, z, cos_sin, self.config.n_loops,
@@ -475,6 +530,11 @@ class GPT(nn.Module):
         return block.visit(*args, kv_cache, slot)
 
     def _sweep(self, x, y, z, cos_sin, kv_cache, slot):
+        compiled = getattr(self, "_compiled_sweep" if torch.is_grad_enabled() else "_compiled_eval_sweep", None)
+        checkpointed = self.config.activation_checkpointing and torch.is_grad_enabled()
+        if compiled is not None and kv_cache is None and not checkpointed:
+            update = state_update_in(self.config.state_update, self.config.state_dtype)
+            return compiled(self.transformer.h, x, y, z, cos_sin, self.config.n_loops, update)
         for layer in range(self.config.n_layer):
             s = slot + layer * (self.config.n_loops + 1)
             if self.config.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None:
@@ -526,9 +586,10 @@ class GPT(nn.Module):
         if reduction == "none" and not torch.is_grad_enabled():  # evaluation: one chunk's logits at a time, as training
             return self.token_losses(y, targets)
         y = self.apply_coda(y)
-        if reduction == "mean" and torch.is_grad_enabled():  # training: never the whole batch's logits at once
-            chunk = getattr(self, "_compiled_head_chunk", head_chunk_loss_and_grads)
-            return ChunkedHeadLoss.apply(norm(y).flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk)
+        if reduction == "mean" and torch.is_grad_enabled():  # training: the batch's logits a chunk at a time
+            chunk = getattr(self, "_compiled_head_chunk", normed_head_chunk_loss_and_grads)
+            rows = rows_per_chunk(targets.numel(), self.head_chunks, self.config.vocab_size)
+            return ChunkedHeadLoss.apply(y.flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk, rows)
         logits = self.head(y)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
                                reduction=reduction)
@@ -575,7 +636,7 @@ class GPT(nn.Module):
         lets FSDP finish its iteration only at the last (FSDP would end it at every backward)."""
         backward(tensors, grads)
 
-    def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None):
+    def forward_backward(self, idx, targets, loss_scale=1.0, n_sup=None, diagnostics=True):
         """A training micro-step: the loss of model(idx, targets, n_sup=n_sup), backpropagated (scaled by loss_scale).
 
         Each supervision step's head is backpropagated as soon as its loss is known, into the lm_head and into a
@@ -584,7 +645,8 @@ class GPT(nn.Module):
         the y_s at the end, or, with detach_between_steps, step by step (every backprop_steps steps), so that only
         one step's activations (one chunk's) are alive either. The gradients equal those of total.backward():
         d total / d loss_s = w_s + c / max(sg(loss_{s-1}), REWARD_LOSS_FLOOR).
-        Returns (total, aux) like model(idx, targets), detached, plus aux["state"]: state_diagnostics per step.
+        Returns (total, aux) like model(idx, targets), detached, plus aux["state"]: state_diagnostics per step (None
+        with diagnostics=False: base_train measures them every --diagnostics_every steps).
         With a halting head, its BCE (halt_head_loss, weight HALT_LOSS_WEIGHT) is backpropagated too and reported as
         aux["halt_loss"] (mean over the steps that have a next one); it is not part of total.
         """
@@ -593,7 +655,7 @@ class GPT(nn.Module):
         weights = supervision_weights(n_sup, c.supervision_weight_base)
         x = self.embed(idx)
         x_leaf = x.detach().requires_grad_()  # every step reads x: collect its gradient, backprop into wte once
-        step_losses, diagnostics, pending = [], [], []  # pending: (y_s, d loss / d y_s) of the trunk, not yet run
+        step_losses, states, pending = [], [], []  # pending: (y_s, d loss / d y_s) of the trunk, not yet run
         previous = x_leaf.detach()
         halt_losses, previous_token_losses = [], None
         for s, (y, z) in enumerate(self.refine(idx, n_sup, x=x_leaf)):
@@ -612,13 +674,14 @@ class GPT(nn.Module):
                 self.backward_part(*zip(*pending))
                 pending = []
             step_losses.append(loss.detach())
-            diagnostics.append(state_diagnostics(previous, y, z))
+            if diagnostics:
+                states.append(state_diagnostics(previous, y, z))
             previous = y.detach()
         if pending:
             self.backward_part(*zip(*pending))
         self.backward_part([x], [x_leaf.grad], last=True)
         total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
-        aux = {**loss_aux(torch.stack(step_losses)), "state": torch.stack(diagnostics)}
+        aux = {**loss_aux(torch.stack(step_losses)), "state": torch.stack(states) if diagnostics else None}
         if halt_losses:
             aux["halt_loss"] = torch.stack(halt_losses).detach().mean()
         return total, aux

@@ -5,9 +5,11 @@ carries it beside gpt.py: it imports only torch.
 
 - The loss over the supervision steps: weights base**s (normalised) plus the improvement reward (deep_supervision_loss),
   what a step's losses report (loss_aux, refinement) and the recursion's state per step (state_diagnostics).
-- The head's loss in chunks: the softcapped cross-entropy of lm_head, HEAD_CHUNK_ELEMENTS logits at a time, in
-  training (ChunkedHeadLoss, gradients computed in forward) and in evaluation (chunked_token_losses), never the whole
-  (B, T, vocab) float32 logits.
+- The head's loss in chunks: the softcapped cross-entropy of lm_head in training (ChunkedHeadLoss, gradients computed
+  in forward; as many rows a chunk as the caller gives, by default HEAD_CHUNK_ELEMENTS logits at a time, and the
+  whole micro-batch in one chunk where the plan's memory allows it) and in evaluation (chunked_token_losses), never the
+  whole (B, T, vocab) float32 logits unless asked. normed_head_chunk_loss_and_grads folds the final norm into the
+  chunk, so that a compiled chunk is norm, lm_head, softcap and cross-entropy in one region.
 """
 
 import torch
@@ -70,9 +72,20 @@ def state_diagnostics(previous_y, y, z):
 
 # ---------------------------------------------------------------------------------------------------- the head's loss
 SOFTCAP = 15.0  # logits = SOFTCAP * tanh(lm_head(norm(y)) / SOFTCAP)
-# The training loss runs the head this many logits at a time: a chunk's float32 (rows, vocab) tensors are 1 GB,
-# not the micro-batch's tens of GB; 4,096 rows at vocab 65,536, enough rows for the GPU's matmuls (1,024 were not).
+# The training loss's default chunk, in logits: a chunk's float32 (rows, vocab) tensors are 1 GB, not the micro-batch's
+# tens of GB; 4,096 rows at vocab 65,536. The plan gives fewer, larger chunks (one) where memory allows
+# (memory.head_chunks_that_fit): 16 chunks of 4,096 rows were the depth-12 kit's step on one H100.
 HEAD_CHUNK_ELEMENTS = 2 ** 28
+
+
+def default_head_rows(vocab_size):
+    """Rows of the default chunk: HEAD_CHUNK_ELEMENTS logits."""
+    return max(1, HEAD_CHUNK_ELEMENTS // vocab_size)
+
+
+def rows_per_chunk(n_rows, chunks, vocab_size):
+    """Rows a chunk for n_rows rows in `chunks` equal chunks (None: the default chunk's rows)."""
+    return default_head_rows(vocab_size) if not chunks else -(-n_rows // chunks)
 
 
 def head_chunk_loss_and_grads(h, weight, targets, grad_scale):
@@ -92,20 +105,56 @@ def head_chunk_loss_and_grads(h, weight, targets, grad_scale):
     return loss, d_logits @ weight, d_logits.t() @ h
 
 
+def fusable_head_chunk_loss_and_grads(h, weight, targets, grad_scale):
+    """head_chunk_loss_and_grads written without in-place ops, for torch.compile: inductor then reads the
+    low-precision logits twice (log-sum-exp, then the gradient) instead of keeping float32 copies; 8.3 bytes a logit
+    at its peak under bf16 autocast on CPU inductor against 14.4 for the eager one (dev/LOG.md, 2026-11-28)."""
+    logits = F.linear(h, weight)
+    t = torch.tanh(logits.float() / SOFTCAP)
+    capped = SOFTCAP * t
+    lse = torch.logsumexp(capped, dim=-1)
+    valid = targets != -1
+    picked = targets.clamp(min=0).unsqueeze(1)
+    loss = torch.where(valid, lse - capped.gather(1, picked).squeeze(1), 0.0).sum()
+    one_hot = torch.arange(capped.size(1), device=h.device) == picked  # a comparison fuses; a scatter would not
+    d_capped = torch.exp(capped - lse.unsqueeze(1)) - one_hot.float()
+    d_logits = (d_capped * (valid * grad_scale).unsqueeze(1) * (1 - t * t)).to(logits.dtype)
+    return loss, d_logits @ weight, d_logits.t() @ h
+
+
+def normed_head_chunk_loss_and_grads(y, weight, targets, grad_scale, fusable=False):
+    """head_chunk_loss_and_grads of norm(y) (gpt.norm: RMSNorm without weight, float32), with the gradient taken
+    through the norm to y: compiled (fusable=True), the whole head of a chunk is one region (the eager norm and its
+    backward were two passes over the micro-batch's states besides)."""
+    y32 = y.float()
+    inverse_rms = torch.rsqrt(y32.square().mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)
+    h = y32 * inverse_rms
+    chunk = fusable_head_chunk_loss_and_grads if fusable else head_chunk_loss_and_grads
+    loss, grad_h, grad_weight = chunk(h, weight, targets, grad_scale)
+    g = grad_h.float()  # d/dy of y * rsqrt(mean(y^2)): (g - h * mean(g h)) * rsqrt(mean(y^2))
+    return loss, ((g - h * (g * h).mean(-1, keepdim=True)) * inverse_rms).to(y.dtype), grad_weight
+
+
 class ChunkedHeadLoss(torch.autograd.Function):
-    """Mean softcapped cross-entropy of lm_head over rows h (N, C), HEAD_CHUNK_ELEMENTS logits at a time.
+    """Mean softcapped cross-entropy of lm_head over rows h (N, C), `rows` rows a chunk (None: HEAD_CHUNK_ELEMENTS
+    logits a chunk).
 
     Each chunk's gradients are computed in forward, while its logits exist (training backpropagates every head's
     loss at once anyway), so backward only scales them: no (N, vocab) float32 tensor is ever stored or rebuilt.
-    chunk_fn is head_chunk_loss_and_grads, or its compiled twin."""
+    chunk_fn is head_chunk_loss_and_grads (h = norm(y)) or normed_head_chunk_loss_and_grads (h = y), or the
+    compiled twin of either. One chunk (rows >= N) is a single call: no running sum, no slicing."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk_fn):
+    def forward(ctx, h, weight, targets, chunk_fn, rows=None):
         device = h.device.type  # under autocast: cast lm_head once here, not once per chunk
         lowp = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         weight_lowp = weight.to(lowp)
         grad_scale = 1.0 / (targets != -1).sum()  # the mean over the targets that count, as F.cross_entropy
-        rows = max(1, HEAD_CHUNK_ELEMENTS // weight.size(0))
+        rows = rows or default_head_rows(weight.size(0))
+        if rows >= h.size(0):
+            loss, grad_h, grad_weight = chunk_fn(h, weight_lowp, targets, grad_scale)
+            ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
+            return loss * grad_scale
         # float32 sum of the chunks' partials: FSDP's bf16 weight would otherwise round the running sum at every chunk
         loss, grad_h, grad_weight = 0.0, torch.empty_like(h), torch.zeros_like(weight, dtype=torch.float32)
         for i in range(0, h.size(0), rows):
@@ -119,7 +168,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_weight = ctx.saved_tensors
-        return grad_h * grad_loss, grad_weight * grad_loss, None, None
+        return grad_h * grad_loss, grad_weight * grad_loss, None, None, None
 
 
 @torch.no_grad()
@@ -127,6 +176,6 @@ def chunked_token_losses(head, h, targets, vocab_size):
     """Per-token cross-entropy (targets -1 give 0) of head(h) for rows h (N, C), HEAD_CHUNK_ELEMENTS logits at a
     time (evaluation and the halting head's targets: no gradient)."""
     t = targets.flatten()
-    rows = max(1, HEAD_CHUNK_ELEMENTS // vocab_size)
+    rows = default_head_rows(vocab_size)
     return torch.cat([F.cross_entropy(head(h[i:i + rows]), t[i:i + rows], ignore_index=-1, reduction="none")
                       for i in range(0, h.size(0), rows)]).view(targets.shape)

@@ -2,34 +2,39 @@
 What each supervision step did, as JSON: the data behind the server's /v1/refinement route and its viewer page
 (nanochat/serve/viewer.html), usable from scripts and notebooks too.
 
-Three modes, one request object each (parse_request checks it and says what is wrong in one sentence):
+Three modes, one request body each (api.REFINEMENT_MODES; check_request checks it against the model and says what
+is wrong in one sentence):
 
 - generate: a completion sampled as the engine samples it (same seed, same tokens), and for every generated token
   what each step 1..n_sup would have put there given the same prefix (its greedy token and probability, and the
   chosen token's probability), and the step at which a halting rule would have stopped that token. A forward with
   the cache computes every step for the last position anyway; the extra cost is the head on each step's answer.
   drafts: true adds base_sample --show_steps' drafts: each step's own greedy continuation (n_sup more generations).
+  The prompt is a text (after <|bos|>) or messages, a conversation rendered as chat_sft trained on it
+  (nanochat/data/chat.py) and answered until <|assistant_end|>: the viewer's Chat tab.
 - score: a pasted text teacher-forced, each token's loss (nats) at every step: where later steps help.
-- hops: a hops document (pasted, or drawn from a seed), each query's predicted answer at every step, by hop count.
+- hops: a hops document (pasted, or drawn from a seed out of the corpus the model was trained on: HopsCorpus), each
+  query's predicted answer at every step, by hop count.
+
+Every mode runs up to STEPS_PAST_TRAINING times the trained supervision steps (most_steps), as base_loss may: what
+the recursion does past the steps it learned is a question the page should be able to show.
 
 Probabilities are the model's (softmax of the logits), before temperature, top-k and top-p.
 """
 
-import asyncio
-import json
 import os
 import random
-import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from nanochat.data.synthetic import HopsSpec, encode_hops, hops_answers, hops_document
+from nanochat.data.chat import prompt_problem, render_prompt
+from nanochat.data.synthetic import FAMILIES, HopsSpec, encode_hops, hops_answers
 from nanochat.model.engine import left_pad, sample_next
 from nanochat.model.halting import HALTING_RULES, Draft, Halting, check_halting
 
-MODES = ("generate", "score", "hops")
+STEPS_PAST_TRAINING = 4  # requests may run up to 4x the trained supervision steps
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "viewer.html")  # the viewer, served at /
 
 
@@ -41,14 +46,78 @@ class RequestError(ValueError):
         self.param = param
 
 
-# per mode: field -> (types, default); numbers' ranges are checked in parse_request
-FIELDS = {
-    "generate": {"prompt": (str, None), "max_tokens": (int, 16), "temperature": ((int, float), 1.0),
-                 "top_k": (int, None), "top_p": ((int, float), None), "seed": (int, None), "n_sup": (int, None),
-                 "halt": (str, None), "drafts": (bool, False), "stream": (bool, False)},
-    "score": {"text": (str, None), "n_sup": (int, None)},
-    "hops": {"text": (str, None), "seed": (int, None), "n_queries": (int, None), "n_sup": (int, None)},
-}
+def most_steps(config):
+    """The most supervision steps a request may run: STEPS_PAST_TRAINING x the trained ones (or n_sup_inference, if
+    more); a request that names none runs n_sup_inference, as the model was configured."""
+    return max(config.n_sup_inference, STEPS_PAST_TRAINING * config.n_sup_train)
+
+
+@dataclass(frozen=True)
+class HopsCorpus:
+    """The hops corpus a drawn document comes from: family (synthetic.FAMILIES) and spec; source: the corpus's
+    recorded source (its dataset manifest) when the model's checkpoint leads to it, None for the default corpus."""
+    family: str = "hops"
+    spec: HopsSpec = HopsSpec()
+    source: str | None = None
+
+    def draw(self, seed, n_queries=None):
+        """One document of this corpus, drawn with random.Random(seed); n_queries: that many queries instead."""
+        spec = self.spec if n_queries is None else HopsSpec(self.spec.n_symbols, self.spec.max_hops, n_queries)
+        return FAMILIES[self.family](random.Random(seed), spec)
+
+    def describe(self):
+        """For /health and the page."""
+        return {"family": self.family, "n_symbols": self.spec.n_symbols, "max_hops": self.spec.max_hops,
+                "n_queries": self.spec.n_queries, "source": self.source}
+
+
+def hops_corpus_of(source):
+    """The HopsCorpus a corpus's recorded source describes ("synthetic: --synthetic=hops_pairs ... --hops_symbols=7
+    ..."), or None when it is not a hops corpus."""
+    from nanochat.data.dataset import SYNTHETIC
+    if not source or not source.startswith(SYNTHETIC):
+        return None
+    flags = dict(arg[2:].split("=", 1) for arg in source[len(SYNTHETIC):].split()
+                 if arg.startswith("--") and "=" in arg)
+    if flags.get("synthetic") not in FAMILIES:
+        return None
+    default = HopsSpec()
+    try:
+        spec = HopsSpec(int(flags.get("hops_symbols", default.n_symbols)), int(flags.get("hops_max", default.max_hops)),
+                        int(flags.get("hops_queries", default.n_queries)))
+    except ValueError:
+        return None
+    return HopsCorpus(flags["synthetic"], spec, source)
+
+
+def trained_hops_corpus(meta):
+    """The hops corpus a checkpoint was trained on, as base_loss --hops finds it: the manifest of the data directory
+    its meta records, else of the current one (NANOCHAT_DATA_DIR) when its fingerprint is the meta's; None when
+    neither is a hops corpus (a model of text, a checkpoint without data, a corpus since deleted)."""
+    data = meta.get("data") or {}
+    if not data:
+        return None
+    from nanochat.data.dataset import (  # pyarrow: ~30 MB, when needed
+        DatasetError,
+        corpus_identity,
+        data_dir,
+        read_source,
+    )
+    candidates = [data.get("dir")]
+    try:
+        current = data_dir(create=False)
+        if data.get("fingerprint") and corpus_identity(current)["fingerprint"] == data["fingerprint"]:
+            candidates.append(current)
+    except (DatasetError, OSError):
+        pass
+    for directory in candidates:
+        try:
+            corpus = hops_corpus_of(read_source(directory)) if directory and os.path.isdir(directory) else None
+        except (OSError, ValueError, KeyError, TypeError):  # an unreadable manifest: as if there were none
+            corpus = None
+        if corpus is not None:
+            return corpus
+    return None
 
 
 @dataclass
@@ -68,40 +137,29 @@ class Request:
     answers: list | None = None  # hops: (index in ids, hops, token id, bytes) per query
 
 
-def typed(name, value, types):
-    """value, if it has one of types (a bool is not a number); a RequestError otherwise."""
-    types = types if isinstance(types, tuple) else (types,)
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        raise RequestError(f"{name}: must be {' or '.join(t.__name__ for t in types)}, got {json.dumps(value)}", name)
-    return value
-
-
-def parse_request(engine, body, max_tokens_limit, default_halt):
-    """A checked Request from a JSON body; a RequestError naming the first problem. default_halt: the halting rule
-    generate marks each token with when the request names none ('RULE:THRESHOLD')."""
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
-    mode = body.get("mode", "generate")
-    if mode not in MODES:
-        raise RequestError(f"mode: one of {', '.join(MODES)}, got {json.dumps(mode)}", "mode")
-    fields = FIELDS[mode]
-    unknown = sorted(set(body) - set(fields) - {"mode"})
-    if unknown:
-        raise RequestError(f"unknown field {unknown[0]!r} for mode {mode}; its fields: {', '.join(fields)}", unknown[0])
-    got = {name: default if body.get(name) is None else typed(name, body[name], types)
-           for name, (types, default) in fields.items()}
+def check_request(engine, body, max_tokens_limit, default_halt, hops_corpus=HopsCorpus()):
+    """A Request from a parsed body (api.RefineGenerate, RefineScore or RefineHops), checked against the model and
+    tokenized; a RequestError naming the first problem. default_halt: the halting rule generate marks each token with
+    when the request names none ('RULE:THRESHOLD'); hops_corpus: where hops mode draws a document from."""
+    mode, got = body.mode, body.model_dump()
     model, config = engine.model, engine.model.config
-    most = config.n_sup_inference
-    n_sup = most if got["n_sup"] is None else got["n_sup"]
+    most = most_steps(config)
+    n_sup = config.n_sup_inference if got["n_sup"] is None else got["n_sup"]
     if not 1 <= n_sup <= most:
-        raise RequestError(f"n_sup={n_sup}: must be from 1 to {most}", "n_sup")
+        raise RequestError(f"n_sup={n_sup}: must be from 1 to {most} ({STEPS_PAST_TRAINING}x the "
+                           f"{config.n_sup_train} supervision steps the model was trained with)", "n_sup")
     if mode == "hops":
-        return parse_hops(engine, got, n_sup)
-    text = got["prompt" if mode == "generate" else "text"]
-    if not text:
-        raise RequestError(f"{'prompt' if mode == 'generate' else 'text'}: a non-empty string is required",
-                           "prompt" if mode == "generate" else "text")
-    ids = engine.encode_prompt(text)
+        return parse_hops(engine, got, n_sup, hops_corpus)
+    if mode == "generate" and (body.prompt is None) == (body.messages is None):
+        raise RequestError("generate: send prompt (a text) or messages (a conversation), one of them", "prompt")
+    if mode == "generate" and body.messages is not None:
+        text, ids = "", chat_prompt(engine, body.messages)
+    else:
+        text = got["prompt" if mode == "generate" else "text"]
+        if not text:
+            raise RequestError(f"{'prompt' if mode == 'generate' else 'text'}: a non-empty string is required",
+                               "prompt" if mode == "generate" else "text")
+        ids = engine.encode_prompt(text)
     if mode == "score":
         check_length(ids[:-1], config.sequence_len, "text")
         if len(ids) < 2:
@@ -128,19 +186,30 @@ def parse_request(engine, body, max_tokens_limit, default_halt):
                    stream=got["stream"])
 
 
-def parse_hops(engine, got, n_sup):
+def chat_prompt(engine, messages):
+    """The ids a conversation (api.ChatMessage list) is answered from, as chat_sft rendered it; a RequestError naming
+    what breaks the conversation's rules."""
+    plain = [m.plain() for m in messages]
+    problem = prompt_problem(plain)
+    if problem:
+        raise RequestError(f"messages: {problem}", "messages")
+    return render_prompt(engine.tokenizer, plain)
+
+
+def parse_hops(engine, got, n_sup, corpus):
     if (got["text"] is None) == (got["seed"] is None):
         raise RequestError("hops: send text (a hops document) or seed (to draw one), not both", "text")
     text = got["text"]
     most = engine.model.config.sequence_len  # a query is at least a token: more could never fit the context
     if got["n_queries"] is not None and got["n_queries"] > most:
         raise RequestError(f"n_queries={got['n_queries']}: at most {most} (the model's context)", "n_queries")
+    if got["seed"] is not None and not 0 <= got["seed"] < 2 ** 63:
+        raise RequestError(f"seed={got['seed']}: must be from 0 to 2**63-1", "seed")
     if text is None:
-        try:
-            spec = HopsSpec(n_queries=got["n_queries"] or HopsSpec.n_queries)
+        try:  # None: the corpus's own count; 0 is refused, not taken for the default
+            text = corpus.draw(got["seed"], got["n_queries"])
         except ValueError as e:
             raise RequestError(f"n_queries: {e}", "n_queries") from None
-        text = hops_document(random.Random(got["seed"]), spec)
     try:
         ids, answers = encode_hops(engine.tokenizer, text)
     except ValueError as e:
@@ -154,7 +223,7 @@ def check_length(ids, limit, name):
         raise RequestError(f"{name} is {len(ids)} tokens (with <|bos|>); the model's context is {limit} tokens", name)
 
 
-def run(engine, req):
+def run_events(engine, req):
     """The request's events: generate yields one per token, then a summary; score and hops one result."""
     if req.mode == "generate":
         return generate(engine, req)
@@ -267,51 +336,19 @@ def hops(engine, req):
             "hops": hop_counts, "accuracy": accuracy}
 
 
-END = object()
-
-
-def threaded(items, release):
-    """Iterate a blocking iterator on a worker thread from now on, so the event loop keeps serving; returns an async
-    iterator over its items. release() runs on the loop once the worker has ended, also when the consumer stops early
-    (the worker then stops at its next item) or never starts (a client gone before the response began): started here,
-    not at the first item, the worker always ends and frees what release frees."""
-    loop = asyncio.get_running_loop()
-    queue, stop = asyncio.Queue(), threading.Event()
-
-    def work():
-        for item in items:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-            if stop.is_set():
+def work(engine, req):
+    """The request's work for a streaming.Worker: each event emitted as it is made; stops at the next event once
+    cancelled."""
+    def run(emit, cancelled):
+        for item in run_events(engine, req):
+            emit(item)
+            if cancelled.is_set():
                 return
-
-    worker = loop.run_in_executor(None, work)
-    worker.add_done_callback(lambda _: (release(), queue.put_nowait(END)))
-
-    async def drain():
-        try:
-            while (item := await queue.get()) is not END:
-                yield item
-            worker.result()  # the worker's exception, if it failed
-        finally:
-            stop.set()
-
-    return drain()
+    return run
 
 
-async def collect(events):
+def answer(items):
     """A non-streamed answer: generate's token events gathered into the summary as its tokens; else the one result."""
-    items = [item async for item in events]
     if items[-1]["object"] == "refinement.done":
         return {**items[-1], "object": "refinement", "tokens": items[:-1]}
     return items[-1]
-
-
-async def sse(events):
-    """Server-sent events, one per item, then data: [DONE]; a failure mid-stream ends with an error event."""
-    try:
-        async for item in events:
-            yield f"data: {json.dumps(item)}\n\n"
-    except Exception as e:  # noqa: BLE001 - the status line is sent: the client can only learn of it in the stream
-        yield f"data: {json.dumps({'error': {'message': f'generation failed: {e}', 'type': 'server_error'}})}\n\n"
-        return
-    yield "data: [DONE]\n\n"

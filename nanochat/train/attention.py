@@ -2,9 +2,11 @@
 Which scaled-dot-product-attention kernel runs: chosen, not defaulted (--attention).
 
 torch's SDPA picks a backend per call from what the inputs allow; on Hopper cuDNN's kernel can beat FlashAttention-2
-for training shapes, and which one wins depends on the shape, so `auto` times each allowed backend once on the run's
-own attention shape and keeps the fastest. The choice is applied through torch's global SDPA switches, which both
-eager calls and compiled graphs (traced after the choice) obey, so gpt.py needs no flag.
+for training shapes, and which one wins depends on the shape, so `auto` times each allowed backend on the run's own
+attention shape, AUTO_ROUNDS rounds each timing every backend once in turn, and leaves SDPA's own pick unless another
+backend's median is AUTO_MARGIN faster (a pick that flipped between flash, cudnn and efficient across seeds on gaps
+of 0.03 ms measured noise, not speed). A choice is applied through torch's global SDPA switches, which both eager
+calls and compiled graphs (traced after the choice) obey, so gpt.py needs no flag.
 """
 
 import contextlib
@@ -69,20 +71,22 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def fwd_bwd_seconds(q, k, v):
+    """Seconds of one forward + backward through the backend the SDPA switches allow."""
+    q.grad = k.grad = v.grad = None
+    sync(q.device)
+    t0 = time.perf_counter()
+    attend(q, k, v).sum().backward()
+    sync(q.device)
+    return time.perf_counter() - t0
+
+
 def time_backend(name, q, k, v, repeats=10):
     """Median seconds of one forward + backward through the named backend, or the error that refused the inputs."""
-    def once():
-        q.grad = k.grad = v.grad = None
-        sync(q.device)
-        t0 = time.perf_counter()
-        attend(q, k, v).sum().backward()
-        sync(q.device)
-        return time.perf_counter() - t0
-
     try:
         with sdpa_kernel([BACKENDS[name]]):
-            once()  # warm-up: kernel selection, workspace, cuDNN's plan
-            return statistics.median(once() for _ in range(repeats))
+            fwd_bwd_seconds(q, k, v)  # warm-up: kernel selection, workspace, cuDNN's plan
+            return statistics.median(fwd_bwd_seconds(q, k, v) for _ in range(repeats))
     except RuntimeError as e:  # "No available kernel": this backend does not take these inputs (dtype, device, shape)
         return f"not available: {str(e).strip().splitlines()[0][:120]}"
 
@@ -99,6 +103,40 @@ def fastest(timings):
     return min(usable, key=usable.get)
 
 
+AUTO_ROUNDS = 20  # rounds of auto's timing, each backend once a round: a median of 20, not one lucky call
+AUTO_MARGIN = 0.10  # how much faster (median) a backend must be than SDPA's own pick for auto to switch to it
+
+
+def time_rounds(q, k, v, names=tuple(BACKENDS), rounds=AUTO_ROUNDS):
+    """{backend: median seconds of fwd+bwd, or why it could not run}: each round times every backend that runs once,
+    in alternating order, so a change of clock or load hits them all alike."""
+    ran = {name: time_backend(name, q, k, v, repeats=1) for name in names}  # a warm-up each, and who runs at all
+    seconds = {name: [] for name, s in ran.items() if isinstance(s, float)}
+    for round_ in range(rounds):
+        for name in list(seconds)[::1 if round_ % 2 else -1]:
+            with sdpa_kernel([BACKENDS[name]]):
+                seconds[name].append(fwd_bwd_seconds(q, k, v))
+    return {name: statistics.median(seconds[name]) if name in seconds else ran[name] for name in names}
+
+
+def decide(timings, default, margin=AUTO_MARGIN):
+    """(the backend auto keeps, why): SDPA's own pick (`default`), unless another backend's median is `margin`
+    faster; the fastest when SDPA's pick did not run or is not one of BACKENDS."""
+    best = fastest(timings)
+    if not isinstance(timings.get(default), float):
+        return best, f"the fastest ({default} is not timed here)"
+    if best != default and timings[best] < (1 - margin) * timings[default]:
+        return best, f"{timings[default] / timings[best]:.2f}x faster than SDPA's own {default}"
+    return default, f"SDPA's own pick: nothing beat it by {margin:.0%}"
+
+
+def measure(config, batch, device, dtype):
+    """(time_rounds at the run's attention shape, the backend SDPA picks there by itself)."""
+    q, k, v = attention_inputs(batch, config.n_head, config.n_kv_head, config.sequence_len,
+                               config.n_embd // config.n_head, device, dtype)
+    return time_rounds(q, k, v), backend_that_runs(q, k, v)
+
+
 def apply(name):
     """Allow only the named backend from here on (every call, eager or compiled); math stays as the fallback of
     inputs the chosen one refuses (a KV cache's mask), so a choice never makes a call fail."""
@@ -107,18 +145,19 @@ def apply(name):
 
 
 def choose(name, config, batch, device, dtype, log=print):
-    """Settle --attention for a run: auto times each backend at (batch, the model's heads, sequence_len) and keeps
-    the fastest; a named backend is taken as is. Returns the backend's name; CPU keeps torch's own choice."""
+    """Settle --attention for a run: auto times each backend at (batch, the model's heads, sequence_len) and switches
+    from SDPA's own pick only by a clear margin (decide); a named backend is taken as is. Returns the backend's
+    name; CPU keeps torch's own choice."""
     check_choice(name)
     if device.type != "cuda":
         return "default (cpu)"
     if name == "auto":
-        q, k, v = attention_inputs(batch, config.n_head, config.n_kv_head, config.sequence_len,
-                                   config.n_embd // config.n_head, device, dtype)
-        timings = time_backends(q, k, v, repeats=3)
-        name = fastest(timings)
-        log("attention: auto chose " + name + " (fwd+bwd " + ", ".join(
+        timings, default = measure(config, batch, device, dtype)
+        name, why = decide(timings, default)
+        log(f"attention: auto kept {name}, {why} (fwd+bwd median of {AUTO_ROUNDS}: " + ", ".join(
             f"{b} {s * 1e3:.2f} ms" if isinstance(s, float) else f"{b} n/a" for b, s in timings.items()) + ")")
+        if name == default:
+            return name  # the switches as they were: SDPA goes on picking for itself
     apply(name)
     return name
 

@@ -23,7 +23,16 @@ from nanochat.data.dataloader import ROW_LAYOUTS
 from nanochat.data.dataset import SYNTHETIC, DatasetError, data_dir, parquets_for_split, read_source
 from nanochat.data.tokenizer import get_tokenizer
 from nanochat.files import get_base_dir, model_tag_arg
-from nanochat.model.gpt import ACTIVATIONS, N_SUP_SAMPLERS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
+from nanochat.model.gpt import (
+    ACTIVATIONS,
+    COMPILE_SCOPES,
+    N_SUP_SAMPLERS,
+    REFINEMENT_PRESETS,
+    STATE_DTYPES,
+    STATE_UPDATES,
+    GPTConfig,
+    compile_scope_for,
+)
 from nanochat.train import attention
 from nanochat.train.planning import (
     B_REF,
@@ -141,7 +150,18 @@ def build_parser():
     runtime = p.add_argument_group("runtime")
     runtime.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
     runtime.add_argument("--compile", type=str2bool, nargs="?", const=True, default=None,
-                         help="torch.compile the layer visits (default: on for CUDA, off elsewhere)")
+                         help="torch.compile the model in regions (default: on for CUDA, off elsewhere)")
+    runtime.add_argument("--compile_scope", choices=["auto", *COMPILE_SCOPES], default="auto",
+                         help="what --compile compiles as one region: layer (one layer visit, serving every layer, "
+                              "loop and step: compile time flat in the depth) or model (the embedding and each whole "
+                              "sweep); auto: model for a plain GPT (--n_loops=0), layer for the recursion, FSDP and "
+                              "activation checkpointing")
+    runtime.add_argument("--head_chunks", type=int, default=None,
+                         help="the training head's chunks per micro-batch (default: the fewest the memory estimate "
+                              "holds at the device batch, one compiled region where it can)")
+    runtime.add_argument("--diagnostics_every", type=int, default=10,
+                         help="steps between measurements of the recursion's state (rms of y, z and the update; "
+                              "the log shows the last measured); 1 = every step")
     runtime.add_argument("--sharding", choices=["auto", "ddp", "fsdp"], default="auto",
                          help="ddp: every process holds the whole model (optimizer state sharded, ZeRO-1); fsdp: "
                               "weights, gradients, optimizer state and EMA sharded over the processes (FSDP2, under "
@@ -277,6 +297,9 @@ class RunConfig:
     # runtime
     device_type: str
     compile: bool
+    compile_scope: str  # settled: layer or model (gpt.compile_scope_for)
+    head_chunks: int | None  # settled: the training head's chunks per micro-batch, None = the default chunk
+    diagnostics_every: int
     sharding: str  # settled: ddp or fsdp (sharding_requested may be auto)
     device_memory_gb: float | None
     peak_tflops: float | None
@@ -388,7 +411,8 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     if check_hardware and not flags.dry_run and not device_available(device_type):
         parser.error(f"--device_type={device_type} is not available on this machine; "
                      f"use --device_type={autodetect_device_type()}")
-    for name in ("device_batch_size", "gradient_accumulation_steps", "total_batch_size"):
+    for name in ("device_batch_size", "gradient_accumulation_steps", "total_batch_size", "head_chunks",
+                 "diagnostics_every"):
         if getattr(flags, name) is not None and getattr(flags, name) < 1:
             parser.error(f"--{name}={getattr(flags, name)} must be >= 1")
     for name in ("device_memory_gb", "peak_tflops"):
@@ -412,6 +436,12 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
         run_config = plan_batch(run_config)
     except PlanError as e:
         parser.error(str(e))
+    try:
+        scope, _ = compile_scope_for(GPTConfig(vocab_size=1, **run_config.model_config), run_config.compile_scope,
+                                     run_config.sharding == "fsdp")
+    except ValueError as e:
+        parser.error(f"--compile_scope: {e}")
+    run_config = dataclasses.replace(run_config, compile_scope=scope)
     if run_config.sharding == "fsdp" and check_hardware and not run_config.dry_run:
         problem = host_ram_problem(GPTConfig(vocab_size=run_config.plan_vocab_size, **run_config.model_config))
         if problem:  # before anything is built: every rank would otherwise die swapping or OOM-killed mid-build

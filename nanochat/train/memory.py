@@ -11,7 +11,8 @@ The peak comes at the backward of the last supervision step's head, when every s
       known, and the chunked head (supervision.ChunkedHeadLoss) keeps (B, T, n_embd) tensors only, never
       (B, T, vocab)
     + the transient working set: the head's chunk of logits and the lm_head gradient it accumulates, or one
-      recomputed layer visit under activation checkpointing.
+      recomputed layer visit under activation checkpointing. The chunk is HEAD_CHUNK_ELEMENTS logits by default; a
+      run's plan takes the fewest chunks the memory leaves room for (head_chunks_that_fit), one where it can.
 
 Under FSDP (--sharding=fsdp) the weights, gradients, optimizer state and EMA are divided over the ranks; what is
 whole at the peak is one block's gathered weights and gradient (plus the next block's, prefetched), and lm_head's,
@@ -33,7 +34,7 @@ import math
 import torch
 
 from nanochat.model.gpt import GPT, GPTConfig, deepest_train_depth, mlp_hidden
-from nanochat.model.supervision import HEAD_CHUNK_ELEMENTS
+from nanochat.model.supervision import default_head_rows, rows_per_chunk
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Of a GPU's memory, how much a training process can count on: the rest goes to the CUDA context, NCCL buffers,
@@ -73,12 +74,19 @@ def _head_bytes_per_token(config):
     return 3 * 4 * config.n_embd
 
 
-def _head_chunk_bytes(config, tokens):
-    """The chunked head's working set: eager supervision.head_chunk_loss_and_grads peaks at 3 float32 tensors the
-    size of one chunk's logits (3.8 with autocast's bf16 logits and gradient; measured on CPU), counted as 4; and the
-    float32 lm_head gradient it accumulates over the chunks."""
-    chunk_rows = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // config.vocab_size))
-    return 4 * 4 * chunk_rows * config.vocab_size + 4 * config.vocab_size * config.n_embd
+# Bytes a logit of the head's chunk at its peak: eager supervision.head_chunk_loss_and_grads holds 3 float32 tensors
+# the size of the chunk's logits (3.8 with autocast's bf16 logits and gradient; measured on CPU), counted as 4; the
+# compiled fusable chunk 8.3 bytes under bf16 autocast on CPU inductor, counted as 10 until a GPU measures it
+# (dev/gpu_gap.py reports the peak of 1, 4 and 16 chunks).
+HEAD_BYTES_PER_LOGIT = {"eager": 16, "compiled": 10}
+
+
+def _head_chunk_bytes(config, tokens, head_chunks=None, compiled=False):
+    """The chunked head's working set: one chunk's logits (head_chunks equal chunks, None: the default chunk) and
+    the float32 lm_head gradient (accumulated over the chunks, or cast from the one chunk's)."""
+    chunk_rows = min(tokens, rows_per_chunk(tokens, head_chunks, config.vocab_size))
+    per_logit = HEAD_BYTES_PER_LOGIT["compiled" if compiled else "eager"]
+    return per_logit * chunk_rows * config.vocab_size + 4 * config.vocab_size * config.n_embd
 
 
 def _param_counts(config):
@@ -109,12 +117,15 @@ def _param_counts_cached(vocab_size, n_layer, n_embd, n_head, n_kv_head, activat
     return model.num_params(), matrix_shapes, adamw, buffers, largest_block
 
 
-def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, ema=False, sharding="ddp"):
+def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, ema=False, sharding="ddp",
+                    head_chunks=None, compiled=False):
     """Peak bytes of one rank during a training micro-step: a dict of the parts and their "total".
 
     config: a GPTConfig (sequence_len is the micro-batch's T); dtype: the autocast dtype ("float32" = no autocast);
     ema: whether the run keeps an EMA of the weights (a float32 copy of every parameter on every rank);
-    sharding: "ddp" (replicated weights, ZeRO-1 optimizer state) or "fsdp" (everything sharded, see above).
+    sharding: "ddp" (replicated weights, ZeRO-1 optimizer state) or "fsdp" (everything sharded, see above);
+    head_chunks: the training head's chunks per micro-batch (None: HEAD_CHUNK_ELEMENTS logits a chunk);
+    compiled: whether the head's chunk is compiled (--compile), which holds fewer bytes a logit.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
@@ -145,7 +156,7 @@ def estimate_memory(config, device_batch_size, dtype="bfloat16", world_size=1, e
     activations += (c.n_prelude + c.n_coda) * _block_bytes_per_token(c, dtype) * tokens
     # one head at a time; every step's answer state and its gradient wait for the trunk's backward
     logits = _head_bytes_per_token(c) * tokens + steps_alive * 2 * S * c.n_embd * tokens
-    transient = max(_head_chunk_bytes(c, tokens), recompute)
+    transient = max(_head_chunk_bytes(c, tokens, head_chunks, compiled), recompute)
     if sharding == "fsdp":
         parts = _sharded_state(n_params, n_matrix, adamw, buffers, largest_block, dtype, world_size, ema)
     else:
@@ -165,7 +176,7 @@ def evaluation_bytes(config, device_batch_size, dtype="bfloat16"):
     (GPT.token_losses)."""
     c = config
     tokens = device_batch_size * c.sequence_len
-    chunk_rows = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // c.vocab_size))
+    chunk_rows = min(tokens, default_head_rows(c.vocab_size))
     states = (4 * _state_bytes(c) * c.n_embd + 4 * c.n_sup_inference) * tokens
     return states + max(_block_bytes_per_token(c, dtype) * tokens, 4 * 4 * chunk_rows * c.vocab_size)
 
@@ -239,6 +250,23 @@ def fit_micro_batch(config, sequences_per_rank, max_batch, memory_bytes, dtype="
     for b in batches:
         if fits(config, b):
             return b, config.activation_checkpointing
+    return None
+
+
+def head_chunks_that_fit(config, device_batch_size, memory_bytes, dtype="bfloat16", world_size=1, ema=False,
+                         sharding="ddp", compiled=False):
+    """The fewest equal chunks (1, 2, 4, ...) the training head can take at this micro-batch within memory_bytes'
+    usable share: one compiled region over the micro-batch where it fits. None when no chunk larger than the default
+    (HEAD_CHUNK_ELEMENTS logits) fits: the head keeps the default chunk."""
+    tokens = device_batch_size * config.sequence_len
+    if tokens <= default_head_rows(config.vocab_size):
+        return 1  # the default chunk already holds the micro-batch
+    budget, chunks = usable_bytes(memory_bytes), 1
+    while -(-tokens // chunks) > default_head_rows(config.vocab_size):
+        if estimate_memory(config, device_batch_size, dtype, world_size, ema, sharding, chunks,
+                           compiled)["total"] <= budget:
+            return chunks
+        chunks *= 2
     return None
 
 

@@ -8,6 +8,7 @@ Every optimizer has the same two calls: reduce_grads() averages the gradients ac
 rank's share of the squared global norm; step(grad_scale) updates with the gradients scaled for clipping.
 """
 
+import functools
 import math
 
 import torch
@@ -47,18 +48,24 @@ def new_adamw_state(like):
     return {"step": 0, "exp_avg": torch.zeros_like(like), "exp_avg_sq": torch.zeros_like(like)}
 
 
-def adamw_update(param, grad, state, lr, betas, eps, weight_decay):
+def adamw_update(params, grads, states, lr, betas, eps, weight_decay):
+    """AdamW on lists of parameters, their gradients and states, through torch._foreach_* ops: a few multi-tensor
+    kernels a group on a GPU rather than ~10 launches a parameter (the bias corrections, one per state, are host
+    floats: no sync)."""
     beta1, beta2 = betas
-    if not state:
-        state.update(new_adamw_state(grad))
-    state["step"] += 1
-    state["exp_avg"].lerp_(grad, 1 - beta1)
-    state["exp_avg_sq"].lerp_(grad.square(), 1 - beta2)
-    bias1, bias2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
+    for state, grad in zip(states, grads):
+        if not state:
+            state.update(new_adamw_state(grad))
+        state["step"] += 1
+    exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_lerp_(exp_avg_sqs, torch._foreach_pow(grads, 2), 1 - beta2)
     if weight_decay:
-        param.mul_(1 - lr * weight_decay)
-    denom = (state["exp_avg_sq"] / bias2).sqrt_().add_(eps)
-    param.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    denoms = torch._foreach_div(exp_avg_sqs, [1 - beta2 ** s["step"] for s in states])
+    torch._foreach_sqrt_(denoms)
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1 - beta1 ** s["step"]) for s in states])
 
 
 class AdamW(LocalGradients, torch.optim.Optimizer):
@@ -74,9 +81,10 @@ class AdamW(LocalGradients, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, grad_scale=1.0):
         for group in self.param_groups:
-            for p in group["params"]:
-                adamw_update(p, p.grad * grad_scale, self.state[p], group["lr"], group["betas"], group["eps"],
-                             group["weight_decay"])
+            params = group["params"]
+            adamw_update(params, torch._foreach_mul([p.grad for p in params], grad_scale),
+                         [self.state[p] for p in params], group["lr"], group["betas"], group["eps"],
+                         group["weight_decay"])
 
 
 class DistAdamW(AdamW):
@@ -112,8 +120,8 @@ class DistAdamW(AdamW):
             flat[:p.numel()] = p.reshape(-1)
             size = padded_len // world
             shard = flat[rank * size:(rank + 1) * size].clone()
-            adamw_update(shard, grad_shard * grad_scale, self.state[p], group["lr"], group["betas"], group["eps"],
-                         group["weight_decay"])
+            adamw_update([shard], [grad_shard * grad_scale], [self.state[p]], group["lr"], group["betas"],
+                         group["eps"], group["weight_decay"])
             gathers.append((p, flat, all_gather_single(flat, shard, async_op=True)))
         for p, flat, work in gathers:
             work.wait()
@@ -132,6 +140,8 @@ def zeropower_via_newtonschulz5(G, steps=5):
     The coefficients maximise the slope at zero, trading exact convergence for speed; the result is close enough
     to U V^T for an optimizer. Runs in bfloat16 on CUDA, where it is fast and stable, and float32 elsewhere.
     """
+    if G.is_cuda and not torch.compiler.is_compiling():  # one compiled graph a shape: a few kernels, not ~25
+        return compiled_newton_schulz()(G, steps)
     a, b, c = 3.4445, -4.7750, 2.0315
     X = G.bfloat16() if G.is_cuda else G.float()
     X = X.reshape(-1, *G.shape[-2:])  # one batch dimension, for baddbmm
@@ -148,6 +158,12 @@ def zeropower_via_newtonschulz5(G, steps=5):
     if transposed:
         X = X.mT
     return X.reshape(G.shape).to(G.dtype)
+
+
+@functools.cache
+def compiled_newton_schulz():
+    """zeropower_via_newtonschulz5 compiled, made on first use (CUDA only: a CPU run keeps it eager, and no compile)."""
+    return torch.compile(zeropower_via_newtonschulz5, dynamic=False)
 
 
 class Muon(LocalGradients, torch.optim.Optimizer):
@@ -169,39 +185,38 @@ class Muon(LocalGradients, torch.optim.Optimizer):
     def _update(self, group, params, grads, grad_scale):
         """Update same-shaped params from their gradients stacked as (G, m, n): one batched Newton-Schulz call."""
         g = grads * grad_scale
-        for p, g_p in zip(params, g):  # momentum per matrix (its state stays per parameter), written into the stack
-            self._blend(group, p, g_p)
+        self._blend(group, params, list(g.unbind(0)))  # momentum per matrix (state per parameter), into the stack
         g = zeropower_via_newtonschulz5(g, group["ns_steps"])
-        for p, g_p in zip(params, g):
-            self._apply(group, p, g_p, *g.shape[-2:])
+        self._apply(group, params, list(g.unbind(0)), *g.shape[-2:])
 
     @staticmethod
     def new_state(p):
         """A matrix's state before its first update (sharded like the parameter under FSDP)."""
         return {"momentum_buffer": torch.zeros_like(p)}
 
-    def _blend(self, group, p, g):
-        """Momentum, then Nesterov: g (p's scaled gradient, or this rank's rows of it) becomes the matrix to
-        orthogonalise, in place; returns g. Elementwise, so it works on shards as on whole matrices."""
-        state = self.state[p]
-        if not state:
-            state.update(self.new_state(p))
-        buf = local(state["momentum_buffer"])
-        buf.lerp_(g, 1 - group["momentum"])
+    def _blend(self, group, params, grads):
+        """Momentum, then Nesterov: each of grads (a param's scaled gradient, or this rank's rows of it) becomes the
+        matrix to orthogonalise, in place (torch._foreach_*: a few kernels for the list); returns grads. Elementwise,
+        so it works on shards as on whole matrices."""
+        for p in params:
+            if not self.state[p]:
+                self.state[p].update(self.new_state(p))
+        bufs = [local(self.state[p]["momentum_buffer"]) for p in params]
+        torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
         if group["nesterov"]:
-            g.lerp_(buf, group["momentum"])
+            torch._foreach_lerp_(grads, bufs, group["momentum"])
         else:
-            g.copy_(buf)
-        return g
+            torch._foreach_copy_(grads, bufs)
+        return grads
 
     @staticmethod
-    def _apply(group, p, update, m, n):
-        """p (or its rows) moves by the orthogonalised update of its (m, n) matrix (or the same rows of it)."""
+    def _apply(group, params, updates, m, n):
+        """params (or their rows) move by the orthogonalised updates of their (m, n) matrices (or the same rows)."""
         # tall matrices get a larger step so every shape moves its outputs by a similar RMS amount
         step_size = group["lr"] * max(1.0, m / n) ** 0.5
         if group["weight_decay"]:
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(update, alpha=-step_size)
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        torch._foreach_add_(params, updates, alpha=-step_size)
 
 
 class DistMuon(Muon):
@@ -266,7 +281,7 @@ class ShardedMuon(Muon):
             params = group["params"]
             m, n = params[0].shape
             share = row_share(m, world)
-            blended = [self._blend(group, p, local(p.grad) * grad_scale) for p in params]
+            blended = self._blend(group, params, torch._foreach_mul([local(p.grad) for p in params], grad_scale))
             owned = [self._gather_to_owner(blended[base:base + world], m, share, n, world)
                      for base in range(0, len(params), world)]
             # the batches this rank owns a matrix of: a prefix (only the last batch can fall short of `world`)
@@ -276,8 +291,8 @@ class ShardedMuon(Muon):
                 updates[:mine] = zeropower_via_newtonschulz5(torch.stack(owned[:mine]), group["ns_steps"])
             for i, base in enumerate(range(0, len(params), world)):
                 rows = self._scatter_from_owner(updates[i], share, n, world)
-                for p, update in zip(params[base:base + world], rows):
-                    self._apply(group, local(p), update[:local(p).size(0)], m, n)
+                shards = [local(p) for p in params[base:base + world]]
+                self._apply(group, shards, [update[:p.size(0)] for p, update in zip(shards, rows)], m, n)
 
     @staticmethod
     def _gather_to_owner(parts, m, share, n, world):

@@ -17,6 +17,7 @@ import torch
 
 from nanochat.common import gpu_peak_flops
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.model.supervision import default_head_rows
 from nanochat.train import memory
 from nanochat.train.probe import build as build_probe
 
@@ -133,8 +134,29 @@ def plan_batch(run_config):
         notes.append(f"WARNING: {accum} micro-batches per optimizer step ({total:,} tokens in "
                      f"micro-batches of {tokens_per_micro:,}): each step will be slow; a smaller --total_batch_size "
                      f"(or --gradient_accumulation_steps) makes more, faster steps")
+    head_chunks, head_note = plan_head(run_config, device_batch, memory_at)
     return dataclasses.replace(run_config, device_batch_size=device_batch, grad_accum=accum, total_batch_size=total,
-                               lr_scale=lr_scale, batch_notes=tuple(notes))
+                               lr_scale=lr_scale, head_chunks=head_chunks, batch_notes=(*notes, head_note))
+
+
+def plan_head(run_config, device_batch, memory_at):
+    """(the training head's chunks per micro-batch, why): --head_chunks, or the fewest the memory estimate holds at
+    this device batch (memory.head_chunks_that_fit: one compiled region where it can), or None for the default chunk
+    (supervision.HEAD_CHUNK_ELEMENTS logits) when no larger one fits."""
+    rows = device_batch * run_config.max_seq_len
+    if run_config.head_chunks:
+        return run_config.head_chunks, (f"training head: {run_config.head_chunks} chunk(s) of "
+                                        f"{-(-rows // run_config.head_chunks):,} rows (--head_chunks)")
+    config = model_config(run_config, run_config.plan_vocab_size)
+    chunks = memory.head_chunks_that_fit(config, device_batch, memory_at[0], run_config.dtype, run_config.world_size,
+                                         keeps_ema(run_config.ema_decay, run_config.num_iterations),
+                                         run_config.sharding, compiled=run_config.compile)
+    if chunks is None:
+        return None, (f"training head: chunks of {default_head_rows(config.vocab_size):,} rows (the default: no "
+                      f"larger chunk fits the memory; --head_chunks sets it)")
+    what = "one chunk" if chunks == 1 else f"{chunks} chunks of {-(-rows // chunks):,} rows"
+    return chunks, (f"training head: {what} of the micro-batch's {rows:,} rows, the fewest the memory estimate holds "
+                    f"(--head_chunks sets it)")
 
 
 def settle_sharding(run_config, memory_at):
@@ -213,7 +235,8 @@ def memory_need(run_config, batch, sharding=None, config=None):
     return memory.estimate_memory(config or model_config(run_config, run_config.plan_vocab_size), batch,
                                   run_config.dtype, run_config.world_size,
                                   keeps_ema(run_config.ema_decay, run_config.num_iterations),
-                                  sharding or run_config.sharding)["total"]
+                                  sharding or run_config.sharding, run_config.head_chunks,
+                                  run_config.compile)["total"]
 
 
 def device_memory(run_config):
@@ -274,7 +297,7 @@ def plan_lines(run_config):
     need = memory_need(run_config, run_config.device_batch_size, config=config)
     flops_per_step = model.estimate_flops() * run_config.total_batch_size
     lines = [f"processes    {run_config.world_size} x {run_config.device_type}, {run_config.dtype}, compile "
-             f"{run_config.compile}",
+             f"{run_config.compile}" + (f" (scope {run_config.compile_scope})" if run_config.compile else ""),
              f"model        depth {config.n_layer}, width {config.n_embd}, n_loops {config.n_loops}, "
              f"{config.n_sup_train} supervision steps, vocab {config.vocab_size:,}: {model.num_params():,} parameters",
              f"batch        {run_config.world_size} x {run_config.device_batch_size} sequences x "
