@@ -584,6 +584,8 @@ def test_lognormal_poisson_depth_has_the_trained_mean_a_longer_tail_and_the_plan
     assert max(depths) > 7 and max(depths) <= deepest_train_depth(config) == 16  # deeper than uniform's 7
     assert [model.train_depth(step) for step in range(50)] == depths[:50]  # a resumed run draws the same
     assert deepest_train_depth(config.replace(sample_n_sup=True)) == 7
+    one = config.replace(n_sup_train=1)  # one step (the plain model) draws one: its memory plan is a single step's
+    assert {GPT(one).train_depth(s) for s in range(50)} == {1} and deepest_train_depth(one) == 1
     with pytest.raises(ValueError, match="sample_n_sup"):
         tiny_config(sample_n_sup="poisson")
 

@@ -183,7 +183,7 @@ def lognormal_poisson_n_sup(n, generator):
 
 
 N_SUP_SAMPLERS = {"uniform": (uniform_n_sup, lambda n: 2 * n - 1),
-                  "lognormal_poisson": (lognormal_poisson_n_sup, lambda n: 4 * n)}
+                  "lognormal_poisson": (lognormal_poisson_n_sup, lambda n: 4 * n if n > 1 else 1)}
 
 
 def deepest_train_depth(config):
