@@ -244,8 +244,8 @@ VARIANTS = {"default": VISIT, "xyz_both": visit_xyz_both, "no_x": visit_no_x, "z
 
 
 def depth_warmup(n, steps, fraction):
-    """A step-count curriculum (looped_nanochat's loop warmup): train 1 supervision step at first, rising linearly to
-    n by `fraction` of the run, then n."""
+    """A step-count curriculum (looped_nanochat's loop warmup): at most 1 supervision step at first, the cap rising
+    linearly to n by `fraction` of the run, then n (a cap on the model's own draw, as base_train's --n_sup_warmup)."""
     return lambda step: min(n, 1 + int(n * step / (fraction * steps)))
 
 
@@ -331,8 +331,10 @@ def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, wa
     and the depth probe fill a long row; attention runs across them. row_offset=N: N unscored <|bos|> before each
     one-document row instead (offset_rows).
     momentum_warmup: Muon's momentum from 0.85 to 0.95 over 300 steps (base_train's muon_momentum); else 0.95.
-    depth(step): the supervision steps to train at that step (default model.train_depth, as base_train)."""
-    depth = depth or model.train_depth
+    depth(step): a cap on the supervision steps model.train_depth draws at that step (the step-count curriculum, as
+    base_train's --n_sup_warmup caps the draw)."""
+    draw = model.train_depth
+    capped = (lambda step: min(draw(step), depth(step))) if depth else draw
     assert not (pack and answers_only), "--answers_only needs one document per row"
     assert docs_per_row == 1 or (FORMAT["name"] in ("pairs", "text") and not pack and not answers_only
                                  and batch % docs_per_row == 0), "--docs_per_row: byte-level documents, batch % K == 0"
@@ -355,7 +357,7 @@ def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, wa
                 idx, targets = offset_rows(idx, targets, row_offset, tokenizer.get_bos_token_id())
         if answers_only:
             targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))
-        _, aux = model.forward_backward(idx, targets, n_sup=depth(step))
+        _, aux = model.forward_backward(idx, targets, n_sup=capped(step))
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         for opt in optimizers:

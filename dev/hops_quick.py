@@ -5,6 +5,7 @@ Evaluated to 4N supervision steps (N = n_sup_train); --out appends one JSON line
 longest hops at step N every --eval_every steps while training, and the rows it took to reach 0.9 there).
 
 python -m dev.hops_quick --seed 7                                   # the default, as in issue 51's table
+python -m dev.hops_quick --recipe holding --seed 7                  # the recipe that holds past N
 python -m dev.hops_quick --recipe uniform_bp2 --seed 7 --out dev/results/hops/quick.jsonl
 python -m dev.hops_quick --state_update stream --seed 1
 python -m dev.hops_quick --variant z_postnorm --config '{"detach_between_steps": false}'
@@ -44,7 +45,9 @@ UNIFORM = {"supervision_weight_base": 1.0, "improvement_reward_scale": 0.0}
 # Named recipes: GPTConfig fields over the defaults (--config adds more). The rows of issue 51's table.
 RECIPES = {
     "default": {},  # gpt.py's defaults, whatever they are
-    "old_default": {"sample_n_sup": False, "backprop_steps": 1},  # gpt.py's default before issue 51
+    "old_default": {"sample_n_sup": False, "backprop_steps": 1},  # gpt.py's default, spelled out
+    # issue 51's recipe that holds past N: log-normal drawn step counts, gradients through 4 steps (opt-in)
+    "holding": {"sample_n_sup": "lognormal_poisson", "backprop_steps": 4},
     "uniform_bp2": {**UNIFORM, "backprop_steps": 2},  # issue 36's fastest learner
     "loop": {**UNIFORM, "n_loops": 0, "detach_between_steps": False},  # the simple loop: the block looped N times
     "plain": {"n_loops": 0, "n_sup_train": 1},  # the same block run once: the plain model of equal parameters

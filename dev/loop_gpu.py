@@ -1,7 +1,7 @@
 """
 Issue 51 item 6, the models and their tables (dev/loop_gpu.sh builds the data and calls this): plain, a deeper plain
-of about the recursion's FLOPs, gpt.py's default before issue 51 and now, and a looped_nanochat-style recipe, on the
-offline corpus at equal tokens through scripts/compare.py.
+of about the recursion's FLOPs, gpt.py's default with and without issue 51's holding recipe, and a
+looped_nanochat-style recipe, on the offline corpus at equal tokens through scripts/compare.py.
 
 python -m dev.loop_gpu plan a --tokens 1e8        # each model's FLOPs and its time at 40% MFU on one H100
 python -m dev.loop_gpu run a --tokens 1e8          # train part a, then write OUT/table.md
@@ -17,8 +17,8 @@ import sys
 from nanochat import checkpoint as ckpt
 from nanochat.eval.metrics import read_metrics
 
-# gpt.py's default before issue 51, every field spelled out (so it stays that model whatever the defaults become)
-OLD_DEFAULT = ("--n_loops=2 --n_sup_train=4 --state_update=trm --sample_n_sup=false --detach_between_steps=true "
+# gpt.py's default, every field spelled out (so it stays that model whatever the defaults become)
+DEFAULT = ("--n_loops=2 --n_sup_train=4 --state_update=trm --sample_n_sup=false --detach_between_steps=true "
                "--backprop_steps=1 --preset=aggressive")
 CONFIGS = {
     "plain2": "--depth=2 --n_loops=0 --n_sup_train=1",  # the recursion's parameters (2 blocks)
@@ -29,10 +29,10 @@ CONFIGS = {
     "loopnc": "--depth=2 --n_prelude=1 --n_coda=1 --n_loops=0 --n_sup_train=3 --sample_n_sup=lognormal_poisson "
               "--detach_between_steps=true --backprop_steps=2 --n_sup_warmup=0.6 --supervision_weight_base=100 "
               "--improvement_reward_scale=0",
-    "default_old": f"--depth=2 {OLD_DEFAULT}",
-    "default_new": "--depth=2",  # gpt.py's defaults, whatever they are
+    "default": f"--depth=2 {DEFAULT}",
+    "holding": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4",  # issue 51's recipe
 }
-PARTS = {"a": ["plain2", "plain24", "loopnc"], "b": ["default_old", "default_new"], "all": list(CONFIGS)}
+PARTS = {"a": ["plain2", "plain24", "loopnc"], "b": ["default", "holding"], "all": list(CONFIGS)}
 SHARED = ["--n_embd=384", "--n_head=3", "--max_seq_len=2048", "--device_batch_size=16", "--compile=true",
           "--dtype=bfloat16", "--eval_tokens=1048576", "--sample_every=0"]
 BATCH_TOKENS = 131072  # 64 rows of 2048

@@ -7,12 +7,12 @@
 #   loopnc       a looped_nanochat-style recipe: a plain prelude block, 2 blocks looped (mean 3 loops, Huginn's
 #                log-normal Poisson draw), a plain coda block; gradients through 2 loops at a time; a loop-count
 #                warmup over the first 60%; the loss on the last loop (weights base 100: earlier loops ~1%)
-#   default_old  gpt.py's default before issue 51, every field spelled out
-#   default_new  gpt.py's default now (--depth=2 only)
+#   default      gpt.py's default, every field spelled out
+#   holding      the default with issue 51's recipe: log-normal drawn step counts, gradients through 4 steps
 # Run it in two parts, each one 9-minute call (estimated at 40% MFU by GPT.estimate_flops, printed first; plan
 # without training: python -m dev.loop_gpu plan a):
 #   bash dev/loop_gpu.sh a            # plain2, plain24, loopnc
-#   bash dev/loop_gpu.sh b            # default_old, default_new
+#   bash dev/loop_gpu.sh b            # default, holding
 #   TOKENS=2e7 bash dev/loop_gpu.sh a -- --eval_tokens=262144     # flags after -- go to base_train
 # Each part rewrites $OUT/compare.md (bpb by supervision step at inference) and $OUT/table.md: every model's
 # tokens/s and validation bpb by training step, with every model any part finished (a rerun skips them).

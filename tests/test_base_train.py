@@ -358,7 +358,7 @@ def test_the_step_count_warmup_trains_one_step_first_and_all_of_them_by_its_frac
     warm = ["--num_iterations=8", "--n_sup_train=4", "--n_sup_warmup=0.5"]
     run(base_dir, *TINY, *warm, "--model_tag=warm")  # TINY: a fixed depth
     assert depths("warm") == [1, 2, 3, 4, 4, 4, 4, 4]
-    # with the log-normal draw (the default) it caps the draw: never above the ramp, the draw itself past it
+    # with the log-normal draw it caps the draw: never above the ramp, the draw itself past it
     run(base_dir, *TINY, *warm, "--sample_n_sup=lognormal_poisson", "--model_tag=warm_drawn")
     drawn = GPT(GPTConfig(sequence_len=8, vocab_size=8, n_layer=1, n_head=2, n_kv_head=2, n_embd=32, n_sup_train=4,
                           sample_n_sup="lognormal_poisson"))

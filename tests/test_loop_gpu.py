@@ -17,7 +17,7 @@ def test_each_part_trains_in_a_few_minutes_of_one_h100_at_1e8_tokens(part):
     assert [name for name, *_ in estimates] == loop_gpu.PARTS[part]
     assert sum(seconds for *_, seconds in estimates) < 5 * 60  # of a 9-minute call: compile, evaluation, margin
     flops = dict((name, f) for name, f, _ in loop_gpu.plan(loop_gpu.compare_argv("all", "1e8", "out")))
-    assert 0.8 < flops["plain24"] / flops["default_old"] < 1.25  # the deeper plain: about the recursion's FLOPs
+    assert 0.8 < flops["plain24"] / flops["default"] < 1.25  # the deeper plain: about the recursion's FLOPs
 
 
 def test_the_comparison_runs_at_toy_size_and_reports_every_model(base_dir, tmp_path, monkeypatch):

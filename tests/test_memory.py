@@ -82,9 +82,7 @@ def test_the_head_planned_in_fewer_chunks_is_estimated_within_25_percent(head_ch
 
 def test_the_plan_gives_the_head_the_fewest_chunks_its_memory_holds():
     from nanochat.train.memory import head_chunks_that_fit
-    # 32 x 2048 rows, vocab 65,536: one float32 logits tensor of the micro-batch is 17 GB; one step's graph alive
-    # (the default's 4 steps of 32 rows fit no single GPU, so its plan takes fewer rows)
-    d12 = GPTConfig(sample_n_sup=False, backprop_steps=1)
+    d12 = GPTConfig()  # 32 x 2048 rows, vocab 65,536: one float32 logits tensor of the micro-batch is 17 GB
     need = lambda chunks, compiled=False: estimate_memory(d12, 32, head_chunks=chunks, compiled=compiled)["total"]
     for memory in (80e9, 141e9, 300e9):
         for compiled in (False, True):
@@ -124,9 +122,10 @@ def test_the_parts_move_the_way_the_model_does():
     assert truncated["activations"] == plain["activations"] / 2
     # a sampled depth of up to 2 * 4 - 1 steps keeps the deepest batch's activations
     assert estimate_memory(d12.replace(sample_n_sup=True), 1)["activations"] == plain["activations"] * 7 / 4
-    # the log-normal draw reaches 4 * 4 steps; detached every 4 (gpt.py's default since issue 51) 4 steps are alive
+    # the log-normal draw reaches 4 * 4 steps; detached every 4 (the holding recipe of issue 51) 4 steps are alive
     assert estimate_memory(d12.replace(sample_n_sup="lognormal_poisson"), 1)["activations"] == 4 * plain["activations"]
-    assert estimate_memory(GPTConfig(), 1)["activations"] == plain["activations"]
+    holding = GPTConfig(sample_n_sup="lognormal_poisson", backprop_steps=4)
+    assert estimate_memory(holding, 1)["activations"] == plain["activations"]
     # no-grad sweeps (T_recursion > 1) store nothing
     assert estimate_memory(d12.replace(T_recursion=3), 1)["activations"] == plain["activations"]
     # activations scale with supervision steps and loops

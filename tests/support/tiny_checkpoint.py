@@ -18,10 +18,10 @@ def build_tiny_checkpoint():
     tokenizer = RustBPETokenizer.train_from_iterator(iter([TEXT]), 300)
     tokenizer.save(tokenizer_dir())
     ids = torch.tensor(tokenizer.encode(TEXT, prepend="<|bos|>"))
-    # detaching between steps, GPTConfig's default (helpers' tiny base turns it off): what this model always trained
-    # with
+    # the TRM's one-step gradient at a fixed step count, spelled out: what this model always trained with, so that
+    # its steps 1 and 2 answer differently, as the serving tests ask
     config = tiny_config(sequence_len=32, vocab_size=tokenizer.get_vocab_size(), n_head=2, n_kv_head=1, n_sup_train=3,
-                         detach_between_steps=True)
+                         detach_between_steps=True, sample_n_sup=False, backprop_steps=1)
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()
