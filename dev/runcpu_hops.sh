@@ -4,9 +4,9 @@
 # recursion and of the plain model of the same block, side by side on one core each -> base_loss --hops -> one plot of
 # the 3-hop accuracy at every supervision step. 7 symbols, not 6: at 6 (120 possible cycles) the plain block answered
 # 3 hops at 1.00 in one pass; at 7 it reached 0.26 (seed 42) where the recursion climbed from 0.16 at step 1 to 1.00 at
-# step 2. Not every seed leaves the loss plateau in 1,000 steps: at SEED=43 neither model learned even one lookup (the
-# plot's step prints a WARNING then); SEED=44 climbs as 42 does.
-# Times and results: dev/LOG.md (issue 36), dev/results/hops/demo7/.
+# step 2. Not every seed leaves the loss plateau in 1,000 steps: of seeds 42-46 the recursion climbs on 42, 44 and 46;
+# on 43 and 45 it learns no multi-hop lookup (the plot's step prints a WARNING then).
+# Times and results: dev/LOG.md (issues 36 and 51), dev/results/hops/demo7/ and dev/results/hops/issue51/demo/.
 # Everything lands in $NANOCHAT_BASE_DIR (default ~/.cache/nanochat-hops); STEPS=N trains longer or shorter, SEED=N
 # draws other initial weights (the tags and the plot carry it).
 set -euo pipefail

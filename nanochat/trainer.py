@@ -11,6 +11,7 @@ and 1 GPU x 2 accumulation see the same tokens in every step.
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -20,15 +21,15 @@ import torch
 from nanochat import checkpoint as ckpt
 from nanochat.cli import Exit, ExitCode
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags, run_on_rank0
-from nanochat.common import autocast_for, compute_init, describe_error, print0
+from nanochat.common import autocast_for, compute_cleanup, compute_init, describe_error, print0
 from nanochat.data.dataloader import data_ranks, training_loaders
 from nanochat.data.dataset import DatasetError, corpus_identity
 from nanochat.data.tokenizer import RustBPETokenizer, get_token_bytes, get_tokenizer
 from nanochat.eval.health import Health
 from nanochat.eval.hops_eval import HopsEvalError, evaluate_hops
 from nanochat.eval.loss_eval import EvaluationStopped, refinement, validation_bpb
-from nanochat.eval.metrics import RESUME_HINT, MetricsLog, format_duration, write_summary
-from nanochat.files import atomic_write_bytes, check_writable
+from nanochat.eval.metrics import RESUME_HINT, MetricsError, MetricsLog, format_duration, write_summary
+from nanochat.files import WriteError, atomic_write_bytes, check_writable
 from nanochat.model.engine import Engine
 from nanochat.model.supervision import STATE_DIAGNOSTICS
 from nanochat.train import attention, lifecycle, sharding
@@ -740,3 +741,16 @@ def update_checkpoint_bpb(model_tag, step, val_bpb):
         meta = json.load(f)
     meta["val_bpb"] = val_bpb
     atomic_write_bytes(path, json.dumps(meta, indent=2).encode(), RESUME_HINT)
+
+
+def run_or_exit(prog, run):
+    """An entry point's run: run(), then the process group torn down together; a run's one-line failure (Exit, a
+    metrics or checkpoint write error) printed as `prog: ...` and the process exits with its code."""
+    try:
+        run()
+    except (Exit, MetricsError, WriteError) as e:
+        sys.stderr.write(f"{prog}: {e}\n")  # one write: the line and its newline stay together beside other ranks
+        sys.stderr.flush()
+        compute_cleanup()
+        sys.exit(getattr(e, "exit_code", ExitCode.FAILED))
+    compute_cleanup(together=True)

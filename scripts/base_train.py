@@ -13,15 +13,11 @@ The run itself, stage by stage, is nanochat/trainer.py.
 import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
 # isort: split
-import sys
 
-from nanochat.cli import Exit, ExitCode
-from nanochat.common import compute_cleanup, print0
-from nanochat.eval.metrics import MetricsError
-from nanochat.files import WriteError
+from nanochat.common import print0
 from nanochat.train.config import parse_args
 from nanochat.train.planning import plan_lines
-from nanochat.trainer import train
+from nanochat.trainer import run_or_exit, train
 
 
 def main(argv=None):
@@ -29,14 +25,7 @@ def main(argv=None):
     if run_config.dry_run:
         print0("\n".join(plan_lines(run_config)) + "\n--dry_run: nothing was run or written")
         return
-    try:
-        train(run_config)
-    except (Exit, MetricsError, WriteError) as e:
-        sys.stderr.write(f"base_train: {e}\n")  # one write: the line and its newline stay together beside other ranks
-        sys.stderr.flush()
-        compute_cleanup()
-        sys.exit(getattr(e, "exit_code", ExitCode.FAILED))
-    compute_cleanup(together=True)
+    run_or_exit("base_train", lambda: train(run_config))
 
 
 if __name__ == "__main__":

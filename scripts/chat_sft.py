@@ -24,15 +24,14 @@ import sys
 
 from nanochat import checkpoint as ckpt
 from nanochat.cli import Exit, ExitCode, OneLineErrors
-from nanochat.common import compute_cleanup, print0
+from nanochat.common import print0
 from nanochat.data.chat import ChatDataError, load_chat_data
 from nanochat.data.tokenizer import TokenizerError, get_tokenizer
-from nanochat.eval.metrics import MetricsError
-from nanochat.files import WriteError, model_tag_arg
+from nanochat.files import model_tag_arg
 from nanochat.model.gpt import GPTConfig
 from nanochat.train.config import parse_args
 from nanochat.train.planning import MODEL_FLAGS, plan_lines
-from nanochat.trainer import Init, train
+from nanochat.trainer import Init, run_or_exit, train
 
 SHAPE_FLAGS = {"depth": "n_layer", "n_embd": "n_embd", "n_head": "n_head", "n_kv_head": "n_kv_head",
                "max_seq_len": "sequence_len"}
@@ -147,14 +146,7 @@ def fine_tune(argv):
 
 
 def main(argv=None):
-    try:
-        fine_tune(argv)
-    except (Exit, MetricsError, WriteError) as e:
-        sys.stderr.write(f"chat_sft: {e}\n")  # one write: the line and its newline stay together beside other ranks
-        sys.stderr.flush()
-        compute_cleanup()
-        sys.exit(getattr(e, "exit_code", ExitCode.FAILED))
-    compute_cleanup(together=True)
+    run_or_exit("chat_sft", lambda: fine_tune(argv))
 
 
 if __name__ == "__main__":

@@ -31,10 +31,9 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
-class CompletionRequest(Body):
+class Sampling(Body):
+    """What completions and chat completions share: the model's name, sampling, streaming, the steps."""
     model: str | None = None
-    prompt: object  # four forms, told apart (and refused in one sentence) by split_prompt
-    max_tokens: int | None = Field(None, ge=0)  # None: 16, or the server's limit if lower
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=1)
@@ -45,13 +44,18 @@ class CompletionRequest(Body):
     stream_options: StreamOptions | None = None
     n_sup: int | str | None = None  # steps, or "auto" / "RULE:THRESHOLD" for per-token halting: see depth
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: nothing to do with it here
+    logit_bias: dict[str, float] = {}
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+
+class CompletionRequest(Sampling):
+    prompt: object  # four forms, told apart (and refused in one sentence) by split_prompt
+    max_tokens: int | None = Field(None, ge=0)  # None: 16, or the server's limit if lower
     echo: bool = False
     best_of: int = 1
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str = ""
-    logit_bias: dict[str, float] = {}
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
 
 
 class TextPart(Body):
@@ -71,25 +75,11 @@ class ChatMessage(Body):
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
-class ChatCompletionRequest(Body):
-    model: str | None = None
+class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage]  # rendered as chat_sft trained (nanochat/data/chat.py), answered by the assistant
     max_tokens: int | None = Field(None, ge=1)  # None: the server's limit (the reply ends at <|assistant_end|>)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
-    top_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1)
-    stop: str | list[str] = []
-    seed: int | None = Field(None, ge=0, lt=2 ** 63)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n_sup: int | str | None = None  # as completions': steps, or "auto" / "RULE:THRESHOLD" for per-token halting
-    user: str | None = None
     logprobs: bool = False
-    logit_bias: dict[str, float] = {}
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
 
 
 CHAT_NEUTRAL = {"logprobs": False, "logit_bias": {}, "frequency_penalty": 0.0, "presence_penalty": 0.0}
@@ -177,7 +167,8 @@ def parse_request(obj, schema=CompletionRequest):
     try:
         return schema.model_validate(obj)
     except ValidationError as e:
-        fields = ", ".join(schema.model_fields)
+        own = schema.__annotations__  # the route's own fields (a prompt, messages) before the shared ones
+        fields = ", ".join(sorted(schema.model_fields, key=lambda f: (f != "model", f not in own)))
         problems = "; ".join(f"{field_path(err['loc']) or 'body'}: " + (f"unknown field; the fields are {fields}"
                                                                         if err["type"] == "extra_forbidden"
                                                                         else err["msg"]) for err in e.errors())
