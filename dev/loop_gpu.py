@@ -30,7 +30,8 @@ CONFIGS = {
               "--detach_between_steps=true --backprop_steps=2 --n_sup_warmup=0.6 --supervision_weight_base=100 "
               "--improvement_reward_scale=0",
     "default": f"--depth=2 {DEFAULT}",
-    "holding": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4",  # issue 51's recipe
+    # issue 51's best candidate: the holding recipe (drawn step counts, gradients through 4) with the curriculum
+    "holding": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4 --n_sup_warmup=0.5",
 }
 PARTS = {"a": ["plain2", "plain24", "loopnc"], "b": ["default", "holding"], "all": list(CONFIGS)}
 SHARED = ["--n_embd=384", "--n_head=3", "--max_seq_len=2048", "--device_batch_size=16", "--compile=true",

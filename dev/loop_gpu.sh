@@ -8,7 +8,8 @@
 #                log-normal Poisson draw), a plain coda block; gradients through 2 loops at a time; a loop-count
 #                warmup over the first 60%; the loss on the last loop (weights base 100: earlier loops ~1%)
 #   default      gpt.py's default, every field spelled out
-#   holding      the default with issue 51's recipe: log-normal drawn step counts, gradients through 4 steps
+#   holding      the default with issue 51's best candidate: log-normal drawn step counts, gradients through 4
+#                steps, a step-count curriculum over the first half
 # Run it in two parts, each one 9-minute call (estimated at 40% MFU by GPT.estimate_flops, printed first; plan
 # without training: python -m dev.loop_gpu plan a):
 #   bash dev/loop_gpu.sh a            # plain2, plain24, loopnc
