@@ -57,6 +57,19 @@ def masked_vocab(spec):
 CHAIN_DIGITS = 8  # the values a chain of variables can end in (--format chains)
 
 
+def chain_queries(ids, pick, count, var, digit, value, depth):
+    """Append count queries to a chains row's ids, each the variable pick() draws; returns their positions, answer
+    ids (the digit its chain ends in) and depths."""
+    pos, answers, hops = [], [], []
+    for _ in range(count):
+        x = pick()
+        ids.append(var + x)
+        pos.append(len(ids) - 1)
+        answers.append(digit + value[x])
+        hops.append(depth[x])
+    return pos, answers, hops
+
+
 def chains_row(rng, spec):
     """(ids, answer positions, answer ids, hops) of one variable-binding row, a depth task unlike the cycles: the
     spec.n_symbols variables form chains of spec.max_hops (v1 = digit, v2 = v1, v3 = v2, ...), each assignment one
@@ -76,14 +89,7 @@ def chains_row(rng, spec):
             value[v], depth[v] = d, h
     rng.shuffle(statements)
     ids = [digit + CHAIN_DIGITS + 1] + statements + [digit + CHAIN_DIGITS]  # <|bos|>, the assignments, separator
-    pos, answers, hops = [], [], []
-    for _ in range(spec.n_queries):
-        x = rng.randrange(n)
-        ids.append(var + x)
-        pos.append(len(ids) - 1)
-        answers.append(digit + value[x])
-        hops.append(depth[x])
-    return ids, pos, answers, hops
+    return ids, *chain_queries(ids, lambda: rng.randrange(n), spec.n_queries, var, digit, value, depth)
 
 
 VCHAIN_DIGITS = 10  # the values a chain can end in (--format vchains); a row's chains end in distinct ones
@@ -130,14 +136,7 @@ def vchains_row(rng, spec, deep=None):
     rng.shuffle(statements)
     ids = [bos] + statements + [sep]
     asked = names[:deep] if deep else names
-    pos, answers, hops = [], [], []
-    for _ in range(spec.n_queries):
-        x = rng.choice(asked)
-        ids.append(var + x)
-        pos.append(len(ids) - 1)
-        answers.append(digit + value[x])
-        hops.append(depth[x])
-    return ids, pos, answers, hops
+    return ids, *chain_queries(ids, lambda: rng.choice(asked), spec.n_queries, var, digit, value, depth)
 
 
 def vchains_chance(rows, spec):
