@@ -3,7 +3,7 @@ How long does torch.compile take as the recursion deepens? The first training st
 (compiled, no recompile expected), for models with more and more block applications, compiled two ways:
 
     whole     torch.compile(model): the whole unrolled recursion is one graph (what base_train did before)
-    regional  model.compile_layer_visits(): one compiled layer visit serves every layer, loop and step (base_train now)
+    regional  compile_regions(model, "layer"): one compiled layer visit serves every layer, loop and step (base_train)
 
     python -m dev.bench_compile                          # 8, 24 and 48 block applications, both modes, CPU inductor
     python -m dev.bench_compile --modes regional --applications 8,48
@@ -25,6 +25,7 @@ import time
 import torch
 
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.compile import compile_regions
 
 
 def measure(mode, applications, threads):
@@ -42,7 +43,7 @@ def measure(mode, applications, threads):
         compiled = torch.compile(model, dynamic=False)
         step = lambda: compiled(idx, idx)[0].backward()
     else:
-        model.compile_layer_visits()
+        compile_regions(model, "layer")
         step = lambda: model.forward_backward(idx, idx)
     times = []
     for _ in range(2):
@@ -67,7 +68,7 @@ def measure_scopes(scopes, threads, steps=9):
         models[scope] = GPT(config)
         models[scope].init_weights()
         models[scope].head_chunks = 1
-        models[scope].compile_regions(scope)
+        compile_regions(models[scope], scope)
     for step in range(steps + 1):
         for scope in scopes[::1 if step % 2 else -1]:
             t0, c0 = time.perf_counter(), time.process_time()

@@ -62,8 +62,9 @@ from dev.bench_model import optimizer_step
 from nanochat.cli import ExitCode
 from nanochat.common import gpu_peak_flops
 from nanochat.files import atomic_write_bytes
-from nanochat.model.gpt import GPT, GPTConfig, compile_scope_for
+from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.train import attention, memory
+from nanochat.train.compile import compile_regions, compile_scope_for
 from nanochat.train.optim import setup_optimizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -318,7 +319,7 @@ def run_micro_steps(ctx, config):
     model.head_chunks = head_chunks
     optimizers = setup_optimizers(model)
     graphs0, breaks0 = graph_counts()
-    model.compile_regions(scope, backend=ctx.sizes.compile_backend)
+    compile_regions(model, scope, backend=ctx.sizes.compile_backend)
     x, y = random_batch(ctx, config, batch)
 
     def step():

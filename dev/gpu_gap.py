@@ -60,6 +60,7 @@ from nanochat.common import gpu_peak_flops
 from nanochat.files import atomic_write_bytes
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.train import attention, memory
+from nanochat.train.compile import compile_regions
 from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 
 WARMUP, TIMED = 2, 10  # the first warm-up step compiles (warmup_s in the report)
@@ -249,7 +250,7 @@ def ours(dev, size, variant, backend):
     model.init_weights()
     model.head_chunks = chunks
     optimizers = setup_optimizers(model)
-    model.compile_regions(variant.scope, backend=backend)
+    compile_regions(model, variant.scope, backend=backend)
     x, y = random_batch(dev.device, config.vocab_size, batch, config.sequence_len)
     autocast = torch.autocast(dev.device.type, dtype=torch.bfloat16) if size.dtype == "bfloat16" else \
         contextlib.nullcontext()

@@ -26,6 +26,7 @@ import nanochat.model.gpt
 from nanochat.data.synthetic import HopsSpec, draw_table, hops_answers, hops_documents, pairs_answers, pairs_document
 from nanochat.data.tokenizer import RustBPETokenizer
 from nanochat.model.gpt import GPT, REFINEMENT_PRESETS, GPTConfig
+from nanochat.train.depth import train_depth
 from nanochat.train.optim import muon_momentum, setup_optimizers
 
 FORMAT = {"name": "masked", "answers": hops_answers}  # main() sets it from --format
@@ -242,12 +243,6 @@ VARIANTS = {"default": VISIT, "xyz_both": visit_xyz_both, "no_x": visit_no_x, "z
             "half_step": visit_half_step}
 
 
-def depth_warmup(n, steps, fraction):
-    """A step-count curriculum (looped_nanochat's loop warmup): at most 1 supervision step at first, the cap rising
-    linearly to n by `fraction` of the run, then n (a cap on the model's own draw, as base_train's --n_sup_warmup)."""
-    return lambda step: min(n, 1 + int(n * step / (fraction * steps)))
-
-
 def documents(seed, count, spec):
     if FORMAT["name"] == "text":
         return hops_documents(seed, count, spec)
@@ -323,17 +318,15 @@ def offset_rows(idx, targets, offset, filler):
 
 
 def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, warmdown=0.3, answers_only=False,
-          report=None, clip=0.0, pack=0, momentum_warmup=False, docs_per_row=1, row_offset=0, depth=None):
+          report=None, clip=0.0, pack=0, momentum_warmup=False, docs_per_row=1, row_offset=0, depth_warmup=0.0):
     """`steps` optimizer steps on fresh documents (seeded by seed and step), warmup then linear warmdown.
     pack=T: rows of T tokens cut from the document stream as base_train's loader does (packed_rows).
     docs_per_row=K: the same step's documents, K whole ones back to back in a row (batch/K rows), as --rows=documents
     and the depth probe fill a long row; attention runs across them. row_offset=N: N unscored <|bos|> before each
     one-document row instead (offset_rows).
     momentum_warmup: Muon's momentum from 0.85 to 0.95 over 300 steps (base_train's muon_momentum); else 0.95.
-    depth(step): a cap on the supervision steps model.train_depth draws at that step (the step-count curriculum, as
-    base_train's --n_sup_warmup caps the draw)."""
-    draw = model.train_depth
-    capped = (lambda step: min(draw(step), depth(step))) if depth else draw
+    depth_warmup: the step-count curriculum's fraction, as base_train's --n_sup_warmup (train/depth.py's cap on the
+    model's draw)."""
     assert not (pack and answers_only), "--answers_only needs one document per row"
     assert docs_per_row == 1 or (FORMAT["name"] in ("pairs", "text") and not pack and not answers_only
                                  and batch % docs_per_row == 0), "--docs_per_row: byte-level documents, batch % K == 0"
@@ -356,7 +349,7 @@ def train(model, optimizers, spec, tokenizer, steps, batch, seed, warmup=100, wa
                 idx, targets = offset_rows(idx, targets, row_offset, tokenizer.get_bos_token_id())
         if answers_only:
             targets = torch.full_like(targets, -1).scatter_(1, pos, targets.gather(1, pos))
-        _, aux = model.forward_backward(idx, targets, n_sup=capped(step))
+        _, aux = model.forward_backward(idx, targets, n_sup=train_depth(model.config, step, depth_warmup, steps))
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         for opt in optimizers:
@@ -402,8 +395,8 @@ def main():
     ap.add_argument("--eval_depth", type=int, default=0, help="vchains: evaluate chains 1..this long (default "
                     "2 x --max_hops: deeper than any training row)")
     ap.add_argument("--eval_mult", type=int, default=2, help="evaluate supervision steps 1 .. this x --n_sup")
-    ap.add_argument("--depth_warmup", type=float, default=0.0, help="train 1 -> --n_sup supervision steps over this "
-                    "fraction of the run (0: --n_sup throughout, or as --extra's sample_n_sup draws)")
+    ap.add_argument("--depth_warmup", type=float, default=0.0, help="the step-count curriculum, as base_train's "
+                    "--n_sup_warmup: at most 1 supervision step at first, the cap rising by --n_sup per fraction")
     ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)")
     ap.add_argument("--pack", type=int, default=0, help="rows of this many tokens cut from the document stream, as "
                     "base_train's loader packs them (0: one document per row)")
@@ -467,10 +460,9 @@ def main():
             log.append((step, [round(v, 3) for v in aux["step_losses"].tolist()]))
             print(f"{args.name} step {step} losses {log[-1][1]} {time.time() - start:.0f}s", flush=True)
 
-    depth = depth_warmup(args.n_sup, args.steps, args.depth_warmup) if args.depth_warmup else None
     train(model, optimizers, spec, tok, args.steps, args.batch, args.seed, args.warmup, args.warmdown,
           bool(args.answers_only), report, args.clip, args.pack, bool(args.momentum_warmup), args.docs_per_row,
-          args.row_offset, depth)
+          args.row_offset, args.depth_warmup)
     train_s = time.time() - start
     acc, answer_loss = evaluate(model, val, args.eval_mult * args.n_sup, eval_hops)
     result = {"name": args.name, "seed": args.seed, "args": vars(args), "params": model.num_params(),

@@ -25,7 +25,6 @@ from dev.hops import (
     batches,
     chains_row,
     chains_vocab,
-    depth_warmup,
     evaluate,
     masked_row,
     masked_vocab,
@@ -66,15 +65,15 @@ def quick_config(val, **fields):
     return GPTConfig(sequence_len=val[0].size(1), vocab_size=vocab(spec), **{**shape, **fields})
 
 
-def trained(config, steps, seed=0, probe=None, depth=None):
-    """The model trained at the quick budget; probe(model) may return a train() report; depth(step): train()'s."""
+def trained(config, steps, seed=0, probe=None, depth_warmup=0.0):
+    """The model trained at the quick budget; probe(model) may return a train() report; depth_warmup: train()'s."""
     torch.manual_seed(seed)
     model = GPT(config)
     model.init_weights()
     optimizers = setup_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02)
     _, _, spec = ROWS[FORMAT["name"]]
     train(model, optimizers, spec, None, steps, batch=32, seed=seed, warmup=20, report=probe and probe(model),
-          depth=depth)
+          depth_warmup=depth_warmup)
     return model
 
 
@@ -106,8 +105,8 @@ def main():
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--eval_mult", type=int, default=4, help="evaluate steps 1 .. eval_mult x N")
     ap.add_argument("--eval_every", type=int, default=0, help="score step N every this many steps (rows-to-0.9)")
-    ap.add_argument("--depth_warmup", type=float, default=0.0, help="train 1 -> N supervision steps over this "
-                    "fraction of the run (a step-count curriculum; 0: N throughout)")
+    ap.add_argument("--depth_warmup", type=float, default=0.0, help="the step-count curriculum, as base_train's "
+                    "--n_sup_warmup: at most 1 supervision step at first, the cap rising by N every this fraction")
     ap.add_argument("--name", default=None, help="the run's name in --out (default: the recipe)")
     ap.add_argument("--out", default=None, help="append the run's JSON line here")
     ap.add_argument("--save", default=None, help="torch.save {config, state_dict} of the trained model here")
@@ -122,8 +121,7 @@ def main():
     config = quick_config(val, state_update=args.state_update, **{**RECIPES[args.recipe], **json.loads(args.config)})
     curve = []
     probe = progress_probe(val, args.eval_every, longest, curve) if args.eval_every else None
-    depth = depth_warmup(config.n_sup_train, args.steps, args.depth_warmup) if args.depth_warmup else None
-    model = trained(config, args.steps, args.seed, probe, depth)
+    model = trained(config, args.steps, args.seed, probe, args.depth_warmup)
     train_s = time.time() - start
     n = model.config.n_sup_train
     acc, answer_loss = evaluate(model, val, args.eval_mult * n, longest)

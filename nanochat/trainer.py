@@ -33,7 +33,9 @@ from nanochat.files import WriteError, atomic_write_bytes, check_writable
 from nanochat.model.engine import Engine
 from nanochat.model.supervision import STATE_DIAGNOSTICS
 from nanochat.train import attention, lifecycle, sharding
+from nanochat.train.compile import compile_regions
 from nanochat.train.config import SAMPLE_PROMPTS, RunConfig, batch_geometry, data_problem
+from nanochat.train.depth import train_depth
 from nanochat.train.optim import (
     clipped_step,
     lr_multiplier,
@@ -117,7 +119,7 @@ def train(run_config, data=None, init=None):
                      getattr(torch, run_config.dtype), log=print0)  # before the first step traces any graph
     if run_config.compile:  # the EMA's copy too: it was deep-copied before, and evaluation would run it eager
         for compiled in (model, ema.module) if ema else (model,):
-            compiled.compile_regions(run_config.compile_scope)
+            compile_regions(compiled, run_config.compile_scope)
     loaders, prefetched = open_training_data(run_config, tokenizer, device, rank, loader_states,
                                              first_batch=start_step < num_iterations, data=data)
     token_bytes = get_token_bytes(device=device)
@@ -366,9 +368,8 @@ class Run:
         Each robustness hook is a one-line stop_on_* call; training data unreadable on any rank raises RankFailure on
         every rank, before the update."""
         cfg, model = self.run_config, self.model
-        n_sup = model.train_depth(step)  # a function of the step alone: every rank and micro-batch agrees
-        if cfg.n_sup_warmup:  # the step-count curriculum: a cap rising from 1 to n_sup_train
-            n_sup = min(n_sup, 1 + int(model.config.n_sup_train * step / (cfg.n_sup_warmup * self.num_iterations)))
+        # a function of the step alone (every rank and micro-batch agrees), under the step-count curriculum's cap
+        n_sup = train_depth(model.config, step, cfg.n_sup_warmup, self.num_iterations)
         diagnose = self.diagnoses(step)  # so is this
         sums = torch.zeros(StepStats.size(n_sup), device=self.device)  # on the device until the reduction
         after, data_error = None, None

@@ -304,10 +304,9 @@ def test_the_state_is_measured_every_k_steps_and_the_log_keeps_the_last_measured
 def test_compile_compiles_the_ema_copy_too_in_the_settled_scope(base_dir, monkeypatch, flags, scope):
     # the EMA is deep-copied from the model before compilation: without its own compiled regions, evaluation with the
     # EMA (automatic from 300 steps) ran eager; a stand-in compile_regions records who asks for what
-    from nanochat.model.gpt import GPT
     compiled = []
-    monkeypatch.setattr(GPT, "compile_regions", lambda self, scope="layer", backend="inductor":
-                        compiled.append((self, scope)))
+    monkeypatch.setattr(trainer, "compile_regions", lambda model, scope="layer", backend="inductor":
+                        compiled.append((model, scope)))
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     run_config = train_config.parse_args([*TINY, *flags, "--num_iterations=2", "--eval_every=0", "--compile",
                                           "--ema_decay=0.5", f"--model_tag=ema_compiled_{scope}"])
@@ -339,17 +338,19 @@ def test_sampled_depth_trains_logs_and_plots(base_dir):
     out = run(base_dir, *TINY, "--num_iterations=6", "--sample_n_sup", "--model_tag=sampled").stdout
     with open(os.path.join(ckpt_dir(base_dir, "sampled"), "metrics.jsonl")) as f:
         depths = [len(r["step_losses"]) for r in map(json.loads, f) if r["kind"] == "train"]
-    from nanochat.model.gpt import GPT, GPTConfig
-    model = GPT(GPTConfig(vocab_size=1, n_layer=1, n_embd=32, n_head=2, n_kv_head=2, sequence_len=32, n_sup_train=2,
-                          sample_n_sup=True))
-    assert depths == [model.train_depth(step) for step in range(6)] and len(set(depths)) > 1
+    from nanochat.model.gpt import GPTConfig
+    from nanochat.train.depth import train_depth
+    config = GPTConfig(vocab_size=1, n_layer=1, n_embd=32, n_head=2, n_kv_head=2, sequence_len=32, n_sup_train=2,
+                       sample_n_sup=True)
+    assert depths == [train_depth(config, step) for step in range(6)] and len(set(depths)) > 1
     assert out.count("step 0000") == 6
     assert plot(base_dir, "sampled") == 0
 
 
 def test_the_step_count_warmup_trains_one_step_first_and_all_of_them_by_its_fraction(base_dir):
     # --n_sup_warmup=0.5 over 8 steps at n_sup_train=4: the cap 1 + int(4 * step / 4) rises 1, 2, 3, 4, then holds
-    from nanochat.model.gpt import GPT, GPTConfig
+    from nanochat.model.gpt import GPTConfig
+    from nanochat.train.depth import train_depth
 
     def depths(tag):
         with open(os.path.join(ckpt_dir(base_dir, tag), "metrics.jsonl")) as f:
@@ -360,9 +361,9 @@ def test_the_step_count_warmup_trains_one_step_first_and_all_of_them_by_its_frac
     assert depths("warm") == [1, 2, 3, 4, 4, 4, 4, 4]
     # with the log-normal draw it caps the draw: never above the ramp, the draw itself past it
     run(base_dir, *TINY, *warm, "--sample_n_sup=lognormal_poisson", "--model_tag=warm_drawn")
-    drawn = GPT(GPTConfig(sequence_len=8, vocab_size=8, n_layer=1, n_head=2, n_kv_head=2, n_embd=32, n_sup_train=4,
-                          sample_n_sup="lognormal_poisson"))
-    assert depths("warm_drawn") == [min(drawn.train_depth(s), 1 + s) for s in range(8)]
+    drawn = GPTConfig(sequence_len=8, vocab_size=8, n_layer=1, n_head=2, n_kv_head=2, n_embd=32, n_sup_train=4,
+                      sample_n_sup="lognormal_poisson")
+    assert depths("warm_drawn") == [min(train_depth(drawn, s), 1 + s) for s in range(8)]
 
 
 def test_the_out_of_memory_advice_keeps_the_effective_batch_and_suggests_only_what_is_off():

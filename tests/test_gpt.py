@@ -15,6 +15,7 @@ import nanochat.model.gpt as gpt_module
 import nanochat.model.supervision as supervision
 from nanochat.model.gpt import GPT, STATE_UPDATES, GPTConfig
 from nanochat.model.supervision import STATE_DIAGNOSTICS, deep_supervision_loss, supervision_weights
+from nanochat.train.compile import compile_regions
 from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 from tests.support.helpers import ROOT, random_model, tiny_config
 
@@ -566,26 +567,7 @@ def test_an_old_checkpoint_gives_the_same_logits_as_before(tmp_path, monkeypatch
     assert loaded.config.state_update == "residual"
 
 
-def test_sampled_supervision_depth_is_uniform_with_the_trained_mean_and_fixed_per_step():
-    model = GPT(tiny_config(n_loops=1, n_sup_train=4, sample_n_sup=True))
-    depths = [model.train_depth(step) for step in range(2000)]
-    assert set(depths) == set(range(1, 8))
-    assert abs(sum(depths) / len(depths) - 4) < 0.15
-    assert [model.train_depth(step) for step in range(50)] == depths[:50]  # a resumed run draws the same
-    assert {GPT(tiny_config(n_sup_train=3, sample_n_sup=False)).train_depth(s) for s in range(20)} == {3}
-
-
-def test_lognormal_poisson_depth_has_the_trained_mean_a_longer_tail_and_the_planned_cap():
-    from nanochat.model.gpt import deepest_train_depth
-    config = tiny_config(n_loops=1, n_sup_train=4, sample_n_sup="lognormal_poisson")
-    model = GPT(config)
-    depths = [model.train_depth(step) for step in range(4000)]
-    assert abs(sum(depths) / len(depths) - 4) < 0.15 and min(depths) == 1
-    assert max(depths) > 7 and max(depths) <= deepest_train_depth(config) == 16  # deeper than uniform's 7
-    assert [model.train_depth(step) for step in range(50)] == depths[:50]  # a resumed run draws the same
-    assert deepest_train_depth(config.replace(sample_n_sup=True)) == 7
-    one = config.replace(n_sup_train=1)  # one step (the plain model) draws one: its memory plan is a single step's
-    assert {GPT(one).train_depth(s) for s in range(50)} == {1} and deepest_train_depth(one) == 1
+def test_an_unknown_step_count_sampler_is_refused():
     with pytest.raises(ValueError, match="sample_n_sup"):
         tiny_config(sample_n_sup="poisson")
 
@@ -611,7 +593,7 @@ def compiled_training_matches_eager(config, backend, steps=2, scope="layer"):
     counters.clear()
     eager = random_model(config)
     compiled = twin(eager, config)
-    compiled.compile_regions(scope, backend=backend)
+    compile_regions(compiled, scope, backend=backend)
     batch = random_batch(config)
     for step in range(steps):
         for model in (eager, compiled):
@@ -655,7 +637,7 @@ def test_the_whole_model_compiled_matches_eager_in_a_fixed_number_of_graphs():
 
 
 def test_compile_scope_auto_is_the_model_for_a_plain_gpt_and_the_layer_visit_for_the_recursion():
-    from nanochat.model.gpt import compile_scope_for
+    from nanochat.train.compile import compile_scope_for
     assert compile_scope_for(tiny_config(n_loops=0))[0] == "model"
     assert compile_scope_for(tiny_config(n_loops=1))[0] == "layer"
     assert compile_scope_for(tiny_config(n_loops=0), fsdp=True)[0] == "layer"

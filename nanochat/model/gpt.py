@@ -50,6 +50,9 @@ REFINEMENT_PRESETS = {
 }
 
 
+# GPTConfig.sample_n_sup's drawn step counts by name (nanochat/train/depth.py draws them: training policy, not model)
+N_SUP_SAMPLERS = ("uniform", "lognormal_poisson")
+
 # Config fields added after checkpoints existed, and the behaviour those checkpoints were trained with.
 FIELDS_BEFORE_THEY_EXISTED = {"state_update": "residual", "sample_n_sup": False, "state_dtype": "float32",
                               "backprop_steps": 1}
@@ -159,38 +162,6 @@ class GPTConfig:
 
 def norm(x):
     return F.rms_norm(x, (x.size(-1),))
-
-
-# ------------------------------------------------------------------------------------- sampled supervision steps
-# How sample_n_sup draws the supervision steps of one optimizer step from its generator: (draw(n, generator), the
-# deepest it can draw for n = n_sup_train, which the memory estimate plans for).
-
-def uniform_n_sup(n, generator):
-    """Uniform on 1 .. 2n-1: mean n."""
-    return int(torch.randint(1, 2 * n, (), generator=generator))
-
-
-LOGNORMAL_SIGMA = 0.5  # Huginn's and looped_nanochat's spread of log(rate)
-
-
-def lognormal_poisson_n_sup(n, generator):
-    """Huginn's log-normal Poisson: 1 + Poisson(exp(tau)), tau ~ N(log(n-1) - sigma^2/2, sigma), so the mean is n;
-    a heavier tail than uniform (deeper draws, more of them near n), capped at 4n."""
-    if n == 1:
-        return 1
-    tau = torch.normal(math.log(n - 1) - LOGNORMAL_SIGMA ** 2 / 2, LOGNORMAL_SIGMA, (), generator=generator)
-    return min(4 * n, 1 + int(torch.poisson(tau.exp(), generator=generator)))
-
-
-N_SUP_SAMPLERS = {"uniform": (uniform_n_sup, lambda n: 2 * n - 1),
-                  "lognormal_poisson": (lognormal_poisson_n_sup, lambda n: 4 * n if n > 1 else 1)}
-
-
-def deepest_train_depth(config):
-    """The most supervision steps one optimizer step can train (the memory estimate's worst batch)."""
-    if not config.sample_n_sup:
-        return config.n_sup_train
-    return N_SUP_SAMPLERS["uniform" if config.sample_n_sup is True else config.sample_n_sup][1](config.n_sup_train)
 
 
 # ---------------------------------------------------------------------------------------------------- state updates
@@ -344,38 +315,15 @@ def state_update_in(name, state_dtype):
 
 
 def sweep_layers(blocks, x, y, z, cos_sin, n_loops, update):
-    """One sweep without a cache: every layer visit in order (compile scope "model" compiles this whole)."""
+    """One sweep without a cache: every layer visit in order (train/compile.py's scope "model" compiles it whole)."""
     for block in blocks:
         y, z = visit_layer(block, x, y, z, cos_sin, n_loops, update)
     return y, z
 
 
 def embed_tokens(weight, idx):
-    """x = norm(wte(idx)) without prelude or cache (compile scope "model" compiles it, its backward with it)."""
+    """x = norm(wte(idx)) without prelude or cache (train/compile.py's scope "model" compiles it, with its backward)."""
     return norm(F.embedding(idx, weight))
-
-
-# What torch.compile compiles for training (GPT.compile_regions): "layer", one layer visit serving every layer, loop,
-# sweep and supervision step (compile time flat in the depth and the recursion); "model", the embedding and each whole
-# sweep (every layer visit) as one region each, so the residual stream is fused across layers (for a plain GPT the
-# sweep is the whole trunk, as nanochat compiles its model). The head's chunk is one region in both.
-COMPILE_SCOPES = ("layer", "model")
-
-
-def compile_scope_for(config, requested="auto", fsdp=False):
-    """(scope, why): auto is "model" for a plain GPT (n_loops=0) and "layer" for the recursion, whose sweeps unrolled
-    would compile n_layer*(n_loops+1) blocks; FSDP gathers a block per layer visit and activation checkpointing
-    recomputes one, so both keep "layer"."""
-    if requested == "auto":
-        why = ("FSDP" if fsdp else "activation checkpointing" if config.activation_checkpointing else
-               "the recursion" if config.n_loops else None)
-        return ("layer", f"auto: the layer visit ({why})") if why else ("model", "auto: the whole model (a plain GPT)")
-    if requested not in COMPILE_SCOPES:
-        raise ValueError(f"compile scope {requested!r} is unknown; choose auto or one of {COMPILE_SCOPES}")
-    if requested == "model" and (fsdp or config.activation_checkpointing):
-        raise ValueError("compile scope model compiles whole sweeps, but FSDP gathers and activation checkpointing "
-                         "recomputes one layer visit at a time: use --compile_scope=layer (or auto)")
-    return requested, "asked"
 
 
 def visit_layer(block, x, y, z, cos_sin, n_loops, update, kv_cache=None, slot=0):
@@ -498,28 +446,6 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.coda):
             y = block(y, cos_sin, kv_cache, first + i)
         return y
-
-    def compile_layer_visits(self, backend="inductor"):
-        """compile_regions("layer"): what every caller before compile scopes asked for."""
-        self.compile_regions("layer", backend)
-
-    def compile_regions(self, scope="layer", backend="inductor"):
-        """Regional torch.compile, in COMPILE_SCOPES' scope: one compiled layer visit, or one compiled sweep and
-        embedding, serves every layer, loop, sweep and supervision step, so compile time does not grow with the
-        recursion. Calls with gradient and calls without (evaluation, the no-gradient sweeps) each have their own
-        twin, so neither recompiles the other's graph; cached sampling runs eagerly. The training loss's head chunk
-        is compiled too: fused, its norm, softcap and cross-entropy read the logits once."""
-        if scope not in COMPILE_SCOPES:
-            raise ValueError(f"compile scope {scope!r} is unknown; choose one of {COMPILE_SCOPES}")
-        if scope == "layer":
-            self._compiled_visit = torch.compile(visit_layer, dynamic=False, backend=backend)
-            self._compiled_eval_visit = torch.compile(visit_layer, dynamic=False, backend=backend)
-        else:
-            self._compiled_sweep = torch.compile(sweep_layers, dynamic=False, backend=backend)
-            self._compiled_eval_sweep = torch.compile(sweep_layers, dynamic=False, backend=backend)
-            self._compiled_embed = torch.compile(embed_tokens, dynamic=False, backend=backend)
-        self._compiled_head_chunk = torch.compile(functools.partial(normed_head_chunk_loss_and_grads, fusable=True),
-                                                  dynamic=False, backend=backend)
 
     def _visit_layer(self, layer, x, y, z, cos_sin, kv_cache, slot):
         block, args = self.transformer.h[layer], (x, y, z, cos_sin, self.config.n_loops,
@@ -694,15 +620,6 @@ class GPT(nn.Module):
             rows.append(state_diagnostics(previous, y, z))
             previous = y
         return torch.stack(rows)
-
-    def train_depth(self, step):
-        """Supervision steps to train at optimizer step `step`: n_sup_train, or a draw that depends only on the step
-        (every rank and micro-batch agrees, and a resumed run draws the same)."""
-        c = self.config
-        if not c.sample_n_sup:
-            return c.n_sup_train
-        draw = N_SUP_SAMPLERS["uniform" if c.sample_n_sup is True else c.sample_n_sup][0]
-        return draw(c.n_sup_train, torch.Generator().manual_seed(step))
 
     # ---------------------------------------------------------------- accounting
     def block_params(self):

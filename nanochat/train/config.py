@@ -23,17 +23,9 @@ from nanochat.data.dataloader import ROW_LAYOUTS
 from nanochat.data.dataset import SYNTHETIC, DatasetError, data_dir, parquets_for_split, read_source
 from nanochat.data.tokenizer import get_tokenizer
 from nanochat.files import get_base_dir, model_tag_arg
-from nanochat.model.gpt import (
-    ACTIVATIONS,
-    COMPILE_SCOPES,
-    N_SUP_SAMPLERS,
-    REFINEMENT_PRESETS,
-    STATE_DTYPES,
-    STATE_UPDATES,
-    GPTConfig,
-    compile_scope_for,
-)
+from nanochat.model.gpt import ACTIVATIONS, N_SUP_SAMPLERS, REFINEMENT_PRESETS, STATE_DTYPES, STATE_UPDATES, GPTConfig
 from nanochat.train import attention
+from nanochat.train.compile import COMPILE_SCOPES, compile_scope_for
 from nanochat.train.planning import (
     B_REF,
     BATCH_EXPONENT,

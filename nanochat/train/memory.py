@@ -33,8 +33,9 @@ import math
 
 import torch
 
-from nanochat.model.gpt import GPT, GPTConfig, deepest_train_depth, mlp_hidden
+from nanochat.model.gpt import GPT, GPTConfig, mlp_hidden
 from nanochat.model.supervision import default_head_rows, rows_per_chunk
+from nanochat.train.depth import deepest_train_depth
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Of a GPU's memory, how much a training process can count on: the rest goes to the CUDA context, NCCL buffers,

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.compile import compile_regions
 from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 
 STEPS = 5
@@ -86,7 +87,7 @@ def run_sharded(config, detach, compile_visits=False):
     from nanochat.train import sharding
     model = sharding.shard_model(build(config, detach), torch.device("cpu"))
     if compile_visits:  # base_train --compile: the layer visit (inside Block.visit, FSDP's forward method)
-        model.compile_layer_visits()
+        compile_regions(model, "layer")
     optimizers = sharding.on_shards(setup_optimizers(model, weight_decay=0.1))
     history = train(model, optimizers, [dist.get_rank()], distributed=True)
     return history, {k: v.full_tensor() for k, v in model.state_dict().items()}
