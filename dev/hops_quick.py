@@ -32,6 +32,7 @@ from dev.hops import (
 )
 from nanochat.data.synthetic import HopsSpec
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.config import build_parser
 from nanochat.train.optim import setup_optimizers
 
 SPEC = HopsSpec(n_symbols=6, max_hops=3, n_queries=12)
@@ -43,14 +44,17 @@ ROWS = {"masked": (masked_row, masked_vocab, SPEC), "chains": (chains_row, chain
 UNIFORM = {"supervision_weight_base": 1.0, "improvement_reward_scale": 0.0}
 # Named recipes: GPTConfig fields over the defaults (--config adds more). The rows of issue 51's table.
 RECIPES = {
-    "default": {},  # gpt.py's defaults, whatever they are
-    "old_default": {"sample_n_sup": False, "backprop_steps": 1},  # gpt.py's default, spelled out
-    # issue 51's recipe that holds past N: log-normal drawn step counts, gradients through 4 steps (opt-in)
+    "default": {},  # gpt.py's defaults, whatever they are, with base_train's step-count curriculum (CURRICULUM)
+    # gpt.py's default before issue 57: the TRM's one-step detach at a fixed depth, no curriculum
+    "old_default": {"sample_n_sup": False, "backprop_steps": 1},
+    # issue 51's recipe that holds past N: log-normal drawn step counts, gradients through 4 steps; no curriculum
     "holding": {"sample_n_sup": "lognormal_poisson", "backprop_steps": 4},
     "uniform_bp2": {**UNIFORM, "backprop_steps": 2},  # issue 36's fastest learner
     "loop": {**UNIFORM, "n_loops": 0, "detach_between_steps": False},  # the simple loop: the block looped N times
     "plain": {"n_loops": 0, "n_sup_train": 1},  # the same block run once: the plain model of equal parameters
 }
+# each recipe's step-count curriculum (--depth_warmup unset): the default's is base_train's --n_sup_warmup default
+CURRICULUM = {"default": build_parser().get_default("n_sup_warmup")}
 TARGET = 0.9  # rows-to-0.9: the rows trained until the longest hops at step N first reach this
 
 
@@ -105,8 +109,9 @@ def main():
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--eval_mult", type=int, default=4, help="evaluate steps 1 .. eval_mult x N")
     ap.add_argument("--eval_every", type=int, default=0, help="score step N every this many steps (rows-to-0.9)")
-    ap.add_argument("--depth_warmup", type=float, default=0.0, help="the step-count curriculum, as base_train's "
-                    "--n_sup_warmup: at most 1 supervision step at first, the cap rising by N every this fraction")
+    ap.add_argument("--depth_warmup", type=float, default=None, help="the step-count curriculum, as base_train's "
+                    "--n_sup_warmup: at most 1 step at first, the cap rising by N every this fraction (default: the "
+                    "recipe's, CURRICULUM)")
     ap.add_argument("--name", default=None, help="the run's name in --out (default: the recipe)")
     ap.add_argument("--out", default=None, help="append the run's JSON line here")
     ap.add_argument("--save", default=None, help="torch.save {config, state_dict} of the trained model here")
@@ -121,6 +126,8 @@ def main():
     config = quick_config(val, state_update=args.state_update, **{**RECIPES[args.recipe], **json.loads(args.config)})
     curve = []
     probe = progress_probe(val, args.eval_every, longest, curve) if args.eval_every else None
+    if args.depth_warmup is None:
+        args.depth_warmup = CURRICULUM.get(args.recipe, 0.0)
     model = trained(config, args.steps, args.seed, probe, args.depth_warmup)
     train_s = time.time() - start
     n = model.config.n_sup_train

@@ -14,6 +14,7 @@ import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the modu
 
 # isort: split
 
+from nanochat.checkpoint import resumable_meta
 from nanochat.common import print0
 from nanochat.train.config import parse_args
 from nanochat.train.planning import plan_lines
@@ -21,7 +22,7 @@ from nanochat.trainer import run_or_exit, train
 
 
 def main(argv=None):
-    run_config = parse_args(argv)
+    run_config = parse_args(argv, resumed_meta=resumable_meta)  # a resumed run keeps its recipe (config.py)
     if run_config.dry_run:
         print0("\n".join(plan_lines(run_config)) + "\n--dry_run: nothing was run or written")
         return

@@ -39,7 +39,8 @@ CHANGEABLE = {"n_sup_inference", "activation_checkpointing"}  # change no weight
 FIXED = (set(SHAPE_FLAGS) | set(MODEL_FLAGS) | {"preset"}) - CHANGEABLE
 # training settings a fine-tuning run takes from the base run unless given
 INHERITED = ("device_batch_size", "total_batch_size", "weight_decay", "grad_clip")
-SFT_DEFAULTS = {"warmup_ratio": 0.0, "warmdown_ratio": 0.5}  # nanochat's SFT schedule: no warmup, decay to the end
+# nanochat's SFT schedule: no warmup, decay to the end; no step-count curriculum (the base model already runs them all)
+SFT_DEFAULTS = {"warmup_ratio": 0.0, "warmdown_ratio": 0.5, "n_sup_warmup": 0.0}
 
 
 def build_parser():

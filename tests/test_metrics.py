@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--n_loops=1",
         "--n_sup_train=2", "--eval_tokens=256", "--eval_every=4", "--sample_every=4", "--sample_tokens=4",
         "--device_type=cpu", "--warmup_steps=1", "--gradient_accumulation_steps=1", "--num_iterations=8",
-        "--save_every=4", "--sample_n_sup=false"]  # a fixed depth: records of n_sup_train steps each
+        "--save_every=4", "--sample_n_sup=false", "--n_sup_warmup=0"]  # a fixed depth: n_sup_train steps a record
 TORN = '{"kind": "train", "step": 9, "loss": 3.1'  # what a kill in the middle of a write leaves
 
 

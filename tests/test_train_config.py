@@ -128,10 +128,11 @@ def test_early_stop_and_eval_tokens_are_checked(flag, message, capsys):
 
 
 def test_auto_sharding_is_fsdp_only_when_data_parallelism_cannot_hold_one_sequence():
-    # depth 64 at width 4096: 13.4 B parameters, ~201 GB per GPU replicated even at one checkpointed sequence (the
-    # head's chunk: 2,048 rows of 4,096 since HEAD_CHUNK_ELEMENTS = 2**28, compiled: 10 bytes a logit)
+    # depth 64 at width 4096: 13.4 B parameters, ~214 GB per GPU replicated even at one checkpointed sequence (the
+    # head's chunk: 2,048 rows of 4,096 since HEAD_CHUNK_ELEMENTS = 2**28, compiled: 10 bytes a logit; the inputs of 4
+    # supervision steps' layer visits kept, as the default backpropagates through 4)
     big = parse(["--depth=64", "--n_loops=2", "--activation_checkpointing", *GPU_80GB])
-    assert big.sharding == "fsdp" and "sharding fsdp (auto)" in big.sharding_note and "201.2 GB" in big.sharding_note
+    assert big.sharding == "fsdp" and "sharding fsdp (auto)" in big.sharding_note and "214.3 GB" in big.sharding_note
     est = memory.estimate_memory(planning.model_config(big, 65536), big.device_batch_size, "bfloat16", 8,
                                  planning.keeps_ema(big.ema_decay, big.num_iterations), "fsdp")["total"]
     assert est <= memory.usable_bytes(80e9)  # the batch was fitted to the sharded estimate
@@ -230,3 +231,34 @@ def test_the_plan_sets_the_heads_chunks_from_memory_and_the_compile_scope_from_t
 def test_a_bad_compile_scope_head_or_diagnostics_flag_is_one_line(flags, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
         parse(["--depth=2", "--n_loops=0", *flags, *GPU_80GB])
+
+
+def test_a_resumed_run_keeps_the_recipe_it_was_trained_with_whatever_the_defaults_are_now():
+    # a run saved before issue 57's default (the one-step detach at a fixed depth, no curriculum recorded; the two
+    # recipe fields absent from its config, as in checkpoints that predate them) resumes as it was trained
+    old = {"step": 40, "model_config": {"sequence_len": 32, "vocab_size": 64, "n_layer": 1, "n_head": 2, "n_kv_head": 2,
+                                        "n_embd": 32}, "train_config": {}}
+    shape = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_type=cpu",
+             "--device_batch_size=2"]
+    asked = []
+    resumed = lambda tag, step: asked.append((tag, step)) or old  # noqa: E731
+
+    def parse_resumed(*flags):
+        return train_config.parse_args([*shape, *flags], world_size=1, check_hardware=False, vocab_size=64,
+                                       resumed_meta=resumed)
+
+    run = parse_resumed("--resume", "--model_tag=old")
+    assert asked == [("old", None)]
+    assert (run.model_config["sample_n_sup"], run.model_config["backprop_steps"], run.n_sup_warmup) == (False, 1, 0.0)
+    assert run.config_sources["backprop_steps"] == "checkpoint step 40"
+    # a flag still wins over the checkpoint, and --resume_from_step asks for its own step
+    run = parse_resumed("--resume_from_step=20", "--model_tag=old", "--backprop_steps=2", "--n_sup_warmup=0.3")
+    assert asked[-1] == ("old", 20)
+    assert (run.model_config["backprop_steps"], run.config_sources["backprop_steps"], run.n_sup_warmup) == \
+        (2, "flag", 0.3)
+    assert run.model_config["sample_n_sup"] is False
+    # a fresh run takes today's defaults and reads no checkpoint
+    run = parse_resumed("--model_tag=new")
+    assert len(asked) == 2
+    assert (run.model_config["sample_n_sup"], run.model_config["backprop_steps"], run.n_sup_warmup) == \
+        ("lognormal_poisson", 4, 0.5)

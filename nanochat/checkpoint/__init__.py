@@ -33,6 +33,7 @@ from nanochat.checkpoint.resume import (
                                          previous_run,
                                          report_schedule_change,
                                          restore,
+                                         resumable_meta,
                                          resume_differences,
 )
 from nanochat.checkpoint.writer import CheckpointWriter, can_write_in_background, save_checkpoint
@@ -42,4 +43,4 @@ __all__ = ["Backup", "Checkpoint", "CheckpointError", "CheckpointWriter", "best_
            "checkpoint_bytes", "checkpoint_flags", "disk_room_problem", "latest_model_tag", "list_steps", "load_model",
            "load_resume_point", "model_dir", "move_aside", "open_checkpoint", "previous_run", "prune_checkpoints",
            "read_meta", "readable_bpb", "remove_partial_saves", "report_schedule_change", "resolve_step", "restore",
-           "resume_differences", "save_checkpoint", "step_dir"]
+           "resumable_meta", "resume_differences", "save_checkpoint", "step_dir"]

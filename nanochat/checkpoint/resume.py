@@ -65,6 +65,18 @@ def move_aside(model_tag):
     return aside
 
 
+def resumable_meta(model_tag, step=None):
+    """The meta.json that --resume (step None: the latest) or --resume_from_step would continue, or None when there is
+    none or it is unreadable (the resume itself then says why): what train.config keeps of the run's recipe."""
+    steps = list_steps(model_tag)
+    if not steps:
+        return None
+    try:
+        return read_meta(model_tag, steps[-1] if step is None else step)
+    except CheckpointError:
+        return None
+
+
 # ---------------------------------------------------------------------------------------------------- resume checks
 # Fields that may differ between a checkpoint and the run resuming it: they change no weight and no training math.
 RESUMABLE_CONFIG_CHANGES = {"n_sup_inference", "activation_checkpointing"}

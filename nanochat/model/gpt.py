@@ -77,15 +77,15 @@ class GPTConfig:
     # True or a name of N_SUP_SAMPLERS: each optimizer step trains a random number of supervision steps, mean about
     # n_sup_train (the same compute): every step must be a good answer, and stay one when run longer (Huginn).
     # True = "uniform" on 1 .. 2*n_sup_train-1; "lognormal_poisson" = Huginn's and looped_nanochat's heavier tail.
-    # With backprop_steps=4, "lognormal_poisson" holds the answer to 4x the trained steps on the lookups, but left the
-    # CPU demo's loss plateau on no seed and keeps 4 steps' activations: opt-in until a GPU run says (dev/LOG.md).
-    sample_n_sup: bool | str = False
+    # The default since issue 57: with backprop_steps=4 (and base_train's step-count curriculum) the answer holds past
+    # the trained steps on lookups and on text, and text trains to a lower bpb (dev/LOG.md). False: n_sup_train always.
+    sample_n_sup: bool | str = "lognormal_poisson"
     # the recursion state x, y, z's dtype: "bfloat16" keeps it in bf16 under autocast (the head and losses stay float32)
     state_dtype: str = "float32"
     detach_between_steps: bool = True  # carry y, z detached between steps (TRM paper); see forward_backward
     # with detach_between_steps: detach only after every k-th step, so gradients run back through up to k steps
-    # (truncated backpropagation; 1 = the TRM's one-step gradient, n_sup_train = full)
-    backprop_steps: int = 1
+    # (truncated backpropagation; 1 = the TRM's one-step gradient, n_sup_train = full; 4 since issue 57)
+    backprop_steps: int = 4
     activation_checkpointing: bool = False  # recompute each layer visit in backward instead of storing it
     # a learned halting head sigmoid(Linear(norm(y))), trained alongside on a detached y (see halt_head_loss)
     halt_head: bool = False

@@ -136,9 +136,10 @@ def build_parser():
     optim.add_argument("--warmup_ratio", type=float, default=0.02, help="lr warmup as a fraction of the run")
     optim.add_argument("--warmdown_ratio", type=float, default=0.2, help="final fraction with linear lr decay")
     optim.add_argument("--final_lr_frac", type=float, default=0.0, help="lr at the end, as a fraction of peak")
-    optim.add_argument("--n_sup_warmup", type=float, default=0.0,
+    optim.add_argument("--n_sup_warmup", type=float, default=0.5,
                        help="a step-count curriculum (looped_nanochat's loop warmup): train at most 1 supervision step "
-                            "at first, rising linearly to n_sup_train by this fraction of the run (0 = off)")
+                            "at first, the cap rising linearly by n_sup_train every this fraction of the run, so a "
+                            "drawn count's tail opens late (0 = off; nanochat/train/depth.py)")
     runtime = p.add_argument_group("runtime")
     runtime.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
     runtime.add_argument("--compile", type=str2bool, nargs="?", const=True, default=None,
@@ -356,11 +357,32 @@ def settle_rows(requested, generated):
     return "documents" if generated else "stream"
 
 
-def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None):
+def given_flags(argv):
+    """The flags named in argv, underscored and without values."""
+    return {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+
+
+def keep_resumed_recipe(meta, given, model_config, sources, n_sup_warmup):
+    """A resumed run goes on with the recipe it was trained with, whatever gpt.py's and base_train's defaults are
+    now: every model field left to gpt.py's default takes the checkpoint's value (model_config and sources updated in
+    place; a field the checkpoint predates takes its old behaviour, GPTConfig.from_dict), and --n_sup_warmup, if not
+    given, the checkpoint's (0, off, before it was recorded). Returns the run's n_sup_warmup."""
+    saved = GPTConfig.from_dict(meta["model_config"]).to_dict()
+    for name, source in sources.items():
+        if source == "gpt.py default" and name in saved and saved[name] != model_config[name]:
+            model_config[name], sources[name] = saved[name], f"checkpoint step {meta.get('step', '?')}"
+    if "n_sup_warmup" in given:
+        return n_sup_warmup
+    return (meta.get("train_config") or {}).get("n_sup_warmup", 0.0)
+
+
+def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None, resumed_meta=None):
     """Parse and validate every flag without touching a model or data into a RunConfig; errors exit with what to
     change.
 
-    vocab_size: the vocabulary the batch is planned for (default: the tokenizer's, or GPTConfig's before one exists)."""
+    vocab_size: the vocabulary the batch is planned for (default: the tokenizer's, or GPTConfig's before one exists).
+    resumed_meta(model_tag, step): the meta.json a --resume continues (None when there is none); its recipe wins over
+    the defaults (keep_resumed_recipe)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # torchrun ... -m scripts.base_train -- --depth=12
@@ -392,6 +414,11 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     model_config, config_sources = resolve_model_config(flags.depth, flags.max_seq_len, flags.n_embd, flags.n_head,
                                                         flags.n_kv_head, flags.preset,
                                                         **{name: getattr(flags, name) for name in MODEL_FLAGS})
+    meta = resumed_meta(flags.model_tag or f"d{flags.depth}", flags.resume_from_step) \
+        if resumed_meta and (flags.resume or flags.resume_from_step is not None) else None
+    if meta:
+        flags.n_sup_warmup = keep_resumed_recipe(meta, given_flags(argv), model_config, config_sources,
+                                                 flags.n_sup_warmup)
     try:
         GPTConfig(vocab_size=1, **model_config)
     except ValueError as e:

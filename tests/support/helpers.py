@@ -77,10 +77,11 @@ def random_model(config, seed=0, every_weight=False):
 TINY_SHAPE = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2",
               "--device_type=cpu"]
 # ...and a run of it that takes seconds: one accumulation step, evaluation every 4 steps, 4-token samples, a fixed
-# depth (records of n_sup_train steps each, as the tests read them; sampled depth has tests of its own)
+# depth and no step-count curriculum (records of n_sup_train steps each, as the tests read them; sampled depth and the
+# curriculum have tests of their own)
 TINY = TINY_SHAPE + ["--n_loops=1", "--n_sup_train=2", "--eval_tokens=256", "--eval_every=4", "--sample_every=0",
                      "--sample_tokens=4", "--matrix_lr=0.02", "--warmup_steps=1", "--gradient_accumulation_steps=1",
-                     "--sample_n_sup=false"]
+                     "--sample_n_sup=false", "--n_sup_warmup=0"]
 
 
 def parsed(argv, world_size=1):
