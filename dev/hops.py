@@ -373,7 +373,8 @@ def main():
     ap.add_argument("--T_recursion", type=int, default=1)
     ap.add_argument("--state_update", default="trm")
     ap.add_argument("--detach", type=int, default=1)
-    ap.add_argument("--backprop_steps", type=int, default=1, help="with --detach 1: detach after every k-th step")
+    ap.add_argument("--backprop_steps", type=int, default=GPTConfig.backprop_steps,
+                    help="with --detach 1: detach after every k-th step (default: gpt.py's)")
     ap.add_argument("--preset", default="aggressive", choices=REFINEMENT_PRESETS)
     ap.add_argument("--matrix_lr", type=float, default=0.02)
     ap.add_argument("--embedding_lr", type=float, default=0.2)

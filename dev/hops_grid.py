@@ -22,8 +22,9 @@ TASKS = {"masked": "--depth 1 --n_symbols 8 --max_hops 4 --batch 64 --steps 2000
          "answers": "--format answers --depth 2 --n_symbols 8 --max_hops 4 --n_queries 8 --batch 32 --steps 3000 "
                     "--warmup 75 --warmdown 0.4 --clip 1 --eval_docs 1024"}
 TASKS["answers_hidden"] = TASKS["answers"].replace("answers", "answers_hidden")  # a blank where answers stood
-LOOP = "--n_loops 0 --n_sup 4 --detach 0 --preset uniform"  # the same block simply looped, full gradients
-DEFAULT = "--n_loops 2 --n_sup 4 --detach 1 --preset aggressive --state_update trm"  # the defaults before issue 32
+FIXED = '--backprop_steps 1 --extra {"sample_n_sup":false}'  # a fixed step count, detached every step: before issue 57
+LOOP = f"--n_loops 0 --n_sup 4 --detach 0 --preset uniform {FIXED}"  # the same block simply looped, full gradients
+DEFAULT = f"--n_loops 2 --n_sup 4 --detach 1 --preset aggressive --state_update trm {FIXED}"  # the defaults before 32
 RUNS = {
     # positive controls: depth pays (plain 1 < 2 < 4 blocks), and the loop of one block reaches the deep plain model
     "plain1": "--n_loops 0 --n_sup 1 --depth 1",
