@@ -293,7 +293,26 @@ def test_synthetic_source_names_the_flags_that_rebuild_it(tmp_path, capsys):
     assert snapshot(directory) == before
 
 
+def test_a_hops_curriculum_opens_the_training_split_with_fewer_hops_and_keeps_the_validation_split(tmp_path,
+                                                                                                   monkeypatch):
+    from nanochat.data.synthetic import hops_answers
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / "plain"))
+    assert dataset.main(HOPS) == 0
+    plain_train, plain_val = list(dataset.iter_documents("train")), list(dataset.iter_documents("val"))
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / "curriculum"))
+    assert dataset.main(HOPS + ["--hops_curriculum=100"]) == 0
+    train, val = list(dataset.iter_documents("train")), list(dataset.iter_documents("val"))
+    assert val == plain_val and len(train) == len(plain_train)  # the same held-out documents, as many to train on
+    most = [max(a.hops for a in hops_answers(text)) for text in train]  # hops_answers: the queries' own digits
+    assert most[:50] == [1] * 50 and max(most[50:100]) == 2 and 3 in most[100:]  # 1 hop, then up to 2, then all
+    assert train[100:] == plain_train[100:]  # past the curriculum, the corpus without one
+    assert "--hops_curriculum=100" in dataset.rebuild_advice(dataset.data_dir())
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--synthetic=hops", "--hops_curriculum=-1"], "--hops_curriculum=-1: must be >= 0"),
+    (["--synthetic=hops", "--hops_max=1", "--hops_curriculum=10"], "--hops_curriculum=10: must be >= 0, and needs"),
+    (["--synthetic=hops", "--synthetic_docs=20", "--hops_curriculum=100"], "100 curriculum documents but only"),
     (["--synthetic=sudoku"], "--synthetic=sudoku: unknown family; known: hops"),
     (["--synthetic=hops", "--hops_symbols=27"], "--hops_symbols=27: must be 2..26"),
     (["--synthetic=hops", "--hops_max=10"], "--hops_max=10: must be 1..9"),

@@ -51,7 +51,7 @@ from nanochat.data.download import (
     hub_endpoint,
     remove_stale_partials,
 )
-from nanochat.data.synthetic import SYNTHETIC_FAMILIES, HopsSpec, iter_hops_documents
+from nanochat.data.synthetic import SYNTHETIC_FAMILIES, HopsSpec, curriculum_documents, iter_hops_documents
 from nanochat.files import atomic_write_bytes, fsync_dir, get_base_dir
 
 REPO_ID = "karpathy/fineweb-edu-100b-shuffle"
@@ -400,8 +400,10 @@ def keep_nonempty(documents, stats):
                            "(one is held out for validation)")
 
 
-def write_shards(documents, stats, directory):
-    """Shuffle, hold out a validation share, and write the shards into `directory` (val is the last file)."""
+def write_shards(documents, stats, directory, first=None):
+    """Shuffle, hold out a validation share, and write the shards into `directory` (val is the last file). `first`:
+    documents that open the training split in their own order, in place of as many shuffled ones (a curriculum; the
+    validation share is the same as without them)."""
     import datasets  # lazy: the datasets package costs ~1.2 s to import, and only --from hf: needs it
     from datasets.exceptions import DatasetGenerationError  # lazy: as datasets above
     datasets.enable_progress_bars() if progress_enabled() else datasets.disable_progress_bars()
@@ -415,6 +417,14 @@ def write_shards(documents, stats, directory):
         raise (e.__cause__ or e) from None  # the reader's own error names the file and line; the wrapper doesn't
     n_val = max(1, round(VAL_FRACTION * stats["docs"]))
     split = ds.train_test_split(test_size=n_val, seed=SHUFFLE_SEED)
+    if first is not None:
+        head = datasets.Dataset.from_generator(lambda: ({"text": text} for text in first), fingerprint="first",
+                                               features=ds.features, cache_dir=os.path.join(directory, "cache"))
+        if len(head) > len(split["train"]):
+            raise DatasetError(f"{len(head):,} curriculum documents but only {len(split['train']):,} training "
+                               "documents: raise the corpus's size or lower the curriculum")
+        rest = split["train"].select(range(len(head), len(split["train"])))
+        split["train"] = datasets.concatenate_datasets([head, rest])
     rows_per_group = max(1, ROW_GROUP_CHARS * stats["docs"] // max(1, stats["chars"]))
     # a few huge documents: never more shards than documents (datasets' shard() fails on an empty one)
     num_train = min(len(split["train"]), max(1, math.ceil(stats["chars"] * (1 - VAL_FRACTION) / CHARS_PER_SHARD)))
@@ -426,13 +436,13 @@ def write_shards(documents, stats, directory):
     return len(parts)
 
 
-def build_corpus(documents, stats, source, directory=None):
+def build_corpus(documents, stats, source, directory=None, first=None):
     """Write a whole corpus into a staging directory, then move it into place: bad input leaves nothing behind."""
     directory = resolve_dir(directory)
     staging = f"{directory}.tmp{os.getpid()}"
     try:
         os.makedirs(staging)
-        num_shards = write_shards(documents, stats, staging)
+        num_shards = write_shards(documents, stats, staging, first)
         if list_parquet_files(directory):
             refuse_to_mix(directory)
         os.makedirs(directory, exist_ok=True)
@@ -463,21 +473,27 @@ def build_builtin(directory=None):
     build_corpus(builtin_documents(stats), stats, source, directory)
 
 
-def synthetic_flags(family, seed, docs, spec):
+def synthetic_flags(family, seed, docs, spec, curriculum=0):
     """The command-line flags that generate a synthetic corpus: its recorded source, and what --hops reads back."""
     return (f"--synthetic={family} --seed={seed} --synthetic_docs={docs} --hops_symbols={spec.n_symbols} "
-            f"--hops_max={spec.max_hops} --hops_queries={spec.n_queries}")
+            f"--hops_max={spec.max_hops} --hops_queries={spec.n_queries}" +
+            (f" --hops_curriculum={curriculum}" if curriculum else ""))
 
 
 HOPS_FLAGS = {"n_symbols": "--hops_symbols", "max_hops": "--hops_max", "n_queries": "--hops_queries"}
 
 
-def build_synthetic(family, seed=0, docs=SYNTHETIC_DOCS, n_symbols=16, max_hops=4, n_queries=24, directory=None):
-    """A generated corpus through the same shuffle, validation hold-out and shards as --builtin."""
+def build_synthetic(family, seed=0, docs=SYNTHETIC_DOCS, n_symbols=16, max_hops=4, n_queries=24, directory=None,
+                    curriculum=0):
+    """A generated corpus through the same shuffle, validation hold-out and shards as --builtin; `curriculum` > 0
+    opens the training split with that many documents of fewer hops, 1 first (synthetic.curriculum_documents)."""
     if family not in SYNTHETIC_FAMILIES:
         raise DatasetError(f"--synthetic={family}: unknown family; known: {', '.join(SYNTHETIC_FAMILIES)}")
     if docs < 2:
         raise DatasetError(f"--synthetic_docs={docs}: need at least 2 (one is held out for validation)")
+    if curriculum < 0 or (curriculum and max_hops < 2):
+        raise DatasetError(f"--hops_curriculum={curriculum}: must be >= 0, and needs --hops_max >= 2 (it opens with "
+                           "documents of fewer hops than --hops_max)")
     try:
         spec = HopsSpec(n_symbols=n_symbols, max_hops=max_hops, n_queries=n_queries)
         next(iter_hops_documents(seed, 1, spec, family))  # a family's own limits, before anything is written
@@ -486,7 +502,7 @@ def build_synthetic(family, seed=0, docs=SYNTHETIC_DOCS, n_symbols=16, max_hops=
         for field, flag in HOPS_FLAGS.items():
             message = message.replace(field, flag)
         raise DatasetError(message) from None
-    source = f"{SYNTHETIC} {synthetic_flags(family, seed, docs, spec)}"
+    source = f"{SYNTHETIC} {synthetic_flags(family, seed, docs, spec, curriculum)}"
     directory = resolve_dir(directory)
     if list_parquet_files(directory) and read_source(directory) == source:
         print(f"{directory} already holds this corpus ({source}); nothing to do")
@@ -494,7 +510,8 @@ def build_synthetic(family, seed=0, docs=SYNTHETIC_DOCS, n_symbols=16, max_hops=
     if list_parquet_files(directory):
         refuse_to_mix(directory)  # before generating: build_corpus would refuse only after writing it all
     stats = new_stats()
-    build_corpus(iter_hops_documents(seed, docs, spec, family), stats, source, directory)
+    first = curriculum_documents(seed, curriculum, spec, family) if curriculum else None
+    build_corpus(iter_hops_documents(seed, docs, spec, family), stats, source, directory, first)
 
 
 def import_corpus(paths, skip_bad_lines=False, directory=None, text_column="text"):
@@ -523,6 +540,9 @@ def main(argv=None):
     parser.add_argument("--hops_symbols", type=int, default=16, help="hops: symbols in the table, 2..26 (chance 1/N)")
     parser.add_argument("--hops_max", type=int, default=4, help="hops: queries need 1..this many lookups, 1..9")
     parser.add_argument("--hops_queries", type=int, default=24, help="hops: queries (answers) per document")
+    parser.add_argument("--hops_curriculum", type=int, default=0, metavar="DOCS",
+                        help="hops: open the training split with DOCS documents of fewer hops in order (1 hop, then "
+                             "up to 2, ... up to --hops_max - 1), in place of as many shuffled ones; 0 = none")
     parser.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads")
     parser.add_argument("--shard_timeout", type=float, default=SHARD_TIMEOUT_S,
                         help="seconds one shard may take, retries included")
@@ -536,7 +556,7 @@ def main(argv=None):
             import_corpus(args.paths, args.skip_bad_lines, text_column=args.text_column)
         elif args.synthetic is not None:
             build_synthetic(args.synthetic, args.seed, args.synthetic_docs, args.hops_symbols, args.hops_max,
-                            args.hops_queries)
+                            args.hops_queries, curriculum=args.hops_curriculum)
         else:
             download_shards(args.num_shards, workers=args.workers, shard_timeout=args.shard_timeout)
     except (DatasetError, DownloadError) as e:

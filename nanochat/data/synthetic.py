@@ -114,6 +114,17 @@ def iter_hops_documents(seed, count, spec=HopsSpec(), family="hops"):
         yield FAMILIES[family](rng, spec)
 
 
+def curriculum_documents(seed, count, spec=HopsSpec(), family="hops"):
+    """`count` documents whose queries need at most 1 hop, then at most 2, ... up to spec.max_hops - 1, in that order
+    (count / (max_hops - 1) at each level): a corpus's first training documents under --hops_curriculum, so that a
+    model learns one lookup before it must compose them."""
+    levels = spec.max_hops - 1
+    for level in range(levels):
+        part = count * (level + 1) // levels - count * level // levels
+        yield from iter_hops_documents(f"curriculum:{seed}:{level + 1}", part,
+                                       HopsSpec(spec.n_symbols, level + 1, spec.n_queries), family)
+
+
 def hops_documents(seed, count, spec=HopsSpec(), family="hops"):
     """`count` documents, deterministic in (seed, spec, family)."""
     return list(iter_hops_documents(seed, count, spec, family))
