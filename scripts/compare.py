@@ -233,6 +233,10 @@ def plan(args, vocab_size, world_size):
         runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
         args.shared.append(f"--device_batch_size={min(r.run_config.device_batch_size for r in runs)}")
         runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
+    elif "--device_batch_size" not in given and len({r.run_config.device_batch_size for r in runs}) > 1:
+        # a pinned total or accumulation still leaves the device batch to each model's memory: take the smallest
+        args.shared = args.shared + [f"--device_batch_size={min(r.run_config.device_batch_size for r in runs)}"]
+        runs = [make_run(name, flags, args.shared, vocab_size, world_size) for name, flags in args.configs]
     data_order = {r.name: {**batch_geometry(r.run_config), "seed": r.run_config.seed} for r in runs}
     if len({json.dumps(v, sort_keys=True) for v in data_order.values()}) > 1:  # the batches depend on exactly these
         raise Exit("compare: every config must see the same tokens in the same order, so batch flags and "
