@@ -32,7 +32,9 @@ from dev.hops import (
 )
 from nanochat.data.synthetic import HopsSpec
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train import depth
 from nanochat.train.config import build_parser
+from nanochat.train.depth import deepest_train_depth
 from nanochat.train.optim import setup_optimizers
 
 SPEC = HopsSpec(n_symbols=6, max_hops=3, n_queries=12)
@@ -55,6 +57,21 @@ RECIPES = {
 }
 # each recipe's step-count curriculum (--depth_warmup unset): the default's is base_train's --n_sup_warmup default
 CURRICULUM = {"default": build_parser().get_default("n_sup_warmup")}
+
+def open_cap(config, step, warmup, num_iterations):
+    """1 step at first, n_sup_train + 1 by `warmup`, then no cap: the draw's whole tail."""
+    return rising_cap(config, step, warmup, num_iterations) if warmup and step < warmup * num_iterations else None
+
+
+def full_cap(config, step, warmup, num_iterations):
+    """1 step at first, rising linearly to the deepest draw by `warmup`, then no cap."""
+    if not warmup or step >= warmup * num_iterations:
+        return None
+    return 1 + int((deepest_train_depth(config) - 1) * step / (warmup * num_iterations))
+
+
+rising_cap = depth.curriculum_cap
+CAPS = {"rising": rising_cap, "open": open_cap, "full": full_cap}
 TARGET = 0.9  # rows-to-0.9: the rows trained until the longest hops at step N first reach this
 
 
@@ -112,6 +129,8 @@ def main():
     ap.add_argument("--depth_warmup", type=float, default=None, help="the step-count curriculum, as base_train's "
                     "--n_sup_warmup: at most 1 step at first, the cap rising by N every this fraction (default: the "
                     "recipe's, CURRICULUM)")
+    ap.add_argument("--cap", default="rising", choices=CAPS, help="the curriculum cap's shape after its warmup "
+                    "(research: rising = train/depth.py's)")
     ap.add_argument("--name", default=None, help="the run's name in --out (default: the recipe)")
     ap.add_argument("--out", default=None, help="append the run's JSON line here")
     ap.add_argument("--save", default=None, help="torch.save {config, state_dict} of the trained model here")
@@ -126,6 +145,7 @@ def main():
     config = quick_config(val, state_update=args.state_update, **{**RECIPES[args.recipe], **json.loads(args.config)})
     curve = []
     probe = progress_probe(val, args.eval_every, longest, curve) if args.eval_every else None
+    depth.curriculum_cap = CAPS[args.cap]  # train_depth reads it at call time
     if args.depth_warmup is None:
         args.depth_warmup = CURRICULUM.get(args.recipe, 0.0)
     model = trained(config, args.steps, args.seed, probe, args.depth_warmup)
@@ -145,7 +165,8 @@ def main():
             f.write(json.dumps({"name": args.name or args.recipe, "format": args.format, "recipe": args.recipe,
                                 "state_update": args.state_update, "variant": args.variant,
                                 "config": json.loads(args.config),
-                                "depth_warmup": args.depth_warmup, "seed": args.seed, "steps": args.steps,
+                                "depth_warmup": args.depth_warmup, "cap": args.cap, "seed": args.seed,
+                                "steps": args.steps,
                                 "n_sup_train": n, "train_s": round(train_s),
                                 "acc": [[round(v, 3) for v in row] for row in acc.tolist()],
                                 "answer_loss": [round(v, 3) for v in answer_loss.tolist()],

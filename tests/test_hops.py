@@ -22,7 +22,7 @@ from dev.hops import (
     vchains_row,
     vchains_vocab,
 )
-from dev.hops_quick import RECIPES, SPEC, quick_config, trained, validation_rows
+from dev.hops_quick import CURRICULUM, SPEC, quick_config, trained, validation_rows
 from nanochat.data.synthetic import HopsSpec
 
 
@@ -170,26 +170,36 @@ def test_answers_rows_answer_right_and_show_earlier_answers():
         [t for i, t in enumerate(shown[0]) if i - 1 not in shown[1]] and hidden[1:] == shown[1:]
 
 
-def test_the_default_recursion_uses_its_depth_and_the_holding_recipe_holds_past_its_trained_steps():
-    """Issue 32's failure must not come back silently: one block with gpt.py's default recursion answers 3 chained
-    lookups by its last supervision step, where the same block run once (the plain model of equal parameters)
-    cannot, and its steps climb. Issue 51's recipe (drawn step counts, gradients through 4 steps), run to twice the
-    trained steps, holds its answer within 0.05 (on 9 other seeds it fell 0.00-0.02 by then, 0.03 here; the default
-    fell 0.09-0.18 on them and from 0.92 to 0.71 here: dev/LOG.md)."""
-    val = validation_rows()
-    longest = SPEC.max_hops - 1
-    default = trained(quick_config(val), steps=400)
-    n = default.config.n_sup_train
-    acc, _ = evaluate(default, val, n, SPEC.max_hops)
-    plain = trained(quick_config(val, n_loops=0, n_sup_train=1), steps=400)
-    plain_acc, _ = evaluate(plain, val, 1, SPEC.max_hops)
-    assert acc[n - 1, longest] >= 0.8, acc
-    assert plain_acc[0, longest] <= 0.5, plain_acc
-    assert acc[n - 1, longest] - acc[0, longest] >= 0.3, acc  # it climbs
-    holding = trained(quick_config(val, **RECIPES["holding"]), steps=400)
-    held, _ = evaluate(holding, val, 2 * n, SPEC.max_hops)
-    assert held[n - 1, longest] >= 0.8, held
-    assert held[2 * n - 1, longest] >= held[n - 1, longest] - 0.05, held  # thinking longer does not unlearn it
+# The regression budget: 800 steps of 32 rows (at 400 the curriculum's shallow first half leaves too little deep
+# training for the answer to hold: dev/LOG.md, issue 57).
+STEPS = 800
+
+
+def test_the_default_recursion_uses_its_depth_and_holds_past_its_trained_steps():
+    """Issue 32's failure must not come back silently, nor issue 51's drift: one block with the default recursion and
+    its step-count curriculum answers 3 chained lookups by its last supervision step, its steps climb to it from a
+    first step that cannot, and run to 4x the trained steps it keeps the answer.
+
+    The bounds clear the spread measured over seeds 0-3 under three numerics (this CPU's kernels, ATen's scalar ones,
+    MKL's compatible path: what another machine's rounding does to a run): 3 hops at step N 1.00 in all 10 runs
+    (bound 0.9), the climb from step 1 0.32-0.44 (bound 0.2), the drop from N to 4N 0.00-0.02 (bound 0.05). At 400
+    steps, as this test ran before, the drop spread 0.02-0.18 and another machine failed it (dev/LOG.md, issue 57).
+    The plain block is not trained here: by 800 steps it answers 3 hops on some seeds (0.61-0.99), so the climb within
+    one model is the check that the steps are used; dev/runcpu_hops.sh shows the contrast at the demo's size. One
+    thread, so that the numbers do not depend on the runner (-n 2, OMP_NUM_THREADS)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        val = validation_rows()
+        longest = SPEC.max_hops - 1
+        default = trained(quick_config(val), steps=STEPS, depth_warmup=CURRICULUM["default"])
+        n = default.config.n_sup_train
+        acc, _ = evaluate(default, val, 4 * n, SPEC.max_hops)
+    finally:
+        torch.set_num_threads(threads)
+    assert acc[n - 1, longest] >= 0.9, acc
+    assert acc[n - 1, longest] - acc[0, longest] >= 0.2, acc  # it climbs across its steps
+    assert acc[4 * n - 1, longest] >= acc[n - 1, longest] - 0.05, acc  # thinking longer does not unlearn it
 
 
 def test_packed_rows_cut_the_stream_as_the_loader_does():
@@ -232,11 +242,12 @@ def test_row_offset_puts_unscored_filler_before_each_document():
     assert x.tolist() == [[0, 0, 0, 5, 6]] and y.tolist() == [[-1, -1, 5, 6, 7]]
 
 
-@pytest.mark.parametrize("script", ["dev/runcpu_hops.sh", "dev/hops_base_gpu.sh"])
+@pytest.mark.parametrize("script", ["dev/hops_demo.py", "dev/hops_base_gpu.sh"])
 def test_the_hops_scripts_train_one_whole_document_per_row(script):
     """base_train's loader cuts rows of max_seq_len+1 tokens from the document stream: the hops scripts' max_seq_len
     must make each row exactly one document (<|bos|> + its characters, every document of a spec one length), as
-    dev/hops.py trains. Rows of 129 tokens held document fragments and kept the recursion on the plateau (issue 36)."""
+    dev/hops.py trains. Rows of 129 tokens held document fragments and kept the recursion on the plateau (issue 36).
+    dev/runcpu_hops.sh runs dev/hops_demo.py, whose flags are these."""
     import pathlib
     import re
 
@@ -248,6 +259,34 @@ def test_the_hops_scripts_train_one_whole_document_per_row(script):
     lengths = {len(d) for d in hops_documents(0, 50, HopsSpec(symbols, max_hops, 24), family="hops_pairs")}
     assert lengths == {seq_len}, f"{script}: --max_seq_len={seq_len}, documents are <|bos|> + {lengths} characters"
     assert batch == rows * seq_len
+
+
+def test_the_demo_runs_the_recursion_and_the_plain_block_and_tells_who_climbs(tmp_path, monkeypatch, capsys):
+    """dev/hops_demo.py end to end at toy size (20 steps, 2 seeds' worth of tags on one seed): both models trained
+    through base_train, scored by base_loss --hops, one JSON line and a table; and the verdicts read from rows the
+    test writes itself."""
+    import json
+
+    import dev.hops_demo as demo
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    monkeypatch.setattr(demo, "CORPUS_FLAGS", [f.replace("60000", "400").replace("9600", "64")
+                                               for f in demo.CORPUS_FLAGS])
+    monkeypatch.setattr(demo, "HOPS_DOCS", 8)
+    out = tmp_path / "demo.jsonl"
+    demo.main(["--seeds", "3", "--plain", "--name", "toy", "--n_sup_eval", "2", "--out", str(out), "--",
+               "--num_iterations=4", "--eval_every=0", "--save_every=0", "--n_sup_train=2"])
+    row = json.loads(out.read_text())
+    assert row["seed"] == 3 and len(row["accuracy"]) == 2 and 0 <= row["plain_longest"] <= 1
+    assert (tmp_path / "base_checkpoints" / "hops_toy_s3").is_dir()
+    assert (tmp_path / "base_checkpoints" / "hops_toy_plain_s3").is_dir()
+    assert "toy seed 3: 3 hops at steps 1 / N / 2N / 4N" in capsys.readouterr().out
+    climbed = {"name": "r", "seed": 1, "n_sup_train": 1, "accuracy": [[1.0, 0.9]] * 4}
+    plateau = {**climbed, "seed": 2, "accuracy": [[0.3, 0.2]] * 4}
+    drifted = {**climbed, "seed": 4, "accuracy": [[1.0, 0.9], [1.0, 0.8], [1.0, 0.8], [1.0, 0.7]]}
+    assert demo.verdict(climbed)[1:] == (True, True) and demo.verdict(plateau)[1:] == (False, False)
+    assert demo.verdict(drifted)[1:] == (True, False)
+    assert "| r | 0.90 / 0.90 / 0.90 / 0.90 | plateau (0.20) | 0.90 / 0.90 / 0.80 / 0.70 | 2 of 3 | 1 of 3 |" in \
+        demo.table([climbed, plateau, drifted])
 
 
 def test_hops_repeats_marks_a_query_asked_before():
