@@ -11,7 +11,8 @@ tokenizer_config.json and a README.md model card. It loads with
     tokenizer = AutoTokenizer.from_pretrained("d12-hf", trust_remote_code=True)  # it reads config.json too
 
 The tokenizer puts <|bos|> in front of every text, as the model saw every document in training; generation stops at
-the next <|bos|> (a base model starts a new document when it is done) or <|assistant_end|>. DIR is written into a
+any special token, as the server's does: the next <|bos|> (a base model starts a new document when it is done),
+<|assistant_end|>, or one that opens another turn (nanochat/model/engine.py STOP_TOKENS). DIR is written into a
 temporary directory and renamed into place; an existing non-empty DIR is only replaced with --force, and only if
 it holds an earlier export.
 """
