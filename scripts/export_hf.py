@@ -11,7 +11,8 @@ tokenizer_config.json and a README.md model card. It loads with
     tokenizer = AutoTokenizer.from_pretrained("d12-hf", trust_remote_code=True)  # it reads config.json too
 
 The tokenizer puts <|bos|> in front of every text, as the model saw every document in training; generation stops at
-the next <|bos|> (a base model starts a new document when it is done) or <|assistant_end|>. DIR is written into a
+any special token, as the server's does: the next <|bos|> (a base model starts a new document when it is done),
+<|assistant_end|>, or one that opens another turn (nanochat/model/engine.py STOP_TOKENS). DIR is written into a
 temporary directory and renamed into place; an existing non-empty DIR is only replaced with --force, and only if
 it holds an earlier export.
 """
@@ -36,7 +37,7 @@ from nanochat.files import (
 )
 
 try:
-    from tokenizers import processors
+    from tokenizers import normalizers, processors
     from transformers import GenerationConfig, PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
@@ -44,7 +45,7 @@ try:
 except ImportError as e:  # transformers missing, or older than 5
     reason = f"the export needs {e.name}" if isinstance(e, ModuleNotFoundError) else str(e)
     sys.exit(f"error: {reason}; install it with: pip install -e '.[hf]'")
-from nanochat.data.chat import CHAT_TEMPLATE
+from nanochat.data.chat import CHAT_TEMPLATE, TEXT_ESCAPE
 from nanochat.data.tokenizer import SPECIAL_TOKENS
 from nanochat.model.engine import STOP_TOKENS
 
@@ -64,14 +65,27 @@ class RanksConverter(TikTokenConverter):
 
 def hf_tokenizer(tokenizer, model_max_length):
     """Our BPE (ranks, split pattern, special tokens) as a fast tokenizer that prepends <|bos|> like the Engine, with
-    chat_sft's rendering as its chat template (apply_chat_template)."""
+    chat_sft's rendering as its chat template (apply_chat_template), in which message text is never a special token
+    (the template escapes it, the normalizer undoes the escape: docs/chat.md)."""
     converted = RanksConverter(vocab_file=tokenizer.mergeable_ranks, pattern=tokenizer.pattern,
                                extra_special_tokens=SPECIAL_TOKENS).converted()
+    converted.normalizer = unescape_message_text()
     bos = tokenizer.get_bos_token_id()
     converted.post_processor = processors.TemplateProcessing(
         single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)])
     return PreTrainedTokenizerFast(tokenizer_object=converted, bos_token="<|bos|>", eos_token="<|bos|>",
                                    model_max_length=model_max_length, chat_template=CHAT_TEMPLATE)
+
+
+def unescape_message_text():
+    """The normalizer that undoes the chat template's escape of message text (nanochat/data/chat.py MESSAGE_TEXT:
+    every "<|" written "<" ESC "|", every ESC written twice). It runs after special tokens are matched in the raw text,
+    so message text reaches the BPE as it was and is never a special token; the template's own markers are. In escaped
+    text a run of ESCs is doubled (2k) or the escape's single one before "|": dropping one ESC before each "|", then
+    halving the pairs, gives every run back (2k before "|" leaves 2k - 1: k - 1 pairs and one). Other text changes
+    only where ESC, a noncharacter, stands before "|" or twice in a row."""
+    return normalizers.Sequence([normalizers.Replace(TEXT_ESCAPE + "|", "|"),
+                                 normalizers.Replace(TEXT_ESCAPE * 2, TEXT_ESCAPE)])
 
 
 def hf_model(model, tokenizer):

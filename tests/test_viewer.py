@@ -1,6 +1,7 @@
 """The refinement viewer (nanochat/serve/viewer.html) in a real headless Chromium against a server with the tiny
 model: a prompt typed and submitted with a click, the stream waited for, every step's row and the halting colours
-checked against the JSON the same request gets. Skipped, saying how to install it, where no Chromium is installed.
+checked against the JSON the same request gets. The browser tests are skipped, saying how to install it, where no
+Chromium is installed; what can be read from the page's script alone is checked without one.
 
 VIEWER_SCREENSHOT=dev/results/viewer.png pytest tests/test_viewer.py  # also saves what the browser showed"""
 
@@ -8,6 +9,7 @@ import contextlib
 import json
 import os
 import random
+import re
 
 import httpx
 import pytest
@@ -22,7 +24,7 @@ from tests.support.chromium import INSTALL, Chromium, find_chromium
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
 CHROMIUM = find_chromium()
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason=f"no Chromium on this machine: {INSTALL}")
+browser_test = pytest.mark.skipif(CHROMIUM is None, reason=f"no Chromium on this machine: {INSTALL}")
 KEY = "sk-viewer-test"
 BROWSER_S = 90  # the hard limit on each browser session
 SETTINGS = {"max_tokens": 8, "temperature": 1.0, "top_k": 50, "seed": 7, "halt": "kl:0.0005"}
@@ -104,6 +106,7 @@ RENDERED = """(() => {
 })()"""
 
 
+@browser_test
 def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours_then_score_and_hops_render(trained):
     prompt, text = "the dog sat", "the cat sat on the mat. the dog sat on the log. the dog sat on the mat."
     with serving(trained) as url, Chromium(CHROMIUM, timeout_s=BROWSER_S) as browser:
@@ -157,6 +160,7 @@ def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours_then_sco
             f.write(png)
 
 
+@browser_test
 def test_the_hops_tab_draws_from_the_models_own_corpus_and_runs_past_the_trained_steps(trained, tmp_path):
     """A checkpoint whose data directory holds the hops_pairs corpus: the page says so, a document drawn with a seed
     is one of that corpus, and the page runs 4x the trained supervision steps, marking those past training."""
@@ -191,6 +195,7 @@ def test_the_hops_tab_draws_from_the_models_own_corpus_and_runs_past_the_trained
     assert generated["state"] == "done" and len(generated["steps"]) == most, generated["error"]
 
 
+@browser_test
 def test_the_page_asks_for_the_key_says_why_and_keeps_it_in_the_tab(trained):
     with serving(trained, api_key=KEY) as url, Chromium(CHROMIUM, timeout_s=BROWSER_S) as browser:
         reason = httpx.get(f"{url}/v1/models", timeout=30).json()["error"]["message"]
@@ -198,6 +203,7 @@ def test_the_page_asks_for_the_key_says_why_and_keeps_it_in_the_tab(trained):
         browser.wait_for("document.body.dataset.state === 'ready'")
         asked = browser.evaluate("[document.getElementById('keybox').hidden, "
                                  "document.getElementById('keywhy').textContent]")
+        unknown = browser.evaluate("document.getElementById('model').textContent")  # /health says "ok" alone
         fill_and_generate(browser, "the cat")
         refused = browser.evaluate("[document.body.dataset.state, document.getElementById('keybox').hidden, "
                                    "document.getElementById('keywhy').textContent, "
@@ -210,9 +216,13 @@ def test_the_page_asks_for_the_key_says_why_and_keeps_it_in_the_tab(trained):
         browser.click("#usekey")
         browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
         page = browser.evaluate(RENDERED)
+        browser.wait_for(f"document.getElementById('model').textContent.includes({json.dumps(MODEL_TAG)})")
+        model = browser.evaluate("document.getElementById('model').textContent")  # /health read with the key
         stored = browser.evaluate("JSON.stringify([localStorage.length, sessionStorage.length, document.cookie, "
                                   "location.href, document.getElementById('key').value])")
     assert asked == [False, f"This server needs an API key: {reason}"]  # before any run, with the server's reason
+    assert unknown == "model: shown once the API key is given"
+    assert model.startswith(f"model: {MODEL_TAG}, step 40; trained with {trained[1].config.n_sup_train} supervision")
     assert reason.startswith("no API key")
     state, hidden, why, error = refused
     assert state == "error" and not hidden and error.startswith("401: no API key")
@@ -221,3 +231,50 @@ def test_the_page_asks_for_the_key_says_why_and_keeps_it_in_the_tab(trained):
     assert page["state"] == "done" and len(page["steps"]) == trained[1].config.n_sup_inference
     assert all(len(row) == SETTINGS["max_tokens"] for row in page["steps"])
     assert KEY not in stored and json.loads(stored)[:3] == [0, 0, ""]
+
+
+# the page's state, whether it says the link asks to run, where the focus is, the prompt and the rows drawn
+LINK_STATE = """[document.body.dataset.state, document.getElementById('linkrun').hidden,
+  document.activeElement === document.querySelector('#generate button[type=submit]'),
+  document.getElementById('prompt').value, document.getElementById('max_tokens').value,
+  document.querySelectorAll('#steps tr.step').length]"""
+
+
+def refinement_requests(url):
+    """How many /v1/refinement requests the server has answered (its /metrics)."""
+    line = next((x for x in httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+                 if x.startswith('nanochat_requests_total{route="/v1/refinement"')), None)
+    return 0 if line is None else float(line.split()[-1])
+
+
+@browser_test
+def test_a_link_with_run_1_fills_the_form_and_waits_for_a_click(trained):
+    """Any site can link to the page: the link may fill the form, only a click makes the server generate."""
+    with serving(trained) as url, Chromium(CHROMIUM, timeout_s=BROWSER_S) as browser:
+        browser.open(f"{url}/#prompt=the%20dog&max_tokens=3&seed=5&run=1")
+        browser.wait_for("['ready', 'running', 'done', 'error'].includes(document.body.dataset.state)")
+        linked = browser.evaluate(LINK_STATE)
+        asked = refinement_requests(url)
+        browser.click("#generate button[type=submit]")
+        browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
+        clicked = browser.evaluate(LINK_STATE)
+        answered = refinement_requests(url)
+    assert linked == ["ready", False, True, "the dog", "3", 0] and asked == 0  # filled, said, focused; not run
+    assert clicked[:2] == ["done", True] and clicked[-1] == trained[1].config.n_sup_inference and answered == 1
+
+
+def page_script():
+    with open(refinement.PAGE, encoding="utf-8") as f:
+        return re.findall(r"<script>(.*?)</script>", f.read(), re.DOTALL)[0]
+
+
+def test_the_page_never_runs_a_form_itself():
+    """Without a browser: nothing in the page's script submits a form or clicks, and the runners (every path to a
+    generation) are called from the forms' submit listener only, so no link can start a generation."""
+    script = page_script()
+    assert not re.search(r"requestSubmit|\.submit\(|\.click\(|new (Submit|Mouse|Pointer)Event|Event\(\"submit",
+                         script)
+    calls = [line.strip() for line in script.splitlines() if re.search(r"runners\[[^\]]+\]\(", line)]
+    assert len(calls) == 1 and 'addEventListener("submit"' in calls[0], calls
+    assert re.findall(r"\bpost\(", script) == ["post("] * 2  # its definition and run's one call
+    assert 'fetch("/v1/refinement"' in script and script.count("fetch(") == 3  # post, /health and /v1/models only

@@ -40,20 +40,28 @@ ROLES = ("system", "user", "assistant")
 RENDERING = ("<|bos|>, then per message: <|user_start|>text<|user_end|> or <|assistant_start|>text<|assistant_end|>; "
              "a system message opens the first user message, a blank line after it")
 BUILTIN = "builtin"  # --data=builtin: the built conversation set
+# Message text in the HF export's chat template: transformers tokenizes the template's whole output at once, so a
+# message holding "<|user_end|>" would be that special token there, and ours encodes it as text. The template breaks
+# every "<|" in a message with TEXT_ESCAPE ("<" ESC "|", and ESC itself doubled), and the exported tokenizer's
+# normalizer (scripts/export_hf.py) undoes it after special tokens are matched: the same ids, by every tokenizing
+# path (docs/chat.md). ESC is a Unicode noncharacter, reserved for a program's internal use.
+TEXT_ESCAPE = "\ufdd0"
+_ESC = f"\\u{ord(TEXT_ESCAPE):04x}"  # as a Jinja string literal spells it: the template's text stays ASCII
+MESSAGE_TEXT = f"(message['content'] | replace('{_ESC}', '{_ESC}{_ESC}') | replace('<|', '<{_ESC}|'))"
 # RENDERING as a Jinja chat template: what the HF export's tokenizer carries, so transformers' apply_chat_template
-# writes the ids chat_sft trained on (tests/test_chat_template.py checks it against render_conversation), and its
-# {% generation %} marks give return_assistant_tokens_mask the loss mask
+# writes the ids chat_sft trained on (tests/test_chat_template.py checks it against render_conversation, for any
+# message text), and its {% generation %} marks give return_assistant_tokens_mask the loss mask
 CHAT_TEMPLATE = (
     "{{- '<|bos|>' -}}"
     "{%- set ns = namespace(system='') -%}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}{%- set ns.system = message['content'] -%}"
+    "{%- if message['role'] == 'system' -%}{%- set ns.system = " + MESSAGE_TEXT + " -%}"
     "{%- elif message['role'] == 'user' -%}"
     "{{- '<|user_start|>' -}}"
     "{%- if ns.system -%}{{- ns.system + '\n\n' -}}{%- set ns.system = '' -%}{%- endif -%}"
-    "{{- message['content'] + '<|user_end|>' -}}"
+    "{{- " + MESSAGE_TEXT + " + '<|user_end|>' -}}"
     "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '<|assistant_start|>' -}}{%- generation -%}{{- message['content'] + '<|assistant_end|>' -}}"
+    "{{- '<|assistant_start|>' -}}{%- generation -%}{{- " + MESSAGE_TEXT + " + '<|assistant_end|>' -}}"
     "{%- endgeneration -%}"
     "{%- endif -%}"
     "{%- endfor -%}"

@@ -23,8 +23,12 @@ import torch.nn.functional as F
 
 from .halting import Halting, check_halting, forward_halting
 
-# <|bos|> starts the next document, so a base model 'ends' by emitting it; chat models also end a turn
-STOP_TOKENS = ("<|bos|>", "<|assistant_end|>")
+# A reply is text, so every special token ends it: <|bos|> starts the next document (a base model 'ends' by emitting
+# it), <|assistant_end|> ends a chat model's turn, and any other opens or closes a turn or span that is not the
+# reply's (the user's, a new assistant turn, a tool's call or output: this server runs no tool), which run on would be
+# written as the assistant's. nanochat/data/tokenizer.py's SPECIAL_TOKENS, <|bos|> first (the export's bos and pad)
+STOP_TOKENS = ("<|bos|>", "<|assistant_end|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
+               "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>")
 
 
 def compute_dtype(model):

@@ -2,6 +2,7 @@
 (one error line naming every field that is wrong), and every error answer has OpenAI's shape."""
 
 import json
+import sys
 from typing import Literal
 
 from fastapi.responses import JSONResponse
@@ -155,6 +156,9 @@ async def read_body(request):
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise APIError(400, "request body nests too deeply to parse; a completions request nests 3 levels") from None
+    except ValueError:  # Python refuses to read an integer past its int-to-string limit (CVE-2020-10735)
+        raise APIError(400, f"request body holds an integer of more than {sys.get_int_max_str_digits()} digits; "
+                            f"no field takes one that long") from None
 
 
 def field_path(loc):
@@ -181,7 +185,7 @@ def parse_refinement(obj):
     if not isinstance(obj, dict):
         raise APIError(400, "the body must be a JSON object")
     mode = obj.get("mode") or "generate"
-    if mode not in REFINEMENT_MODES:
+    if not isinstance(mode, str) or mode not in REFINEMENT_MODES:  # a list or an object is no key to look up
         raise APIError(400, f"mode: one of {', '.join(REFINEMENT_MODES)}, got {json.dumps(mode)}", "mode")
     return parse_request(obj, REFINEMENT_MODES[mode])
 

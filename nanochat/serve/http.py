@@ -1,6 +1,6 @@
 """The connection and the request, before any route: uvicorn's protocol with read and write deadlines, a cap on
 connections and no Nagle delay (GuardedHTTP); the Host, Origin and security headers of every answer (Gate); the API key
-(key_checker); where to listen."""
+(key_checker, key_holder); where to listen."""
 
 import base64
 import hashlib
@@ -278,7 +278,10 @@ class Gate:
                 message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
             await send(message)
 
-        refusal = self.refusal(dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]))
+        headers = {}  # every value of each header: a dict of one value each would let the last of several win
+        for k, v in scope["headers"]:
+            headers.setdefault(k.decode("latin-1").lower(), []).append(v.decode("latin-1"))
+        refusal = self.refusal(headers)
         try:
             await (refusal or self.app)(scope, receive, counted)
         except Exception:
@@ -295,19 +298,23 @@ class Gate:
         return "other"
 
     def refusal(self, headers):
-        """An error response for a request that must not be served here, or None."""
-        host = headers.get("host")
+        """An error response for a request that must not be served here, or None. headers: name -> every value."""
+        hosts = headers.get("host", [])
+        if len(hosts) > 1:  # RFC 9112 3.2: a 400; which one a proxy or the app would read is anyone's guess
+            return error_response(400, f"the request has {len(hosts)} Host headers; send one", code="invalid_host")
+        host = hosts[0] if hosts else None
         name = host_name(host)[0] if host is not None else None
         if host is not None and not (name is not None and self.hosts.allows(name)):
             return error_response(400, f"the Host header {json.dumps(host)} does not name this server "
                                        f"(--host={self.hosts.bound}); send the address it listens on, or start it "
                                        f"with --allowed_hosts={name or 'NAME'} to serve that name too",
                                   code="invalid_host")
-        origin = headers.get("origin")
-        if origin is not None and not same_origin(origin, host or "", self.origins):
-            return error_response(403, f"a web page of another origin ({origin}) may not use this server: a page "
-                                       f"elsewhere must not make it generate or read its answers; start it with "
-                                       f"--allowed_origins={origin} to allow that page", code="forbidden_origin")
+        for origin in headers.get("origin", []):  # a browser sends one; any foreign one among several is refused
+            if not same_origin(origin, host or "", self.origins):
+                return error_response(403, f"a web page of another origin ({origin}) may not use this server: a "
+                                           f"page elsewhere must not make it generate or read its answers; start it "
+                                           f"with --allowed_origins={origin} to allow that page",
+                                      code="forbidden_origin")
         return None
 
 
@@ -327,6 +334,22 @@ def key_checker(api_key):
                                 "NANOCHAT_API_KEY)", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     return check
+
+
+def key_holder(api_key):
+    """A FastAPI dependency: whether the request holds the key (always, when the server has none); no Authorization
+    header is False, a wrong key key_checker's 401 (a client sending one is misconfigured: say so)."""
+    bearer, check = HTTPBearer(auto_error=False), key_checker(api_key) if api_key else None
+
+    async def holds(credentials: HTTPAuthorizationCredentials | None = Security(bearer)):
+        if check is None:
+            return True
+        if credentials is None:
+            return False
+        await check(credentials)
+        return True
+
+    return holds
 
 
 def is_loopback(host):

@@ -35,8 +35,9 @@ POST /v1/refinement   what each supervision step did, per token (generate, score
                       fields and answers are in nanochat/serve/refinement.py and docs/serving.md
 GET  /                the refinement viewer, a page that renders /v1/refinement (no key needed: it holds no data)
 GET  /v1/models       the served model, named by its model tag
-GET  /health          status, step, limits, generations running and the hops corpus the page draws from (no key
-                      needed: for load balancers)
+GET  /health          status, step, limits, generations running and the hops corpus the page draws from; with
+                      --api_key, a caller without the key gets {"status": "ok"} alone (liveness, for load balancers)
+                      and one with a wrong key a 401
 GET  /metrics         Prometheus text format: requests by route and status (every answer), failed generations, write
                       timeouts, prompt and completion tokens, histograms of latency, time to first token, time per
                       output token, supervision steps per token and requests per batch; queue depth, running
@@ -81,7 +82,7 @@ from nanochat.serve.api import (
     token_offsets,
 )
 from nanochat.serve.batcher import Batcher, Job
-from nanochat.serve.http import Gate, HostCheck, key_checker, page_policy
+from nanochat.serve.http import Gate, HostCheck, key_checker, key_holder, page_policy
 from nanochat.serve.prometheus import Metrics
 from nanochat.serve.stops import Choice
 from nanochat.serve.streaming import Worker
@@ -358,9 +359,10 @@ PAGE_POLICY = page_policy(refinement.PAGE)
 
 
 def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed_origins=()):
-    """The FastAPI app; with api_key every route but /health needs it (FastAPI's own docs pages are off: they could
-    not send it, and the API is OpenAI's, documented above). host: the address it listens on, which the Host header
-    must name (HostCheck), or one of allowed_hosts; a browser's Origin must be the server's own or allowed_origins."""
+    """The FastAPI app; with api_key every route needs it but the page and /health's liveness (FastAPI's own docs
+    pages are off: they could not send it, and the API is OpenAI's, documented above). host: the address it listens
+    on, which the Host header must name (HostCheck), or one of allowed_hosts; a browser's Origin must be the server's
+    own or allowed_origins."""
     app = FastAPI(title="nanochat-TRM", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Gate, metrics=server.metrics, hosts=HostCheck(host, allowed_hosts), origins=allowed_origins)
     keyed = [Security(key_checker(api_key))] if api_key else []  # every route's but /health's dependencies
@@ -374,8 +376,10 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
         return error_response(e.status_code, str(e.detail))
 
     @app.get("/health")
-    async def health():
-        return server.health()
+    async def health(holds_key: bool = Security(key_holder(api_key))):
+        # liveness for anyone (a load balancer's probe sends no key); the model, its limits and its load only to a
+        # caller that could use them anyway: one with the key, when the server has one
+        return server.health() if holds_key else {"status": "ok"}
 
     @app.get("/metrics", dependencies=keyed)
     async def metrics():
