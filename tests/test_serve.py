@@ -1193,10 +1193,10 @@ def test_concurrent_requests_generate_together_and_get_what_they_get_alone(train
     assert together == [1, 6, 6, 5, 4, 4, 4, 3, 3] and set(engine.step_sizes[len(together):]) == {1}
 
 
-def test_a_request_of_another_depth_waits_for_the_batch_to_drain_and_none_waits_forever(trained):
-    """While a batch of n_sup 1 runs, a request of n_sup 2 waits for it to drain; a later n_sup 1 request does not
-    join the running batch past it (the oldest waiting sets the next batch's depth) and runs last. Each gets its text
-    alone."""
+def test_a_request_of_another_depth_starts_at_the_next_round_without_waiting_for_a_drain(trained):
+    """While a batch of n_sup 1 runs (4 tokens), a request of n_sup 2 starts in a batch of its own at the next round
+    (a round steps each depth's batch once) rather than waiting for the first batch to drain, and a later n_sup 1
+    request joins the running batch. Each gets its text alone."""
     engine, http = held_server(trained, queue_timeout=5, max_concurrency=4)
     bodies = [{**REQUEST, "n_sup": 1, "max_tokens": 4}, {**REQUEST, "n_sup": 2}, {**REQUEST, "n_sup": 1, "prompt": "a"}]
     with running(http) as base_url:
@@ -1212,7 +1212,8 @@ def test_a_request_of_another_depth_waits_for_the_batch_to_drain_and_none_waits_
         depths, sizes = list(engine.step_depths), list(engine.step_sizes)
         alone = [post(base_url, body).json()["choices"][0]["text"] for body in bodies]
     assert [r.json()["choices"][0]["text"] for r in results] == alone
-    assert depths == [1] * 4 + [2] * 3 + [1] * 3 and sizes == [1] * 10
+    # round 1: the first request's first token; then rounds of both batches, until all three have their tokens
+    assert depths == [1, 1, 2, 1, 2, 1, 2] and sizes == [1, 2, 1, 2, 1, 2, 1]
 
 
 def test_a_long_request_holds_no_later_short_one_waiting(trained):
