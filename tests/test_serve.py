@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from nanochat.model.engine import Batch, Engine
 from nanochat.serve.api import AUTO_HALTING, MAX_BODY_BYTES, token_offsets
+from nanochat.serve.batcher import Batcher
 from nanochat.serve.http import HostCheck, guarded_http
 from nanochat.serve.server import Server, create_app
 from nanochat.serve.stops import Choice
@@ -612,6 +613,7 @@ class HeldBatch(Batch):
         engine.tokens_made += 1
         engine.step_sizes.append(len(out))
         engine.step_depths.append(self.n_sup)
+        engine.step_ends.append(time.monotonic())
         return out
 
 
@@ -622,6 +624,7 @@ class HeldEngine(Engine):
         super().__init__(model, tokenizer)
         self.go, self.free, self.pace, self.tokens_made = threading.Event(), free, pace, 0
         self.step_sizes, self.step_depths = [], []  # requests in the batch and its n_sup at each step, in order
+        self.step_ends = []  # and when it ended
 
     def stop_tokens(self):
         return set()
@@ -630,11 +633,11 @@ class HeldEngine(Engine):
         return HeldBatch(self, n_sup, halting)
 
 
-def held_server(trained, queue_timeout=0.2, max_concurrency=1, **engine_kwargs):
+def held_server(trained, queue_timeout=0.2, max_concurrency=1, per_client=None, **engine_kwargs):
     _, model, tokenizer = trained
     engine = HeldEngine(model, tokenizer, **engine_kwargs)
     server = Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=max_concurrency,
-                          queue_timeout=queue_timeout)
+                    queue_timeout=queue_timeout, max_concurrency_per_client=per_client)
     return engine, uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off"))
 
 
@@ -737,9 +740,9 @@ def test_a_stream_whose_client_left_logs_nothing(trained, monkeypatch, caplog, r
         assert engine.go.wait(timeout=10)
         yield from events
 
-    async def acquire_recording_the_loop(self):
+    async def acquire_recording_the_loop(self, client):
         loops.append(asyncio.get_running_loop())
-        await acquire(self)
+        await acquire(self, client)
 
     monkeypatch.setattr(refinement, "generate", held)
     monkeypatch.setattr(Server, "acquire", acquire_recording_the_loop)
@@ -789,7 +792,7 @@ def test_help_gives_every_flags_default(capsys):
         serve.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert e.value.code == 0
-    for default in ["(default: latest)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
+    for default in ["(default: latest)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 20)",
                     "(default: 30.0)", "(default: 8)", "(default: 256)", "(default: the newest)",
                     "(default: context)", "(default: autodetect)"]:
         assert default in out, default
@@ -929,8 +932,10 @@ def test_a_key_allow_no_auth_or_a_loopback_host_may_start(trained, monkeypatch, 
 
 
 def guarded_server(trained, read_timeout, max_connections, **limits):
+    """Every connection from one address (the test's) may take all max_connections, unless limits say otherwise."""
     _, model, tokenizer = trained
     server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    limits = {"max_connections_per_client": max_connections, **limits}
     http = guarded_http(read_timeout, max_connections, refused=server.metrics.refused, **limits)
     return uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off", http=http))
 
@@ -944,10 +949,13 @@ def answer(sock, timeout=10):
     return data
 
 
-def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped(trained):
-    http = guarded_server(trained, read_timeout=1.0, max_connections=2)
+def test_a_slow_client_is_cut_off_by_the_header_and_read_timeouts_and_connections_are_capped(trained):
+    """Headers that have not all come within --header_timeout get a 408 naming it; a request whose headers came but
+    whose body stalls has the rest of --read_timeout, counted from its start."""
+    http = guarded_server(trained, read_timeout=1.5, max_connections=2, header_timeout=0.5)
     with running(http) as base_url:
         port = int(base_url.rsplit(":", 1)[1])
+        start = time.monotonic()
         slow = socket.create_connection(("127.0.0.1", port))
         slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                      b"content-length: 100\r\n\r\n{\"prompt\"")  # stalls
@@ -956,11 +964,12 @@ def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped
         third = socket.create_connection(("127.0.0.1", port))
         refused = answer(third, timeout=5)
         assert refused.startswith(b"HTTP/1.1 503 ") and b"--max_connections" in refused
-        start = time.monotonic()
-        for sock in (slow, idle):
-            timed_out = answer(sock)
-            assert timed_out.startswith(b"HTTP/1.1 408 ") and b"--read_timeout" in timed_out
-        assert time.monotonic() - start < 3
+        timed_out = answer(idle)
+        assert timed_out.startswith(b"HTTP/1.1 408 ") and b"--header_timeout" in timed_out
+        assert time.monotonic() - start < 1.2
+        timed_out = answer(slow)
+        assert timed_out.startswith(b"HTTP/1.1 408 ") and b"--read_timeout" in timed_out
+        assert 1.4 < time.monotonic() - start < 3
         assert post(base_url, REQUEST).status_code == 200  # served again, and a whole request is not cut off
         with httpx.Client(base_url=base_url, timeout=30) as client:  # a kept-alive connection's later requests too
             assert [client.post("/v1/completions", json=REQUEST).status_code for _ in range(3)] == [200] * 3
@@ -969,6 +978,8 @@ def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped
             sock.close()
     assert 'nanochat_requests_total{route="(connection)",status="503"} 1.0' in metrics
     assert 'nanochat_requests_total{route="(connection)",status="408"} 2.0' in metrics
+    for reason in ("max_connections", "header_timeout", "read_timeout"):
+        assert f'nanochat_refused_connections_total{{reason="{reason}"}} 1.0' in metrics
 
 
 def pipeline_unread(port, request, seconds=2.0):
@@ -1022,6 +1033,97 @@ def test_a_client_that_never_reads_is_dropped_after_the_write_timeout(trained):
             assert time.monotonic() - start < 3.0 + 3.0  # the write timeout, and a quarter of it between checks
         metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
     assert "\nnanochat_write_timeouts_total 3.0\n" in metrics  # each dropped client counted once
+    assert 'nanochat_refused_connections_total{reason="write_timeout"} 3.0' in metrics
+
+
+ATTACKER = "127.0.0.2"  # another client to a server on 127.0.0.1: Linux routes all of 127.0.0.0/8 to loopback
+
+
+def attacker_socket(port, receive_buffer=None):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)  # before connecting: it sets the window
+    sock.settimeout(5)
+    sock.bind((ATTACKER, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def slow_headers(port, stop, answers):
+    """One header byte every 1.5 s, a new connection once the server answers (a 408, or a 503 at the cap)."""
+    request = b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\r\n"
+    while not stop.is_set():
+        try:
+            with attacker_socket(port) as sock:
+                for byte in request:
+                    sock.send(bytes([byte]))
+                    if select.select([sock], [], [], 1.5)[0] or stop.is_set():
+                        answers.append(sock.recv(4096))
+                        break
+        except OSError:  # reset before it could read the answer
+            pass
+        stop.wait(0.05)
+
+
+def non_reader(port, stop, sockets):
+    """Every 0.3 s a new connection asks for a long streamed answer at the most steps, and never reads it."""
+    raw = json.dumps({"prompt": "the", "max_tokens": 32, "n": 8, "n_sup": 6, "stream": True}).encode()
+    while not stop.is_set():
+        try:
+            sock = attacker_socket(port, receive_buffer=4096)
+            sockets.append(sock)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % len(raw) + raw)
+        except OSError:  # refused at the cap and closed as it sent
+            pass
+        stop.wait(0.3)
+
+
+def test_one_address_with_slow_and_non_reading_sockets_cannot_lock_out_another(trained):
+    """Issue 56: from 127.0.0.2, six sockets trickle headers (one byte every 1.5 s, reconnecting after their 408)
+    and two threads open a connection every 0.3 s for a long streamed answer they never read. Under caps of 4 of the
+    8 connections and 2 of the 4 generation slots per address, every request from 127.0.0.1 is served in under 1 s,
+    at the model's own depth (another batch than the attacker's n_sup 6). Before, the same address could take every
+    connection and every slot."""
+    _, model, tokenizer = trained
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=4,
+                    max_concurrency_per_client=2, queue_timeout=5)
+    http = guarded_http(read_timeout=5, max_connections=8, refused=server.metrics.refused, header_timeout=2,
+                        max_connections_per_client=4)
+    stop, answers, sockets, times = threading.Event(), [], [], []
+    with running(uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off",
+                                               http=http))) as base_url:
+        port = int(base_url.rsplit(":", 1)[1])
+        attackers = [threading.Thread(target=slow_headers, args=(port, stop, answers)) for _ in range(6)]
+        attackers += [threading.Thread(target=non_reader, args=(port, stop, sockets)) for _ in range(2)]
+        try:
+            for thread in attackers:
+                thread.start()
+            time.sleep(1.0)  # the attack is under way: connections and slots taken
+            for i in range(8):
+                path, body = (("/v1/completions", {"prompt": "the cat", "max_tokens": 4}) if i % 2 else
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 4}))
+                start = time.monotonic()
+                r = httpx.post(f"{base_url}{path}", json=body, timeout=10)  # a new connection each
+                times.append(time.monotonic() - start)
+                assert r.status_code == 200, r.text
+                time.sleep(0.25)
+            metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
+        finally:
+            stop.set()
+            for thread in attackers:
+                thread.join(timeout=5)
+            for sock in sockets:
+                sock.close()
+    assert not any(thread.is_alive() for thread in attackers)
+    assert max(times) < 1.0, [f"{t:.2f} s" for t in times]
+    assert any(a.startswith(b"HTTP/1.1 408 ") and b"--header_timeout" in a for a in answers)
+    assert any(a.startswith(b"HTTP/1.1 503 ") and b"--max_connections_per_client" in a for a in answers)
+    refused = metric_samples(metrics)
+    assert refused[("nanochat_refused_connections_total", (("reason", "header_timeout"),))] >= 1
+    assert refused[("nanochat_refused_connections_total", (("reason", "max_connections_per_client"),))] >= 1
+    assert ("nanochat_refused_connections_total", (("reason", "max_connections"),)) not in refused  # 8 never full
 
 
 def test_answers_on_a_reused_connection_do_not_wait_for_a_delayed_ack(url):
@@ -1229,3 +1331,61 @@ def test_a_long_request_holds_no_later_short_one_waiting(trained):
             assert worker.is_alive()  # its 28 tokens take 4.2 s at least; each short one's 3 take 0.45 s
         worker.join(timeout=30)
         assert long["r"].status_code == 200 and long["r"].json()["usage"]["completion_tokens"] == 28
+
+
+def test_a_short_request_beside_another_clients_looping_heavy_ones_waits_for_neither_slot_nor_drain(trained,
+                                                                                                     monkeypatch):
+    """Issue 56: eight threads of one client (127.0.0.2) loop requests of 4 rows x 24 tokens at n_sup 2, each step
+    held 20 ms; another client's (127.0.0.1) requests of 3 tokens at the model's depth take a slot at once (the first
+    client holds at most 4 of the 5) and join at the next round (one step of each depth's batch), so each is
+    answered within its tokens plus one rounds: at most 4 heavy steps end between its arrival at the batcher and its
+    last token. Before, each waited for a heavy request to end (24 steps), then for the heavy batch to drain."""
+    engine, http = held_server(trained, queue_timeout=30, max_concurrency=5, per_client=4, free=10**6, pace=0.02)
+    heavy = {"prompt": "the", "max_tokens": 24, "n": 4, "n_sup": 2, "temperature": 1.0}
+    stop, served, times, waits, submitted = threading.Event(), [], [], [], []
+    acquire, submit = Server.acquire, Batcher.submit
+
+    async def timed_acquire(self, client):
+        start = time.monotonic()
+        await acquire(self, client)
+        if client == "127.0.0.1":
+            waits.append(time.monotonic() - start)
+
+    def recorded_submit(self, request, stats):
+        if request.n_sup != heavy["n_sup"]:
+            submitted.append(time.monotonic())
+        return submit(self, request, stats)
+
+    monkeypatch.setattr(Server, "acquire", timed_acquire)
+    monkeypatch.setattr(Batcher, "submit", recorded_submit)
+
+    def loop(base_url):
+        with httpx.Client(base_url=base_url, timeout=30,
+                          transport=httpx.HTTPTransport(local_address=ATTACKER)) as client:
+            while not stop.is_set():
+                served.append(client.post("/v1/completions", json=heavy).status_code)
+
+    with running(http) as base_url:
+        heavy_clients = [threading.Thread(target=loop, args=(base_url,)) for _ in range(8)]
+        try:
+            for thread in heavy_clients:
+                thread.start()
+            wait_until_running(base_url, 4)  # the heavy client holds its share: its other four wait
+            for _ in range(5):
+                start = time.monotonic()
+                r = post(base_url, REQUEST)
+                times.append(time.monotonic() - start)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            assert httpx.get(f"{base_url}/health").json()["running"] == 4  # still busy beside it
+        finally:
+            stop.set()
+            for thread in heavy_clients:
+                thread.join(timeout=20)
+    assert not any(thread.is_alive() for thread in heavy_clients) and set(served) == {200}
+    assert len(waits) == 5 and max(waits) < 0.01, waits  # a slot at once: no wait behind the heavy ones
+    steps = list(zip(engine.step_depths, engine.step_ends))
+    for arrived in submitted:
+        own = [end for depth, end in steps if depth != heavy["n_sup"] and end > arrived][:3]
+        heavy_steps = sum(depth == heavy["n_sup"] and arrived < end <= own[-1] for depth, end in steps)
+        assert len(own) == 3 and heavy_steps <= 4, (heavy_steps, steps)
+    assert max(times) < 3.0, [f"{t:.2f} s" for t in times]  # ~0.5 s on 2 busy cores; 20 ms a step is the least
