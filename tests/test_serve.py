@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from nanochat.model.engine import Batch, Engine
 from nanochat.serve.api import AUTO_HALTING, MAX_BODY_BYTES, token_offsets
 from nanochat.serve.batcher import Batcher
-from nanochat.serve.http import HostCheck, guarded_http
+from nanochat.serve.http import HostCheck, client_key, guarded_http
 from nanochat.serve.server import Server, create_app
 from nanochat.serve.stops import Choice
 from scripts import serve
@@ -1138,13 +1138,36 @@ def test_answers_on_a_reused_connection_do_not_wait_for_a_delayed_ack(url):
     assert sorted(times[5:])[len(times[5:]) // 2] < 0.02, [f"{t * 1000:.1f} ms" for t in times]
 
 
-@pytest.mark.parametrize("flag", ["--read_timeout=0", "--read_timeout=nan", "--write_timeout=inf",
-                                  "--max_connections=0"])
-def test_bad_limits_are_refused_in_one_line(flag, capsys):
+@pytest.mark.parametrize("flags", [["--read_timeout=0"], ["--read_timeout=nan"], ["--write_timeout=inf"],
+                                   ["--max_connections=0"], ["--header_timeout=0"], ["--max_connections_per_client=0"],
+                                   ["--max_concurrency_per_client=0"], ["--header_timeout=31"],
+                                   ["--read_timeout=2", "--header_timeout=3"],
+                                   ["--max_connections=8", "--max_connections_per_client=9"],
+                                   ["--max_concurrency=4", "--max_concurrency_per_client=5"]])
+def test_bad_limits_are_refused_in_one_line(flags, capsys):
     with pytest.raises(SystemExit):
-        serve.parse_args([flag, "--device_type=cpu"])
+        serve.parse_args([*flags, "--device_type=cpu"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert flag.split("=")[0] in err[-1]
+    assert flags[-1].split("=")[0] in err[-1] and "must be" in err[-1]
+
+
+@pytest.mark.parametrize("flags,header,connections,slots", [
+    ([], 5.0, 64, 16),  # the defaults: 5 s, a quarter of 256 connections, 20 slots less a fifth
+    (["--read_timeout=2", "--max_connections=6", "--max_concurrency=16"], 2.0, 1, 13),
+    (["--max_concurrency=1", "--max_connections=1"], 5.0, 1, 1),  # no share below one
+    (["--header_timeout=1.5", "--max_connections_per_client=256", "--max_concurrency_per_client=20"], 1.5, 256, 20)])
+def test_the_per_client_shares_and_the_header_deadline_default_to_parts_of_the_totals(flags, header, connections,
+                                                                                      slots):
+    args = serve.parse_args([*flags, "--device_type=cpu"])
+    assert (args.header_timeout, args.max_connections_per_client, args.max_concurrency_per_client) == \
+        (header, connections, slots)
+
+
+def test_a_client_is_its_ipv4_address_or_its_ipv6_64():
+    assert client_key("192.0.2.7") == "192.0.2.7" and client_key("::ffff:192.0.2.7") == "192.0.2.7"
+    assert client_key("2001:db8:1:2:aaaa::1") == client_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:3::1") != client_key("2001:db8:1:2::1")
+    assert client_key("fe80::1%eth0") == "fe80::/64" and client_key("testclient") == "testclient"
 
 
 # ---------------------------------------------------------------- fuzzing the request body
