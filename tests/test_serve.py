@@ -1319,11 +1319,11 @@ def test_concurrent_requests_generate_together_and_get_what_they_get_alone(train
 
 
 def test_a_request_of_another_depth_starts_at_the_next_round_without_waiting_for_a_drain(trained):
-    """While a batch of n_sup 1 runs (4 tokens), a request of n_sup 2 starts in a batch of its own at the next round
-    (a round steps each depth's batch once) rather than waiting for the first batch to drain, and a later n_sup 1
-    request joins the running batch. Each gets its text alone."""
+    """While a batch of n_sup 2 runs (4 tokens), a request of n_sup 3 starts in a batch of its own at the next round
+    (a round steps each batch once) rather than waiting for the first batch to drain, and a later n_sup 1 request
+    joins the running n_sup 2 batch, answering from its own first step. Each gets its text alone."""
     engine, http = held_server(trained, queue_timeout=5, max_concurrency=4)
-    bodies = [{**REQUEST, "n_sup": 1, "max_tokens": 4}, {**REQUEST, "n_sup": 2}, {**REQUEST, "n_sup": 1, "prompt": "a"}]
+    bodies = [{**REQUEST, "n_sup": 2, "max_tokens": 4}, {**REQUEST, "n_sup": 3}, {**REQUEST, "n_sup": 1, "prompt": "a"}]
     with running(http) as base_url:
         results = [None] * len(bodies)
         senders = [threading.Thread(target=lambda i=i: results.__setitem__(i, post(base_url, bodies[i])))
@@ -1338,7 +1338,7 @@ def test_a_request_of_another_depth_starts_at_the_next_round_without_waiting_for
         alone = [post(base_url, body).json()["choices"][0]["text"] for body in bodies]
     assert [r.json()["choices"][0]["text"] for r in results] == alone
     # round 1: the first request's first token; then rounds of both batches, until all three have their tokens
-    assert depths == [1, 1, 2, 1, 2, 1, 2] and sizes == [1, 2, 1, 2, 1, 2, 1]
+    assert depths == [2, 2, 3, 2, 3, 2, 3] and sizes == [1, 2, 1, 2, 1, 2, 1]
 
 
 def test_a_long_request_holds_no_later_short_one_waiting(trained):

@@ -62,10 +62,11 @@ class Job:
 
 class Batcher:
     """Requests generate together in engine Batches, stepped token by token on a thread of its own (continuous
-    batching): a waiting request joins the batch of its depth (n_sup and halting) at the next round, one starting if
-    none runs, and a finished one leaves at once, freeing its rows, so a long request holds no later one waiting.
-    A round steps each depth's batch once, oldest first: a request of another depth starts at the next round instead
-    of waiting for a running batch to drain, and each of its tokens costs one round (one step of every batch)."""
+    batching): a waiting request joins, at the next round, the oldest running batch that admits it (its depth: n_sup
+    and halting rule; without halting, any batch of at least its n_sup, its rows answering from their own step), or
+    starts one of its own, and a finished one leaves at once, freeing its rows, so a long request holds no later one
+    waiting. A round steps each batch once, oldest first: a request of another depth never waits for a running batch
+    to drain, and each of its tokens costs at most one round (one step of every batch)."""
 
     DONE = object()  # the end of a request's columns
 
@@ -105,22 +106,22 @@ class Batcher:
             return joining
 
     def run(self):
-        batches = {}  # (n_sup, halting) -> (its Batch, {each Member: (its column queue, its closed Event)})
+        batches = []  # (a Batch, {each Member: (its column queue, its closed Event)}), oldest first
         while True:
             for request, out, closed, stats in self.take(batches):
-                depth = (request.n_sup, request.halting)
-                if depth not in batches:
-                    batches[depth] = (self.engine.new_batch(*depth), {})
-                batch, entries = batches[depth]
+                batch, entries = next(((b, e) for b, e in batches if b.admits(request)), (None, None))
+                if batch is None:
+                    batch, entries = self.engine.new_batch(request.n_sup, request.halting), {}
+                    batches.append((batch, entries))
                 member = batch.add(request, stats)
                 if member.finished:  # max_tokens 0: nothing to generate
                     out.put(self.DONE)
                     continue
                 entries[member] = (out, closed)
                 self.observe(len(batch))
-            for depth, (batch, entries) in list(batches.items()):
-                if not self.step(batch, entries) or not batch:  # failed, or drained
-                    del batches[depth]
+            for running in list(batches):
+                if not self.step(*running) or not running[0]:  # failed, or drained
+                    batches.remove(running)
 
     def step(self, batch, entries):
         """One token for each request of the batch, sent to its queue; False when the step failed (every request of
