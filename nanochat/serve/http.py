@@ -64,7 +64,9 @@ class GuardedHTTP(H11Protocol):
     and one address could hold them all. Subclassed by guarded_http."""
     read_timeout, header_timeout, write_timeout = READ_TIMEOUT_S, HEADER_TIMEOUT_S, WRITE_TIMEOUT_S
     max_connections, max_connections_per_client = MAX_CONNECTIONS, int(MAX_CONNECTIONS * CLIENT_SHARE)
-    per_client = Counter()  # open connections by client_key; guarded_http gives each server a Counter of its own
+    # the connections let in and open, by client_key (one refused is no share of the caps, however many arrive);
+    # guarded_http gives each server a Counter of its own
+    per_client = Counter()
     # told the status and reason of every answer given here, not by the app
     refused = staticmethod(lambda status, reason: None)
 
@@ -72,8 +74,7 @@ class GuardedHTTP(H11Protocol):
         super().connection_made(transport)
         self.deadline = self.write_deadline = self.unread_watch = self.phase = None
         self.dropped = False
-        self.key = client_key(self.client[0] if self.client else None)
-        self.per_client[self.key] += 1
+        self.key, self.admitted = client_key(self.client[0] if self.client else None), False
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # asyncio sets it only on sockets made with proto IPPROTO_TCP, and socket.create_server's are proto 0:
@@ -82,15 +83,17 @@ class GuardedHTTP(H11Protocol):
         # pause as soon as anything waits in user space (the kernel's buffers are full: the client is not reading),
         # so that the write deadline runs from then, and a response cannot complete with bytes still queued here
         transport.set_write_buffer_limits(high=0)
-        if len(self.connections) > self.max_connections:
+        if self.per_client.total() >= self.max_connections:
             self.refuse(503, "Service Unavailable", f"server busy: {self.max_connections} connections open "
                                                     f"(--max_connections); retry later", "max_connections")
-        elif self.per_client[self.key] > self.max_connections_per_client:
+        elif self.per_client[self.key] >= self.max_connections_per_client:
             self.refuse(503, "Service Unavailable", f"server busy: your address has {self.max_connections_per_client} "
                                                     f"connections open, the most one client may "
                                                     f"(--max_connections_per_client); close one or retry later",
                         "max_connections_per_client")
         else:
+            self.admitted = True
+            self.per_client[self.key] += 1
             self.watch()
 
     def data_received(self, data):
@@ -114,9 +117,10 @@ class GuardedHTTP(H11Protocol):
             self.deadline = self.loop.call_later(max(0.0, self.began + limit - self.loop.time()), self.timed_out)
 
     def connection_lost(self, exc):
-        self.per_client[self.key] -= 1
-        if not self.per_client[self.key]:  # the Counter holds the clients connected now, not all ever seen
-            del self.per_client[self.key]
+        if self.admitted:
+            self.per_client[self.key] -= 1
+            if not self.per_client[self.key]:  # the Counter holds the clients connected now, not all ever seen
+                del self.per_client[self.key]
         self.disarm()
         self.stop_write_deadline()
         if self.unread_watch is not None:
