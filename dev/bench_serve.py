@@ -22,6 +22,14 @@ depth, and the table gains the depth, the mean supervision steps a generated tok
 with --score N, the answer bpb: N held-out windows of the corpus under $NANOCHAT_BASE_DIR, each sent with echo and
 logprobs (max_tokens 0) at that depth, bits per byte of their last --max_tokens tokens. With --score, the load's
 prompts are held-out text too (the windows' starts), not random tokens.
+
+One client beside heavy ones (issue 56): --heavy 16 runs, instead of the levels, 16 clients that loop HEAVY for
+--level_seconds from 127.0.0.1, while one client from --short_address (another loopback address: another client to
+the server) sends SHORT, a chat request for 4 tokens, one after another; it prints the short request's latency
+(p50, p99, max) and the tokens/s of all (heavy and short, over the wall time). The heavy request asks for 128 tokens:
+the tiny checkpoint's server needs --max_tokens_limit 128.
+
+OMP_NUM_THREADS=1 python -m dev.bench_serve --heavy 16 --level_seconds 60 --max_tokens_limit 128
 """
 
 import argparse
@@ -48,6 +56,8 @@ from nanochat.files import get_base_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = "503 server_busy"  # the one error kind a bounded server is meant to give under load
+HEAVY = {"prompt": "x", "max_tokens": 128, "n": 8, "n_sup": 8}  # issue 56's: 8 rows of 128 tokens at 8 steps
+SHORT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}  # an honest chat request
 
 
 def parse_args(argv=None):
@@ -63,7 +73,13 @@ def parse_args(argv=None):
                                                                           "(default: the server's default)")
     parser.add_argument("--queue_timeout", type=float, default=None, help="the server's --queue_timeout (default: "
                                                                           "the server's default)")
+    parser.add_argument("--max_tokens_limit", type=int, default=None, help="the server's --max_tokens_limit "
+                                                                           "(default: the server's default)")
     parser.add_argument("--request_timeout", type=float, default=60.0, help="client timeout of one request (s)")
+    parser.add_argument("--heavy", type=int, default=0, help="instead of the levels: this many clients loop HEAVY "
+                        "while one client from --short_address sends SHORT again and again (see above)")
+    parser.add_argument("--short_address", default="127.0.0.2",
+                        help="the loopback address the short client connects from (127.0.0.1: the heavy clients')")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n_sup", default="all", help="comma-separated depths, each run at every level on the same "
                         "prompts and seeds: all (the model's), a number of steps, or RULE:THRESHOLD to halt per token "
@@ -84,6 +100,8 @@ def parse_args(argv=None):
         args.levels = [int(n) for n in args.concurrency.split(",")]
     except ValueError:
         parser.error(f"--concurrency={args.concurrency}: write comma-separated integers, such as 1,4,16")
+    if args.heavy < 0:
+        parser.error(f"--heavy={args.heavy}: must be >= 1, or 0 for the levels")
     if min(args.levels) < 1 or args.requests < 1 or args.max_tokens < 1 or args.level_seconds <= 0:
         parser.error("--concurrency levels, --requests and --max_tokens must be >= 1, --level_seconds > 0")
     return args
@@ -108,6 +126,7 @@ def server(base_dir, model_tag, api_key, args):
            "--device_type", "cpu"]
     cmd += [] if args.max_concurrency is None else ["--max_concurrency", str(args.max_concurrency)]
     cmd += [] if args.queue_timeout is None else ["--queue_timeout", str(args.queue_timeout)]
+    cmd += [] if getattr(args, "max_tokens_limit", None) is None else ["--max_tokens_limit", str(args.max_tokens_limit)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 180
@@ -192,6 +211,78 @@ async def run_level(base_url, api_key, concurrency, prompts, args, n_sup=None, c
     return results, time.perf_counter() - started
 
 
+async def timed_post(client, path, body):
+    """(error kind or None, latency s, completion tokens) of one non-streamed request."""
+    start = time.perf_counter()
+    try:
+        r = await client.post(path, json=body)
+    except httpx.HTTPError as e:
+        return type(e).__name__, time.perf_counter() - start, 0
+    latency = time.perf_counter() - start
+    if r.status_code != 200:
+        return f"{r.status_code} {r.json().get('error', {}).get('code')}", latency, 0
+    return None, latency, r.json().get("usage", {}).get("completion_tokens", 0)
+
+
+async def run_heavy(base_url, api_key, heavy, short, args):
+    """args.heavy clients loop the heavy body from 127.0.0.1 while one client from args.short_address sends the
+    short chat request, after a second of load, then after each answer and a pause of 0.2 s; no new request after
+    args.level_seconds. ([heavy results], [short results], seconds), each result as timed_post gives it."""
+    headers, started = {"Authorization": f"Bearer {api_key}"}, time.perf_counter()
+    heavy_results, short_results = [], []
+    limits = httpx.Limits(max_connections=args.heavy, max_keepalive_connections=args.heavy)
+    short_transport = httpx.AsyncHTTPTransport(local_address=args.short_address)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
+                                 timeout=args.request_timeout) as heavy_client, \
+            httpx.AsyncClient(base_url=base_url, headers=headers, transport=short_transport,
+                              timeout=args.request_timeout) as short_client:
+        running = lambda: time.perf_counter() - started < args.level_seconds  # noqa: E731
+
+        async def heavy_loop():
+            while running():
+                heavy_results.append(await timed_post(heavy_client, "/v1/completions", heavy))
+
+        async def short_loop():
+            await asyncio.sleep(1.0)  # the heavy clients' first requests are running
+            while running():
+                short_results.append(await timed_post(short_client, "/v1/chat/completions", short))
+                await asyncio.sleep(0.2)
+
+        await asyncio.gather(*(heavy_loop() for _ in range(args.heavy)), short_loop())
+    return heavy_results, short_results, time.perf_counter() - started
+
+
+def summarize_heavy(clients, heavy_results, short_results, seconds):
+    """The table row of a --heavy run, and its error kinds that are defects (any but a full server's 503)."""
+    results = heavy_results + short_results
+    short_ok = [latency for error, latency, _ in short_results if error is None]
+    errors = Counter(error for error, _, _ in results if error is not None)
+    row = (f"| {clients} | {sum(error is None for error, _, _ in heavy_results)} | {len(short_results)} | "
+           f"{len(short_ok)} | {percentile_ms(short_ok, 50)} | {percentile_ms(short_ok, 99)} | "
+           f"{percentile_ms(short_ok, 100)} | {sum(tokens for _, _, tokens in results) / seconds:.1f} | "
+           f"{seconds:.1f} | {', '.join(f'{kind}: {n}' for kind, n in sorted(errors.items())) or 'none'} |")
+    return row, {kind: n for kind, n in errors.items() if kind != EXPECTED}
+
+
+def heavy_run(base_url, api_key, health, args):
+    """Print a --heavy run's bodies and table row; returns its defects. The heavy body is clipped to what the
+    server allows (its max_tokens_limit and n_sup_max)."""
+    heavy = {**HEAVY, "max_tokens": min(HEAVY["max_tokens"], health["max_tokens_limit"]),
+             "n_sup": min(HEAVY["n_sup"], health["n_sup_max"])}
+    print(f"model {health['model_tag']} step {health['step']}; server --max_concurrency {health['max_concurrency']}; "
+          f"{args.heavy} heavy clients from 127.0.0.1 loop {json.dumps(heavy)}; one client from "
+          f"{args.short_address} sends {json.dumps(SHORT)} (n_sup {health['n_sup_inference']}, the model's) after "
+          f"each answer and 0.2 s; {args.level_seconds:.0f} s; OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    heavy_results, short_results, seconds = asyncio.run(run_heavy(base_url, api_key, heavy, SHORT, args))
+    row, defects = summarize_heavy(args.heavy, heavy_results, short_results, seconds)
+    print("| heavy clients | heavy ok | short requests | short ok | short p50 ms | short p99 ms | short max ms | "
+          "tokens/s | seconds | errors |")
+    print("|---" * 10 + "|")
+    print(row, flush=True)
+    return defects
+
+
 def percentile_ms(values, q, decimals=0):
     return f"{np.percentile(values, q) * 1000:.{decimals}f}" if values else "-"
 
@@ -271,6 +362,49 @@ def trained_tiny_checkpoint(base_dir):
     return MODEL_TAG
 
 
+def levels_run(proc, base_url, api_key, health, model_tag, args):
+    """Print the levels' table (every level at every depth and kind of connection); returns its defects."""
+    context = health["sequence_len"]
+    args.max_tokens = min(args.max_tokens, health["max_tokens_limit"])
+    rng = random.Random(args.seed)
+    lengths = sorted({max(1, context // 10), max(1, context // 2), max(1, context * 9 // 10)})
+    if args.score:
+        windows, tokenizer = held_out_windows(args.score, context, args.seed)
+        prompts = [windows[i][:n] for i, n in enumerate(lengths)]  # held-out text the answers continue
+    else:
+        prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]  # byte tokens: in every vocabulary
+    print(f"model {model_tag} step {health['step']} (context {context}); server --max_concurrency "
+          f"{health['max_concurrency']} --queue_timeout {args.queue_timeout or 'default'}; {args.requests} "
+          f"requests per level "
+          f"(at most {args.level_seconds:.0f} s), max_tokens {args.max_tokens}, prompts of {lengths} tokens "
+          f"({'held-out text' if args.score else 'random'}), half streamed; "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    bpb = {}
+    for n_sup in args.depths if args.score else ():
+        bpb[n_sup] = answer_bpb(base_url, api_key, windows, args.max_tokens, tokenizer, n_sup)
+    rss_before = rss_mib(proc.pid)
+    compare = args.depths != [None] or args.score
+    depth = "n_sup | steps/token | answer bpb | " if compare else ""
+    print(f"| clients | connections | {depth}requests | ok | ok req/s | tokens/s | p50 ms | p99 ms | "
+          f"TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | RSS MiB | errors |")
+    print("|---" * (13 + 3 * bool(compare)) + "|")
+    defects = Counter()
+    for concurrency in args.levels:
+        # interleaved, so that the machine's load falls on every depth and kind of connection alike
+        for n_sup, kind in itertools.product(args.depths, args.kinds):
+            before = steps_counter(base_url, api_key)
+            results, seconds = asyncio.run(run_level(base_url, api_key, concurrency, prompts, args, n_sup, kind))
+            after = steps_counter(base_url, api_key)
+            steps = (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else None
+            depth = (n_sup, steps, bpb.get(n_sup)) if compare else None
+            row, level_defects = summarize(concurrency, results, seconds, rss_mib(proc.pid), depth, kind)
+            print(row, flush=True)
+            defects.update(level_defects)
+    fmt = lambda mib: "n/a" if mib is None else f"{mib:.0f} MiB"  # noqa: E731
+    print(f"server RSS: {fmt(rss_before)} before the first level, {fmt(rss_mib(proc.pid))} after the last")
+    return defects
+
+
 def main(argv=None):
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as scratch:
@@ -281,47 +415,11 @@ def main(argv=None):
         api_key = secrets.token_urlsafe(24)
         with server(base_dir, model_tag, api_key, args) as (proc, base_url):
             health = httpx.get(f"{base_url}/health").json()
-            context = health["sequence_len"]
-            args.max_tokens = min(args.max_tokens, health["max_tokens_limit"])
-            rng = random.Random(args.seed)
-            lengths = sorted({max(1, context // 10), max(1, context // 2), max(1, context * 9 // 10)})
-            if args.score:
-                windows, tokenizer = held_out_windows(args.score, context, args.seed)
-                prompts = [windows[i][:n] for i, n in enumerate(lengths)]  # held-out text the answers continue
+            if args.heavy:
+                defects = Counter(heavy_run(base_url, api_key, health, args))
             else:
-                prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]  # byte tokens: in every vocabulary
-            print(f"model {model_tag} step {health['step']} (context {context}); server --max_concurrency "
-                  f"{health['max_concurrency']} --queue_timeout {args.queue_timeout or 'default'}; {args.requests} "
-                  f"requests per level "
-                  f"(at most {args.level_seconds:.0f} s), max_tokens {args.max_tokens}, prompts of {lengths} tokens "
-                  f"({'held-out text' if args.score else 'random'}), half streamed; "
-                  f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-            bpb = {}
-            for n_sup in args.depths if args.score else ():
-                bpb[n_sup] = answer_bpb(base_url, api_key, windows, args.max_tokens, tokenizer, n_sup)
-            rss_before = rss_mib(proc.pid)
-            compare = args.depths != [None] or args.score
-            depth = "n_sup | steps/token | answer bpb | " if compare else ""
-            print(f"| clients | connections | {depth}requests | ok | ok req/s | tokens/s | p50 ms | p99 ms | "
-                  f"TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | RSS MiB | errors |")
-            print("|---" * (13 + 3 * bool(compare)) + "|")
-            defects = Counter()
-            for concurrency in args.levels:
-                # interleaved, so that the machine's load falls on every depth and kind of connection alike
-                for n_sup, kind in itertools.product(args.depths, args.kinds):
-                    before = steps_counter(base_url, api_key)
-                    results, seconds = asyncio.run(run_level(base_url, api_key, concurrency, prompts, args, n_sup,
-                                                             kind))
-                    after = steps_counter(base_url, api_key)
-                    steps = (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else None
-                    depth = (n_sup, steps, bpb.get(n_sup)) if compare else None
-                    row, level_defects = summarize(concurrency, results, seconds, rss_mib(proc.pid), depth, kind)
-                    print(row, flush=True)
-                    defects.update(level_defects)
-            rss_after = rss_mib(proc.pid)
+                defects = levels_run(proc, base_url, api_key, health, model_tag, args)
             alive = proc.poll() is None
-        fmt = lambda mib: "n/a" if mib is None else f"{mib:.0f} MiB"
-        print(f"server RSS: {fmt(rss_before)} before the first level, {fmt(rss_after)} after the last")
     if not alive:
         defects["server exited"] += 1
     if defects:

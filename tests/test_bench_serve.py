@@ -68,3 +68,26 @@ def test_answer_bpb_through_the_server_is_the_models_own(tmp_path_factory, monke
         got = {n: bench_serve.answer_bpb(url, "key", windows, answer, tokenizer, n) for n in (None, 1, "rms:inf")}
     assert math.isclose(got[None], expected(3), rel_tol=1e-4) and math.isclose(got[1], expected(1), rel_tol=1e-4)
     assert got[None] != got[1] and math.isclose(got["rms:inf"], got[1], rel_tol=1e-5)  # halted at step 1: step 1's
+
+
+def test_the_heavy_mode_reports_the_short_clients_latency_beside_heavy_ones(tmp_path_factory):
+    """--heavy: heavy clients loop from 127.0.0.1, one short chat client from 127.0.0.2; the heavy body is clipped to
+    the server's limits (the tiny model's context, 32 tokens)."""
+    base_dir = tiny_checkpoint(tmp_path_factory)[0]
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "dev.bench_serve", "--model_tag", MODEL_TAG, "--heavy", "2", "--level_seconds", "2"]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert '2 heavy clients from 127.0.0.1 loop {"prompt": "x", "max_tokens": 32, "n": 8, "n_sup": 8}' in result.stdout
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| 2 |")).split(" | ")
+    assert int(row[1]) >= 1 and int(row[2]) >= 1 and row[3] == row[2]  # every short request served
+    assert float(row[4]) > 0 and float(row[7]) > 0 and row[-1] == "none |"
+
+
+def test_the_heavy_row_counts_every_client_and_only_unexpected_errors_are_defects():
+    heavy = [(None, 5.0, 1024), (None, 6.0, 1000), ("503 server_busy", 30.0, 0)]
+    short = [(None, 0.1, 4), (None, 0.3, 4), ("500 None", 0.2, 0)]
+    row, defects = bench_serve.summarize_heavy(16, heavy, short, seconds=10.0)
+    assert defects == {"500 None": 1}
+    # 2 heavy served; 3 short sent, 2 served (p50 200 ms, p99 298 ms, max 300 ms); 2,032 tokens in 10 s
+    assert row == "| 16 | 2 | 3 | 2 | 200 | 298 | 300 | 203.2 | 10.0 | 500 None: 1, 503 server_busy: 1 |"

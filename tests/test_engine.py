@@ -13,6 +13,7 @@ from nanochat.model.engine import (
     KVCache,
     RowCache,
     ends_mid_character,
+    forward_at_depths,
     kv_cache_bytes_per_token,
     left_pad,
     sample_next,
@@ -146,6 +147,45 @@ def test_rows_joining_and_leaving_a_row_cache_match_each_row_alone(n_loops, T_re
     for m, row in enumerate(rows):
         alone = model(torch.tensor([row + fed[m, :done[m]].tolist()]), n_sup=n_sup)[0, len(row) - 1:]
         assert alone.std() > 0.3  # the comparison has signal
+        torch.testing.assert_close(torch.stack(logits[m]), alone, atol=ATOL, rtol=0, msg=lambda e: f"row {m}: {e}")
+
+
+@pytest.mark.parametrize("n_prelude,n_coda", [(0, 0), (1, 1)])
+@torch.no_grad()
+def test_rows_answering_from_their_own_step_match_each_row_alone(n_prelude, n_coda):
+    """Rows of 1, 4 and 2 steps prefilled and decoded together in 4-step forwards (forward_at_depths), a fourth
+    joining later: each row's logits at every token are those of its full forward alone at its own depth."""
+    model = random_model(tiny_config(n_loops=1, n_prelude=n_prelude, n_coda=n_coda))
+    g = torch.Generator().manual_seed(6)
+    rows = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 6, 4, 5)]
+    depths, fed, n_sup = [1, 4, 2, 3], torch.randint(0, 64, (4, 4), generator=g), 4
+    slots, logits, done = model.num_attention_slots(n_sup), [[] for _ in rows], [0] * 4
+    cache = RowCache(slots)
+
+    def join(members):
+        idx, pads = left_pad([rows[m] for m in members])
+        prefill = KVCache(slots, len(members), idx.size(1), pads)
+        out = forward_at_depths(model, idx, n_sup, torch.tensor([depths[m] for m in members]), prefill)
+        for m, last in zip(members, out[:, -1]):
+            logits[m].append(last)
+        cache.join(prefill, idx.size(1) + fed.size(1))
+
+    def decode(members):
+        idx = torch.stack([fed[m, done[m]] for m in members])[:, None]
+        out = forward_at_depths(model, idx, n_sup, torch.tensor([depths[m] for m in members]), cache)
+        for m, last in zip(members, out[:, -1]):
+            logits[m].append(last)
+            done[m] += 1
+
+    join([0, 1, 2])
+    decode([0, 1, 2])
+    join([3])
+    for _ in range(3):
+        decode([0, 1, 2, 3])
+    for m, row in enumerate(rows):
+        alone = model(torch.tensor([row + fed[m, :done[m]].tolist()]), n_sup=depths[m])[0, len(row) - 1:]
+        deepest = model(torch.tensor([row + fed[m, :done[m]].tolist()]), n_sup=n_sup)[0, len(row) - 1:]
+        assert depths[m] == n_sup or (alone - deepest).abs().max() > 0.1  # its own step differs from the last
         torch.testing.assert_close(torch.stack(logits[m]), alone, atol=ATOL, rtol=0, msg=lambda e: f"row {m}: {e}")
 
 
@@ -526,3 +566,34 @@ def test_requests_joining_and_leaving_a_running_batch_get_what_they_get_alone(tr
         assert rows[:6] == [1, 3, 5, 4, 4, 5]
     assert len({tuple(t for c in columns for t in c) for columns in alone[:4]}) == 4
     assert any(t is not None for c in alone[2] for t in c) and alone[4] == []
+
+
+def test_requests_of_fewer_steps_ride_a_deeper_batch_and_get_what_they_get_alone(trained):
+    """A batch of 3 steps takes, at later tokens, requests of 1 and 2 steps (greedy and seeded): each gets what it
+    gets alone at its own depth; a deeper request, or one that halts, cannot join it."""
+    _, model, tokenizer = trained
+    engine = Engine(model, tokenizer)
+    engine.most_steps = 4  # past the trained 3, as the server allows
+    encode = engine.encode_prompt
+    specs = [dict(prompts=[encode("the cat sat")], max_tokens=6, temperature=0.0, n_sup=3),
+             dict(prompts=[encode("x"), encode("the dog sat on the")], max_tokens=8, temperature=0.0, n_sup=1),
+             dict(prompts=[encode("the mat")] * 2, max_tokens=5, temperature=1.0, seed=7, top_k=5, n_sup=2),
+             dict(prompts=[encode("on the log. the")], max_tokens=7, temperature=0.0, n_sup=2)]
+    alone = [list(engine.generate(**spec)) for spec in specs]
+    batch, members, together = Batch(engine, 3, None), {}, [[] for _ in specs]
+    joins = {0: 0, 1: 1, 2: 1, 3: 4}
+    for step in range(30):
+        for i in [i for i, at in joins.items() if at == step]:
+            members[i] = batch.add(engine.prepare(**specs[i]))
+        for member, column in batch.step():
+            together[[i for i, m in members.items() if m is member][0]].append(column)
+        if step > 4 and not batch:
+            break
+    assert together == alone
+    # the depth changes the text: each row answered from its own step, not the batch's
+    assert list(engine.generate(**{**specs[1], "n_sup": 3})) != alone[1]
+    for deeper in (dict(n_sup=4), dict(n_sup=3, halt="rms:0.05"), dict(n_sup=2, halt="rms:0.05")):
+        request = engine.prepare([encode("the")], max_tokens=2, **deeper)
+        assert not batch.admits(request)
+        with pytest.raises(ValueError, match="cannot join a batch of n_sup 3"):
+            batch.add(request)

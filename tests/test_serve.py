@@ -25,10 +25,12 @@ from hypothesis import strategies as st
 
 from nanochat.model.engine import Batch, Engine
 from nanochat.serve.api import AUTO_HALTING, MAX_BODY_BYTES, token_offsets
-from nanochat.serve.http import HostCheck, guarded_http
+from nanochat.serve.batcher import Batcher
+from nanochat.serve.http import HostCheck, client_key, guarded_http
 from nanochat.serve.server import Server, create_app
 from nanochat.serve.stops import Choice
 from scripts import serve
+from tests.support.processes import finish
 from tests.support.server import running
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 
@@ -612,6 +614,7 @@ class HeldBatch(Batch):
         engine.tokens_made += 1
         engine.step_sizes.append(len(out))
         engine.step_depths.append(self.n_sup)
+        engine.step_ends.append(time.monotonic())
         return out
 
 
@@ -622,6 +625,7 @@ class HeldEngine(Engine):
         super().__init__(model, tokenizer)
         self.go, self.free, self.pace, self.tokens_made = threading.Event(), free, pace, 0
         self.step_sizes, self.step_depths = [], []  # requests in the batch and its n_sup at each step, in order
+        self.step_ends = []  # and when it ended
 
     def stop_tokens(self):
         return set()
@@ -630,11 +634,11 @@ class HeldEngine(Engine):
         return HeldBatch(self, n_sup, halting)
 
 
-def held_server(trained, queue_timeout=0.2, max_concurrency=1, **engine_kwargs):
+def held_server(trained, queue_timeout=0.2, max_concurrency=1, per_client=None, **engine_kwargs):
     _, model, tokenizer = trained
     engine = HeldEngine(model, tokenizer, **engine_kwargs)
     server = Server(engine, {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=max_concurrency,
-                          queue_timeout=queue_timeout)
+                    queue_timeout=queue_timeout, max_concurrency_per_client=per_client)
     return engine, uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off"))
 
 
@@ -737,9 +741,9 @@ def test_a_stream_whose_client_left_logs_nothing(trained, monkeypatch, caplog, r
         assert engine.go.wait(timeout=10)
         yield from events
 
-    async def acquire_recording_the_loop(self):
+    async def acquire_recording_the_loop(self, client):
         loops.append(asyncio.get_running_loop())
-        await acquire(self)
+        await acquire(self, client)
 
     monkeypatch.setattr(refinement, "generate", held)
     monkeypatch.setattr(Server, "acquire", acquire_recording_the_loop)
@@ -789,7 +793,7 @@ def test_help_gives_every_flags_default(capsys):
         serve.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert e.value.code == 0
-    for default in ["(default: latest)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
+    for default in ["(default: latest)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 20)",
                     "(default: 30.0)", "(default: 8)", "(default: 256)", "(default: the newest)",
                     "(default: context)", "(default: autodetect)"]:
         assert default in out, default
@@ -929,8 +933,10 @@ def test_a_key_allow_no_auth_or_a_loopback_host_may_start(trained, monkeypatch, 
 
 
 def guarded_server(trained, read_timeout, max_connections, **limits):
+    """Every connection from one address (the test's) may take all max_connections, unless limits say otherwise."""
     _, model, tokenizer = trained
     server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
+    limits = {"max_connections_per_client": max_connections, **limits}
     http = guarded_http(read_timeout, max_connections, refused=server.metrics.refused, **limits)
     return uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off", http=http))
 
@@ -944,10 +950,13 @@ def answer(sock, timeout=10):
     return data
 
 
-def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped(trained):
-    http = guarded_server(trained, read_timeout=1.0, max_connections=2)
+def test_a_slow_client_is_cut_off_by_the_header_and_read_timeouts_and_connections_are_capped(trained):
+    """Headers that have not all come within --header_timeout get a 408 naming it; a request whose headers came but
+    whose body stalls has the rest of --read_timeout, counted from its start."""
+    http = guarded_server(trained, read_timeout=1.5, max_connections=2, header_timeout=0.5)
     with running(http) as base_url:
         port = int(base_url.rsplit(":", 1)[1])
+        start = time.monotonic()
         slow = socket.create_connection(("127.0.0.1", port))
         slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                      b"content-length: 100\r\n\r\n{\"prompt\"")  # stalls
@@ -956,11 +965,12 @@ def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped
         third = socket.create_connection(("127.0.0.1", port))
         refused = answer(third, timeout=5)
         assert refused.startswith(b"HTTP/1.1 503 ") and b"--max_connections" in refused
-        start = time.monotonic()
-        for sock in (slow, idle):
-            timed_out = answer(sock)
-            assert timed_out.startswith(b"HTTP/1.1 408 ") and b"--read_timeout" in timed_out
-        assert time.monotonic() - start < 3
+        timed_out = answer(idle)
+        assert timed_out.startswith(b"HTTP/1.1 408 ") and b"--header_timeout" in timed_out
+        assert time.monotonic() - start < 1.2
+        timed_out = answer(slow)
+        assert timed_out.startswith(b"HTTP/1.1 408 ") and b"--read_timeout" in timed_out
+        assert 1.4 < time.monotonic() - start < 3
         assert post(base_url, REQUEST).status_code == 200  # served again, and a whole request is not cut off
         with httpx.Client(base_url=base_url, timeout=30) as client:  # a kept-alive connection's later requests too
             assert [client.post("/v1/completions", json=REQUEST).status_code for _ in range(3)] == [200] * 3
@@ -969,6 +979,8 @@ def test_a_slow_client_is_cut_off_by_the_read_timeout_and_connections_are_capped
             sock.close()
     assert 'nanochat_requests_total{route="(connection)",status="503"} 1.0' in metrics
     assert 'nanochat_requests_total{route="(connection)",status="408"} 2.0' in metrics
+    for reason in ("max_connections", "header_timeout", "read_timeout"):
+        assert f'nanochat_refused_connections_total{{reason="{reason}"}} 1.0' in metrics
 
 
 def pipeline_unread(port, request, seconds=2.0):
@@ -1022,6 +1034,58 @@ def test_a_client_that_never_reads_is_dropped_after_the_write_timeout(trained):
             assert time.monotonic() - start < 3.0 + 3.0  # the write timeout, and a quarter of it between checks
         metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
     assert "\nnanochat_write_timeouts_total 3.0\n" in metrics  # each dropped client counted once
+    assert 'nanochat_refused_connections_total{reason="write_timeout"} 3.0' in metrics
+
+
+ATTACKER = "127.0.0.2"  # another client to a server on 127.0.0.1: Linux routes all of 127.0.0.0/8 to loopback
+
+
+def test_one_address_with_slow_and_non_reading_sockets_cannot_lock_out_another(trained):
+    """Issue 56: from 127.0.0.2 (tests/support/attackers.py, a process of its own), four sockets trickle headers (one
+    byte every 1.5 s, reconnecting after their 408) and two threads open a connection every 0.3 s for a long streamed
+    answer of 8 rows they never read. Under caps of 6 of the 8 connections and 2 of the 4 generation slots per
+    address, every request from 127.0.0.1 is served in under 1 s (in the attacker's batch; on a machine so loaded that
+    the request alone takes more than a third of that, within 3 times its time alone). Before, the same address could
+    take every connection and every slot."""
+    _, model, tokenizer = trained
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=4,
+                    max_concurrency_per_client=2, queue_timeout=5)
+    http = guarded_http(read_timeout=5, max_connections=8, refused=server.metrics.refused, header_timeout=2,
+                        max_connections_per_client=6)
+    times, attacking = [], []
+    requests = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+                ("/v1/completions", {"prompt": "the cat", "max_tokens": 4})]
+    with running(uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off",
+                                               http=http))) as base_url:
+        alone = []
+        for path, body in requests * 2:  # the machine's pace: each kind alone, the second time warm
+            start = time.monotonic()
+            assert httpx.post(f"{base_url}{path}", json=body, timeout=30).status_code == 200
+            alone.append(time.monotonic() - start)
+        attack = subprocess.Popen([sys.executable, "-m", "tests.support.attackers", base_url.rsplit(":", 1)[1], "6"],
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.5)  # under way: the attacker's connections and slots taken
+            for path, body in requests * 4:
+                start = time.monotonic()
+                r = httpx.post(f"{base_url}{path}", json=body, timeout=10)  # a new connection each
+                times.append(time.monotonic() - start)
+                assert r.status_code == 200, r.text
+                attacking.append(httpx.get(f"{base_url}/health", timeout=10).json()["running"])  # the attacker's
+                time.sleep(0.25)
+        finally:
+            done = finish(attack, timeout=30)
+        metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
+    assert done.returncode == 0, done.stderr
+    answers = json.loads(done.stdout)
+    assert max(times) < max(1.0, 3 * max(alone[2:])), ([f"{t:.2f} s" for t in times], alone)
+    assert max(attacking) == 2  # the attacker generated, and never beyond its share of the slots
+    assert any(a.startswith("HTTP/1.1 408 ") and "--header_timeout" in a for a in answers), answers
+    assert any(a.startswith("HTTP/1.1 503 ") and "--max_connections_per_client" in a for a in answers), answers
+    refused = metric_samples(metrics)
+    assert refused[("nanochat_refused_connections_total", (("reason", "header_timeout"),))] >= 1
+    assert refused[("nanochat_refused_connections_total", (("reason", "max_connections_per_client"),))] >= 1
+    assert ("nanochat_refused_connections_total", (("reason", "max_connections"),)) not in refused  # 8 never full
 
 
 def test_answers_on_a_reused_connection_do_not_wait_for_a_delayed_ack(url):
@@ -1036,13 +1100,36 @@ def test_answers_on_a_reused_connection_do_not_wait_for_a_delayed_ack(url):
     assert sorted(times[5:])[len(times[5:]) // 2] < 0.02, [f"{t * 1000:.1f} ms" for t in times]
 
 
-@pytest.mark.parametrize("flag", ["--read_timeout=0", "--read_timeout=nan", "--write_timeout=inf",
-                                  "--max_connections=0"])
-def test_bad_limits_are_refused_in_one_line(flag, capsys):
+@pytest.mark.parametrize("flags", [["--read_timeout=0"], ["--read_timeout=nan"], ["--write_timeout=inf"],
+                                   ["--max_connections=0"], ["--header_timeout=0"], ["--max_connections_per_client=0"],
+                                   ["--max_concurrency_per_client=0"], ["--header_timeout=31"],
+                                   ["--read_timeout=2", "--header_timeout=3"],
+                                   ["--max_connections=8", "--max_connections_per_client=9"],
+                                   ["--max_concurrency=4", "--max_concurrency_per_client=5"]])
+def test_bad_limits_are_refused_in_one_line(flags, capsys):
     with pytest.raises(SystemExit):
-        serve.parse_args([flag, "--device_type=cpu"])
+        serve.parse_args([*flags, "--device_type=cpu"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert flag.split("=")[0] in err[-1]
+    assert flags[-1].split("=")[0] in err[-1] and "must be" in err[-1]
+
+
+@pytest.mark.parametrize("flags,header,connections,slots", [
+    ([], 5.0, 64, 16),  # the defaults: 5 s, a quarter of 256 connections, 20 slots less a fifth
+    (["--read_timeout=2", "--max_connections=6", "--max_concurrency=16"], 2.0, 1, 13),
+    (["--max_concurrency=1", "--max_connections=1"], 5.0, 1, 1),  # no share below one
+    (["--header_timeout=1.5", "--max_connections_per_client=256", "--max_concurrency_per_client=20"], 1.5, 256, 20)])
+def test_the_per_client_shares_and_the_header_deadline_default_to_parts_of_the_totals(flags, header, connections,
+                                                                                      slots):
+    args = serve.parse_args([*flags, "--device_type=cpu"])
+    assert (args.header_timeout, args.max_connections_per_client, args.max_concurrency_per_client) == \
+        (header, connections, slots)
+
+
+def test_a_client_is_its_ipv4_address_or_its_ipv6_64():
+    assert client_key("192.0.2.7") == "192.0.2.7" and client_key("::ffff:192.0.2.7") == "192.0.2.7"
+    assert client_key("2001:db8:1:2:aaaa::1") == client_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:3::1") != client_key("2001:db8:1:2::1")
+    assert client_key("fe80::1%eth0") == "fe80::/64" and client_key("testclient") == "testclient"
 
 
 # ---------------------------------------------------------------- fuzzing the request body
@@ -1193,12 +1280,12 @@ def test_concurrent_requests_generate_together_and_get_what_they_get_alone(train
     assert together == [1, 6, 6, 5, 4, 4, 4, 3, 3] and set(engine.step_sizes[len(together):]) == {1}
 
 
-def test_a_request_of_another_depth_waits_for_the_batch_to_drain_and_none_waits_forever(trained):
-    """While a batch of n_sup 1 runs, a request of n_sup 2 waits for it to drain; a later n_sup 1 request does not
-    join the running batch past it (the oldest waiting sets the next batch's depth) and runs last. Each gets its text
-    alone."""
+def test_a_request_of_another_depth_starts_at_the_next_round_without_waiting_for_a_drain(trained):
+    """While a batch of n_sup 2 runs (4 tokens), a request of n_sup 3 starts in a batch of its own at the next round
+    (a round steps each batch once) rather than waiting for the first batch to drain, and a later n_sup 1 request
+    joins the running n_sup 2 batch, answering from its own first step. Each gets its text alone."""
     engine, http = held_server(trained, queue_timeout=5, max_concurrency=4)
-    bodies = [{**REQUEST, "n_sup": 1, "max_tokens": 4}, {**REQUEST, "n_sup": 2}, {**REQUEST, "n_sup": 1, "prompt": "a"}]
+    bodies = [{**REQUEST, "n_sup": 2, "max_tokens": 4}, {**REQUEST, "n_sup": 3}, {**REQUEST, "n_sup": 1, "prompt": "a"}]
     with running(http) as base_url:
         results = [None] * len(bodies)
         senders = [threading.Thread(target=lambda i=i: results.__setitem__(i, post(base_url, bodies[i])))
@@ -1212,7 +1299,8 @@ def test_a_request_of_another_depth_waits_for_the_batch_to_drain_and_none_waits_
         depths, sizes = list(engine.step_depths), list(engine.step_sizes)
         alone = [post(base_url, body).json()["choices"][0]["text"] for body in bodies]
     assert [r.json()["choices"][0]["text"] for r in results] == alone
-    assert depths == [1] * 4 + [2] * 3 + [1] * 3 and sizes == [1] * 10
+    # round 1: the first request's first token; then rounds of both batches, until all three have their tokens
+    assert depths == [2, 2, 3, 2, 3, 2, 3] and sizes == [1, 2, 1, 2, 1, 2, 1]
 
 
 def test_a_long_request_holds_no_later_short_one_waiting(trained):
@@ -1228,3 +1316,61 @@ def test_a_long_request_holds_no_later_short_one_waiting(trained):
             assert worker.is_alive()  # its 28 tokens take 4.2 s at least; each short one's 3 take 0.45 s
         worker.join(timeout=30)
         assert long["r"].status_code == 200 and long["r"].json()["usage"]["completion_tokens"] == 28
+
+
+def test_a_short_request_beside_another_clients_looping_heavy_ones_waits_for_neither_slot_nor_drain(trained,
+                                                                                                     monkeypatch):
+    """Issue 56: eight threads of one client (127.0.0.2) loop requests of 4 rows x 24 tokens at n_sup 2, each step
+    held 20 ms; another client's (127.0.0.1) requests of 3 tokens at the model's depth take a slot at once (the first
+    client holds at most 4 of the 5) and join at the next round (one step of each depth's batch), so each is
+    answered within its tokens plus one rounds: at most 4 heavy steps end between its arrival at the batcher and its
+    last token. Before, each waited for a heavy request to end (24 steps), then for the heavy batch to drain."""
+    engine, http = held_server(trained, queue_timeout=30, max_concurrency=5, per_client=4, free=10**6, pace=0.02)
+    heavy = {"prompt": "the", "max_tokens": 24, "n": 4, "n_sup": 2, "temperature": 1.0}
+    stop, served, times, waits, submitted = threading.Event(), [], [], [], []
+    acquire, submit = Server.acquire, Batcher.submit
+
+    async def timed_acquire(self, client):
+        start = time.monotonic()
+        await acquire(self, client)
+        if client == "127.0.0.1":
+            waits.append(time.monotonic() - start)
+
+    def recorded_submit(self, request, stats):
+        if request.n_sup != heavy["n_sup"]:
+            submitted.append(time.monotonic())
+        return submit(self, request, stats)
+
+    monkeypatch.setattr(Server, "acquire", timed_acquire)
+    monkeypatch.setattr(Batcher, "submit", recorded_submit)
+
+    def loop(base_url):
+        with httpx.Client(base_url=base_url, timeout=30,
+                          transport=httpx.HTTPTransport(local_address=ATTACKER)) as client:
+            while not stop.is_set():
+                served.append(client.post("/v1/completions", json=heavy).status_code)
+
+    with running(http) as base_url:
+        heavy_clients = [threading.Thread(target=loop, args=(base_url,)) for _ in range(8)]
+        try:
+            for thread in heavy_clients:
+                thread.start()
+            wait_until_running(base_url, 4)  # the heavy client holds its share: its other four wait
+            for _ in range(5):
+                start = time.monotonic()
+                r = post(base_url, REQUEST)
+                times.append(time.monotonic() - start)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            assert httpx.get(f"{base_url}/health").json()["running"] == 4  # still busy beside it
+        finally:
+            stop.set()
+            for thread in heavy_clients:
+                thread.join(timeout=20)
+    assert not any(thread.is_alive() for thread in heavy_clients) and set(served) == {200}
+    assert len(waits) == 5 and max(waits) < 0.01, waits  # a slot at once: no wait behind the heavy ones
+    steps = list(zip(engine.step_depths, engine.step_ends))
+    for arrived in submitted:
+        own = [end for depth, end in steps if depth != heavy["n_sup"] and end > arrived][:3]
+        heavy_steps = sum(depth == heavy["n_sup"] and arrived < end <= own[-1] for depth, end in steps)
+        assert len(own) == 3 and heavy_steps <= 4, (heavy_steps, steps)
+    assert max(times) < 3.0, [f"{t:.2f} s" for t in times]  # ~0.5 s on 2 busy cores; 20 ms a step is the least

@@ -11,7 +11,8 @@ The model rotates q and k at absolute positions, and rotary attention depends on
 positions, so a row shifted right by its padding computes the same logits (to float rounding) as the row alone.
 
 A server's requests come and go: a Batch decodes them over a RowCache, in which each row sits at a position of its
-own, so a request joins at any token (its prompt prefilled apart, then copied in) and leaves when done.
+own, so a request joins at any token (its prompt prefilled apart, then copied in) and leaves when done. A request of
+fewer supervision steps rides a deeper batch too: its rows take the answer of their own last step (forward_at_depths).
 """
 
 import contextlib
@@ -263,6 +264,19 @@ class RowCache(KVCache):
         self.halted = None
 
 
+def forward_at_depths(model, idx, n_sup, depths, kv_cache):
+    """Logits (B, T, V) of a forward of n_sup supervision steps in which row b answers from its own step depths[b]
+    (a (B,) tensor, each from 1 to n_sup): what the row computes alone at that depth, to float rounding. A step's
+    attention reads only its own slots, which the row's earlier tokens filled at that same step, so the steps a row
+    runs past its depth change nothing it reads; the coda runs on each row's answer, in the slots of n_sup steps."""
+    kept = None
+    for s, (y, _) in enumerate(model.refine(idx, n_sup, kv_cache), start=1):
+        kept = y.clone() if kept is None else torch.where((depths == s)[:, None, None], y, kept)
+    logits = model.head(model.apply_coda(kept, kv_cache, n_sup))
+    kv_cache.advance(idx.size(1))
+    return logits
+
+
 def left_pad(prompts, pad_id=0):
     """Token lists -> (idx (B, L) long, pads (B,) long, or None when all rows have the same length)."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -411,9 +425,12 @@ class Engine:
             columns = dict(batch.step())
             yield [columns.get(m, [None] * len(m.request.prompts)) for m in members]
 
-    def _last_logits(self, idx, cache, n_sup, halting):
-        """The last position's logits (B, V) of a forward that extends the cache, and (B,) steps it ran."""
+    def _last_logits(self, idx, cache, n_sup, halting, depths=None):
+        """The last position's logits (B, V) of a forward that extends the cache, and (B,) steps it ran; depths:
+        each row's own steps, fewer than n_sup for some (forward_at_depths)."""
         with self.autocast():
+            if depths is not None:
+                return forward_at_depths(self.model, idx, n_sup, depths, cache)[:, -1], None
             if halting is None:
                 return self.model(idx, kv_cache=cache, n_sup=n_sup)[:, -1], None
             logits, steps = forward_halting(self.model, idx, halting, cache, n_sup=n_sup)
@@ -498,7 +515,9 @@ class Batch:
     prefills the requests added since the last one (in one forward, left-padded among themselves, into a KVCache then
     copied into the RowCache), feeds every other row its last token in one forward over the RowCache, and samples
     each request's rows with its own options and generator; a finished or dropped request leaves, and its rows are
-    freed. A request keeps all its rows, in order, until it leaves, so a seeded one draws what it draws alone."""
+    freed. A request keeps all its rows, in order, until it leaves, so a seeded one draws what it draws alone.
+    Without halting, a request of fewer steps than the batch's n_sup joins too, its rows answering from their own
+    last step (forward_at_depths): one forward serves every depth up to the batch's."""
 
     def __init__(self, engine, n_sup, halting):
         self.engine, self.n_sup, self.halting = engine, n_sup, halting
@@ -513,10 +532,18 @@ class Batch:
     def rows(self):
         return self.cache.rows
 
+    def admits(self, request):
+        """Whether the request may join: the batch's depth and halting rule, or without halting any depth up to it."""
+        if self.halting is None and request.halting is None:
+            return request.n_sup <= self.n_sup
+        return (request.n_sup, request.halting) == (self.n_sup, self.halting)
+
     def add(self, request, stats=None):
         """A prepared request joins at the next step; returns its Member (stats: a dict its stats fill)."""
-        if (request.n_sup, request.halting) != (self.n_sup, self.halting):
-            raise ValueError("requests generated together must share n_sup and halting")
+        if not self.admits(request):
+            raise ValueError(f"a request of n_sup {request.n_sup} and halting {request.halting} cannot join a batch "
+                             f"of n_sup {self.n_sup} and halting {self.halting}: requests generated together must "
+                             f"share n_sup and halting, or without halting run at most the batch's n_sup")
         member = Member(request, {} if stats is None else stats)
         if not member.finished:
             self.joining.append(member)
@@ -539,6 +566,20 @@ class Batch:
                 groups.append([m])
         return groups
 
+    def depths(self, members, rows, joining=False):
+        """(rows,) each row's steps on the device, in the RowCache's order (joining: the members' own, in turn), or
+        None when every row runs the batch's n_sup (the plain forward)."""
+        if all(m.request.n_sup == self.n_sup for m in members):
+            return None
+        depths = [0] * rows
+        start = 0
+        for m in members:
+            places = range(start, start + len(m.done)) if joining else m.rows
+            start += len(m.done)
+            for row in places:
+                depths[row] = m.request.n_sup
+        return torch.tensor(depths, device=self.engine.device)
+
     @staticmethod
     def longest(members):
         """(the longest prompt plus the most max_tokens, the longest prompt) of these members."""
@@ -555,7 +596,7 @@ class Batch:
         logits, steps, sampled = [], [], []
         if self.members:
             row_logits, row_steps = self.engine._last_logits(self.tokens[:, None], self.cache, self.n_sup,
-                                                             self.halting)
+                                                             self.halting, self.depths(self.members, self.rows))
             logits.append(row_logits)
             steps.append(row_steps)
         joined = []
@@ -563,7 +604,7 @@ class Batch:
             idx, pads = left_pad([p for m in group for p in m.request.prompts])
             cache = self.engine.new_cache(idx.size(0), idx.size(1), self.n_sup, pads)
             row_logits, row_steps = self.engine._last_logits(idx.to(self.engine.device), cache, self.n_sup,
-                                                             self.halting)
+                                                             self.halting, self.depths(group, idx.size(0), True))
             start = self.rows
             for m in group:
                 m.rows, start = list(range(start, start + len(m.done))), start + len(m.done)

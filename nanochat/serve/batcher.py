@@ -61,10 +61,12 @@ class Job:
 
 
 class Batcher:
-    """Requests generate together in one engine Batch, stepped token by token on a thread of its own (continuous
-    batching): a waiting request that runs the batch's depth (n_sup and halting) joins it at the next token, and a
-    finished one leaves at once, freeing its rows, so a long request holds no later one waiting. When the oldest
-    waiting request runs another depth, no more join until the batch drains; then a batch of that depth starts."""
+    """Requests generate together in engine Batches, stepped token by token on a thread of its own (continuous
+    batching): a waiting request joins, at the next round, the oldest running batch that admits it (its depth: n_sup
+    and halting rule; without halting, any batch of at least its n_sup, its rows answering from their own step), or
+    starts one of its own, and a finished one leaves at once, freeing its rows, so a long request holds no later one
+    waiting. A round steps each batch once, oldest first: a request of another depth never waits for a running batch
+    to drain, and each of its tokens costs at most one round (one step of every batch)."""
 
     DONE = object()  # the end of a request's columns
 
@@ -95,53 +97,53 @@ class Batcher:
         finally:
             closed.set()
 
-    def take(self, batch):
-        """The waiting requests that join this step: all of the batch's depth (a new batch takes the oldest's),
-        none while the oldest waiting runs another depth."""
+    def take(self, running):
+        """Every waiting request (the server's slots bound how many), once there is one or a batch is running."""
         with self.ready:
-            while not self.pending and not batch:
+            while not self.pending and not running:
                 self.ready.wait()
-            if not self.pending:
-                return batch, []
-            depth = lambda entry: (entry[0].n_sup, entry[0].halting)
-            if not batch:
-                batch = self.engine.new_batch(*depth(self.pending[0]))
-            if depth(self.pending[0]) != (batch.n_sup, batch.halting):
-                return batch, []
-            joining = [e for e in self.pending if depth(e) == depth(self.pending[0])]
-            self.pending = [e for e in self.pending if depth(e) != depth(self.pending[0])]
-            return batch, joining
+            joining, self.pending = self.pending, []
+            return joining
 
     def run(self):
-        batch, entries = None, {}  # entries: each Member of the batch -> (its column queue, its closed Event)
+        batches = []  # (a Batch, {each Member: (its column queue, its closed Event)}), oldest first
         while True:
-            batch, joining = self.take(batch)
-            for request, out, closed, stats in joining:
+            for request, out, closed, stats in self.take(batches):
+                batch, entries = next(((b, e) for b, e in batches if b.admits(request)), (None, None))
+                if batch is None:
+                    batch, entries = self.engine.new_batch(request.n_sup, request.halting), {}
+                    batches.append((batch, entries))
                 member = batch.add(request, stats)
                 if member.finished:  # max_tokens 0: nothing to generate
                     out.put(self.DONE)
                     continue
                 entries[member] = (out, closed)
                 self.observe(len(batch))
-            for member, (out, closed) in list(entries.items()):
-                if closed.is_set():  # its client went away: its rows leave before this step
-                    batch.drop(member)
-                    out.put(self.DONE)
-                    del entries[member]
-            try:
-                results = batch.step()
-            except Exception as e:  # noqa: BLE001 - every request of the batch must learn of it, not the thread's log
-                for out, _ in entries.values():
-                    out.put(e)
-                    out.put(self.DONE)
-                batch, entries = None, {}
-                continue
-            for member, column in results:
-                out, closed = entries[member]
-                if not closed.is_set():
-                    out.put(column)
-                if member.finished:
-                    out.put(self.DONE)
-                    del entries[member]
-            if not batch:
-                batch = None  # drained: the next batch may run another depth
+            for running in list(batches):
+                if not self.step(*running) or not running[0]:  # failed, or drained
+                    batches.remove(running)
+
+    def step(self, batch, entries):
+        """One token for each request of the batch, sent to its queue; False when the step failed (every request of
+        the batch has been told, and has left)."""
+        for member, (out, closed) in list(entries.items()):
+            if closed.is_set():  # its client went away: its rows leave before this step
+                batch.drop(member)
+                out.put(self.DONE)
+                del entries[member]
+        try:
+            results = batch.step()
+        except Exception as e:  # noqa: BLE001 - every request of the batch must learn of it, not the thread's log
+            for out, _ in entries.values():
+                out.put(e)
+                out.put(self.DONE)
+            entries.clear()
+            return False
+        for member, column in results:
+            out, closed = entries[member]
+            if not closed.is_set():
+                out.put(column)
+            if member.finished:
+                out.put(self.DONE)
+                del entries[member]
+        return True

@@ -1,6 +1,6 @@
-"""The connection and the request, before any route: uvicorn's protocol with read and write deadlines, a cap on
-connections and no Nagle delay (GuardedHTTP); the Host, Origin and security headers of every answer (Gate); the API key
-(key_checker, key_holder); where to listen."""
+"""The connection and the request, before any route: uvicorn's protocol with header, read and write deadlines, caps
+on connections in all and per client, and no Nagle delay (GuardedHTTP); who a client is (client_key); the Host,
+Origin and security headers of every answer (Gate); the API key (key_checker, key_holder); where to listen."""
 
 import base64
 import hashlib
@@ -11,6 +11,7 @@ import re
 import socket
 import struct
 import urllib.parse
+from collections import Counter
 
 try:  # for unread_bytes: Linux's SIOCOUTQ
     import fcntl
@@ -27,23 +28,53 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from nanochat.serve.api import APIError, error_response
 
 READ_TIMEOUT_S, MAX_CONNECTIONS = 30.0, 256  # the flags' defaults: nginx reads headers and body in 60 s each
-
+# --header_timeout's default: headers are one packet or two, which a client sends in well under a second even over a
+# slow link with two lost packets (1 s, then 2 s to retransmit); one that trickles them holds a connection 5 s, not 30
+HEADER_TIMEOUT_S = 5.0
+# --max_connections_per_client's default, as a share of --max_connections: one address holding its share leaves
+# three quarters to everyone else, and 64 at the default cap is more than browsers (6 per host) or eval harnesses open
+CLIENT_SHARE = 1 / 4
 
 WRITE_TIMEOUT_S = 30.0  # --write_timeout's default: as nginx's send_timeout, from the client's last read
 
 
+def client_key(host):
+    """Whom a connection or request counts against: its IPv4 address, or its IPv6 address's /64 (a host is given a
+    /64 to pick addresses from, so one address each would be no limit); a host that is no address counts as itself."""
+    try:
+        address = ipaddress.ip_address(str(host).split("%")[0])
+    except ValueError:
+        return str(host)
+    if address.version == 6 and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{address}/64", strict=False)) if address.version == 6 else str(address)
+
+
+def request_client(request):
+    """The client_key of an ASGI request's peer (None: no request, as in-process callers start generations)."""
+    peer = getattr(request, "client", None)
+    return client_key(peer.host if peer else None)
+
+
 class GuardedHTTP(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a read deadline per request, a write deadline, a cap on open connections and
-    no Nagle delay: uvicorn has none of them (its keep-alive timeout starts after a response, --limit-concurrency
-    answers only once a request's headers arrive, and a client that stops reading is waited for forever), so a client
-    sending slowly, or never reading, held a connection forever. Subclassed by guarded_http."""
-    read_timeout, write_timeout, max_connections = READ_TIMEOUT_S, WRITE_TIMEOUT_S, MAX_CONNECTIONS
-    refused = staticmethod(lambda status: None)  # told the status of every answer given here, not by the app
+    """uvicorn's HTTP/1.1 protocol with deadlines for a request's headers and for all of it, a write deadline, caps
+    on open connections in all and per client, and no Nagle delay: uvicorn has none of them (its keep-alive timeout
+    starts after a response, --limit-concurrency answers only once a request's headers arrive, and a client that
+    stops reading is waited for forever), so a client sending slowly, or never reading, held a connection forever,
+    and one address could hold them all. Subclassed by guarded_http."""
+    read_timeout, header_timeout, write_timeout = READ_TIMEOUT_S, HEADER_TIMEOUT_S, WRITE_TIMEOUT_S
+    max_connections, max_connections_per_client = MAX_CONNECTIONS, int(MAX_CONNECTIONS * CLIENT_SHARE)
+    # the connections let in and open, by client_key (one refused is no share of the caps, however many arrive);
+    # guarded_http gives each server a Counter of its own
+    per_client = Counter()
+    # told the status and reason of every answer given here, not by the app
+    refused = staticmethod(lambda status, reason: None)
 
     def connection_made(self, transport):
         super().connection_made(transport)
-        self.deadline = self.write_deadline = self.unread_watch = None
+        self.deadline = self.write_deadline = self.unread_watch = self.phase = None
         self.dropped = False
+        self.key, self.admitted = client_key(self.client[0] if self.client else None), False
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # asyncio sets it only on sockets made with proto IPPROTO_TCP, and socket.create_server's are proto 0:
@@ -52,20 +83,44 @@ class GuardedHTTP(H11Protocol):
         # pause as soon as anything waits in user space (the kernel's buffers are full: the client is not reading),
         # so that the write deadline runs from then, and a response cannot complete with bytes still queued here
         transport.set_write_buffer_limits(high=0)
-        if len(self.connections) > self.max_connections:
+        if self.per_client.total() >= self.max_connections:
             self.refuse(503, "Service Unavailable", f"server busy: {self.max_connections} connections open "
-                                                    f"(--max_connections); retry later")
+                                                    f"(--max_connections); retry later", "max_connections")
+        elif self.per_client[self.key] >= self.max_connections_per_client:
+            self.refuse(503, "Service Unavailable", f"server busy: your address has {self.max_connections_per_client} "
+                                                    f"connections open, the most one client may "
+                                                    f"(--max_connections_per_client); close one or retry later",
+                        "max_connections_per_client")
         else:
-            self.arm()
+            self.admitted = True
+            self.per_client[self.key] += 1
+            self.watch()
 
     def data_received(self, data):
         super().data_received(data)
-        if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):  # the request is all here
+        self.watch()
+
+    def watch(self):
+        """Arm the deadline that applies now: header_timeout from a request's first byte (or the connection's start)
+        until its headers are parsed, then read_timeout from the same start until it is all here; none after."""
+        state = self.conn.their_state
+        if state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):  # the request is all here
             self.disarm()
-        else:
-            self.arm()  # a request (a keep-alive connection's next one, too) began: it has read_timeout to arrive
+            return
+        if self.deadline is None:  # a request (a keep-alive connection's next one, too) began
+            self.began = self.loop.time()
+        phase = "header" if state is h11.IDLE else "read"  # h11 leaves IDLE once the headers are parsed
+        if phase != self.phase:
+            self.disarm()
+            limit = self.header_timeout if phase == "header" else self.read_timeout
+            self.phase = phase
+            self.deadline = self.loop.call_later(max(0.0, self.began + limit - self.loop.time()), self.timed_out)
 
     def connection_lost(self, exc):
+        if self.admitted:
+            self.per_client[self.key] -= 1
+            if not self.per_client[self.key]:  # the Counter holds the clients connected now, not all ever seen
+                del self.per_client[self.key]
         self.disarm()
         self.stop_write_deadline()
         if self.unread_watch is not None:
@@ -74,6 +129,8 @@ class GuardedHTTP(H11Protocol):
 
     def on_response_complete(self):
         super().on_response_complete()
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0] and not self.transport.is_closing():
+            self.watch()  # part of a pipelined next request was waiting: its deadlines run
         if self.unread_watch is None and not self.transport.is_closing() and unread_bytes(self.transport):
             # answers the kernel still holds: a client that sends small requests slowly and never reads would take
             # hours to fill the buffers (the write deadline's trigger), so watch that it reads at all
@@ -112,32 +169,33 @@ class GuardedHTTP(H11Protocol):
         self.write_deadline = None
         if not self.dropped:  # the unread-bytes watch and the write deadline may both fire before the loss is seen
             self.dropped = True
-            self.refused(0)  # no status: nothing more can reach the client
+            self.refused(0, "write_timeout")  # no status: nothing more can reach the client
         self.transport.abort()  # close() would wait for the unread bytes to be sent: forever
 
     def send_400_response(self, msg):  # a request h11 cannot parse
-        self.refused(400)
+        self.refused(400, "bad_request")
         super().send_400_response(msg)
-
-    def arm(self):
-        if self.deadline is None:
-            self.deadline = self.loop.call_later(self.read_timeout, self.timed_out)
 
     def disarm(self):
         if self.deadline is not None:
             self.deadline.cancel()
-            self.deadline = None
+            self.deadline = self.phase = None
 
     def timed_out(self):
-        self.deadline = None
+        phase, self.deadline, self.phase = self.phase, None, None
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no answer to this request has begun
-            self.refuse(408, "Request Timeout", f"the request did not arrive within {self.read_timeout:g} s "
-                                                f"(--read_timeout)")
+            if phase == "header":
+                self.refuse(408, "Request Timeout", f"the request's headers did not arrive within "
+                                                    f"{self.header_timeout:g} s (--header_timeout)", "header_timeout")
+            else:
+                self.refuse(408, "Request Timeout", f"the request did not arrive within {self.read_timeout:g} s "
+                                                    f"(--read_timeout)", "read_timeout")
         elif not self.transport.is_closing():  # answered already (a 400 before its body ended), or answering
             self.transport.close()
 
-    def refuse(self, status, reason, message):
-        self.refused(status)
+    def refuse(self, status, reason, message, why):
+        """Answer status and close; why: the reason /metrics counts it under."""
+        self.refused(status, why)
         body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
                                      "server_error", "param": None, "code": None}}).encode()
         if not self.transport.is_closing():
@@ -159,10 +217,17 @@ def unread_bytes(transport):
 
 
 def guarded_http(read_timeout=READ_TIMEOUT_S, max_connections=MAX_CONNECTIONS, write_timeout=WRITE_TIMEOUT_S,
-                 refused=None):
-    """The protocol class uvicorn.Config(http=...) takes, with these limits; refused(status) counts the answers the
-    protocol gives itself (408, 503, an unparsable request's 400; 0 for a client dropped by the write deadline)."""
-    limits = {"read_timeout": read_timeout, "max_connections": max_connections, "write_timeout": write_timeout}
+                 refused=None, header_timeout=None, max_connections_per_client=None):
+    """The protocol class uvicorn.Config(http=...) takes, with these limits (header_timeout: HEADER_TIMEOUT_S or
+    read_timeout, the lesser; max_connections_per_client: CLIENT_SHARE of max_connections, at least 1);
+    refused(status, reason) counts the answers the protocol gives itself (408, 503, an unparsable request's 400; 0 for
+    a client dropped by the write deadline), reason naming the limit."""
+    header_timeout = min(HEADER_TIMEOUT_S, read_timeout) if header_timeout is None else header_timeout
+    if max_connections_per_client is None:
+        max_connections_per_client = max(1, int(max_connections * CLIENT_SHARE))
+    limits = {"read_timeout": read_timeout, "max_connections": max_connections, "write_timeout": write_timeout,
+              "header_timeout": header_timeout, "max_connections_per_client": max_connections_per_client,
+              "per_client": Counter()}
     if refused is not None:
         limits["refused"] = staticmethod(refused)
     return type("GuardedHTTP", (GuardedHTTP,), limits)

@@ -18,6 +18,13 @@ class Metrics:
                               "stream already answered 200), by route", ["route"], registry=registry)
         self.write_timeouts = Counter("nanochat_write_timeouts", "Connections dropped because the client left an "
                                       "answer unread for --write_timeout seconds", registry=registry)
+        self.refused_connections = Counter("nanochat_refused_connections", "Connections refused or cut off by their "
+                                           "limits, by reason: max_connections, max_connections_per_client (503), "
+                                           "header_timeout, read_timeout (408), bad_request (400), write_timeout "
+                                           "(dropped)", ["reason"], registry=registry)
+        self.busy = Counter("nanochat_busy_requests", "Requests answered 503 server_busy after --queue_timeout "
+                            "seconds without a generation slot, by the cap that held them: max_concurrency or "
+                            "max_concurrency_per_client", ["reason"], registry=registry)
         self.prompt_tokens = Counter("nanochat_prompt_tokens", "Prompt tokens of completion requests served",
                                      registry=registry)
         self.completion_tokens = Counter("nanochat_completion_tokens", "Tokens generated", registry=registry)
@@ -38,8 +45,10 @@ class Metrics:
               registry=registry).set_function(lambda: server.waiting)
         Gauge("nanochat_running", "Generations running", registry=registry).set_function(lambda: server.running)
 
-    def refused(self, status):
-        """An answer the connection gave itself (GuardedHTTP): 408, 503, 400; 0: dropped by the write deadline."""
+    def refused(self, status, reason):
+        """An answer the connection gave itself (GuardedHTTP): 408, 503, 400; 0: dropped by the write deadline;
+        reason: the limit that refused it."""
+        self.refused_connections.labels(reason=reason).inc()
         if status:
             self.requests.labels(route="(connection)", status=str(status)).inc()
         else:

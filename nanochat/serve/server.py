@@ -44,13 +44,14 @@ GET  /metrics         Prometheus text format: requests by route and status (ever
 
 Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 a malformed or invalid request or a
 Host that does not name the server (code "invalid_host"), 401 a missing or wrong API key (code "invalid_api_key"), 403
-a web page of another origin (code "forbidden_origin"), 404 an unknown model or path, 413 a body over 1 MiB, 415 a body
-that is not Content-Type: application/json, 503 every generation slot busy for --queue_timeout seconds. A client that
-goes away stops its generation at the next token, and its slot is free again (/metrics counts its request as 499);
-one that sends too slowly gets a 408 (--read_timeout), one that leaves its answer unread is dropped (--write_timeout).
+a web page of another origin (code "forbidden_origin"), 404 an unknown model or path, 413 a body over 1 MiB, 415 a
+body that is not Content-Type: application/json, 503 every generation slot busy, or the client's share of them
+(--max_concurrency_per_client), for --queue_timeout seconds, or the connection over its caps (--max_connections,
+--max_connections_per_client). A client that goes away stops its generation at the next token, and its slot is free
+again (/metrics counts its request as 499); one that sends too slowly gets a 408 (--header_timeout for its headers,
+--read_timeout for all of it), one that leaves its answer unread is dropped (--write_timeout).
 """
 
-import asyncio
 import json
 import sys
 import time
@@ -82,8 +83,9 @@ from nanochat.serve.api import (
     token_offsets,
 )
 from nanochat.serve.batcher import Batcher, Job
-from nanochat.serve.http import Gate, HostCheck, key_checker, key_holder, page_policy
+from nanochat.serve.http import Gate, HostCheck, key_checker, key_holder, page_policy, request_client
 from nanochat.serve.prometheus import Metrics
+from nanochat.serve.slots import Busy, Slots
 from nanochat.serve.stops import Choice
 from nanochat.serve.streaming import Worker
 
@@ -95,10 +97,12 @@ BOS_LOG_EVERY = 1000  # the log warns of prompts without <|bos|> at the first an
 
 
 class Server:
-    """The engine behind the endpoints: validates requests against the model and bounds concurrent generations."""
+    """The engine behind the endpoints: validates requests against the model and bounds concurrent generations, in all
+    (max_concurrency) and per client (max_concurrency_per_client; default: no cap but the total), shared fairly
+    (slots.Slots)."""
 
     def __init__(self, engine, info, max_concurrency=1, max_tokens_limit=None, queue_timeout=30.0, max_batch=8,
-                 hops_corpus=None):
+                 hops_corpus=None, max_concurrency_per_client=None):
         self.engine, self.info = engine, info
         self.model_id, self.created = info["model_tag"], int(time.time())
         self.config = engine.model.config
@@ -111,8 +115,7 @@ class Server:
             raise ValueError(f"max_tokens_limit={self.max_tokens_limit}: a full-context prompt plus that many tokens "
                              f"exceeds the model's {engine.model.rotary_seq_len} positions")
         self.queue_timeout = queue_timeout
-        self.slots = asyncio.Semaphore(max_concurrency)
-        self.running = self.waiting = 0
+        self.slots = Slots(max_concurrency, max_concurrency_per_client)
         self.bos = engine.tokenizer.get_bos_token_id()
         self.without_bos = 0  # token-id prompts that did not start with <|bos|>: see bos_warning
         self.metrics = Metrics(self)
@@ -198,22 +201,25 @@ class Server:
         except ValueError as e:
             raise APIError(400, f"n_sup={n_sup!r}: an integer from 1 to {most}, \"auto\", or {e}", "n_sup") from None
 
-    async def acquire(self):
-        """Take a generation slot: a free one at once, else wait up to queue_timeout seconds (0: no waiting)."""
-        wait = self.queue_timeout if self.slots.locked() else None
-        self.waiting += 1
-        try:
-            await asyncio.wait_for(self.slots.acquire(), timeout=wait)
-        except asyncio.TimeoutError:
-            raise APIError(503, f"server busy: {self.max_concurrency} generations running; retry later",
-                           code="server_busy") from None
-        finally:
-            self.waiting -= 1
-        self.running += 1
+    @property
+    def running(self):
+        return self.slots.busy
 
-    def release(self, _worker=None):
-        self.running -= 1
-        self.slots.release()
+    @property
+    def waiting(self):
+        return len(self.slots.waiters)
+
+    async def acquire(self, client):
+        """Take a generation slot for client (http.client_key): a free one at once, else wait up to queue_timeout
+        seconds (0: no waiting) for the slots to give it one."""
+        try:
+            await self.slots.acquire(client, self.queue_timeout)
+        except Busy as e:
+            self.metrics.busy.labels(reason=e.reason).inc()
+            raise APIError(503, str(e), code="server_busy") from None
+
+    def release(self, client):
+        self.slots.release(client)
 
     def check_chat(self, req):
         """(a completions request of a chat request, its prompt ids): the conversation rendered as chat_sft trained
@@ -269,7 +275,8 @@ class Server:
 
     def start(self, req, prompts, client=None, route="/v1/completions"):
         """Start the request's generation on a worker thread (its slot taken, freed when it ends); client: the HTTP
-        request, watched so that a client that leaves stops it; route: the one /metrics counts a failure under."""
+        request, watched so that a client that leaves stops it, and whose slot it holds; route: the one /metrics
+        counts a failure under."""
         rows = [ids for ids in prompts for _ in range(req.n)]  # choice index = prompt index * n + j, as at OpenAI
         stats = {}
         n_sup, halting = self.depth(req.n_sup)
@@ -287,8 +294,10 @@ class Server:
                   req.stream_options is not None and req.stream_options.include_usage, score, req.echo)
         job.stats = stats
         steps = n_sup or self.config.n_sup_inference
-        job.worker = Worker(job.run, (self.release, lambda worker: self.metrics.finished(job, steps, worker.error(),
-                                                                                          route)), client)
+        key = request_client(client)
+        release = lambda _: self.release(key)  # noqa: E731
+        job.worker = Worker(job.run, (release, lambda worker: self.metrics.finished(job, steps, worker.error(),
+                                                                                     route)), client)
         return job
 
     def next_token_logprobs(self, ids, n_sup, halting=None):
@@ -403,11 +412,11 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
         prompts = await run_in_threadpool(server.check, req)  # tokenizing a 1 MiB prompt takes ~0.1 s: not on the loop
         warning = server.bos_warning(req, prompts)
         headers = {"X-Nanochat-Warning": warning} if warning else None
-        await server.acquire()
+        await server.acquire(request_client(request))
         try:
             job = server.start(req, prompts, request)
         except BaseException:
-            server.release()
+            server.release(request_client(request))
             raise
         job.arrived = arrived
         if req.stream:
@@ -421,11 +430,11 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
         arrived = time.perf_counter()
         req = parse_request(await read_body(request), ChatCompletionRequest)
         completion, prompts = await run_in_threadpool(server.check_chat, req)  # rendering off the loop, as above
-        await server.acquire()
+        await server.acquire(request_client(request))
         try:
             job = server.start(completion, prompts, request, route="/v1/chat/completions")
         except BaseException:
-            server.release()
+            server.release(request_client(request))
             raise
         job.id, job.arrived = "chat" + job.id, arrived
         if completion.stream:
@@ -446,9 +455,10 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
                                           AUTO_HALTING, server.hops_corpus)
         except refinement.RequestError as e:
             raise APIError(400, str(e), e.param) from None
-        await server.acquire()
+        client = request_client(request)
+        await server.acquire(client)
         failed = lambda worker: worker.error() and server.metrics.failed.labels(route="/v1/refinement").inc()  # noqa: E731
-        worker = Worker(refinement.work(server.engine, req), (server.release, failed), request)
+        worker = Worker(refinement.work(server.engine, req), (lambda _: server.release(client), failed), request)
         if req.stream:
             return StreamingResponse(worker.events(lambda item: item), media_type="text/event-stream")
         items = await worker.finished()  # a client that leaves stops the generation at its next token, as above
