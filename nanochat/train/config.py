@@ -149,6 +149,9 @@ def build_parser():
                             "at first, rising linearly to n_sup_train by this fraction of the run (0 = off)")
     runtime = p.add_argument_group("runtime")
     runtime.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
+    runtime.add_argument("--threads", type=int, default=None,
+                         help="CPU threads, on --device_type=cpu (default: OMP_NUM_THREADS if set, else the cores this "
+                              "process may use that other work leaves free, measured at the start)")
     runtime.add_argument("--compile", type=str2bool, nargs="?", const=True, default=None,
                          help="torch.compile the model in regions (default: on for CUDA, off elsewhere)")
     runtime.add_argument("--compile_scope", choices=["auto", *COMPILE_SCOPES], default="auto",
@@ -296,6 +299,7 @@ class RunConfig:
     n_sup_warmup: float
     # runtime
     device_type: str
+    threads: int | None  # --threads: the CPU threads asked for (None: common.cpu_threads chooses)
     compile: bool
     compile_scope: str  # settled: layer or model (gpt.compile_scope_for)
     head_chunks: int | None  # settled: the training head's chunks per micro-batch, None = the default chunk
@@ -412,7 +416,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
         parser.error(f"--device_type={device_type} is not available on this machine; "
                      f"use --device_type={autodetect_device_type()}")
     for name in ("device_batch_size", "gradient_accumulation_steps", "total_batch_size", "head_chunks",
-                 "diagnostics_every"):
+                 "diagnostics_every", "threads"):
         if getattr(flags, name) is not None and getattr(flags, name) < 1:
             parser.error(f"--{name}={getattr(flags, name)} must be >= 1")
     for name in ("device_memory_gb", "peak_tflops"):
