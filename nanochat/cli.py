@@ -36,6 +36,15 @@ class ArgumentParser(argparse.ArgumentParser):
         return super().parse_known_args(underscore_flags(sys.argv[1:] if args is None else args), namespace)
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help gives each flag's default, unless its help states it already (a default that is not a plain value:
+    "autodetect", "the model's sequence_len"), where argparse would add a second, literal one."""
+
+    def _get_help_string(self, action):
+        stated = "default" in (action.help or "") or action.required  # a required flag has none
+        return action.help if stated else super()._get_help_string(action)
+
+
 class OneLineErrors(ArgumentParser):
     """A parser whose errors are one line that says what is wrong (the usage is in --help), raised as SystemExit with
     that line, so a caller that parses another tool's flags (launch, compare) can name where they came from."""

@@ -23,7 +23,7 @@ import sys
 import torch
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import Exit, ExitCode, OneLineErrors
+from nanochat.cli import DefaultsHelp, Exit, ExitCode, OneLineErrors
 from nanochat.common import autocast_for, autodetect_device_type, default_dtype, device_available
 from nanochat.data.chat import ChatDataError
 from nanochat.eval.chat_eval import (
@@ -38,7 +38,7 @@ from nanochat.files import atomic_write_bytes, exit_on_write_error, save_figure
 
 
 def parse_args(argv=None):
-    p = OneLineErrors(prog="python -m scripts.chat_eval", allow_abbrev=False)
+    p = OneLineErrors(prog="python -m scripts.chat_eval", allow_abbrev=False, formatter_class=DefaultsHelp)
     ckpt.checkpoint_flags(p, "the chat model to evaluate (chat_sft's tag)")
     p.add_argument("--data", default="builtin",
                    help="builtin (the built tasks' test split), or a .jsonl / hf:NAME of conversations each ending "
@@ -47,13 +47,14 @@ def parse_args(argv=None):
                    help="evaluate steps 1..n_sup (default: n_sup_inference); more than were trained is allowed")
     p.add_argument("--limit", type=int, default=None, help="questions per task (default: all)")
     p.add_argument("--max_tokens", type=int, default=16, help="reply tokens before a reply counts as not ended")
-    p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    p.add_argument("--batch_size", type=int, default=32, help="questions answered at once")
+    p.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect: cuda, mps, cpu)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="autocast dtype (default: bfloat16 on CUDA, float32 elsewhere)")
     p.add_argument("--out", default=None, help="directory for the results (default: the run's directory)")
     p.add_argument("--server", default=None,
-                   help="a running server's base URL: ask it through lm-eval's chat backend (pip install -e "
-                        "'.[eval]') instead of loading the checkpoint here")
+                   help="a running server's base URL: ask it through lm-eval's chat backend (the eval and serve "
+                        "extras) instead of loading the checkpoint here (default: none)")
     p.add_argument("--api_key", default=None, help="the server's key (default: $NANOCHAT_API_KEY)")
     args = p.parse_args(argv)
     for name in ("n_sup", "limit", "max_tokens", "batch_size"):
