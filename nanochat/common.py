@@ -98,7 +98,7 @@ def free_threads(cap, busy):
     return cap if busy is None else max(1, cap - math.floor(busy * cap + 0.5))
 
 
-def cpu_threads(requested=None, share=busy_share):
+def cpu_threads(requested=None, share=None):
     """(torch's thread count for this process, why), by precedence: `requested` (a --threads flag), OMP_NUM_THREADS when
     the user set it (torch has read it already), else torch's default (the physical cores) bounded by the cores this
     process may use (affinity, container quota) and lowered by those that others keep busy now (free_threads)."""
@@ -108,12 +108,11 @@ def cpu_threads(requested=None, share=busy_share):
         return torch.get_num_threads(), "OMP_NUM_THREADS"
     cpus, quota = allowed_cpus(), quota_cores()
     cap = min(torch.get_num_threads(), len(cpus), quota or len(cpus))
-    if cap <= 1:  # nothing to lower: no need to watch the machine
-        return 1, "1 core allowed"
-    busy = share(cpus)
+    why = f"{len(cpus)} core{'s' * (len(cpus) > 1)} allowed" + (f", a quota of {quota}" if quota else "")
+    busy = (share or busy_share)(cpus) if cap > 1 else None  # one thread: nothing to lower, nothing to watch
     if busy is None:
-        return cap, f"{cap} cores allowed"
-    return free_threads(cap, busy), f"{cap} cores allowed, {100 * busy:.0f}% of them busy with other work"
+        return cap, why
+    return free_threads(cap, busy), f"{why}, {100 * busy:.0f}% busy with other work"
 
 
 def use_cpu_threads(requested=None):
