@@ -23,16 +23,17 @@ import sys
 
 import torch
 
+from nanochat.cli import DefaultsHelp, Exit, OneLineErrors, missing_package
+
 try:
     import lm_eval
     from lm_eval.api.model import TemplateLM
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as e:
-    sys.exit(f"error: base_eval needs lm-eval ({e}); install it with: pip install -e '.[eval]'")
+    sys.exit(f"error: {missing_package(e, 'base_eval')}")
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import DefaultsHelp, Exit, OneLineErrors
 from nanochat.common import autocast_for, autodetect_device_type, default_dtype
 from nanochat.eval.metrics import refresh_downstream_section
 from nanochat.files import atomic_write_bytes, exit_on_write_error

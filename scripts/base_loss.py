@@ -18,7 +18,7 @@ import os
 import sys
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import DefaultsHelp, Exit, OneLineErrors
+from nanochat.cli import DefaultsHelp, Exit, OneLineErrors, missing_package
 from nanochat.collectives import RankFailure
 from nanochat.common import autocast_for, autodetect_device_type, compute_cleanup, compute_init, default_dtype, print0
 from nanochat.data.dataloader import evaluation_batches, evaluation_size
@@ -197,8 +197,8 @@ def evaluate_hops_corpus(args, model, tokenizer, meta, model_tag, device_type, p
         try:
             plot_hops(results, stem + ".png", title=f"{model_tag} step {meta['step']}")
             print0(f"plot: {stem}.png")
-        except ImportError:
-            print0("note: no plot: matplotlib is not installed (pip install -e '.[plot]')")
+        except ImportError as e:
+            print0(f"note: no plot: {missing_package(e, 'the plot')}")
     compute_cleanup()
     return results
 

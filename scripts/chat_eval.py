@@ -23,7 +23,7 @@ import sys
 import torch
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import DefaultsHelp, Exit, ExitCode, OneLineErrors
+from nanochat.cli import DefaultsHelp, Exit, ExitCode, OneLineErrors, missing_package
 from nanochat.common import autocast_for, autodetect_device_type, default_dtype, device_available
 from nanochat.data.chat import ChatDataError
 from nanochat.eval.chat_eval import (
@@ -98,9 +98,9 @@ def evaluate(argv):
         atomic_write_bytes(base + ".md", report.encode())
         try:
             figure = plot_chat_eval(result, title, trained)
-        except ImportError:
+        except ImportError as e:
             figure = None
-            print("no plot: matplotlib is not installed (pip install -e '.[plot]')")
+            print(f"no plot: {missing_package(e, 'the plot')}")
         if figure is not None:
             save_figure(figure, base + ".png", dpi=120)
     print(f"results: {base}.json, .md" + (", .png" if figure is not None else ""))
@@ -125,7 +125,10 @@ def in_process(args, items):
 
 def through_server(args, items):
     """(result, tag, step, trained steps, file suffix) of the model a running server serves, asked through lm-eval."""
-    import httpx  # lazy: with the server's extras
+    try:
+        import httpx  # lazy: the serve extra's, for --server only
+    except ImportError as e:
+        raise Exit(f"chat_eval: {missing_package(e, '--server')}", code=ExitCode.USAGE)
     key = args.api_key or os.environ.get("NANOCHAT_API_KEY") or None
     try:
         health = httpx.get(f"{args.server.rstrip('/')}/health", timeout=30).json()
@@ -139,7 +142,7 @@ def through_server(args, items):
     try:
         result = evaluate_chat_server(args.server, tag, items, n_sup, args.max_tokens, key)
     except ImportError as e:
-        raise Exit(f"chat_eval: --server needs lm-eval ({e}); pip install -e '.[eval]'", code=ExitCode.USAGE)
+        raise Exit(f"chat_eval: {missing_package(e, '--server')}", code=ExitCode.USAGE)
     result.update(model_tag=tag, step=step, data=args.data, n_sup_train=health["n_sup_train"], server=args.server)
     return result, tag, step, health["n_sup_train"], "_server"
 

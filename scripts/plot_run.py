@@ -17,7 +17,7 @@ import os
 import sys
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import ArgumentParser, Exit
+from nanochat.cli import ArgumentParser, Exit, missing_package
 from nanochat.eval.health import smooth
 from nanochat.eval.loss_eval import format_steps, step_name
 from nanochat.eval.metrics import MetricsError, read_metrics, read_results
@@ -152,8 +152,8 @@ def figure(run_dir):
         import matplotlib  # lazy: the optional matplotlib (the 'plot' extra); missing, one line says so
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # lazy: after matplotlib.use, which must precede it
-    except ImportError:
-        raise Exit("plot_run: matplotlib is not installed; pip install -e '.[plot]' (or pip install matplotlib)")
+    except ImportError as e:
+        raise Exit(missing_package(e, "plot_run"))
     records = read_metrics(run_dir)
     train, evals = records["train"], records["eval"]
     if not train:

@@ -2,7 +2,7 @@
 Serve a checkpoint over OpenAI's completions and chat APIs (FastAPI + uvicorn), on localhost by default, with the
 refinement viewer at /. The routes, their answers and errors: nanochat/serve/server.py and docs/serving.md.
 
-pip install -e '.[serve]'
+.venv/bin/python -m pip install -e '.[serve]'
 python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrency 16
 NANOCHAT_API_KEY=<secret> python -m scripts.serve --host 0.0.0.0 ...   # other machines: with a key
 
@@ -21,13 +21,15 @@ import math
 import os
 import sys
 
+from nanochat.cli import missing_package
+
 try:
     import uvicorn
 
     from nanochat.serve import http, refinement
     from nanochat.serve.server import Server, create_app
 except ModuleNotFoundError as e:
-    sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
+    sys.exit(f"error: {missing_package(e, 'the server')}")
 
 from nanochat import checkpoint as ckpt
 from nanochat.cli import ArgumentParser, ExitCode

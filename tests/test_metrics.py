@@ -10,6 +10,7 @@ from argparse import Namespace
 
 import pytest
 
+from nanochat.cli import install_command
 from nanochat.eval import metrics
 from nanochat.eval.metrics import MetricsError, MetricsLog, read_metrics, read_records
 from nanochat.train import config as train_config
@@ -139,7 +140,8 @@ def test_without_nvml_the_run_logs_without_gpu_fields(tmp_path, monkeypatch, cap
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
     metrics = MetricsLog(str(tmp_path), local_args(device_type="cuda"), rank=0, resume_step=None)
     metrics.log(train_record(1, [3.0]))
-    assert "GPU monitoring (pip install nvidia-ml-py) is off" in capsys.readouterr().out
+    assert "GPU monitoring is off: GPU monitoring needs pynvml, which is not installed; install it with: " \
+        f"{install_command('gpu')}; metrics.jsonl has everything" in capsys.readouterr().out
     assert "gpu_util_pct" not in read_metrics(tmp_path)["train"][0]
 
 
@@ -197,7 +199,8 @@ def test_wandb_not_logged_in_warns_and_tensorboard_gets_the_run(base_dir, monkey
 
 def test_tensorboard_without_the_package_is_refused_before_anything_runs(monkeypatch):
     monkeypatch.setattr(train_config.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(SystemExit, match=r"--tensorboard needs the tensorboard package"):
+    with pytest.raises(SystemExit, match=r"--tensorboard needs tensorboard, which is not installed; install it with: "
+                                         r".* -m pip install -e '.*\[tensorboard\]'"):
         train_config.parse_args(["--device_type=cpu", "--depth=4", "--tensorboard"])  # a model any CPU's RAM fits
 
 

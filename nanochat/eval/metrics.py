@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from nanochat.cli import missing_package
 from nanochat.common import print0
 from nanochat.eval.health import LossSmoother, smooth
 from nanochat.eval.loss_eval import format_steps, refinement, step_name
@@ -108,7 +109,7 @@ def scalars(record):
 # ---------------------------------------------------------------------------------------------------- sinks
 class WandbSink:
     def __init__(self, name, config):
-        import wandb  # lazy: an optional package (pip install -e '.[wandb]'), needed only with --run
+        import wandb  # lazy: the optional wandb extra, needed only with --run
         self.run = wandb.init(project="nanochat-trm", name=name, config=json_safe(config), resume="allow")
 
     def log(self, values, step):
@@ -162,9 +163,11 @@ def open_optional(name, make):
     """A monitor the run can live without: a failure to start it is a warning, never the end of a paid run."""
     try:
         return make()
+    except ModuleNotFoundError as e:  # its optional package: the line says which extra brings it
+        print0(f"WARNING: {name} is off: {missing_package(e, name)}; metrics.jsonl has everything")
     except Exception as e:  # noqa: BLE001 - e.g. wandb not logged in, no NVIDIA driver
         print0(f"WARNING: {name} is off ({type(e).__name__}: {e}); metrics.jsonl has everything")
-        return None
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- the log
@@ -203,7 +206,7 @@ class MetricsLog:
             self.sinks.append(open_optional("TensorBoard", lambda: TensorBoardSink(
                 run_config.tensorboard or os.path.join(run_dir, "tensorboard"))))
         if run_config.device_type == "cuda":
-            self.gpus = open_optional("GPU monitoring (pip install nvidia-ml-py)", GpuMonitor)
+            self.gpus = open_optional("GPU monitoring", GpuMonitor)
         self.sinks = [s for s in self.sinks if s]
 
     def log(self, record):

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-from nanochat.cli import DefaultsHelp, OneLineErrors
+from nanochat.cli import DefaultsHelp, OneLineErrors, missing_package
 from nanochat.common import autodetect_device_type, default_dtype, device_available, get_dist_info
 from nanochat.data.dataloader import ROW_LAYOUTS
 from nanochat.data.dataset import SYNTHETIC, DatasetError, data_dir, parquets_for_split, read_source
@@ -502,7 +502,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None)
     if run_config.warmup_steps is not None and run_config.warmup_steps < 0:
         parser.error(f"--warmup_steps={run_config.warmup_steps} must be >= 0")
     if run_config.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
-        parser.error("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'")
+        parser.error(missing_package(ModuleNotFoundError(name="tensorboard"), "--tensorboard"))
     return run_config
 
 
