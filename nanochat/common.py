@@ -28,14 +28,44 @@ def print0(*args, sep=" ", end="\n", **kwargs):
         print(sep.join(map(str, args)) + end, end="", **kwargs, flush=True)
 
 
+# Progress in a log (stderr not a terminal): a plain line this often, none for work that ends sooner
+LOG_PROGRESS_EVERY_S = 10.0
+
+
 def progress_enabled():
     """Progress bars on rank 0 of a terminal only: log files and the other ranks stay free of carriage returns."""
     return get_dist_info()[1] == 0 and sys.stderr.isatty()
 
 
+class LogLines:
+    """tqdm's output as whole lines for a log: tqdm redraws one line on a terminal (a carriage return, padding, cursor
+    moves); in a file those pile up into one unreadable line."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        text = text.replace("\r", "").replace("\x1b[A", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self):
+        self.stream.flush()
+
+
 def progress_bar(iterable=None, **kwargs):
-    """A tqdm bar that shows only where progress_enabled()."""
-    return tqdm(iterable, disable=not progress_enabled(), **kwargs)
+    """Progress of long work on rank 0 (tqdm's arguments): a bar on a terminal; in a log, a line every
+    LOG_PROGRESS_EVERY_S seconds with the count and an ETA; nothing on the other ranks."""
+    if get_dist_info()[1] != 0 or sys.stderr.isatty():
+        return tqdm(iterable, disable=not progress_enabled(), **kwargs)
+    kwargs.pop("position", None)
+    total = kwargs.get("total", len(iterable) if hasattr(iterable, "__len__") else None)
+    shape = "{n_fmt}/{total_fmt} {unit} ({percentage:.0f}%), {elapsed} elapsed, eta {remaining}" if total else \
+        "{n_fmt} {unit}, {elapsed} elapsed, {rate_fmt}"
+    return tqdm(iterable, **{**kwargs, "file": LogLines(sys.stderr), "mininterval": LOG_PROGRESS_EVERY_S,
+                             "maxinterval": LOG_PROGRESS_EVERY_S, "delay": LOG_PROGRESS_EVERY_S, "miniters": 1,
+                             "leave": False, "ascii": True,
+                             "bar_format": "{desc}: " + shape if kwargs.get("desc") else shape})
 
 
 # ---------------------------------------------------------------------------------------------------- CPU threads

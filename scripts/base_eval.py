@@ -34,7 +34,7 @@ except ImportError as e:
     sys.exit(f"error: {missing_package(e, 'base_eval')}")
 
 from nanochat import checkpoint as ckpt
-from nanochat.common import autocast_for, autodetect_device_type, default_dtype
+from nanochat.common import autocast_for, autodetect_device_type, default_dtype, progress_bar
 from nanochat.eval.metrics import refresh_downstream_section
 from nanochat.files import atomic_write_bytes, exit_on_write_error
 
@@ -71,7 +71,7 @@ class NanochatLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
         keys = [(tuple(context), tuple(continuation)) for _, context, continuation in requests]
         missing = sorted({key for key in keys if key not in self.scores}, key=lambda k: -len(k[0]) - len(k[1]))
-        for i in range(0, len(missing), self.batch_size):
+        for i in progress_bar(range(0, len(missing), self.batch_size), desc="scoring", unit="batches"):
             batch = missing[i:i + self.batch_size]
             self.scores.update(zip(batch, self.score_batch(batch)))
         return [self.scores[key][self.step - 1] for key in keys]

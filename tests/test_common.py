@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import tqdm.std
 
 from nanochat import common
 from nanochat.common import cpu_threads, free_threads, gpu_peak_flops, progress_bar, quota_cores
@@ -66,14 +67,30 @@ def test_the_launch_table_rows_are_sxm_boards():
         assert gpu_peak_flops(LAUNCH_TABLE_DEVICES[model]) == pytest.approx(tflops * 1e12)
 
 
-def test_progress_bar_only_on_a_terminal(monkeypatch):
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
-    assert progress_bar(range(3)).disable
+def test_progress_bar_on_a_terminal_and_on_rank_0_only(monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert not progress_bar(range(3)).disable
     for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):  # as torchrun sets them
         monkeypatch.setenv(name, value)
     assert progress_bar(range(3)).disable
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert progress_bar(range(3)).disable
+
+
+def test_progress_in_a_log_is_a_plain_line_every_few_seconds_with_an_eta(monkeypatch, capsys):
+    clock = [1000.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])  # tqdm's clock, read as each bar starts
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # a log file
+    for _ in progress_bar(range(20), desc="evaluating", unit="batch", delay=3, leave=False):
+        clock[0] += 4.0  # a batch takes 4 s: 80 s in all
+    for _ in progress_bar(range(4), desc="short"):
+        clock[0] += 2.0  # 8 s: no line
+    err = capsys.readouterr().err
+    assert "\r" not in err and "short" not in err
+    lines = err.splitlines()
+    assert len(lines) == 6  # a line each time 10 s have passed since the last, at 12, 24, ... 72 s
+    assert lines[0] == "evaluating: 3/20 batch (15%), 00:12 elapsed, eta 01:08"
+    assert lines[-1] == "evaluating: 18/20 batch (90%), 01:12 elapsed, eta 00:08"
 
 
 # ---------------------------------------------------------------------------------------------------- CPU threads

@@ -84,6 +84,18 @@ def test_eta_before_the_compiling_steps_are_over_uses_what_there_is(tmp_path):
     assert "eta 40.0m" in metrics.format_step(train_record(2, [3.0]), 122)  # 120 steps x mean(30, 10) s
 
 
+def test_eta_after_a_resume_comes_from_this_processs_steps_only(tmp_path):
+    """The issue's resume: the first process ran 35 s steps beside other work, this one runs 8 s steps; the ETA of
+    its first step reads 8 s a step, not the earlier ones' (77.6 min where 13.7 min was true)."""
+    first = MetricsLog(str(tmp_path), local_args(), rank=0, resume_step=None)
+    for step in range(1, 21):
+        first.log(train_record(step, [3.0], dt=35.0))
+    resumed = MetricsLog(str(tmp_path), local_args(), rank=0, resume_step=20)
+    record = train_record(21, [3.0], dt=8.0)
+    resumed.log(record)
+    assert "eta 13.2m" in resumed.format_step(record, num_iterations=120)  # 99 steps left x 8 s
+
+
 # ---------------------------------------------------------------------------------------------------- sinks
 class FakeNVML(types.ModuleType):
     """pynvml as nvidia-ml-py provides it, for two GPUs with fixed readings."""

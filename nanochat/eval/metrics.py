@@ -183,7 +183,7 @@ class MetricsLog:
         """run_config: the run's train_config.RunConfig (--run, --tensorboard, the device)."""
         self.path, self.enabled, self.sinks, self.gpus = os.path.join(run_dir, "metrics.jsonl"), rank == 0, [], None
         self.failure, self.gpus_read_at = None, -math.inf
-        self.smoother, self.step_times, self.prior_step_time = LossSmoother(), [], None
+        self.smoother, self.step_times = LossSmoother(), []  # step_times: this process's, for the ETA
         if not self.enabled:
             return
         run_files = os.path.join(glob.escape(run_dir), "*")
@@ -194,8 +194,6 @@ class MetricsLog:
             train = [r for r in kept if r["kind"] == "train"]
             for r in train:
                 self.smoother.update(r["step_losses"])
-            times = [r["dt"] for r in train[COMPILE_STEPS:]]
-            self.prior_step_time = statistics.mean(times) if times else None
         elif resume_step is None and os.path.exists(self.path):
             with writing(self.path, RESUME_HINT):
                 os.remove(self.path)
@@ -249,11 +247,10 @@ class MetricsLog:
             return {}
 
     def mean_step_time(self):
-        """Mean seconds per optimizer step, without this process's first (compiling) steps when there are more."""
+        """Mean seconds per optimizer step of this process, without its first (compiling) steps when there are more:
+        a resumed run's earlier steps ran on another machine, load or thread count (dev/LOG.md, issue 58)."""
         settled = self.step_times[COMPILE_STEPS:]
-        if settled:
-            return statistics.mean(settled)
-        return self.prior_step_time or statistics.mean(self.step_times)
+        return statistics.mean(settled or self.step_times)
 
     def format_step(self, record, num_iterations):
         """The training log line (docs/training-log.md)."""
