@@ -109,7 +109,7 @@ def main(argv=None):
     autocast = autocast_for(device_type, dtype)
     print0(f"evaluating {model_tag} step {meta['step']} with {n_sup} supervision steps on "
            f"{rows * T:,} tokens per split")
-    results = {"model_tag": model_tag, "step": meta["step"], "n_sup": n_sup}
+    results = {"model_tag": model_tag, "step": meta["step"], "n_sup": n_sup, "split_tokens": rows * T}
     token_bytes = get_token_bytes(device=device)
     for split in ("train", "val"):
         try:
