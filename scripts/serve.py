@@ -164,9 +164,9 @@ def main(argv=None):
             return ExitCode.USAGE
         host, port = sock.getsockname()[:2]
         base = f"http://{f'[{host}]' if ':' in host else host}:{port}"  # an IPv6 address goes in brackets in a URL
-        print(f"serving {server.model_id} step {server.info['step']} at {base}/v1 (OpenAI completions API; "
-              f"max_concurrency={args.max_concurrency}; {'API key required' if args.api_key else 'no API key'}); "
-              f"the refinement viewer: {base}/", flush=True)
+        print(f"serving {server.model_id} step {server.info['step']} at {base}/v1 (OpenAI's completions and chat "
+              f"completions APIs: POST /v1/completions, /v1/chat/completions; max_concurrency={args.max_concurrency}; "
+              f"{'API key required' if args.api_key else 'no API key'}); the refinement viewer: {base}/", flush=True)
         try:
             web.run(sockets=[sock])
         except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down cleanly, then may re-raise the signal
