@@ -27,12 +27,17 @@ BUSY = [sys.executable, "-c", "while True: pass"]
 
 
 def step_times(threads, steps, tag):
-    """Seconds per step of a fresh run's steps 2..steps (the first warms up) at `threads` threads."""
+    """Seconds per step of a fresh run's steps 2..steps (the first warms up) at `threads` threads; its directory is
+    removed after."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    subprocess.run([sys.executable, "-m", "scripts.base_train", *RUNCPU, f"--num_iterations={steps}",
-                    f"--model_tag={tag}", "--overwrite"], env=env, check=True, stdout=subprocess.DEVNULL, timeout=1800)
-    with open(os.path.join(get_base_dir(), "base_checkpoints", tag, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    run_dir = os.path.join(get_base_dir(), "base_checkpoints", tag)
+    try:
+        subprocess.run([sys.executable, "-m", "scripts.base_train", *RUNCPU, f"--num_iterations={steps}",
+                        f"--model_tag={tag}"], env=env, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     return [r["dt"] for r in records if r["kind"] == "train" and r["step"] > 1]
 
 
@@ -42,30 +47,25 @@ def main():
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     p.add_argument("--busy", default="0,1", help="comma-separated counts of busy processes beside the run")
     args = p.parse_args()
-    tag = f"bench_threads_{os.getpid()}"
     print(f"{os.cpu_count()} CPUs, affinity {sorted(os.sched_getaffinity(0))}; dev/runcpu.sh's model, "
           f"{args.steps - 1} timed steps a run")
-    try:
-        for busy in map(int, args.busy.split(",")):
-            hogs = [subprocess.Popen(BUSY) for _ in range(busy)]
-            try:
-                time.sleep(2)  # let the busy processes show in /proc/stat
-                unset = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as a user without it
-                choice = subprocess.run([sys.executable, "-m", "dev.threads"], env=unset, capture_output=True,
-                                        text=True, check=True, timeout=120).stderr.strip()
-                print(f"busy processes {busy}: the automatic choice: {choice}", flush=True)
-                for threads in map(int, args.threads.split(",")):
-                    load = os.getloadavg()[0]
-                    times = step_times(threads, args.steps, tag)
-                    print(f"  {threads} thread(s): {statistics.median(times):.2f} s/step median (min "
-                          f"{min(times):.2f}, max {max(times):.2f}) | load average before {load:.2f}", flush=True)
-            finally:
-                for hog in hogs:
-                    hog.kill()
-                    hog.wait()
-    finally:
-        shutil.rmtree(os.path.join(get_base_dir(), "base_checkpoints", tag), ignore_errors=True)
-
+    for busy in map(int, args.busy.split(",")):
+        hogs = [subprocess.Popen(BUSY) for _ in range(busy)]
+        try:
+            time.sleep(2)  # let the busy processes show in /proc/stat
+            unset = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as a user without it
+            choice = subprocess.run([sys.executable, "-m", "dev.threads"], env=unset, capture_output=True,
+                                    text=True, check=True, timeout=120).stderr.strip()
+            print(f"busy processes {busy}: the automatic choice: {choice}", flush=True)
+            for threads in map(int, args.threads.split(",")):
+                load = os.getloadavg()[0]
+                times = step_times(threads, args.steps, f"bench_threads_{os.getpid()}_{busy}_{threads}")
+                print(f"  {threads} thread(s): {statistics.median(times):.2f} s/step median (min "
+                      f"{min(times):.2f}, max {max(times):.2f}) | load average before {load:.2f}", flush=True)
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
 
 if __name__ == "__main__":
     main()
