@@ -145,6 +145,13 @@ def test_cpu_threads_take_the_flag_then_omp_num_threads_then_the_free_cores(monk
     assert cpu_threads(None, share=no_watch) == (1, "4 cores allowed, a quota of 1")
 
 
+def test_the_threads_flag_is_checked_with_the_others():
+    from nanochat.train import config as train_config
+    with pytest.raises(SystemExit, match="--threads=0 must be >= 1"):
+        train_config.parse_args(["--depth=2", "--device_type=cpu", "--threads=0"], check_hardware=False)
+    assert train_config.parse_args(["--depth=2", "--device_type=cpu", "--threads=3"], check_hardware=False).threads == 3
+
+
 def test_use_cpu_threads_sets_torch_and_says_so_in_one_line():
     line = common.use_cpu_threads(1)
     assert torch.get_num_threads() == 1
