@@ -5,11 +5,13 @@ corpus and tokenizer in $NANOCHAT_BASE_DIR (bash dev/runcpu.sh makes them; or na
 scripts.tok_train --vocab_size=4096 --max_chars=20000000); writes only under a temporary tag, removed after.
 
     NANOCHAT_BASE_DIR=~/.cache/nanochat-cpu python -m dev.bench_threads --steps 6 --busy 0,1
+    NANOCHAT_BASE_DIR=~/.cache/nanochat-cpu python -m dev.bench_threads --steps 6 --busy 0 --cpu   # + CPU s/step
 """
 
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -26,19 +28,26 @@ RUNCPU = ["--device_type=cpu", "--depth=4", "--max_seq_len=256", "--device_batch
 BUSY = [sys.executable, "-c", "while True: pass"]
 
 
+def cpu_seconds():
+    """CPU time (user + system) of this process's finished children."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def step_times(threads, steps, tag):
-    """Seconds per step of a fresh run's steps 2..steps (the first warms up) at `threads` threads; its directory is
-    removed after."""
+    """(seconds per step of a fresh run's steps 2..steps (the first warms up) at `threads` threads, the run's CPU
+    seconds); its directory is removed after."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     run_dir = os.path.join(get_base_dir(), "base_checkpoints", tag)
+    cpu = cpu_seconds()
     try:
         subprocess.run([sys.executable, "-m", "scripts.base_train", *RUNCPU, f"--num_iterations={steps}",
-                        f"--model_tag={tag}"], env=env, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+                        f"--model_tag={tag}"], env=env, check=True, stdout=subprocess.DEVNULL, timeout=3600)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return [r["dt"] for r in records if r["kind"] == "train" and r["step"] > 1]
+    return [r["dt"] for r in records if r["kind"] == "train" and r["step"] > 1], cpu_seconds() - cpu
 
 
 def main():
@@ -46,6 +55,9 @@ def main():
     p.add_argument("--steps", type=int, default=6, help="training steps a run (the first is left out)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     p.add_argument("--busy", default="0,1", help="comma-separated counts of busy processes beside the run")
+    p.add_argument("--cpu", action="store_true",
+                   help="also the CPU seconds a step costs (a 1-step run's subtracted): what a step takes on a quiet "
+                        "machine at 1 thread, where the wall clock of a shared one cannot say")
     args = p.parse_args()
     print(f"{os.cpu_count()} CPUs, affinity {sorted(os.sched_getaffinity(0))}; dev/runcpu.sh's model, "
           f"{args.steps - 1} timed steps a run")
@@ -59,9 +71,13 @@ def main():
             print(f"busy processes {busy}: the automatic choice: {choice}", flush=True)
             for threads in map(int, args.threads.split(",")):
                 load = os.getloadavg()[0]
-                times = step_times(threads, args.steps, f"bench_threads_{os.getpid()}_{busy}_{threads}")
+                times, cpu = step_times(threads, args.steps, f"bench_threads_{os.getpid()}_{busy}_{threads}")
+                if args.cpu:
+                    cpu = (cpu - step_times(threads, 1, f"bench_threads_{os.getpid()}_{busy}_{threads}_1")[1]) / \
+                        (args.steps - 1)
                 print(f"  {threads} thread(s): {statistics.median(times):.2f} s/step median (min "
-                      f"{min(times):.2f}, max {max(times):.2f}) | load average before {load:.2f}", flush=True)
+                      f"{min(times):.2f}, max {max(times):.2f})" + (f" | {cpu:.2f} CPU s/step" if args.cpu else "") +
+                      f" | load average before {load:.2f}", flush=True)
         finally:
             for hog in hogs:
                 hog.kill()

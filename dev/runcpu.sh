@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole pipeline on a CPU with no network, in under 15 minutes on 2 cores (7 on a quiet machine, 2026-11-22):
+# The whole pipeline on a CPU with no network: ~7 minutes on 2 quiet cores, ~25 on busy ones (dev/LOG.md, issue 58):
 # environment -> built-in corpus -> tokenizer -> a small TRM model -> evaluation -> samples -> plot.
 # Everything lands in $NANOCHAT_BASE_DIR (default ~/.cache/nanochat-cpu, apart from GPU runs' data).
 # Extra arguments go to base_train and win over the values below, e.g. bash dev/runcpu.sh --num_iterations=40
