@@ -14,7 +14,7 @@ read (hold_keys=False): the difference is what reading a halted token's keys fro
 import os
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import ArgumentParser, Exit
+from nanochat.cli import ArgumentParser, Exit, missing_package
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype
 from nanochat.eval.loss_eval import evaluate_bpb, evaluate_bpb_halting
 from nanochat.model.halting import Halting
@@ -77,8 +77,8 @@ def plot(rows, title, path):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        raise Exit("halting_curve: matplotlib is not installed; pip install -e '.[plot]'")
+    except ImportError as e:
+        raise Exit(missing_package(e, "halting_curve"))
     fig, ax = plt.subplots(figsize=(7, 5))
     for label in dict.fromkeys(r[0] for r in rows):
         points = sorted((mean, bpb) for lab, _, mean, bpb, _ in rows if lab == label)

@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The whole pipeline on a CPU with no network, in under 15 minutes on 2 cores (7 on a quiet machine, 2026-11-22):
+# The whole pipeline on a CPU with no network: ~7 minutes on 2 quiet cores, ~25 on busy ones (dev/LOG.md, issue 58):
 # environment -> built-in corpus -> tokenizer -> a small TRM model -> evaluation -> samples -> plot.
 # Everything lands in $NANOCHAT_BASE_DIR (default ~/.cache/nanochat-cpu, apart from GPU runs' data).
 # Extra arguments go to base_train and win over the values below, e.g. bash dev/runcpu.sh --num_iterations=40
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat-cpu}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 MODEL_TAG="${MODEL_TAG:-cpu_d4}"
 start=$(date +%s)
 
 echo "== 1/6 environment"
-bash dev/setup_env.sh plot
+bash dev/setup_env.sh plot,serve  # serve: scripts.serve and its clients, for the commands printed at the end
 py=.venv/bin/python
+# every stage's CPU threads: OMP_NUM_THREADS if set, else the cores other work leaves free now (it says which)
+OMP_NUM_THREADS="$($py -m dev.threads)"
+export OMP_NUM_THREADS
 
 echo "== 2/6 built-in corpus (Python's standard library, offline)"
 $py -m nanochat.dataset --builtin
@@ -45,6 +47,7 @@ $py -m scripts.base_sample --device_type=cpu --model_tag="$MODEL_TAG" --prompt="
 echo "== 6/6 plot"
 $py -m scripts.plot_run "$MODEL_TAG"
 
+# the closing summary: what was made, and the next commands, with the base directory and tag that find the model
 run_dir="$NANOCHAT_BASE_DIR/base_checkpoints/$MODEL_TAG"
 echo
 echo "done in $(( ($(date +%s) - start) / 60 )) min"
@@ -52,3 +55,10 @@ echo "checkpoints: $run_dir/step_*"
 echo "report:      $run_dir/report.md"
 echo "plot:        $run_dir/training.png"
 echo "metrics:     $run_dir/metrics.jsonl"
+echo
+echo "next: the model is $MODEL_TAG in $NANOCHAT_BASE_DIR (not the default ~/.cache/nanochat): set it first"
+printf '  export NANOCHAT_BASE_DIR=%q\n' "$NANOCHAT_BASE_DIR"
+echo "  $py -m scripts.base_sample --device_type=cpu --model_tag=$MODEL_TAG --prompt='def fibonacci(n):' --show_steps"
+echo "  $py -m scripts.base_loss --device_type=cpu --model_tag=$MODEL_TAG --split_tokens=32768 --n_sup=8"
+echo "  $py -m scripts.serve --device_type=cpu --model_tag=$MODEL_TAG   # then open http://127.0.0.1:8000/"
+echo "  bash dev/runcpu_chat.sh   # the chat stage: $MODEL_TAG fine-tuned on conversations, then served"

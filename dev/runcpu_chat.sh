@@ -7,14 +7,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat-cpu}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 MODEL_TAG="${MODEL_TAG:-cpu_d4}"
 SFT_TAG="${SFT_TAG:-${MODEL_TAG}_sft}"
 EVAL_LIMIT="${EVAL_LIMIT:-100}"  # test questions per task
 start=$(date +%s)
 
-bash dev/setup_env.sh plot
+bash dev/setup_env.sh plot,serve  # serve: scripts.serve and its clients (httpx, openai), to talk to the result
 py=.venv/bin/python
+# every stage's CPU threads: OMP_NUM_THREADS if set, else the cores other work leaves free now (it says which)
+OMP_NUM_THREADS="$($py -m dev.threads)"
+export OMP_NUM_THREADS
 if ! compgen -G "$NANOCHAT_BASE_DIR/base_checkpoints/$MODEL_TAG/step_*" > /dev/null; then
     echo "no base model $MODEL_TAG under $NANOCHAT_BASE_DIR: run bash dev/runcpu.sh first" >&2
     exit 1
@@ -36,8 +38,16 @@ echo "== 3/3 exact match by supervision step (the 3 trained, and 3 more), and th
 $py -m scripts.chat_eval --device_type=cpu --model_tag="$SFT_TAG" --n_sup=6 --limit="$EVAL_LIMIT" --max_tokens=8
 $py -m scripts.plot_run "$SFT_TAG"
 
+# the closing summary: what was made, and the commands that serve the chat model and ask it
 run_dir="$NANOCHAT_BASE_DIR/base_checkpoints/$SFT_TAG"
 echo
 echo "done in $(( ($(date +%s) - start) / 60 )) min"
 echo "accuracy by step: $run_dir/chat_eval_step*.md and .png (the base model's: base_checkpoints/$MODEL_TAG/)"
 echo "training plot:    $run_dir/training.png"
+echo
+echo "next: serve the chat model $SFT_TAG from $NANOCHAT_BASE_DIR (not the default ~/.cache/nanochat), then ask it"
+printf '  export NANOCHAT_BASE_DIR=%q\n' "$NANOCHAT_BASE_DIR"
+echo "  $py -m scripts.serve --device_type=cpu --model_tag=$SFT_TAG   # the viewer, with a Chat tab: http://127.0.0.1:8000/"
+echo "  curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
+echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is two plus three?\"}], \"temperature\": 0}'"
+echo "  (from Python: the openai client, as in docs/chat.md)"

@@ -2,6 +2,7 @@
 
 import argparse
 import enum
+import os
 import sys
 
 
@@ -15,6 +16,36 @@ class ExitCode(enum.IntEnum):
     WRITE_FAILED = 5  # a write failed (full disk, quota, read-only, permissions), a checkpoint save included
     DATA_DAMAGED = 6  # a training shard became unreadable mid-run; the step's checkpoint is saved
     SIGNALED = 128  # plus the signal number (130 Ctrl-C, 143 SIGTERM): stopped by a signal, a training run saved first
+
+
+# The pyproject.toml extra that installs each optional package, by the name it is imported as
+EXTRAS = {"fastapi": "serve", "starlette": "serve", "pydantic": "serve", "uvicorn": "serve", "h11": "serve",
+          "prometheus_client": "serve", "httpx": "serve", "openai": "serve", "matplotlib": "plot",
+          "transformers": "hf", "tokenizers": "hf", "lm_eval": "eval", "tensorboard": "tensorboard", "wandb": "wandb",
+          "pynvml": "gpu"}
+
+
+def this_python():
+    """The interpreter running this code, as a command (.venv/bin/python from the checkout): a bare `python` or `pip`
+    may belong to another one (the system's, not .venv's)."""
+    here = os.getcwd()
+    return os.path.relpath(sys.executable) if sys.executable.startswith(here + os.sep) else sys.executable
+
+
+def install_command(extra):
+    """The command that installs a pyproject.toml extra into the Python running this code."""
+    here, root = os.getcwd(), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(root, "pyproject.toml")):  # installed from a wheel, not a checkout
+        return f"{this_python()} -m pip install 'nanochat[{extra}]'"
+    return f"{this_python()} -m pip install -e '{'.' if root == here else root}[{extra}]'"
+
+
+def missing_package(error, needs):
+    """One line for an optional package that is not installed (error: the ModuleNotFoundError): what needs it and the
+    command that installs its extra."""
+    name = (getattr(error, "name", None) or str(error)).split(".")[0]
+    fix = install_command(EXTRAS[name]) if name in EXTRAS else f"{this_python()} -m pip install {name}"
+    return f"{needs} needs {name}, which is not installed; install it with: {fix}"
 
 
 def underscore_flags(argv):
@@ -34,6 +65,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         return super().parse_known_args(underscore_flags(sys.argv[1:] if args is None else args), namespace)
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help gives each flag's default, unless its help states it already (a default that is not a plain value:
+    "autodetect", "the model's sequence_len"), where argparse would add a second, literal one."""
+
+    def _get_help_string(self, action):
+        stated = "default" in (action.help or "") or action.required  # a required flag has none
+        return action.help if stated else super()._get_help_string(action)
 
 
 class OneLineErrors(ArgumentParser):

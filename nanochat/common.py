@@ -2,9 +2,11 @@
 Collectives live in nanochat/collectives.py, files and atomic writes in nanochat/files.py."""
 
 import contextlib
+import math
 import os
 import random
 import sys
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -26,14 +28,128 @@ def print0(*args, sep=" ", end="\n", **kwargs):
         print(sep.join(map(str, args)) + end, end="", **kwargs, flush=True)
 
 
+# Progress in a log (stderr not a terminal): a plain line this often, none for work that ends sooner
+LOG_PROGRESS_EVERY_S = 10.0
+
+
 def progress_enabled():
     """Progress bars on rank 0 of a terminal only: log files and the other ranks stay free of carriage returns."""
     return get_dist_info()[1] == 0 and sys.stderr.isatty()
 
 
+class LogLines:
+    """tqdm's output as whole lines for a log: tqdm redraws one line on a terminal (a carriage return, padding, cursor
+    moves); in a file those pile up into one unreadable line."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        text = text.replace("\r", "").replace("\x1b[A", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self):
+        self.stream.flush()
+
+
 def progress_bar(iterable=None, **kwargs):
-    """A tqdm bar that shows only where progress_enabled()."""
-    return tqdm(iterable, disable=not progress_enabled(), **kwargs)
+    """Progress of long work on rank 0 (tqdm's arguments): a bar on a terminal; in a log, a line every
+    LOG_PROGRESS_EVERY_S seconds with the count and an ETA; nothing on the other ranks."""
+    if get_dist_info()[1] != 0 or sys.stderr.isatty():
+        return tqdm(iterable, disable=not progress_enabled(), **kwargs)
+    kwargs.pop("position", None)
+    total = kwargs.get("total", len(iterable) if hasattr(iterable, "__len__") else None)
+    shape = "{n_fmt}/{total_fmt} {unit} ({percentage:.0f}%), {elapsed} elapsed, eta {remaining}" if total else \
+        "{n_fmt} {unit}, {elapsed} elapsed, {rate_fmt}"
+    return tqdm(iterable, **{**kwargs, "file": LogLines(sys.stderr), "mininterval": LOG_PROGRESS_EVERY_S,
+                             "maxinterval": LOG_PROGRESS_EVERY_S, "delay": LOG_PROGRESS_EVERY_S, "miniters": 1,
+                             "leave": False, "ascii": True,
+                             "bar_format": "{desc}: " + shape if kwargs.get("desc") else shape})
+
+
+# ---------------------------------------------------------------------------------------------------- CPU threads
+BUSY_SAMPLE_S = 0.25  # how long cpu_threads watches the machine: 25 clock ticks a core, enough to see a busy process
+
+
+def quota_cores(root="/sys/fs/cgroup"):
+    """The cores this container's CPU quota pays for (docker --cpus=N; cgroup v2's cpu.max, or v1's cfs files), or None
+    without one. Inside a container the cgroup root is the container's own; a bare host has no quota there."""
+    def read(name):
+        with open(os.path.join(root, name)) as f:
+            return f.read().split()
+    try:
+        quota, period = read("cpu.max")[:2]
+    except (OSError, ValueError):
+        try:
+            quota, period = read("cpu/cpu.cfs_quota_us")[0], read("cpu/cpu.cfs_period_us")[0]
+        except (OSError, IndexError):
+            return None
+    if quota in ("max", "-1"):
+        return None
+    try:
+        return max(1, int(int(quota) / int(period)))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def allowed_cpus():
+    """The CPU ids this process may run on: its affinity mask (taskset, a container's cpuset), else every CPU."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity call
+        return list(range(os.cpu_count() or 1))
+
+
+def busy_share(cpus, seconds=BUSY_SAMPLE_S, stat="/proc/stat", sleep=time.sleep):
+    """The share of `cpus` that others keep busy now, 0 to 1: their non-idle time over `seconds` while this process
+    sleeps; steal (a hypervisor's other guests) counts as busy. None where /proc/stat is missing (not Linux). By hand:
+    psutil reads the same counters, but it is not a dependency, for ten lines."""
+    def read():
+        total = idle = 0
+        with open(stat) as f:
+            for line in f:
+                name, *fields = line.split()
+                if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:
+                    values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+                    total, idle = total + sum(values), idle + values[3] + values[4]
+        return total, idle
+    try:
+        (total0, idle0), _, (total1, idle1) = read(), sleep(seconds), read()
+    except (OSError, ValueError):
+        return None
+    return 1 - (idle1 - idle0) / (total1 - total0) if total1 > total0 else 0.0
+
+
+def free_threads(cap, busy):
+    """Threads for the cores nobody else uses, of `cap`, when a share `busy` of them is taken: an OpenMP region waits
+    for its slowest thread, so one thread that shares a core with a busy process stalls the others (dev/LOG.md, issue
+    58). A core counts as taken from half busy on; never fewer than 1."""
+    return cap if busy is None else max(1, cap - math.floor(busy * cap + 0.5))
+
+
+def cpu_threads(requested=None, share=None):
+    """(torch's thread count for this process, why), by precedence: `requested` (a --threads flag), OMP_NUM_THREADS when
+    the user set it (torch has read it already), else torch's default (the physical cores) bounded by the cores this
+    process may use (affinity, container quota) and lowered by those that others keep busy now (free_threads)."""
+    if requested:
+        return requested, "--threads"
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads(), "OMP_NUM_THREADS"
+    cpus, quota = allowed_cpus(), quota_cores()
+    cap = min(torch.get_num_threads(), len(cpus), quota or len(cpus))
+    why = f"{len(cpus)} core{'s' * (len(cpus) > 1)} allowed" + (f", a quota of {quota}" if quota else "")
+    busy = (share or busy_share)(cpus) if cap > 1 else None  # one thread: nothing to lower, nothing to watch
+    if busy is None:
+        return cap, why
+    return free_threads(cap, busy), f"{why}, {100 * busy:.0f}% busy with other work"
+
+
+def use_cpu_threads(requested=None):
+    """Set torch's thread count by cpu_threads; returns the one line that says it (printed by the caller)."""
+    threads, why = cpu_threads(requested)
+    torch.set_num_threads(threads)
+    return f"CPU threads: {threads} ({why}; --threads=N or OMP_NUM_THREADS=N sets it)"
 
 
 def autodetect_device_type():

@@ -21,7 +21,7 @@ import torch
 from nanochat import checkpoint as ckpt
 from nanochat.cli import Exit, ExitCode
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, reduce_with_flags, run_on_rank0
-from nanochat.common import autocast_for, compute_cleanup, compute_init, describe_error, print0
+from nanochat.common import autocast_for, compute_cleanup, compute_init, describe_error, print0, use_cpu_threads
 from nanochat.data.dataloader import data_ranks, training_loaders
 from nanochat.data.dataset import DatasetError, corpus_identity
 from nanochat.data.tokenizer import RustBPETokenizer, get_token_bytes, get_tokenizer
@@ -85,6 +85,8 @@ def train(run_config, data=None, init=None):
     ddp, rank, local_rank, world_size, device = compute_init(run_config.device_type, run_config.seed)
     if ddp and world_size != run_config.world_size:
         raise Exit(f"internal: parsed for {run_config.world_size} processes, running {world_size}")
+    if device.type == "cpu":  # torch's default, every physical core, thrashes beside other work (common.cpu_threads)
+        print0(use_cpu_threads(run_config.threads))
     missing = data.problem()
     if missing:
         raise Exit(missing)

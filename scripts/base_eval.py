@@ -16,7 +16,6 @@ lambada, perplexity) are supported; generation tasks are refused. Results go to
 import nanochat.cuda_allocator  # noqa: F401 - first, before torch: see the module
 
 # isort: split
-import argparse
 import contextlib
 import json
 import os
@@ -24,17 +23,18 @@ import sys
 
 import torch
 
+from nanochat.cli import DefaultsHelp, Exit, OneLineErrors, missing_package
+
 try:
     import lm_eval
     from lm_eval.api.model import TemplateLM
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as e:
-    sys.exit(f"error: base_eval needs lm-eval ({e}); install it with: pip install -e '.[eval]'")
+    sys.exit(f"error: {missing_package(e, 'base_eval')}")
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import Exit, OneLineErrors
-from nanochat.common import autocast_for, autodetect_device_type, default_dtype
+from nanochat.common import autocast_for, autodetect_device_type, default_dtype, progress_bar
 from nanochat.eval.metrics import refresh_downstream_section
 from nanochat.files import atomic_write_bytes, exit_on_write_error
 
@@ -71,7 +71,7 @@ class NanochatLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
         keys = [(tuple(context), tuple(continuation)) for _, context, continuation in requests]
         missing = sorted({key for key in keys if key not in self.scores}, key=lambda k: -len(k[0]) - len(k[1]))
-        for i in range(0, len(missing), self.batch_size):
+        for i in progress_bar(range(0, len(missing), self.batch_size), desc="scoring", unit="batches"):
             batch = missing[i:i + self.batch_size]
             self.scores.update(zip(batch, self.score_batch(batch)))
         return [self.scores[key][self.step - 1] for key in keys]
@@ -113,18 +113,20 @@ class NanochatLM(TemplateLM):
 
 def parse_args(argv=None):
     p = OneLineErrors(prog="python -m scripts.base_eval", allow_abbrev=False,
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=DefaultsHelp)
     ckpt.checkpoint_flags(p)
     p.add_argument("--n_sup", type=int, default=None,
                    help="evaluate steps 1..n_sup (default: n_sup_inference); more than were trained is allowed")
     p.add_argument("--tasks", default=DEFAULT_TASKS, help="comma-separated lm-eval task or group names")
-    p.add_argument("--include_path", default=None, help="a directory of task YAML files of your own")
-    p.add_argument("--limit", type=float, default=None, help="examples per task (below 1: a fraction); quick runs")
-    p.add_argument("--num_fewshot", type=int, default=None, help="default: each task's own")
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--include_path", default=None, help="a directory of task YAML files of your own (default: none)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="examples per task (below 1: a fraction); quick runs (default: all)")
+    p.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per forward")
     p.add_argument("--bootstrap_iters", type=int, default=1000, help="for the stderr of non-mean metrics")
-    p.add_argument("--device_type", default="")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    p.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect: cuda, mps, cpu)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="autocast dtype (default: bfloat16 on CUDA, float32 elsewhere)")
     args = p.parse_args(argv)
     for name in ("n_sup", "batch_size", "limit"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:

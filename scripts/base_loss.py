@@ -18,7 +18,7 @@ import os
 import sys
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import Exit, OneLineErrors
+from nanochat.cli import DefaultsHelp, Exit, OneLineErrors, missing_package
 from nanochat.collectives import RankFailure
 from nanochat.common import autocast_for, autodetect_device_type, compute_cleanup, compute_init, default_dtype, print0
 from nanochat.data.dataloader import evaluation_batches, evaluation_size
@@ -42,20 +42,22 @@ from nanochat.train.config import SAMPLE_PROMPTS
 
 def parse_args(argv=None):
     p = OneLineErrors(prog="python -m scripts.base_loss", allow_abbrev=False,
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+               formatter_class=DefaultsHelp)
     ckpt.checkpoint_flags(p)
-    p.add_argument("--device_batch_size", type=int, default=8)
-    p.add_argument("--max_seq_len", type=int, default=None, help="default: the model's sequence_len")
+    p.add_argument("--device_batch_size", type=int, default=8, help="sequences per forward")
+    p.add_argument("--max_seq_len", type=int, default=None, help="tokens per row (default: the model's sequence_len)")
     p.add_argument("--split_tokens", type=int, default=2 * 524288,
                    help="tokens evaluated per split, rounded down to whole rows of --max_seq_len (the same rows on any "
                         "number of processes)")
     p.add_argument("--n_sup", type=int, default=None,
                    help="supervision steps to run (default: n_sup_inference); more than were trained is allowed")
-    p.add_argument("--device_type", default="")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
-    p.add_argument("--sample_tokens", type=int, default=24)
+    p.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect: cuda, mps, cpu)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="autocast dtype (default: bfloat16 on CUDA, float32 elsewhere)")
+    p.add_argument("--sample_tokens", type=int, default=24, help="tokens generated per sample prompt")
     p.add_argument("--halt", type=halting_arg, default=None,
-                   help="also evaluate validation with per-token adaptive halting, RULE:THRESHOLD (kl, rms or head)")
+                   help="also evaluate validation with per-token adaptive halting, RULE:THRESHOLD (kl, rms or head) "
+                        "(default: off)")
     p.add_argument("--hops", action="store_true",
                    help="instead of bpb: exact-match accuracy by hop count at supervision steps 1..2*n_sup_inference "
                         "(--n_sup: 1..n_sup) on the validation documents of the hops corpus (docs/reasoning.md)")
@@ -107,7 +109,7 @@ def main(argv=None):
     autocast = autocast_for(device_type, dtype)
     print0(f"evaluating {model_tag} step {meta['step']} with {n_sup} supervision steps on "
            f"{rows * T:,} tokens per split")
-    results = {"model_tag": model_tag, "step": meta["step"], "n_sup": n_sup}
+    results = {"model_tag": model_tag, "step": meta["step"], "n_sup": n_sup, "split_tokens": rows * T}
     token_bytes = get_token_bytes(device=device)
     for split in ("train", "val"):
         try:
@@ -195,8 +197,8 @@ def evaluate_hops_corpus(args, model, tokenizer, meta, model_tag, device_type, p
         try:
             plot_hops(results, stem + ".png", title=f"{model_tag} step {meta['step']}")
             print0(f"plot: {stem}.png")
-        except ImportError:
-            print0("note: no plot: matplotlib is not installed (pip install -e '.[plot]')")
+        except ImportError as e:
+            print0(f"note: no plot: {missing_package(e, 'the plot')}")
     compute_cleanup()
     return results
 

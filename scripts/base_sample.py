@@ -19,7 +19,7 @@ import sys
 import torch
 
 from nanochat.checkpoint import checkpoint_flags, open_checkpoint
-from nanochat.cli import ArgumentParser, ExitCode
+from nanochat.cli import ArgumentParser, DefaultsHelp, ExitCode
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, device_available
 from nanochat.model.engine import Engine, kv_cache_bytes_per_token
 from nanochat.model.halting import Halting
@@ -28,10 +28,12 @@ DEFAULT_PROMPTS = ["The capital of France is", "The chemical symbol of gold is",
 
 
 def parse_args(argv=None):
-    parser = ArgumentParser(description="Print completions from a base-model checkpoint")
+    parser = ArgumentParser(description="Print completions from a base-model checkpoint", formatter_class=DefaultsHelp)
     checkpoint_flags(parser)
-    parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
-    parser.add_argument("--prompts_file", default=None, help="a file of prompts, one per line (blank lines skipped)")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help=f"a prompt; repeat for several (default: {len(DEFAULT_PROMPTS)} built-in prompts)")
+    parser.add_argument("--prompts_file", default=None,
+                        help="a file of prompts, one per line (blank lines skipped) (default: none)")
     parser.add_argument("--max_tokens", type=int, default=64, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=50, help="sample from the k likeliest tokens; 0 = all")
@@ -39,8 +41,9 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=42, help="sampling seed, for reproducible samples")
     parser.add_argument("--show_steps", action="store_true",
                         help="print the greedy draft after each supervision step (with --halt: each token's steps)")
-    parser.add_argument("--halt", default=None, help="per-token adaptive halting, RULE:THRESHOLD, e.g. kl:0.0005")
-    parser.add_argument("--device_type", default=None, help="cuda|cpu|mps (default: autodetect)")
+    parser.add_argument("--halt", default=None,
+                        help="per-token adaptive halting, RULE:THRESHOLD, e.g. kl:0.0005 (default: off)")
+    parser.add_argument("--device_type", default=None, help="cuda | cpu | mps (default: autodetect: cuda, mps, cpu)")
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error(f"--max_tokens={args.max_tokens}: must be >= 1")

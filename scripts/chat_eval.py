@@ -23,7 +23,7 @@ import sys
 import torch
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import Exit, ExitCode, OneLineErrors
+from nanochat.cli import DefaultsHelp, Exit, ExitCode, OneLineErrors, missing_package
 from nanochat.common import autocast_for, autodetect_device_type, default_dtype, device_available
 from nanochat.data.chat import ChatDataError
 from nanochat.eval.chat_eval import (
@@ -38,7 +38,7 @@ from nanochat.files import atomic_write_bytes, exit_on_write_error, save_figure
 
 
 def parse_args(argv=None):
-    p = OneLineErrors(prog="python -m scripts.chat_eval", allow_abbrev=False)
+    p = OneLineErrors(prog="python -m scripts.chat_eval", allow_abbrev=False, formatter_class=DefaultsHelp)
     ckpt.checkpoint_flags(p, "the chat model to evaluate (chat_sft's tag)")
     p.add_argument("--data", default="builtin",
                    help="builtin (the built tasks' test split), or a .jsonl / hf:NAME of conversations each ending "
@@ -47,13 +47,14 @@ def parse_args(argv=None):
                    help="evaluate steps 1..n_sup (default: n_sup_inference); more than were trained is allowed")
     p.add_argument("--limit", type=int, default=None, help="questions per task (default: all)")
     p.add_argument("--max_tokens", type=int, default=16, help="reply tokens before a reply counts as not ended")
-    p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    p.add_argument("--batch_size", type=int, default=32, help="questions answered at once")
+    p.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect: cuda, mps, cpu)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="autocast dtype (default: bfloat16 on CUDA, float32 elsewhere)")
     p.add_argument("--out", default=None, help="directory for the results (default: the run's directory)")
     p.add_argument("--server", default=None,
-                   help="a running server's base URL: ask it through lm-eval's chat backend (pip install -e "
-                        "'.[eval]') instead of loading the checkpoint here")
+                   help="a running server's base URL: ask it through lm-eval's chat backend (the eval and serve "
+                        "extras) instead of loading the checkpoint here (default: none)")
     p.add_argument("--api_key", default=None, help="the server's key (default: $NANOCHAT_API_KEY)")
     args = p.parse_args(argv)
     for name in ("n_sup", "limit", "max_tokens", "batch_size"):
@@ -97,9 +98,9 @@ def evaluate(argv):
         atomic_write_bytes(base + ".md", report.encode())
         try:
             figure = plot_chat_eval(result, title, trained)
-        except ImportError:
+        except ImportError as e:
             figure = None
-            print("no plot: matplotlib is not installed (pip install -e '.[plot]')")
+            print(f"no plot: {missing_package(e, 'the plot')}")
         if figure is not None:
             save_figure(figure, base + ".png", dpi=120)
     print(f"results: {base}.json, .md" + (", .png" if figure is not None else ""))
@@ -124,7 +125,10 @@ def in_process(args, items):
 
 def through_server(args, items):
     """(result, tag, step, trained steps, file suffix) of the model a running server serves, asked through lm-eval."""
-    import httpx  # lazy: with the server's extras
+    try:
+        import httpx  # lazy: the serve extra's, for --server only
+    except ImportError as e:
+        raise Exit(f"chat_eval: {missing_package(e, '--server')}", code=ExitCode.USAGE)
     key = args.api_key or os.environ.get("NANOCHAT_API_KEY") or None
     try:
         health = httpx.get(f"{args.server.rstrip('/')}/health", timeout=30).json()
@@ -138,7 +142,7 @@ def through_server(args, items):
     try:
         result = evaluate_chat_server(args.server, tag, items, n_sup, args.max_tokens, key)
     except ImportError as e:
-        raise Exit(f"chat_eval: --server needs lm-eval ({e}); pip install -e '.[eval]'", code=ExitCode.USAGE)
+        raise Exit(f"chat_eval: {missing_package(e, '--server')}", code=ExitCode.USAGE)
     result.update(model_tag=tag, step=step, data=args.data, n_sup_train=health["n_sup_train"], server=args.server)
     return result, tag, step, health["n_sup_train"], "_server"
 

@@ -7,7 +7,7 @@ tokens, with base_train's machinery (plan, budgets, run lock, exact --resume, ch
     python -m scripts.chat_sft --model_tag=cpu_d4 --data=builtin --num_epochs=2         # the built set, offline
     torchrun --standalone --nproc_per_node=8 -m scripts.chat_sft -- --model_tag=d12 --data=chats.jsonl
 
-The result is an ordinary checkpoint under --sft_tag (default <model_tag>_sft), with the base model's config (the
+The result is an ordinary checkpoint under --sft_tag (default: <model_tag>_sft), with the base model's config (the
 recursion settings included), so base_loss, base_sample, serve, export_hf and plot_run read it unchanged. Training
 flags are base_train's (--num_iterations, --device_batch_size, --matrix_lr, --eval_every, --max_hours, --resume,
 ...); unset, the batch, learning rates and dtype are the base run's, with a warmdown over the second half. The model
@@ -23,7 +23,7 @@ import math
 import sys
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import Exit, ExitCode, OneLineErrors
+from nanochat.cli import DefaultsHelp, Exit, ExitCode, OneLineErrors
 from nanochat.common import print0
 from nanochat.data.chat import ChatDataError, load_chat_data
 from nanochat.data.tokenizer import TokenizerError, get_tokenizer
@@ -44,9 +44,13 @@ SFT_DEFAULTS = {"warmup_ratio": 0.0, "warmdown_ratio": 0.5, "n_sup_warmup": 0.0}
 
 
 def build_parser():
-    p = OneLineErrors(prog="python -m scripts.chat_sft", allow_abbrev=False,
+    p = OneLineErrors(prog="python -m scripts.chat_sft", allow_abbrev=False, formatter_class=DefaultsHelp,
                       description="Fine-tune a base checkpoint on conversations. Every other flag is base_train's "
-                                  "(python -m scripts.base_train --help), the model flags excepted.")
+                                  "(python -m scripts.base_train --help), the model flags excepted.",
+                      epilog=f"Unset, these take the base run's values: --{', --'.join(INHERITED)} and the learning "
+                             f"rates (as the base run applied them); and "
+                             f"{', '.join(f'--{k}={v}' for k, v in SFT_DEFAULTS.items())} (no warmup, a warmdown over "
+                             f"the second half, as nanochat's SFT); the model flags are the base checkpoint's.")
     ckpt.checkpoint_flags(p, "the base checkpoint to fine-tune")
     p.add_argument("--data", required=True,
                    help="conversations: a .jsonl file of {\"messages\": [...]} lines, hf:NAME[:config][:split] (a "
@@ -54,7 +58,7 @@ def build_parser():
     p.add_argument("--val_data", default=None,
                    help="validation conversations, in the same forms (default: 1 in 20 of --data, held out)")
     p.add_argument("--sft_tag", type=model_tag_arg, default=None,
-                   help="the fine-tuned run's tag under base_checkpoints/ (default <model_tag>_sft)")
+                   help="the fine-tuned run's tag under base_checkpoints/ (default: <model_tag>_sft)")
     p.add_argument("--num_epochs", type=float, default=1.0,
                    help="passes over the training conversations, when --num_iterations is not given")
     return p

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import Exit, OneLineErrors, underscore_flags
+from nanochat.cli import Exit, OneLineErrors, missing_package, underscore_flags
 from nanochat.common import autodetect_device_type, compute_cleanup, compute_init, distributed, get_dist_info, print0
 from nanochat.data.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.eval.loss_eval import format_steps, validation_bpb
@@ -383,8 +383,8 @@ def plot(report, out):
         import matplotlib  # lazy: the optional matplotlib (the 'plot' extra); missing, one line says so
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # lazy: after matplotlib.use, which must precede it
-    except ImportError:
-        raise Exit("compare: matplotlib is not installed; pip install -e '.[plot]'")
+    except ImportError as e:
+        raise Exit(missing_package(e, "compare's plot"))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for r in report["runs"]:
         evals = r["evals"][1:]  # step 0 is the same untrained model for every config

@@ -26,7 +26,7 @@ import sys
 import torch
 
 from nanochat.checkpoint import checkpoint_flags, open_checkpoint
-from nanochat.cli import ArgumentParser, ExitCode
+from nanochat.cli import ArgumentParser, ExitCode, install_command, missing_package
 from nanochat.files import (
     exit_on_write_error,
     remove_stale_temporaries,
@@ -43,8 +43,9 @@ try:
 
     from nanochat.model.hf_model import NanochatTRMConfig, NanochatTRMForCausalLM
 except ImportError as e:  # transformers missing, or older than 5
-    reason = f"the export needs {e.name}" if isinstance(e, ModuleNotFoundError) else str(e)
-    sys.exit(f"error: {reason}; install it with: pip install -e '.[hf]'")
+    reason = missing_package(e, "the export") if isinstance(e, ModuleNotFoundError) else \
+        f"{e}; install the tested version with: {install_command('hf')}"
+    sys.exit(f"error: {reason}")
 from nanochat.data.chat import CHAT_TEMPLATE, TEXT_ESCAPE
 from nanochat.data.tokenizer import SPECIAL_TOKENS
 from nanochat.model.engine import STOP_TOKENS

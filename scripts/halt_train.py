@@ -22,7 +22,7 @@ import sys
 import torch
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import Exit, OneLineErrors
+from nanochat.cli import DefaultsHelp, Exit, OneLineErrors
 from nanochat.common import autocast_for, autodetect_device_type, compute_init, default_dtype, print0
 from nanochat.data.dataloader import DataLoader, evaluation_batches, evaluation_size
 from nanochat.files import model_tag_arg
@@ -32,15 +32,15 @@ LOG_EVERY = 20
 
 
 def parse_args(argv=None):
-    p = OneLineErrors(prog="python -m scripts.halt_train", allow_abbrev=False)
+    p = OneLineErrors(prog="python -m scripts.halt_train", allow_abbrev=False, formatter_class=DefaultsHelp)
     ckpt.checkpoint_flags(p)
     p.add_argument("--out_tag", type=model_tag_arg, default=None, help="the new tag (default: <model_tag>_halt)")
     p.add_argument("--num_iterations", type=int, default=500, help="optimizer steps of the head")
     p.add_argument("--lr", type=float, default=0.001, help="AdamW learning rate of the head (0.01 overfit, dev/LOG.md)")
-    p.add_argument("--device_batch_size", type=int, default=8)
-    p.add_argument("--max_seq_len", type=int, default=None, help="default: the model's sequence_len")
+    p.add_argument("--device_batch_size", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--max_seq_len", type=int, default=None, help="tokens per row (default: the model's sequence_len)")
     p.add_argument("--eval_tokens", type=int, default=65536, help="validation tokens for the BCE before and after")
-    p.add_argument("--device_type", default="")
+    p.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect: cuda, mps, cpu)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
     for name in ("num_iterations", "device_batch_size", "max_seq_len", "eval_tokens"):

@@ -6,18 +6,21 @@ Plot a run so you can see at a glance whether the later supervision steps help:
     bottom row    the same on validation: bits per byte per supervision step (on the scale of the trained model,
                   not the untrained one at optimizer step 0), and each step's gap to step 1
     right         validation bpb against the number of supervision steps run at inference: the last evaluation
-                  in training, and each `python -m scripts.base_loss` result of the run (also past the trained count);
+                  in training, and each `python -m scripts.base_loss` result of the run (also past the trained count),
+                  each labelled with how many validation tokens it read (a gap between them is the sample);
                   on a second axis the task accuracies of the latest `python -m scripts.base_eval` result
 
     python -m scripts.plot_run d4                 # a model tag under $NANOCHAT_BASE_DIR/base_checkpoints
     python -m scripts.plot_run path/to/run_dir    # any directory holding metrics.jsonl
 """
 
+import glob
+import json
 import os
 import sys
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import ArgumentParser, Exit
+from nanochat.cli import ArgumentParser, Exit, missing_package
 from nanochat.eval.health import smooth
 from nanochat.eval.loss_eval import format_steps, step_name
 from nanochat.eval.metrics import MetricsError, read_metrics, read_results
@@ -112,19 +115,47 @@ def plot_val_gaps(ax, evals):
     ax.legend(title="supervision step", fontsize=8)
 
 
-def plot_inference(ax, evals, base_losses, n_sup_train, model_tag):
+def run_meta(run_dir):
+    """The newest checkpoint's meta.json in run_dir, or {} (a directory holding only metrics.jsonl)."""
+    steps = sorted(glob.glob(os.path.join(glob.escape(run_dir), "step_*", "meta.json")))
+    try:
+        with open(steps[-1]) as f:
+            return json.load(f)
+    except (IndexError, OSError, ValueError):
+        return {}
+
+
+def evaluated(meta):
+    """What training's evaluations read, in words: the run's --eval_tokens, rounded down to whole rows as evaluated,
+    and for a fine-tuning run (chat_sft) its held-out conversations rather than the corpus."""
+    config = meta.get("train_config") or {}
+    if not config.get("eval_tokens") or not config.get("max_seq_len"):
+        return "--eval_tokens of validation"
+    tokens = max(1, config["eval_tokens"] // config["max_seq_len"]) * config["max_seq_len"]
+    return f"up to {tokens:,} tokens of held-out conversations" if meta.get("init_from") else \
+        f"the first {tokens:,} validation tokens"
+
+
+def plot_inference(ax, evals, base_losses, n_sup_train, model_tag, meta=None):
+    """Validation bpb against the supervision steps run: training's last evaluation and base_loss's, each labelled
+    with the text it read, so a gap between them reads as what it is: another sample (or other data)."""
+    during = evaluated(meta or {})
     if evals:
         final = evals[-1]
         ax.plot(range(1, len(final["val_bpb"]) + 1), final["val_bpb"], marker="o", color="black",
-                label=f"last evaluation in training (optimizer step {final['step']}, --eval_tokens)")
+                label=f"during training, optimizer step {final['step']}: {during}")
     for r in base_losses[-4:]:
+        sample = f"the first {r['split_tokens']:,} validation tokens" if "split_tokens" in r else "--split_tokens"
         ax.plot(range(1, len(r["val_bpb"]) + 1), r["val_bpb"], marker="s", ls="--",
-                label=f"base_loss of the checkpoint at optimizer step {r['step']} (--split_tokens)")
+                label=f"base_loss after training, checkpoint of step {r['step']}: {sample}")
+    title = "validation bpb vs supervision steps run at inference"
+    if evals and base_losses:  # one model, two numbers: say why
+        title += "\n" + ("solid: held-out conversations; dashed: the corpus's validation text" if (meta or {}).get(
+            "init_from") else "a gap between solid and dashed is the sample: more validation tokens, a surer number")
     ax.axvline(n_sup_train, color="gray", ls=":", label=f"trained with {n_sup_train} supervision steps")
     most = max([n_sup_train] + [len(r["val_bpb"]) for r in base_losses])
     ax.set_xticks(range(1, most + 1))
-    ax.set(title="validation bpb vs supervision steps run at inference", ylabel="validation bpb",
-           xlabel="supervision steps run (1 = the draft alone)")
+    ax.set(title=title, ylabel="validation bpb", xlabel="supervision steps run (1 = the draft alone)")
     if not base_losses:
         ax.text(0.5, 0.02, f"more steps: python -m scripts.base_loss --model_tag={model_tag} --n_sup={2 * n_sup_train}",
                 transform=ax.transAxes, ha="center", fontsize=8, color="dimgray")
@@ -152,8 +183,8 @@ def figure(run_dir):
         import matplotlib  # lazy: the optional matplotlib (the 'plot' extra); missing, one line says so
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # lazy: after matplotlib.use, which must precede it
-    except ImportError:
-        raise Exit("plot_run: matplotlib is not installed; pip install -e '.[plot]' (or pip install matplotlib)")
+    except ImportError as e:
+        raise Exit(missing_package(e, "plot_run"))
     records = read_metrics(run_dir)
     train, evals = records["train"], records["eval"]
     if not train:
@@ -173,7 +204,7 @@ def figure(run_dir):
         plot_val(axes[2], evals)
         plot_val_gaps(axes[3], evals)
     trained = len(evals[-1]["val_bpb"]) if evals else len(train[0]["step_losses"])  # evaluations run n_sup_train
-    plot_inference(axes[4], evals, read_results(run_dir, "base_loss"), trained, model_tag)
+    plot_inference(axes[4], evals, read_results(run_dir, "base_loss"), trained, model_tag, run_meta(run_dir))
     plot_downstream(axes[4], read_results(run_dir, "base_eval"))
     headline = f"{model_tag}: {train[-1]['step']} optimizer steps"
     if evals:

@@ -2,7 +2,7 @@
 Serve a checkpoint over OpenAI's completions and chat APIs (FastAPI + uvicorn), on localhost by default, with the
 refinement viewer at /. The routes, their answers and errors: nanochat/serve/server.py and docs/serving.md.
 
-pip install -e '.[serve]'
+.venv/bin/python -m pip install -e '.[serve]'
 python -m scripts.serve --model_tag d12 --step best --port 8000 --max_concurrency 20
 NANOCHAT_API_KEY=<secret> python -m scripts.serve --host 0.0.0.0 ...   # other machines: with a key
 
@@ -23,13 +23,15 @@ import math
 import os
 import sys
 
+from nanochat.cli import missing_package
+
 try:
     import uvicorn
 
     from nanochat.serve import http, refinement
     from nanochat.serve.server import Server, create_app
 except ModuleNotFoundError as e:
-    sys.exit(f"error: the server needs {e.name}; install it with: pip install -e '.[serve]'")
+    sys.exit(f"error: {missing_package(e, 'the server')}")
 
 from nanochat import checkpoint as ckpt
 from nanochat.cli import ArgumentParser, ExitCode
@@ -192,9 +194,9 @@ def main(argv=None):
             return ExitCode.USAGE
         host, port = sock.getsockname()[:2]
         base = f"http://{f'[{host}]' if ':' in host else host}:{port}"  # an IPv6 address goes in brackets in a URL
-        print(f"serving {server.model_id} step {server.info['step']} at {base}/v1 (OpenAI completions API; "
-              f"max_concurrency={args.max_concurrency}; {'API key required' if args.api_key else 'no API key'}); "
-              f"the refinement viewer: {base}/", flush=True)
+        print(f"serving {server.model_id} step {server.info['step']} at {base}/v1 (OpenAI's completions and chat "
+              f"completions APIs: POST /v1/completions, /v1/chat/completions; max_concurrency={args.max_concurrency}; "
+              f"{'API key required' if args.api_key else 'no API key'}); the refinement viewer: {base}/", flush=True)
         try:
             web.run(sockets=[sock])
         except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down cleanly, then may re-raise the signal

@@ -10,7 +10,7 @@ import sys
 
 import tiktoken
 
-from nanochat.cli import ArgumentParser, ExitCode
+from nanochat.cli import ArgumentParser, DefaultsHelp, ExitCode
 from nanochat.data.dataset import DatasetError, iter_documents
 from nanochat.data.tokenizer import TokenizerError, get_tokenizer
 
@@ -44,7 +44,7 @@ def reference_encodings(labels):
 
 
 def main(argv=None):
-    parser = ArgumentParser(description="Tokenizer compression on train and val text")
+    parser = ArgumentParser(description="Tokenizer compression on train and val text", formatter_class=DefaultsHelp)
     parser.add_argument("--max_chars", type=int, default=5_000_000, help="chars of each split to encode")
     parser.add_argument("--references", default="gpt2,gpt4",
                         help="tokenizers to compare with, from gpt2,gpt4; none: ours alone (no download is tried)")

@@ -13,7 +13,7 @@ import sys
 import time
 
 from nanochat import checkpoint as ckpt
-from nanochat.cli import ArgumentParser, ExitCode
+from nanochat.cli import ArgumentParser, DefaultsHelp, ExitCode
 from nanochat.common import progress_bar
 from nanochat.data.dataset import DatasetError, iter_documents, parquets_for_split, row_group_sizes
 from nanochat.data.tokenizer import (
@@ -102,9 +102,9 @@ def train(args, stats):
 
 
 def main(argv=None):
-    parser = ArgumentParser(description="Train a byte-level BPE tokenizer")
+    parser = ArgumentParser(description="Train a byte-level BPE tokenizer", formatter_class=DefaultsHelp)
     parser.add_argument("--vocab_size", type=int, default=None,
-                        help=f"including the special tokens (default {DEFAULT_VOCAB_SIZE})")
+                        help=f"including the special tokens (default: {DEFAULT_VOCAB_SIZE:,})")
     parser.add_argument("--byte_level", action="store_true",
                         help="no merges: the 256 bytes are the tokens (sequences ~4x longer than BPE's); recommended "
                              "for --synthetic=hops corpora, where every answer must be one token of its own and BPE "

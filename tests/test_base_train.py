@@ -240,6 +240,7 @@ def test_precedence_metrics_report_and_plot(base_dir):
     evals = [r for r in records if r["kind"] == "eval"]
     assert evals[0]["state"][-1][2] < 1e-5 and evals[-1]["state"][-1][2] > 1e-3 and train[-1]["state"][-1][2] > 1e-3
     assert out.count("recursion state per step: rms y ") == 2
+    assert out.count("CPU threads: ") == 1  # the run's choice, said once
     assert os.path.exists(os.path.join(ckpt_dir(base_dir, "prec"), "report.md"))
     png = os.path.join(ckpt_dir(base_dir, "prec"), "training.png")
     assert plot(base_dir, "prec") == 0

@@ -7,8 +7,11 @@ import os
 import sys
 
 import pytest
+import torch
+import tqdm.std
 
-from nanochat.common import gpu_peak_flops, progress_bar
+from nanochat import common
+from nanochat.common import cpu_threads, free_threads, gpu_peak_flops, progress_bar, quota_cores
 from nanochat.files import (
     WriteError,
     atomic_write_bytes,
@@ -64,14 +67,108 @@ def test_the_launch_table_rows_are_sxm_boards():
         assert gpu_peak_flops(LAUNCH_TABLE_DEVICES[model]) == pytest.approx(tflops * 1e12)
 
 
-def test_progress_bar_only_on_a_terminal(monkeypatch):
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
-    assert progress_bar(range(3)).disable
+def test_progress_bar_on_a_terminal_and_on_rank_0_only(monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert not progress_bar(range(3)).disable
     for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):  # as torchrun sets them
         monkeypatch.setenv(name, value)
     assert progress_bar(range(3)).disable
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert progress_bar(range(3)).disable
+
+
+def test_progress_in_a_log_is_a_plain_line_every_few_seconds_with_an_eta(monkeypatch, capsys):
+    clock = [1000.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])  # tqdm's clock, read as each bar starts
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # a log file
+    for _ in progress_bar(range(20), desc="evaluating", unit="batch", delay=3, leave=False):
+        clock[0] += 4.0  # a batch takes 4 s: 80 s in all
+    for _ in progress_bar(range(4), desc="short"):
+        clock[0] += 2.0  # 8 s: no line
+    err = capsys.readouterr().err
+    assert "\r" not in err and "short" not in err
+    lines = err.splitlines()
+    assert len(lines) == 6  # a line each time 10 s have passed since the last, at 12, 24, ... 72 s
+    assert lines[0] == "evaluating: 3/20 batch (15%), 00:12 elapsed, eta 01:08"
+    assert lines[-1] == "evaluating: 18/20 batch (90%), 01:12 elapsed, eta 00:08"
+
+
+# ---------------------------------------------------------------------------------------------------- CPU threads
+@pytest.mark.parametrize("cap,busy,threads", [(2, 0.0, 2), (2, 0.2, 2), (2, 0.3, 1), (2, 0.5, 1), (2, 1.0, 1),
+                                               (16, 0.25, 12), (16, 1.0, 1), (4, None, 4)])
+def test_free_threads_leave_out_every_core_that_is_half_busy_or_more(cap, busy, threads):
+    assert free_threads(cap, busy) == threads  # 2 x 0.3 = 0.6 of a core busy: taken; 2 x 0.2 = 0.4: free
+
+
+def stat(cpu0, cpu1, cpu2=(0, 0)):
+    """A /proc/stat whose cpu0..2 have spent (busy, idle) ticks; the machine-wide line and one other kept."""
+    line = lambda name, busy, idle: f"{name} {busy} 0 0 {idle} 0 0 0 0 0 0\n"  # noqa: E731
+    return (line("cpu", 999, 999) + line("cpu0", *cpu0) + line("cpu1", *cpu1) + line("cpu2", *cpu2) +
+            "intr 12345 0 0\n")
+
+
+def test_busy_share_is_the_non_idle_time_of_the_allowed_cpus_only(tmp_path):
+    path = tmp_path / "stat"
+    path.write_text(stat((100, 100), (100, 100), (0, 0)))
+    later = stat((100 + 25, 100), (100 + 5, 100 + 20), (50, 0))  # cpu0 all busy, cpu1 a fifth; cpu2 not ours
+    share = common.busy_share({0, 1}, seconds=0.25, stat=str(path), sleep=lambda s: path.write_text(later))
+    assert share == pytest.approx((25 + 5) / (25 + 25))
+    assert common.busy_share({0}, stat=str(tmp_path / "absent"), sleep=lambda s: None) is None  # not Linux
+
+
+@pytest.mark.parametrize("files,cores", [({"cpu.max": "200000 100000"}, 2), ({"cpu.max": "max 100000"}, None),
+                                         ({"cpu.max": "50000 100000"}, 1),
+                                         ({"cpu/cpu.cfs_quota_us": "400000", "cpu/cpu.cfs_period_us": "100000"}, 4),
+                                         ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+                                         ({}, None)])
+def test_a_containers_cpu_quota_is_read_from_cgroup_v2_or_v1(tmp_path, files, cores):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    assert quota_cores(str(tmp_path)) == cores
+
+
+def test_cpu_threads_take_the_flag_then_omp_num_threads_then_the_free_cores(monkeypatch):
+    def no_watch(cpus):
+        raise AssertionError("the machine was watched where nothing was to be chosen")
+    monkeypatch.setattr(common, "allowed_cpus", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(common, "quota_cores", lambda: None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # torch's default: the physical cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(2, share=no_watch) == (2, "--threads")
+    assert cpu_threads(None, share=no_watch) == (4, "OMP_NUM_THREADS")  # what torch read from it
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert cpu_threads(None, share=lambda cpus: 0.0) == (4, "4 cores allowed, 0% busy with other work")
+    assert cpu_threads(None, share=lambda cpus: 0.5)[0] == 2  # two of four cores busy
+    assert cpu_threads(None, share=lambda cpus: None) == (4, "4 cores allowed")  # no /proc/stat
+    monkeypatch.setattr(common, "quota_cores", lambda: 1)  # docker --cpus=1 on a 4-core machine
+    assert cpu_threads(None, share=no_watch) == (1, "4 cores allowed, a quota of 1")
+
+
+def test_the_threads_flag_is_checked_with_the_others():
+    from nanochat.train import config as train_config
+    with pytest.raises(SystemExit, match="--threads=0 must be >= 1"):
+        train_config.parse_args(["--depth=2", "--device_type=cpu", "--threads=0"], check_hardware=False)
+    assert train_config.parse_args(["--depth=2", "--device_type=cpu", "--threads=3"], check_hardware=False).threads == 3
+
+
+def test_use_cpu_threads_sets_torch_and_says_so_in_one_line():
+    line = common.use_cpu_threads(1)
+    assert torch.get_num_threads() == 1
+    assert line.startswith("CPU threads: 1 (--threads; ") and "\n" not in line
+
+
+def test_the_shell_pipelines_get_the_count_on_stdout_and_the_reason_on_stderr(monkeypatch, capsys):
+    from dev import threads
+    monkeypatch.setattr(common, "allowed_cpus", lambda: [0, 1])
+    monkeypatch.setattr(common, "quota_cores", lambda: None)
+    monkeypatch.setattr(common, "busy_share", lambda cpus, **kw: 1.0)  # another process on each core
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads.main([])
+    out, err = capsys.readouterr()
+    assert out == "1\n"
+    assert err == "CPU threads: 1 (2 cores allowed, 100% busy with other work; OMP_NUM_THREADS=N sets it)\n"
 
 
 # ---------------------------------------------------------------------------------------------------- failed writes

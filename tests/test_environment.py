@@ -3,6 +3,10 @@ one release every node installs, and the environment dev/setup_env.sh built (the
 lock's versions."""
 
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 from importlib.metadata import version
 from pathlib import Path
 
@@ -46,3 +50,20 @@ def test_the_running_environment_holds_the_locked_versions():
     for name in KEY_PACKAGES:
         installed = version(name).split("+")[0]  # torch's CPU wheel is 2.13.0+cpu
         assert installed == pins[canonicalize_name(name)], f"{name} {installed} installed, {pins[name]} locked"
+
+
+def test_the_editable_install_is_a_path_entry_without_setuptools_warning_box(tmp_path):
+    """What `bash dev/setup_env.sh` runs (pip install -e .) builds its editable wheel with setuptools' backend: the
+    checkout's root as a .pth line, and no "Please be careful with folders in your working directory" box."""
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(Path(ROOT) / name, tmp_path)
+    shutil.copytree(Path(ROOT) / "nanochat", tmp_path / "nanochat", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "wheel").mkdir()
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_editable(sys.argv[1]))"
+    result = subprocess.run([sys.executable, "-c", build, str(tmp_path / "wheel")], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "careful" not in result.stdout + result.stderr and "BuildBackendWarning" not in result.stderr
+    with zipfile.ZipFile(tmp_path / "wheel" / result.stdout.split()[-1]) as wheel:
+        pth = [name for name in wheel.namelist() if name.endswith(".pth")]
+        assert [wheel.read(name).decode().strip() for name in pth] == [str(tmp_path.resolve())]

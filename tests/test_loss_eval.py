@@ -1,11 +1,14 @@
 """nanochat/loss_eval.evaluate_bpb, which every validation number rests on, against bits per byte computed by hand."""
 
 import math
+import re
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+import tqdm.std
 
 from nanochat.collectives import RankFailure
 from nanochat.eval.loss_eval import evaluate_bpb
@@ -66,6 +69,26 @@ def test_every_step_is_the_sum_of_nats_over_the_bytes_of_the_counted_tokens_in_b
     assert bpb == pytest.approx([1.0, 1 / 3, 0.13834], abs=1e-5)  # the same, as numbers
     assert model.n_sups == [None, None]  # n_sup=None: the model's own default, n_sup_train steps
     assert next(batches) is BATCHES[2]  # steps=2 batches read, no more
+
+
+def test_a_long_evaluation_shows_its_progress_and_eta_in_a_log(monkeypatch, capsys):
+    """base_loss printed nothing for minutes when its output went to a file: now a line every few seconds."""
+    clock = [0.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+
+    def slow_batches():  # each batch takes 6 s of the fake clock
+        while True:
+            clock[0] += 6.0
+            yield BATCHES[0]
+    evaluate_bpb(KnownLossModel(), slow_batches(), 10, TOKEN_BYTES)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 5, lines  # every 12 s (2 batches: the first update 10 s or more after the last line)
+    for line, done in zip(lines, (2, 4, 6, 8, 10)):  # the ETA: the 6 s batches left, within a second
+        seconds = 6 * done
+        eta = re.fullmatch(rf"evaluating: {done}/10 batches \({10 * done}%\), {seconds // 60:02d}:{seconds % 60:02d} "
+                           rf"elapsed, eta 00:(\d\d)", line)
+        assert eta and abs(int(eta.group(1)) - 6 * (10 - done)) <= 1, line
 
 
 def test_state_is_the_first_batchs_diagnostics_one_row_per_step():

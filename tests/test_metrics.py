@@ -10,6 +10,7 @@ from argparse import Namespace
 
 import pytest
 
+from nanochat.cli import install_command
 from nanochat.eval import metrics
 from nanochat.eval.metrics import MetricsError, MetricsLog, read_metrics, read_records
 from nanochat.train import config as train_config
@@ -83,6 +84,18 @@ def test_eta_before_the_compiling_steps_are_over_uses_what_there_is(tmp_path):
     assert "eta 40.0m" in metrics.format_step(train_record(2, [3.0]), 122)  # 120 steps x mean(30, 10) s
 
 
+def test_eta_after_a_resume_comes_from_this_processs_steps_only(tmp_path):
+    """The issue's resume: the first process ran 35 s steps beside other work, this one runs 8 s steps; the ETA of
+    its first step reads 8 s a step, not the earlier ones' (77.6 min where 13.7 min was true)."""
+    first = MetricsLog(str(tmp_path), local_args(), rank=0, resume_step=None)
+    for step in range(1, 21):
+        first.log(train_record(step, [3.0], dt=35.0))
+    resumed = MetricsLog(str(tmp_path), local_args(), rank=0, resume_step=20)
+    record = train_record(21, [3.0], dt=8.0)
+    resumed.log(record)
+    assert "eta 13.2m" in resumed.format_step(record, num_iterations=120)  # 99 steps left x 8 s
+
+
 # ---------------------------------------------------------------------------------------------------- sinks
 class FakeNVML(types.ModuleType):
     """pynvml as nvidia-ml-py provides it, for two GPUs with fixed readings."""
@@ -139,7 +152,8 @@ def test_without_nvml_the_run_logs_without_gpu_fields(tmp_path, monkeypatch, cap
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
     metrics = MetricsLog(str(tmp_path), local_args(device_type="cuda"), rank=0, resume_step=None)
     metrics.log(train_record(1, [3.0]))
-    assert "GPU monitoring (pip install nvidia-ml-py) is off" in capsys.readouterr().out
+    assert "GPU monitoring is off: GPU monitoring needs pynvml, which is not installed; install it with: " \
+        f"{install_command('gpu')}; metrics.jsonl has everything" in capsys.readouterr().out
     assert "gpu_util_pct" not in read_metrics(tmp_path)["train"][0]
 
 
@@ -197,7 +211,8 @@ def test_wandb_not_logged_in_warns_and_tensorboard_gets_the_run(base_dir, monkey
 
 def test_tensorboard_without_the_package_is_refused_before_anything_runs(monkeypatch):
     monkeypatch.setattr(train_config.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(SystemExit, match=r"--tensorboard needs the tensorboard package"):
+    with pytest.raises(SystemExit, match=r"--tensorboard needs tensorboard, which is not installed; install it with: "
+                                         r".* -m pip install -e '.*\[tensorboard\]'"):
         train_config.parse_args(["--device_type=cpu", "--depth=4", "--tensorboard"])  # a model any CPU's RAM fits
 
 

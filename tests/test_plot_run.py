@@ -33,7 +33,8 @@ def run_dir(tmp_path):
                           "refinement": 0.0, "grad_norm": 1.0, "dt": 0.5})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"kind": "tra')
     (tmp_path / "base_loss_step000200.json").write_text(json.dumps(
-        {"model_tag": "x", "step": 200, "n_sup": 6, "val_bpb": [1.07, 1.06, 1.055, 1.056, 1.06, 1.07]}))
+        {"model_tag": "x", "step": 200, "n_sup": 6, "split_tokens": 32768,
+         "val_bpb": [1.07, 1.06, 1.055, 1.056, 1.06, 1.07]}))
     return tmp_path
 
 
@@ -67,11 +68,33 @@ def test_the_figure_shows_training_and_validation_gaps_and_the_inference_curve(r
     assert gap_lines["step 3 (final) - step 1"] == pytest.approx([-0.015] * 8)
 
     curves = {line.get_label(): list(line.get_ydata()) for line in inference.get_lines()}
-    assert curves["last evaluation in training (optimizer step 200, --eval_tokens)"] == VAL[STEPS]
-    assert curves["base_loss of the checkpoint at optimizer step 200 (--split_tokens)"][3] == 1.056
+    assert curves["during training, optimizer step 200: --eval_tokens of validation"] == VAL[STEPS]  # no meta.json
+    assert curves["base_loss after training, checkpoint of step 200: the first 32,768 validation tokens"][3] == 1.056
     assert list(inference.get_xticks()) == [1, 2, 3, 4, 5, 6]
     assert inference.get_xlabel() == "supervision steps run (1 = the draft alone)"
     assert "trained with 3 supervision steps" in curves
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["pretraining", "chat_sft"])
+def test_the_inference_panel_says_how_much_text_each_curve_read(run_dir, chat):
+    """The issue's two curves 0.1 bpb apart for one checkpoint: the labels give each one's sample in tokens (from the
+    run's --eval_tokens as evaluated, whole rows of --max_seq_len, and base_loss's recorded count) and the title what a
+    gap between them means."""
+    meta = {"step": 200, "train_config": {"eval_tokens": 16500, "max_seq_len": 256}}  # 64 whole rows: 16,384
+    if chat:
+        meta["init_from"] = {"model_tag": "base", "step": 120}
+    (run_dir / "step_000200").mkdir()
+    (run_dir / "step_000200" / "meta.json").write_text(json.dumps(meta))
+    inference = plot_run.figure(str(run_dir)).axes[4]
+    during, after = labels(inference)[:2]
+    assert after == "base_loss after training, checkpoint of step 200: the first 32,768 validation tokens"
+    if chat:
+        assert during == "during training, optimizer step 200: up to 16,384 tokens of held-out conversations"
+        assert inference.get_title().endswith("solid: held-out conversations; dashed: the corpus's validation text")
+    else:
+        assert during == "during training, optimizer step 200: the first 16,384 validation tokens"
+        assert inference.get_title().endswith("a gap between solid and dashed is the sample: more validation tokens, "
+                                              "a surer number")
 
 
 def test_the_command_writes_the_png_despite_a_torn_line(run_dir):

@@ -822,6 +822,21 @@ def test_without_uvicorn_the_server_says_what_to_install():
     assert "needs uvicorn" in result.stderr and "pip install -e '.[serve]'" in result.stderr
 
 
+def test_the_start_up_line_names_both_apis_and_the_viewer(monkeypatch, capsys):
+    from types import SimpleNamespace  # here: the module's imports are the server's
+
+    class Web:
+        def run(self, sockets):
+            pass
+    monkeypatch.setattr(serve, "build_server", lambda args: (Web(), SimpleNamespace(model_id="m", info={"step": 7})))
+    assert serve.main(["--port", "0", "--device_type", "cpu"]) == 0
+    line = capsys.readouterr().out
+    base = line.split(" at ")[1].split()[0].removesuffix("/v1")
+    assert line == (f"serving m step 7 at {base}/v1 (OpenAI's completions and chat completions APIs: POST "
+                    f"/v1/completions, /v1/chat/completions; max_concurrency=16; no API key); the refinement viewer: "
+                    f"{base}/\n")
+
+
 # ---------------------------------------------------------------- API keys
 
 KEY = "sk-nanochat-test-key"

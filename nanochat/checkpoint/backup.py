@@ -12,6 +12,7 @@ import fsspec
 
 from nanochat.checkpoint.manager import CheckpointError, step_dir
 from nanochat.checkpoint.meta import final_val_bpb, steps_to_prune
+from nanochat.cli import this_python
 from nanochat.common import describe_error, print0
 
 BACKUP_EXIT_WAIT_S = 600  # how long a finished run waits for an upload still in flight
@@ -35,8 +36,8 @@ class Backup:
         try:
             fs, root = fsspec.core.url_to_fs(url)
         except Exception as e:  # noqa: BLE001 - an unknown protocol, a missing filesystem package, bad options
-            raise CheckpointError(f"--backup_dir={url}: {describe_error(e)} (gs:// needs `pip install gcsfs`, s3:// "
-                                  f"needs `pip install s3fs`)") from e
+            raise CheckpointError(f"--backup_dir={url}: {describe_error(e)} (gs:// needs `{this_python()} -m pip "
+                                  f"install gcsfs`, s3:// needs s3fs)") from e
         return cls(fs, posixpath.join(root.rstrip("/") or "/", model_tag), url, model_tag, keep_last)
 
     def remote(self, step, name=""):

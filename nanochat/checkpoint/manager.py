@@ -313,7 +313,7 @@ def checkpoint_flags(parser, what="the checkpoint to read"):
     parser.add_argument("--model_tag", type=model_tag_arg, default=None,
                         help=f"{what}: a run under base_checkpoints/ (default: the newest)")
     parser.add_argument("--step", type=step_arg, default="latest",
-                        help="latest | best (lowest validation bpb) | a step number")
+                        help="latest | best (lowest validation bpb) | a step number (default: latest)")
 
 
 def open_checkpoint(model_tag, step, device, **config_overrides):

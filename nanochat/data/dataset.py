@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.cli import ArgumentParser, ExitCode
-from nanochat.common import progress_enabled
+from nanochat.common import progress_bar, progress_enabled
 from nanochat.data.download import (
     SHARD_TIMEOUT_S,
     DownloadError,
@@ -400,21 +400,24 @@ def keep_nonempty(documents, stats):
                            "(one is held out for validation)")
 
 
-def write_shards(documents, stats, directory, first=None):
+def write_shards(documents, stats, directory, first=None, total=None):
     """Shuffle, hold out a validation share, and write the shards into `directory` (val is the last file). `first`:
     documents that open the training split in their own order, in place of as many shuffled ones (a curriculum; the
-    validation share is the same as without them)."""
+    validation share is the same as without them). total: how many documents are coming, when known (for the
+    progress line)."""
     import datasets  # lazy: the datasets package costs ~1.2 s to import, and only --from hf: needs it
     from datasets.exceptions import DatasetGenerationError  # lazy: as datasets above
     datasets.enable_progress_bars() if progress_enabled() else datasets.disable_progress_bars()
     try:
         # datasets keeps the corpus in a memory-mapped arrow cache, so imports larger than RAM still shuffle
         # a fixed fingerprint: the cache directory is fresh, and a generator object cannot be hashed anyway
+        documents = progress_bar(documents, total=total, desc="reading documents", unit="documents")
         ds = datasets.Dataset.from_generator(lambda: keep_nonempty(documents, stats), fingerprint="corpus",
                                              features=datasets.Features({"text": datasets.Value("string")}),
                                              cache_dir=os.path.join(directory, "cache"))
     except DatasetGenerationError as e:
         raise (e.__cause__ or e) from None  # the reader's own error names the file and line; the wrapper doesn't
+    print(f"read {stats['docs']:,} documents; shuffling them, holding out validation, writing shards", flush=True)
     n_val = max(1, round(VAL_FRACTION * stats["docs"]))
     split = ds.train_test_split(test_size=n_val, seed=SHUFFLE_SEED)
     if first is not None:
@@ -436,13 +439,13 @@ def write_shards(documents, stats, directory, first=None):
     return len(parts)
 
 
-def build_corpus(documents, stats, source, directory=None, first=None):
+def build_corpus(documents, stats, source, directory=None, first=None, total=None):
     """Write a whole corpus into a staging directory, then move it into place: bad input leaves nothing behind."""
     directory = resolve_dir(directory)
     staging = f"{directory}.tmp{os.getpid()}"
     try:
         os.makedirs(staging)
-        num_shards = write_shards(documents, stats, staging, first)
+        num_shards = write_shards(documents, stats, staging, first, total)
         if list_parquet_files(directory):
             refuse_to_mix(directory)
         os.makedirs(directory, exist_ok=True)
@@ -470,7 +473,7 @@ def build_builtin(directory=None):
         print(f"{directory} already holds the built-in corpus; nothing to do")
         return
     stats = new_stats()
-    build_corpus(builtin_documents(stats), stats, source, directory)
+    build_corpus(builtin_documents(stats), stats, source, directory, total=len(stdlib_files()))
 
 
 def synthetic_flags(family, seed, docs, spec, curriculum=0):
@@ -511,7 +514,7 @@ def build_synthetic(family, seed=0, docs=SYNTHETIC_DOCS, n_symbols=16, max_hops=
         refuse_to_mix(directory)  # before generating: build_corpus would refuse only after writing it all
     stats = new_stats()
     first = curriculum_documents(seed, curriculum, spec, family) if curriculum else None
-    build_corpus(iter_hops_documents(seed, docs, spec, family), stats, source, directory, first)
+    build_corpus(iter_hops_documents(seed, docs, spec, family), stats, source, directory, first, total=docs)
 
 
 def import_corpus(paths, skip_bad_lines=False, directory=None, text_column="text"):

@@ -22,6 +22,7 @@ import tempfile
 
 import torch
 
+from nanochat.common import progress_bar
 from nanochat.data.chat import ChatDataError, conversation_problem, read_conversations, render_prompt
 from nanochat.data.chat_tasks import builtin_items
 from nanochat.eval.loss_eval import step_name
@@ -63,13 +64,15 @@ def evaluate_chat(model, tokenizer, items, n_steps, batch_size=32, max_tokens=16
     end = {tokenizer.encode_special("<|assistant_end|>")}
     replies = []  # [step][item] (text, ended)
     model.eval()
-    for s in range(1, n_steps + 1):
-        row = []
-        for start in range(0, len(prompts), batch_size):
-            outputs = engine.generate_batch(prompts[start:start + batch_size], max_tokens=max_tokens, temperature=0,
-                                            n_sup=s, stop_tokens=end)
-            row += [(tokenizer.decode(ids).strip(), len(ids) < max_tokens) for ids in outputs]
-        replies.append(row)
+    with progress_bar(total=n_steps * len(prompts), desc="answering", unit="replies") as bar:
+        for s in range(1, n_steps + 1):
+            row = []
+            for start in range(0, len(prompts), batch_size):
+                outputs = engine.generate_batch(prompts[start:start + batch_size], max_tokens=max_tokens,
+                                                temperature=0, n_sup=s, stop_tokens=end)
+                row += [(tokenizer.decode(ids).strip(), len(ids) < max_tokens) for ids in outputs]
+                bar.update(len(outputs))
+            replies.append(row)
     return scored(items, replies, max_tokens)
 
 

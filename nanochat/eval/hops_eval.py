@@ -19,6 +19,7 @@ import textwrap
 import torch
 
 from nanochat.collectives import raise_if_any_rank_failed, reduce_with_flags
+from nanochat.common import progress_bar
 from nanochat.data.synthetic import HopsEvalError, encode_hops, table_size
 
 
@@ -47,7 +48,7 @@ def evaluate_hops(model, tokenizer, documents, n_steps, batch_size=32, device="c
     mine = encoded[rank::world_size]
     error = None
     try:
-        for start in range(0, len(mine), batch_size):
+        for start in progress_bar(range(0, len(mine), batch_size), desc="hops evaluation", unit="batches"):
             evaluate_batch(model, mine[start:start + batch_size], n_steps, sums, device, autocast)
     except Exception as e:  # noqa: BLE001 - reported below on every rank, so no rank waits for this one
         error = e

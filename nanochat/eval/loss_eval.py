@@ -36,7 +36,7 @@ def evaluate_bpb(model, batches, steps, token_bytes, n_sup=None, autocast=None, 
     sums = torch.zeros(n + 1 + width * n, dtype=torch.float64, device=token_bytes.device)
     diagnosing = not distributed() or torch.distributed.get_rank() == 0
     error, failed, stopped = None, [], []
-    for i in progress_bar(range(steps), desc="evaluating", delay=3, leave=False):
+    for i in progress_bar(range(steps), desc="evaluating", unit="batches", delay=3, leave=False):
         try:
             if i == 0:
                 batches = batches() if callable(batches) else batches
@@ -132,7 +132,7 @@ def evaluate_bpb_halting(model, batches, steps, token_bytes, halting, n_sup=None
     error = None
     try:
         batches = batches() if callable(batches) else batches
-        for _ in progress_bar(range(steps), desc=f"evaluating {halting}", delay=3, leave=False):
+        for _ in progress_bar(range(steps), desc=f"evaluating {halting}", unit="batches", delay=3, leave=False):
             x, y = next(batches)
             cache = KVCache(model.num_attention_slots(n), x.size(0), x.size(1)) if hold_keys else None  # whole rows
             with autocast or torch.autocast(x.device.type, enabled=False):

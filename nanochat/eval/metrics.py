@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from nanochat.cli import missing_package
 from nanochat.common import print0
 from nanochat.eval.health import LossSmoother, smooth
 from nanochat.eval.loss_eval import format_steps, refinement, step_name
@@ -108,7 +109,7 @@ def scalars(record):
 # ---------------------------------------------------------------------------------------------------- sinks
 class WandbSink:
     def __init__(self, name, config):
-        import wandb  # lazy: an optional package (pip install -e '.[wandb]'), needed only with --run
+        import wandb  # lazy: the optional wandb extra, needed only with --run
         self.run = wandb.init(project="nanochat-trm", name=name, config=json_safe(config), resume="allow")
 
     def log(self, values, step):
@@ -162,9 +163,11 @@ def open_optional(name, make):
     """A monitor the run can live without: a failure to start it is a warning, never the end of a paid run."""
     try:
         return make()
+    except ModuleNotFoundError as e:  # its optional package: the line says which extra brings it
+        print0(f"WARNING: {name} is off: {missing_package(e, name)}; metrics.jsonl has everything")
     except Exception as e:  # noqa: BLE001 - e.g. wandb not logged in, no NVIDIA driver
         print0(f"WARNING: {name} is off ({type(e).__name__}: {e}); metrics.jsonl has everything")
-        return None
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- the log
@@ -180,7 +183,7 @@ class MetricsLog:
         """run_config: the run's train_config.RunConfig (--run, --tensorboard, the device)."""
         self.path, self.enabled, self.sinks, self.gpus = os.path.join(run_dir, "metrics.jsonl"), rank == 0, [], None
         self.failure, self.gpus_read_at = None, -math.inf
-        self.smoother, self.step_times, self.prior_step_time = LossSmoother(), [], None
+        self.smoother, self.step_times = LossSmoother(), []  # step_times: this process's, for the ETA
         if not self.enabled:
             return
         run_files = os.path.join(glob.escape(run_dir), "*")
@@ -191,8 +194,6 @@ class MetricsLog:
             train = [r for r in kept if r["kind"] == "train"]
             for r in train:
                 self.smoother.update(r["step_losses"])
-            times = [r["dt"] for r in train[COMPILE_STEPS:]]
-            self.prior_step_time = statistics.mean(times) if times else None
         elif resume_step is None and os.path.exists(self.path):
             with writing(self.path, RESUME_HINT):
                 os.remove(self.path)
@@ -203,7 +204,7 @@ class MetricsLog:
             self.sinks.append(open_optional("TensorBoard", lambda: TensorBoardSink(
                 run_config.tensorboard or os.path.join(run_dir, "tensorboard"))))
         if run_config.device_type == "cuda":
-            self.gpus = open_optional("GPU monitoring (pip install nvidia-ml-py)", GpuMonitor)
+            self.gpus = open_optional("GPU monitoring", GpuMonitor)
         self.sinks = [s for s in self.sinks if s]
 
     def log(self, record):
@@ -246,11 +247,10 @@ class MetricsLog:
             return {}
 
     def mean_step_time(self):
-        """Mean seconds per optimizer step, without this process's first (compiling) steps when there are more."""
+        """Mean seconds per optimizer step of this process, without its first (compiling) steps when there are more:
+        a resumed run's earlier steps ran on another machine, load or thread count (dev/LOG.md, issue 58)."""
         settled = self.step_times[COMPILE_STEPS:]
-        if settled:
-            return statistics.mean(settled)
-        return self.prior_step_time or statistics.mean(self.step_times)
+        return statistics.mean(settled or self.step_times)
 
     def format_step(self, record, num_iterations):
         """The training log line (docs/training-log.md)."""

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-from nanochat.cli import OneLineErrors
+from nanochat.cli import DefaultsHelp, OneLineErrors, missing_package
 from nanochat.common import autodetect_device_type, default_dtype, device_available, get_dist_info
 from nanochat.data.dataloader import ROW_LAYOUTS
 from nanochat.data.dataset import SYNTHETIC, DatasetError, data_dir, parquets_for_split, read_source
@@ -39,6 +39,7 @@ from nanochat.train.planning import (
 )
 from nanochat.train.probe import PROBES
 
+PRESET_FIELDS = ("supervision_weight_base", "improvement_reward_scale")  # what --preset sets
 SAMPLE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "The opposite of hot is", "import os\n"]
 
 
@@ -70,39 +71,70 @@ def n_sup_sampler(value):
     return value if value in N_SUP_SAMPLERS else str2bool(value)
 
 
+def gpt_default(name):
+    """What a model flag takes when unset, read from GPTConfig's defaults (gpt.py, where the guides edit them)."""
+    value = {f.name: f.default for f in dataclasses.fields(GPTConfig)}[name]
+    if name == "n_sup_inference":
+        return "(default: --n_sup_train's)"
+    if name in PRESET_FIELDS:
+        return f"(default: --preset's, else {value}, gpt.py's)"
+    return f"(default: {value}, gpt.py's)"
+
+
+def preset_default():
+    """--preset's help when unset: the two values gpt.py holds, and the preset they equal, if one."""
+    values = tuple({f.name: f.default for f in dataclasses.fields(GPTConfig)}[name] for name in PRESET_FIELDS)
+    same = [name for name, preset in REFINEMENT_PRESETS.items() if preset == values]
+    return f"(default: none: gpt.py's {values[0]} and {values[1]}{f', which are {same[0]}' if same else ''})"
+
+
 def build_parser():
-    p = OneLineErrors(prog="python -m scripts.base_train", allow_abbrev=False,
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = OneLineErrors(prog="python -m scripts.base_train", allow_abbrev=False, formatter_class=DefaultsHelp,
                description="Pretrain the TRM GPT. Flags take --name=value or --name value (--name-with-dashes too).")
     model = p.add_argument_group("model (unset = preset, then the defaults written in nanochat/model/gpt.py)")
     model.add_argument("--depth", type=int, default=12, help="layers; width = 64*depth, head dim 128")
-    model.add_argument("--n_embd", type=int, default=None, help="override the width derived from --depth")
-    model.add_argument("--n_head", type=int, default=None, help="override the head count (n_embd/128)")
-    model.add_argument("--n_kv_head", type=int, default=None, help="key/value heads (GQA); default n_head")
-    model.add_argument("--max_seq_len", type=int, default=2048)
-    model.add_argument("--n_loops", type=int, default=None, help="latent updates per layer visit (0 = plain GPT)")
-    model.add_argument("--T_recursion", type=int, default=None, help="sweeps per supervision step")
-    model.add_argument("--n_sup_train", type=int, default=None, help="supervision steps in training")
-    model.add_argument("--n_sup_inference", type=int, default=None, help="supervision steps at inference")
-    model.add_argument("--activation_fn", choices=list(ACTIVATIONS), default=None)
+    model.add_argument("--n_embd", type=int, default=None, help="override the width (default: 64 x --depth)")
+    model.add_argument("--n_head", type=int, default=None, help="override the head count (default: n_embd/128)")
+    model.add_argument("--n_kv_head", type=int, default=None, help="key/value heads (GQA) (default: n_head)")
+    model.add_argument("--max_seq_len", type=int, default=2048, help="tokens per row (the context)")
+    model.add_argument("--n_loops", type=int, default=None,
+                       help=f"latent updates per layer visit (0 = plain GPT) {gpt_default('n_loops')}")
+    model.add_argument("--T_recursion", type=int, default=None,
+                       help=f"sweeps per supervision step {gpt_default('T_recursion')}")
+    model.add_argument("--n_sup_train", type=int, default=None,
+                       help=f"supervision steps in training {gpt_default('n_sup_train')}")
+    model.add_argument("--n_sup_inference", type=int, default=None,
+                       help=f"supervision steps at inference {gpt_default('n_sup_inference')}")
+    model.add_argument("--activation_fn", choices=list(ACTIVATIONS), default=None, help=gpt_default("activation_fn"))
     model.add_argument("--state_update", choices=list(STATE_UPDATES), default=None,
-                       help="how the recursion writes into its states y, z (residual = unbounded sum)")
+                       help="how the recursion writes into its states y, z (residual = unbounded sum) "
+                            f"{gpt_default('state_update')}")
     model.add_argument("--state_dtype", choices=list(STATE_DTYPES), default=None,
-                       help="dtype of the recursion state x, y, z under autocast (default float32)")
+                       help=f"dtype of the recursion state x, y, z under autocast {gpt_default('state_dtype')}")
     model.add_argument("--sample_n_sup", type=n_sup_sampler, nargs="?", const=True, default=None,
                        help="train a random number of supervision steps per batch: true = uniform on "
-                            f"1..2*n_sup_train-1, or one of {', '.join(N_SUP_SAMPLERS)}")
-    model.add_argument("--detach_between_steps", type=str2bool, nargs="?", const=True, default=None)
+                            f"1..2*n_sup_train-1, or one of {', '.join(N_SUP_SAMPLERS)} {gpt_default('sample_n_sup')}")
+    model.add_argument("--detach_between_steps", type=str2bool, nargs="?", const=True, default=None,
+                       help=f"carry y, z detached into the next supervision step {gpt_default('detach_between_steps')}")
     model.add_argument("--backprop_steps", type=int, default=None,
-                       help="with --detach_between_steps: detach every k-th step (truncated backpropagation; 1 = TRM)")
-    model.add_argument("--activation_checkpointing", type=str2bool, nargs="?", const=True, default=None)
-    model.add_argument("--n_prelude", type=int, default=None, help="plain blocks before the recursion, run once")
-    model.add_argument("--n_coda", type=int, default=None, help="plain blocks after the recursion, before the head")
+                       help="with --detach_between_steps: detach every k-th step (truncated backpropagation; 1 = TRM) "
+                            f"{gpt_default('backprop_steps')}")
+    model.add_argument("--activation_checkpointing", type=str2bool, nargs="?", const=True, default=None,
+                       help=f"recompute each layer visit in backward {gpt_default('activation_checkpointing')}")
+    model.add_argument("--n_prelude", type=int, default=None,
+                       help=f"plain blocks before the recursion, run once {gpt_default('n_prelude')}")
+    model.add_argument("--n_coda", type=int, default=None,
+                       help=f"plain blocks after the recursion, before the head {gpt_default('n_coda')}")
     model.add_argument("--halt_head", type=str2bool, nargs="?", const=True, default=None,
-                       help="train a per-token halting head alongside (base_loss/base_sample --halt=head:THRESHOLD)")
-    model.add_argument("--preset", default=None, help=f"refinement preset: {', '.join(REFINEMENT_PRESETS)}")
-    model.add_argument("--supervision_weight_base", type=float, default=None)
-    model.add_argument("--improvement_reward_scale", type=float, default=None)
+                       help="train a per-token halting head alongside (base_loss/base_sample --halt=head:THRESHOLD) "
+                            f"{gpt_default('halt_head')}")
+    model.add_argument("--preset", default=None,
+                       help=f"refinement preset, setting {' and '.join(PRESET_FIELDS)}: "
+                            f"{', '.join(f'{k} {v}' for k, v in REFINEMENT_PRESETS.items())} {preset_default()}")
+    model.add_argument("--supervision_weight_base", type=float, default=None,
+                       help=f"how much later steps outweigh earlier ones {gpt_default('supervision_weight_base')}")
+    model.add_argument("--improvement_reward_scale", type=float, default=None,
+                       help=f"reward for improving on the previous step {gpt_default('improvement_reward_scale')}")
     batch = p.add_argument_group("batch (effective batch = processes x device batch x accumulation)")
     batch.add_argument("--device_batch_size", type=int, default=None,
                        help=f"sequences per micro-batch per process (default: the largest, up to {MAX_DEVICE_BATCH}, "
@@ -111,28 +143,32 @@ def build_parser():
                        help=f"tokens per optimizer step (default: compute-optimal, {B_REF:,} at depth 12 and growing "
                             f"as the token horizon^{BATCH_EXPONENT}, with learning rates scaled by sqrt(batch / "
                             f"{B_REF:,}); unless --gradient_accumulation_steps is given); the accumulation follows")
-    batch.add_argument("--gradient_accumulation_steps", type=int, default=None, help="micro-batches per step")
+    batch.add_argument("--gradient_accumulation_steps", type=int, default=None,
+                       help="micro-batches per step (default: what --total_batch_size needs)")
     batch.add_argument("--rows", choices=("auto", *ROW_LAYOUTS), default="auto",
                        help="stream: rows cut from the token stream, so most start mid-document (every token trains; "
                             "text); documents: each row starts at a document, holds whole ones, the rest unscored "
                             "(a corpus whose tokens need their document's start); auto: documents on a generated "
                             "corpus (python -m nanochat.dataset --synthetic), stream otherwise")
     horizon = p.add_argument_group("horizon (first given wins: iterations, FLOPs, ratio)")
-    horizon.add_argument("--num_iterations", type=int, default=None)
-    horizon.add_argument("--target_flops", type=float, default=None)
+    horizon.add_argument("--num_iterations", type=int, default=None,
+                         help="optimizer steps (default: from --target_flops, else --target_param_data_ratio)")
+    horizon.add_argument("--target_flops", type=float, default=None,
+                         help="training FLOPs (default: from --target_param_data_ratio)")
     horizon.add_argument("--target_param_data_ratio", type=float, default=20.0, help="training tokens per parameter")
     optim = p.add_argument_group("optimisation")
     optim.add_argument("--matrix_lr", type=float, default=0.02, help="Muon lr for transformer matrices")
     optim.add_argument("--embedding_lr", type=float, default=0.2, help="AdamW lr for the embedding")
     optim.add_argument("--unembedding_lr", type=float, default=0.004, help="AdamW lr for lm_head")
-    optim.add_argument("--weight_decay", type=float, default=0.0)
+    optim.add_argument("--weight_decay", type=float, default=0.0, help="decoupled weight decay, AdamW and Muon alike")
     optim.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
     optim.add_argument("--ema_decay", type=ema_decay_arg, default="auto",
                        help="evaluate, sample and publish an exponential moving average of the weights: a decay in "
                             "[0, 1) (0 = off; TRM uses 0.999), or auto = 1 - 10 / num_iterations, an average over "
                             f"about the last tenth of the run, for runs of {EMA_AUTO_MIN_STEPS}+ steps (off below: "
                             "it hurt short runs)")
-    optim.add_argument("--warmup_steps", type=int, default=None, help="lr warmup steps (overrides the ratio)")
+    optim.add_argument("--warmup_steps", type=int, default=None,
+                       help="lr warmup steps (default: --warmup_ratio of the run)")
     optim.add_argument("--warmup_ratio", type=float, default=0.02, help="lr warmup as a fraction of the run")
     optim.add_argument("--warmdown_ratio", type=float, default=0.2, help="final fraction with linear lr decay")
     optim.add_argument("--final_lr_frac", type=float, default=0.0, help="lr at the end, as a fraction of peak")
@@ -141,7 +177,10 @@ def build_parser():
                             "at first, the cap rising linearly by n_sup_train every this fraction of the run, so a "
                             "drawn count's tail opens late (0 = off; nanochat/train/depth.py)")
     runtime = p.add_argument_group("runtime")
-    runtime.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect)")
+    runtime.add_argument("--device_type", default="", help="cuda | cpu | mps (default: autodetect: cuda, mps, cpu)")
+    runtime.add_argument("--threads", type=int, default=None,
+                         help="CPU threads, on --device_type=cpu (default: OMP_NUM_THREADS if set, else the cores this "
+                              "process may use that other work leaves free, measured at the start)")
     runtime.add_argument("--compile", type=str2bool, nargs="?", const=True, default=None,
                          help="torch.compile the model in regions (default: on for CUDA, off elsewhere)")
     runtime.add_argument("--compile_scope", choices=["auto", *COMPILE_SCOPES], default="auto",
@@ -173,7 +212,7 @@ def build_parser():
     runtime.add_argument("--attention", choices=attention.CHOICES, default="auto",
                          help="the SDPA kernel on CUDA: auto times each on the first batch's shape and keeps the "
                               "fastest (logged); or flash, cudnn, efficient, math")
-    runtime.add_argument("--seed", type=int, default=42)
+    runtime.add_argument("--seed", type=int, default=42, help="initial weights, data order and samples")
     output = p.add_argument_group("evaluation and output")
     output.add_argument("--eval_every", type=int, default=250, help="steps between validation evals (0 = end only)")
     output.add_argument("--probe", choices=PROBES, default="none",
@@ -199,17 +238,19 @@ def build_parser():
     output.add_argument("--backup_dir", default=None,
                         help="also copy each checkpoint, in the background, to this fsspec URL (gs://bucket/dir, "
                              "s3://..., a local path); --keep_last applies there too, and --resume pulls from it "
-                             "when the local directory is empty")
+                             "when the local directory is empty (default: off)")
     output.add_argument("--run", dest="wandb_run", metavar="RUN", default=os.environ.get("WANDB_RUN", "dummy"),
-                        help="wandb run name ('dummy' = no wandb); the default comes from $WANDB_RUN")
+                        help="wandb run name ('dummy' = no wandb) (default: $WANDB_RUN, else dummy)")
     output.add_argument("--tensorboard", nargs="?", const="", default=None, metavar="DIR",
-                        help="also log to TensorBoard, in DIR (default <run dir>/tensorboard)")
+                        help="also log to TensorBoard, in DIR (default: off; DIR: <run dir>/tensorboard)")
     output.add_argument("--model_tag", type=model_tag_arg, default=None,
-                        help="checkpoint directory name (default d<depth>)")
+                        help="checkpoint directory name (default: d<depth>)")
     budget = p.add_argument_group("budgets (stop cleanly with a checkpoint when spent)")
-    budget.add_argument("--max_hours", type=float, default=None, help="wall-clock hours for the whole run")
-    budget.add_argument("--max_cost", type=float, default=None, help="dollars for the whole run")
-    budget.add_argument("--gpu_hourly_price", type=float, default=None, help="dollars per GPU-hour (cost reports)")
+    budget.add_argument("--max_hours", type=float, default=None,
+                        help="wall-clock hours for the whole run (default: no limit)")
+    budget.add_argument("--max_cost", type=float, default=None, help="dollars for the whole run (default: no limit)")
+    budget.add_argument("--gpu_hourly_price", type=float, default=None,
+                        help="dollars per GPU-hour, for cost reports (default: none, no costs)")
     resume = p.add_argument_group(
         "resume and preemption", "SIGTERM or SIGINT (Ctrl-C): every process finishes the step in progress, saves a "
         "checkpoint and exits with 128 + the signal number (143, 130); a second signal more than 5 s later exits at "
@@ -217,7 +258,8 @@ def build_parser():
         "after it forwards the signal.")
     resume.add_argument("--resume", type=str2bool, nargs="?", const=True, default=False,
                         help="continue from the latest loadable checkpoint of --model_tag")
-    resume.add_argument("--resume_from_step", type=int, default=None, help="continue from this checkpoint step")
+    resume.add_argument("--resume_from_step", type=int, default=None,
+                        help="continue from this checkpoint step (default: --resume's latest)")
     resume.add_argument("--overwrite", type=str2bool, nargs="?", const=True, default=False,
                         help="start over on a tag that holds a run: the old run is moved to <tag>.replaced-<date>/")
     resume.add_argument("--allow_data_change", type=str2bool, nargs="?", const=True, default=False,
@@ -289,6 +331,7 @@ class RunConfig:
     n_sup_warmup: float
     # runtime
     device_type: str
+    threads: int | None  # --threads: the CPU threads asked for (None: common.cpu_threads chooses)
     compile: bool
     compile_scope: str  # settled: layer or model (gpt.compile_scope_for)
     head_chunks: int | None  # settled: the training head's chunks per micro-batch, None = the default chunk
@@ -431,7 +474,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None,
         parser.error(f"--device_type={device_type} is not available on this machine; "
                      f"use --device_type={autodetect_device_type()}")
     for name in ("device_batch_size", "gradient_accumulation_steps", "total_batch_size", "head_chunks",
-                 "diagnostics_every"):
+                 "diagnostics_every", "threads"):
         if getattr(flags, name) is not None and getattr(flags, name) < 1:
             parser.error(f"--{name}={getattr(flags, name)} must be >= 1")
     for name in ("device_memory_gb", "peak_tflops"):
@@ -478,7 +521,7 @@ def parse_args(argv=None, world_size=None, check_hardware=True, vocab_size=None,
     if run_config.warmup_steps is not None and run_config.warmup_steps < 0:
         parser.error(f"--warmup_steps={run_config.warmup_steps} must be >= 0")
     if run_config.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
-        parser.error("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'")
+        parser.error(missing_package(ModuleNotFoundError(name="tensorboard"), "--tensorboard"))
     return run_config
 
 

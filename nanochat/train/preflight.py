@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+from nanochat.cli import this_python
+
 COMPILE_CHECK_TIMEOUT_S = 300  # a cold Inductor + Triton compile of one tiny kernel takes 20-60 s
 TORCH_INDEX = "https://download.pytorch.org/whl"
 # Run in a subprocess: a broken toolchain can hang the compile, and a timeout can end a process, not a thread.
@@ -78,7 +80,8 @@ def stack_fix(driver):
 def build_fix(driver):
     import torch  # lazy: this module must import, and report, where torch itself is broken
     tag = "cu" + "".join(driver.split(".")[:2]) if driver else "cuXY"
-    return (f"install the torch build matching the driver, e.g. pip install torch=={torch.__version__.split('+')[0]} "
+    return (f"install the torch build matching the driver, e.g. {this_python()} -m pip install "
+            f"torch=={torch.__version__.split('+')[0]} "
             f"--index-url {TORCH_INDEX}/{tag} (or the newest cuXY at or below the driver's CUDA version that "
             f"{TORCH_INDEX} lists)")
 
