@@ -13,6 +13,7 @@ import torch
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.train import config as train_config
 from nanochat.train import memory, planning
+from nanochat.train.flops import estimate_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_80GB = ["--device_type=cuda", "--device_memory_gb=80", "--dry_run"]  # a plan for a GPU this machine lacks
@@ -184,7 +185,7 @@ def test_the_plan_states_the_evaluations_share_of_the_run():
     assert planning.evaluations(run_config.eval_every, 1001) == 6  # ... and the end
     with torch.device("meta"):
         model = GPT(GPTConfig(**{**run_config.model_config, "vocab_size": 256}))
-    forward, train = model.estimate_flops(backward=False), model.estimate_flops()
+    forward, train = estimate_flops(model, backward=False), estimate_flops(model)
     line = planning.evaluation_line(run_config, model, 1000, train * run_config.total_batch_size)
     share = 5 * 5242880 * forward / (5 * 5242880 * forward + 1000 * train * run_config.total_batch_size)
     assert line.startswith("evaluation   5 evals x 5,242,880 tokens") and f"{share:.1%} of the run's compute" in line
