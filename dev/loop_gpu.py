@@ -26,7 +26,7 @@ from nanochat.eval.metrics import read_metrics
 # the detached recipe, gpt.py's default until issue 57, every field spelled out (so it stays that model whatever the
 # defaults become)
 DEFAULT = ("--n_loops=2 --n_sup_train=4 --state_update=trm --sample_n_sup=false --detach_between_steps=true "
-               "--backprop_steps=1 --preset=aggressive")
+           "--backprop_steps=1 --n_sup_warmup=0 --preset=aggressive")
 CONFIGS = {
     "plain2": "--depth=2 --n_loops=0 --n_sup_train=1",  # the recursion's parameters (2 blocks)
     # about the recursion's training FLOPs: 2 blocks x 3 applications x 4 supervision steps

@@ -336,8 +336,9 @@ def test_mfu_counts_the_steps_drawn_a_1_step_and_a_7_step_draw_read_the_same(bas
     monkeypatch.setattr(GPT, "forward_backward", forward_backward)
     monkeypatch.setattr(trainer, "time", SimpleNamespace(time=lambda: clock[0]))
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
-    # uniform draws on 1 .. 7 around n_sup_train=4: step 1 draws 1, step 14 draws 7
-    trainer.train(train_config.parse_args([*TINY, "--n_sup_train=4", "--sample_n_sup=uniform", "--num_iterations=15",
+    # uniform draws on 1 .. 7 around n_sup_train=4, no curriculum: step 1 draws 1, step 14 draws 7
+    trainer.train(train_config.parse_args([*TINY, "--n_sup_train=4", "--sample_n_sup=uniform", "--n_sup_warmup=0",
+                                           "--backprop_steps=1", "--num_iterations=15",
                                            "--eval_every=0", "--peak_tflops=0.002", "--model_tag=mfu"]))
     with open(os.path.join(ckpt_dir(base_dir, "mfu"), "metrics.jsonl")) as f:
         steps = [r for r in map(json.loads, f) if r["kind"] == "train"]
