@@ -231,3 +231,26 @@ def test_the_plan_sets_the_heads_chunks_from_memory_and_the_compile_scope_from_t
 def test_a_bad_compile_scope_head_or_diagnostics_flag_is_one_line(flags, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
         parse(["--depth=2", "--n_loops=0", *flags, *GPU_80GB])
+
+
+def test_the_plan_prints_its_recompute_or_accumulate_choice_and_why(monkeypatch):
+    # issue 57's recipe keeps 4 supervision steps' activations alive: on 80 GB the batch of 32 does not fit as it is;
+    # the plan times 4 rows with more accumulation against recomputing every layer visit at 32, and says so
+    recipe = ["--depth=12", "--sample_n_sup=lognormal_poisson", "--backprop_steps=4", "--n_sup_warmup=0.5",
+              "--total_batch_size=524288", *GPU_80GB]
+    run_config = parse(recipe)
+    note = next(n for n in run_config.batch_notes if n.startswith("device batch"))
+    assert (run_config.device_batch_size, run_config.grad_accum) == (4, 8)
+    assert not run_config.model_config["activation_checkpointing"]
+    assert "accumulate: batch 4 with more accumulation (8,192-token micro-batches at 81%" in note
+    assert "against activation checkpointing at batch 32 (+29% FLOPs recomputed" in note and "1.23x" in note
+    # were small micro-batches far costlier, the same plan recomputes at the larger batch, and says that instead
+    monkeypatch.setattr(memory, "MICRO_BATCH_OVERHEAD_TOKENS", 20000)
+    slow = parse(recipe)
+    assert (slow.device_batch_size, slow.model_config["activation_checkpointing"]) == (32, True)
+    assert slow.config_sources["activation_checkpointing"] == "turned on: faster than more accumulation (the plan)"
+    assert "recompute: activation checkpointing at batch 32" in "\n".join(slow.batch_notes)
+    time = next(line for line in planning.plan_lines(parse([*recipe, "--peak_tflops=989"])) if line.startswith("time"))
+    assert "+29% FLOPs recomputed (activation checkpointing)" in time
+    # --activation_checkpointing given (either way) is the user's: the plan does not weigh it
+    assert not parse([*recipe, "--activation_checkpointing=false"]).model_config["activation_checkpointing"]

@@ -245,7 +245,7 @@ def fit_device_batch(run_config, sequences_per_rank, max_batch=MAX_DEVICE_BATCH,
     return batch, (f"device batch {batch}{' with activation checkpointing' if checkpointing else ''}: the largest "
                    f"of at most {max_batch} that divides the {sequences_per_rank} sequences per process and fits "
                    f"~{need / 1e9:.1f} GB in {memory.usable_bytes(memory_bytes) / 1e9:.0f} GB usable of "
-                   f"{memory_bytes / 1e9:.0f} GB ({where}); {recompute_or_accumulate(choice, config)}"), run_config
+                   f"{memory_bytes / 1e9:.0f} GB ({where})" + recompute_or_accumulate(choice, config)), run_config
 
 
 def describe_micro_batch(m, config):
@@ -257,12 +257,12 @@ def describe_micro_batch(m, config):
 
 
 def recompute_or_accumulate(choice, config):
-    """The plan's line on the choice between more accumulation and recomputation: each one's planned time, relative to
-    the same FLOPs in large micro-batches without recomputation."""
-    chosen = describe_micro_batch(choice.chosen, config)
+    """The plan's words on the choice between more accumulation and recomputation, when both were weighed: each one's
+    planned time, relative to the same FLOPs in large micro-batches without recomputation."""
     if choice.other is None:
-        return f"planned time {chosen}"
-    return (f"{'recompute' if choice.chosen.checkpointing else 'accumulate'}: {chosen}, against "
+        return ""
+    chosen = describe_micro_batch(choice.chosen, config)
+    return (f"; {'recompute' if choice.chosen.checkpointing else 'accumulate'}: {chosen}, against "
             f"{describe_micro_batch(choice.other, config)} the time of the same FLOPs in large micro-batches "
             f"(memory.MICRO_BATCH_OVERHEAD_TOKENS)")
 
