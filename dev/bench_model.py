@@ -1,6 +1,6 @@
 """
 Does the recursion cost what its arithmetic costs? Times one training step (forward + backward + optimizer_step) of the
-plain baseline and of TRM configs, and compares each time ratio with the ratio of estimate_flops.
+plain baseline and of TRM configs, and compares each time ratio with the ratio of train/flops.estimate_flops.
 
     python -m dev.bench_model                       # CPU-sized defaults
     python -m dev.bench_model --depth 2 --n_embd 128 --steps 3 --no-memory
@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 import nanochat.train.optim
 from dev.bench_args import add_model_flags, build_config
 from nanochat.model.gpt import GPT
+from nanochat.train.flops import estimate_flops
 from nanochat.train.optim import setup_optimizers
 
 # (name, n_loops, T_recursion, n_sup_train); the first is the plain GPT everything is compared with
@@ -125,11 +126,11 @@ def main():
     # depend on the recursion (Muon's Newton-Schulz is per matrix, not per token), so at few tokens per step it
     # inflates the plain step's time and pushes ratio below ratio_fb; ratio_fb is the recursion's own cost per FLOP.
     tokens = args.batch * args.seq_len
-    plain_f = runs["plain"][0].estimate_flops()
+    plain_f = estimate_flops(runs["plain"][0])
     print(f"\n{'config':<16} {'n_loops':>7} {'T_rec':>5} {'n_sup':>5} {'GFLOP/step':>10} {'s/step':>7} {'fwd+bwd':>7} "
           f"{'optim':>6} {'min':>7} {'max':>7} {'GFLOP/s':>7} {'F/F_plain':>9} {'ratio':>6} {'ratio_fb':>8}")
     for (name, n_loops, T, n_sup) in configs:
-        t, t_fb, t_opt, f = median(name), median(name, 0), median(name, 1), runs[name][0].estimate_flops()
+        t, t_fb, t_opt, f = median(name), median(name, 0), median(name, 1), estimate_flops(runs[name][0])
         steps = [sum(x) for x in times[name]]
         gflop = f * tokens / 1e9
         print(f"{name:<16} {n_loops:>7} {T:>5} {n_sup:>5} {gflop:>10.1f} {t:>7.3f} {t_fb:>7.3f} {t_opt:>6.3f} "

@@ -14,7 +14,7 @@ both (HEAD's base_train does not clip: its optimizer column is a little high). O
 forward_backward, then reduce_gradients and clipped_step at 1.0.
 
 Targets (issue 13): our plain step <= 1.0x nanochat's, and each TRM config's step-time ratio over plain within 1.10x
-of its FLOP ratio (GPT.estimate_flops). Our plain step and nanochat's do the same FLOPs. Times are wall and CPU
+of its FLOP ratio (train/flops.estimate_flops). Our plain step and nanochat's do the same FLOPs. Times are wall and CPU
 seconds (this process's, which a machine busy with other work disturbs less than wall time).
 """
 
@@ -30,6 +30,7 @@ import torch
 
 from dev.bench_args import add_model_flags, build_config
 from dev.bench_model import build, optimizer_step
+from nanochat.train.flops import estimate_flops
 
 # (name, n_loops, T_recursion, n_sup_train); plain is our GPT in nanochat's shape, the others are compared with it
 CONFIGS = [
@@ -141,7 +142,8 @@ def main():
         return median(name, part, clock) / median("plain", part, clock) / (flops[name] / flops["plain"])
 
     tokens = args.batch * args.seq_len
-    flops = {name: run[1].estimate_flops() for name, run in runs.items()}
+    flops = {name: run[1].estimate_flops() if name == "nanochat" else estimate_flops(run[1])  # HEAD counts its own
+             for name, run in runs.items()}
     print(f"\n{'':<16} {'':>10} {'wall s':-^22} {'CPU s':-^22} {'':>9} {'(t/t_plain)/(F/F_plain)':-^23}")
     print(f"{'model':<16} {'GFLOP/step':>10}" + f" {'step':>6} {'fw+bw':>7} {'optim':>7}" * 2 +
           f" {'F/F_plain':>9} {'wall':>7} {'CPU':>7} {'fw+bw':>7}")

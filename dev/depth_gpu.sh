@@ -12,7 +12,7 @@
 #   TOKENS=2e7 bash dev/depth_gpu.sh plain -- --eval_tokens=262144   # flags after -- go to base_train
 # The table ($OUT/compare.md) is rewritten after each model, with every model any part finished: a part stopped by
 # its time limit keeps what finished, and running a part again skips its finished models.
-# Estimated at 40% MFU on one H100 for TOKENS=5e7 (GPT.estimate_flops): plain 2.0 min, loop 1.3, default 3.4, plus
+# Estimated at 40% MFU on one H100 for TOKENS=5e7 (train/flops.estimate_flops): plain 2.0 min, loop 1.3, default 3.4, plus
 # about a minute per model of compile and evaluation.
 set -euo pipefail
 cd "$(dirname "$0")/.."

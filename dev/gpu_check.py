@@ -65,6 +65,7 @@ from nanochat.files import atomic_write_bytes
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.train import attention, memory
 from nanochat.train.compile import compile_regions, compile_scope_for
+from nanochat.train.flops import estimate_flops
 from nanochat.train.optim import setup_optimizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -346,7 +347,7 @@ def run_micro_steps(ctx, config):
     return {"batch": batch, "activation_checkpointing": checkpointing, "sequence_len": config.sequence_len,
             "compile_scope": scope, "head_chunks": head_chunks,
             "first_step_s": first_s, "step_s": seconds, "fwd_bwd_s": statistics.median(t for t, _, _ in timed),
-            "tok_per_s": tok_per_s, "mfu": model.estimate_flops() * tok_per_s / peak if peak else None,
+            "tok_per_s": tok_per_s, "mfu": estimate_flops(model) * tok_per_s / peak if peak else None,
             "losses": [first_loss] + [loss for _, _, loss in timed],
             "peak_memory_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None,
             "estimated_memory_bytes": memory.estimate_memory(config, batch, ctx.sizes.dtype, head_chunks=head_chunks,

@@ -27,6 +27,15 @@ bf16 autocast; base_train's update: the norm read once, clipped at 1.0):
   trm_fp32               the default TRM at the planner's batch, as base_train runs it now (the layer visit, the
                          planned head, no diagnostics)
   trm_bf16               the same with the recursion state in bf16 (--state_dtype=bfloat16)
+  trm_holding            issue 57's recipe (sample_n_sup=lognormal_poisson, backprop_steps=4: 4 supervision steps'
+                         activations alive) at the planner's batch and its recompute-or-accumulate choice, timed at
+                         n_sup_train steps; the bar: >= 45% MFU
+  trm_holding_recompute  the same with every layer visit recomputed, at the largest batch that then fits: the other
+                         side of the plan's choice (planned_time in both says what the plan expected)
+  trm_detached           the detached recipe before issue 57 (sample_n_sup=False, backprop_steps=1) at its planner's
+                         batch
+
+    timeout 300 python3 -m dev.gpu_gap --variants trm_holding,trm_holding_recompute,trm_detached --out $OUT/gap
 
 Every variant records: fwd_bwd_s, optimizer_s, step_s (medians), tok/s, MFU (the step's), peak and estimated memory,
 syncs per timed step, host reads in the optimizer, the top kernels by device time, the SDPA ops that ran; HEAD's
@@ -61,6 +70,7 @@ from nanochat.files import atomic_write_bytes
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.train import attention, memory
 from nanochat.train.compile import compile_regions
+from nanochat.train.flops import estimate_flops
 from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 
 WARMUP, TIMED = 2, 10  # the first warm-up step compiles (warmup_s in the report)
@@ -84,6 +94,11 @@ SIZES = {
 }
 
 
+# issue 57's recipes, spelled out so that the variants stay these models whatever gpt.py's defaults become
+HOLDING = dict(sample_n_sup="lognormal_poisson", backprop_steps=4, detach_between_steps=True)
+DETACHED = dict(sample_n_sup=False, backprop_steps=1, detach_between_steps=True)
+
+
 @dataclasses.dataclass
 class Variant:
     name: str
@@ -94,6 +109,8 @@ class Variant:
     diagnostics: bool = False
     state_dtype: str = "float32"
     autocast: bool = True
+    recipe: dict = dataclasses.field(default_factory=dict)  # TRM config fields over the size's (issue 57's recipes)
+    recompute: bool = False  # TRM: activation checkpointing at the largest batch that fits with it, not the plan's
 
 
 VARIANTS = [
@@ -108,7 +125,11 @@ VARIANTS = [
     Variant("head_autocast", "head"),
     Variant("trm_fp32", "ours", plain=False, head_chunks=None),
     Variant("trm_bf16", "ours", plain=False, head_chunks=None, state_dtype="bfloat16"),
+    Variant("trm_holding", "ours", plain=False, head_chunks=None, recipe=HOLDING),
+    Variant("trm_holding_recompute", "ours", plain=False, head_chunks=None, recipe=HOLDING, recompute=True),
+    Variant("trm_detached", "ours", plain=False, head_chunks=None, recipe=DETACHED),
 ]
+HOLDING_BAR = 0.45  # issue 57: the new default's MFU at the planner's batch
 
 
 class Device:
@@ -232,16 +253,20 @@ def profiled_step(dev, fwd_bwd, update, zero_grad, top=12):
 def ours(dev, size, variant, backend):
     """Our model as base_train steps it, in the variant's compile scope, head chunks, diagnostics and state dtype."""
     config = GPTConfig(**size.model)
-    config = (config.replace(n_loops=0, n_sup_train=1, n_sup_inference=1) if variant.plain else config)
+    config = (config.replace(n_loops=0, n_sup_train=1, n_sup_inference=1) if variant.plain else
+              config.replace(**variant.recipe, activation_checkpointing=variant.recompute))
     config = config.replace(state_dtype=variant.state_dtype)
+    planned = None
     if variant.plain:
         batch, checkpointing = size.plain_batch, False
-    else:
-        fit = memory.fit_micro_batch(config, size.trm_sequences, size.trm_max_batch, dev.memory_bytes(size),
-                                     size.dtype)
-        if fit is None:
+    else:  # the launcher's choice (memory.choose_micro_batch); recompute: its checkpointed side
+        choice = memory.choose_micro_batch(config, size.trm_sequences, size.trm_max_batch, dev.memory_bytes(size),
+                                           size.dtype)
+        if choice is None:
             raise RuntimeError("the planner fits not even one sequence")
-        batch, checkpointing = fit
+        batch, checkpointing = choice.chosen.batch, choice.chosen.checkpointing
+        planned = {"planned_time": choice.chosen.time,
+                   "planned_other": choice.other._asdict() if choice.other else None}
     config = config.replace(activation_checkpointing=checkpointing)
     chunks = variant.head_chunks if variant.head_chunks is not None else memory.head_chunks_that_fit(
         config, batch, dev.memory_bytes(size), size.dtype, compiled=True)
@@ -255,16 +280,17 @@ def ours(dev, size, variant, backend):
     autocast = torch.autocast(dev.device.type, dtype=torch.bfloat16) if size.dtype == "bfloat16" else \
         contextlib.nullcontext()
 
-    def fwd_bwd():
+    def fwd_bwd():  # n_sup_train steps: a drawn count's mean, and with backprop_steps=4 all of them alive at once
         with autocast:
-            model.forward_backward(x, y, diagnostics=variant.diagnostics)
+            model.forward_backward(x, y, n_sup=config.n_sup_train, diagnostics=variant.diagnostics)
 
     def update():  # base_train's: the squared norm reduced, read once on the host, the clipped step
         clipped_step(optimizers, reduce_gradients(optimizers).sqrt().item(), 1.0)
 
     facts = {"batch": batch, "activation_checkpointing": checkpointing, "head_chunks": chunks,
              "compile_scope": variant.scope, "diagnostics": variant.diagnostics, "state_dtype": variant.state_dtype,
-             "flops_per_token": model.estimate_flops(), "tokens": batch * config.sequence_len,
+             "flops_per_token": estimate_flops(model, n_sup=config.n_sup_train), "tokens": batch * config.sequence_len,
+             **({"recipe": variant.recipe, **planned} if planned else {}),
              "estimated_memory_bytes": memory.estimate_memory(config, batch, size.dtype, head_chunks=chunks,
                                                               compiled=True)["total"]}
     return facts, fwd_bwd, update, lambda: model.zero_grad(set_to_none=True)
@@ -347,6 +373,17 @@ def markdown(report):
                      f"{gb(v.get('estimated_memory_bytes'))} | {cell(v['sdpa'])} | {top} |")
     for name, why in report["skipped"].items():
         lines.append(f"| {name} | skipped: {cell(why)} | | | | | | | | | |")
+    holding = variants.get("trm_holding", {})
+    if holding.get("mfu") is not None:
+        lines += ["", f"Issue 57's bar: trm_holding at {100 * holding['mfu']:.1f}% MFU at the planner's batch "
+                      f"{holding['batch']}{' (recomputing)' if holding['activation_checkpointing'] else ''}: "
+                      f"{'met' if holding['mfu'] >= HOLDING_BAR else 'NOT met'} (>= {HOLDING_BAR:.0%})."]
+    sides = [variants.get(name, {}) for name in ("trm_holding", "trm_holding_recompute")]
+    if all("step_s" in v and v.get("planned_time") for v in sides):
+        measured = sides[1]["step_s"] / sides[1]["tokens"] / (sides[0]["step_s"] / sides[0]["tokens"])
+        lines.append(f"Recompute or accumulate: the recomputing batch {sides[1]['batch']} took {measured:.2f}x the "
+                     f"time per token of batch {sides[0]['batch']}; the plan expected "
+                     f"{sides[1]['planned_time'] / sides[0]['planned_time']:.2f}x (memory.choose_micro_batch).")
     return "\n".join(lines) + "\n"
 
 

@@ -7,11 +7,16 @@
 #   loopnc       a looped_nanochat-style recipe: a plain prelude block, 2 blocks looped (mean 3 loops, Huginn's
 #                log-normal Poisson draw), a plain coda block; gradients through 2 loops at a time; a loop-count
 #                warmup over the first 60%; the loss on the last loop (weights base 100: earlier loops ~1%)
-#   default      gpt.py's default, every field spelled out
-#   holding      the default with issue 51's best candidate: log-normal drawn step counts, gradients through 4
-#                steps, a step-count curriculum over the first half
-# Run it in two parts, each one 9-minute call (estimated at 40% MFU by GPT.estimate_flops, printed first; plan
-# without training: python -m dev.loop_gpu plan a):
+#   default      the detached recipe, gpt.py's default until issue 57, every field spelled out
+#   holding      issue 51's best candidate, issue 57's new default: log-normal drawn step counts, gradients through
+#                4 steps, a step-count curriculum over the first half
+# Part c (issue 57 item 8, the equal-FLOPs question, one call of at most 5 minutes at TOKENS=4e7): the new default
+# (holding) against plain24 and loopnc, evaluation trimmed (4 evaluations of 262,144 tokens), the three at once on
+# the one GPU, each into $OUT/<model>/ with its log $OUT/<model>.log; ~275 s planned from the H200's measured speeds
+# and compile times (python -m dev.loop_gpu plan c: the sums and their sources):
+#   TOKENS=4e7 bash dev/loop_gpu.sh c
+# Run a and b in two parts, each one 9-minute call (estimated at 40% MFU by train/flops.estimate_flops, printed
+# first; plan without training: python -m dev.loop_gpu plan a):
 #   bash dev/loop_gpu.sh a            # plain2, plain24, loopnc
 #   bash dev/loop_gpu.sh b            # default, holding
 #   TOKENS=2e7 bash dev/loop_gpu.sh a -- --eval_tokens=262144     # flags after -- go to base_train
@@ -23,8 +28,8 @@ part=${1:-a}
 shift || true
 [ "${1:-}" = "--" ] && shift
 case "$part" in
-    a|b|all) ;;
-    *) echo "loop_gpu: unknown part '$part'; choose a, b or all" >&2; exit 2 ;;
+    a|b|c|all) ;;
+    *) echo "loop_gpu: unknown part '$part'; choose a, b, c or all" >&2; exit 2 ;;
 esac
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$PWD/loop_gpu/base}"
 OUT="${OUT:-loop_gpu}"

@@ -36,6 +36,7 @@ from nanochat.train import attention, lifecycle, sharding
 from nanochat.train.compile import compile_regions
 from nanochat.train.config import SAMPLE_PROMPTS, RunConfig, batch_geometry, data_problem
 from nanochat.train.depth import train_depth
+from nanochat.train.flops import estimate_flops
 from nanochat.train.optim import (
     clipped_step,
     lr_multiplier,
@@ -107,7 +108,6 @@ def train(run_config, data=None, init=None):
     num_iterations, horizon_source = num_iterations_for(run_config, model)
     warmup_steps = run_config.warmup_steps if run_config.warmup_steps is not None else \
         round(run_config.warmup_ratio * num_iterations)
-    flops_per_token = model.estimate_flops()
     print_config(run_config, num_iterations, horizon_source, model, run_config.total_batch_size)
     if resume:
         ckpt.report_schedule_change(resume, (num_iterations, warmup_steps, run_config.warmdown_ratio,
@@ -147,7 +147,7 @@ def train(run_config, data=None, init=None):
                   early_stop=early_stop_for(run_config, resume), backup=backup, writer=writer,
                   model_config=model_config, data=data, init_from=init.record if init else None,
                   corpus=corpus, num_iterations=num_iterations, warmup_steps=warmup_steps, start_step=start_step,
-                  resuming=resume is not None, flops_per_token=flops_per_token,
+                  resuming=resume is not None,
                   peak_flops=peak_flops(run_config.peak_tflops, run_config.device_type, device), prefetched=prefetched,
                   consumed=[loader.state_dict() for loader in loaders],
                   probe=build_probe(run_config.probe, run_config.probe_share, run_config.seed, run_config.probe_docs))
@@ -208,7 +208,6 @@ class Run:
     warmup_steps: int
     start_step: int  # the step this process started (or resumed) at
     resuming: bool
-    flops_per_token: float
     peak_flops: float | None  # FLOP/s of one device; None: no MFU
     probe: Probe | None = None  # the depth probe
     data: object = None  # the data source (CorpusData, or chat_sft's conversations): validation and sample prompts
@@ -445,8 +444,11 @@ class Run:
         """The step's record (losses, state diagnostics, throughput, MFU, memory, time, cost): logged and printed."""
         self.history.append({"step": step, "step_losses": stats.losses})
         self.health.check(step, stats.losses, stats.grad_norm)
+        # the batch's tokens per second of this step: under drawn step counts it moves with the steps drawn; MFU
+        # counts the FLOPs of the steps this step trained (len(stats.losses)), so it does not
         tok_per_sec = self.run_config.total_batch_size / dt
-        mfu = self.flops_per_token * tok_per_sec / (self.peak_flops * self.world_size) if self.peak_flops else None
+        flops = estimate_flops(self.model, n_sup=len(stats.losses))
+        mfu = flops * tok_per_sec / (self.peak_flops * self.world_size) if self.peak_flops else None
         mem_gb = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else None
         record = {"kind": "train", "step": step, "loss": stats.losses[-1], "total_loss": stats.total,
                   "step_losses": stats.losses, "refinement": refinement(stats.losses),
@@ -561,7 +563,8 @@ def print_config(run_config, num_iterations, horizon_source, model, tokens_per_s
     print0(f"model config ({run_config.model_tag}):")
     for name, value in model.config.to_dict().items():
         print0(f"  {name:26s} = {value!s:14s} ({run_config.config_sources.get(name, 'tokenizer')})")
-    print0(f"parameters: {model.num_params():,}   FLOPs per token (training step): {model.estimate_flops():.3e}")
+    print0(f"parameters: {model.num_params():,}   FLOPs per token (training step of {model.config.n_sup_train} "
+           f"supervision steps): {estimate_flops(model):.3e}")
     print0(f"batch: {run_config.world_size} processes x {run_config.device_batch_size} x {run_config.max_seq_len} "
            f"tokens x {run_config.grad_accum} accumulation = {tokens_per_step:,} tokens per step, rows of "
            f"{'whole documents' if run_config.rows == 'documents' else 'the token stream'} (--rows)")

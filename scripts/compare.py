@@ -9,8 +9,9 @@ the same validation tokens, and write a markdown table, a JSON file and plots to
 Budget modes:
     tokens   every config trains --num_iterations steps on the same batches
     flops    every config trains for the same training FLOPs: --target_flops, default --num_iterations steps of the
-             costliest config; iterations come from each model's recursion-aware estimate_flops, so a plain model
-             trains on proportionally more tokens (the same batches, in the same order, for longer)
+             costliest config; iterations come from each model's recursion-aware FLOPs per token (at the mean
+             supervision steps it draws, nanochat/train/flops.py), so a plain model trains on proportionally more
+             tokens (the same batches, in the same order, for longer)
     params   equal tokens, plus for each TRM config a plain model of the same width made deeper (or of the same depth
              made wider) until its FLOPs per token match the TRM's: same parameters vs same compute
 
@@ -47,7 +48,8 @@ from nanochat.model.supervision import STATE_DIAGNOSTICS
 from nanochat.train import config as train_config
 from nanochat.train import lifecycle, planning
 from nanochat.train.config import batch_geometry, data_problem
-from nanochat.train.planning import meta_model, model_config, num_iterations_for
+from nanochat.train.flops import estimate_flops, run_flops_per_token
+from nanochat.train.planning import PLAN_DRAWS, meta_model, model_config, num_iterations_for
 
 DEFAULT_GRID = {
     "plain": "--n_loops=0 --n_sup_train=1",
@@ -170,7 +172,7 @@ class Run:
     run_config: train_config.RunConfig  # base_train's parsed flags
     model: object
     parameters: int
-    flops_per_token: float
+    flops_per_token: float  # training FLOPs per token at the mean supervision steps drawn (the run's, once planned)
     tokens_per_step: int
     matches: str | None = None  # params mode: the TRM config this plain model matches
     iterations: int | None = None
@@ -195,8 +197,8 @@ def is_trm(run_config):
 def make_run(name, flags, shared, vocab_size, world_size):
     run_config = base_run_config(name, shared + flags, world_size, vocab_size)
     model = meta_model(model_config(run_config, vocab_size))
-    return Run(name, shared + flags, run_config, model, model.num_params(), model.estimate_flops(),
-               run_config.total_batch_size)
+    return Run(name, shared + flags, run_config, model, model.num_params(),
+               run_flops_per_token(model, run_config.n_sup_warmup, PLAN_DRAWS), run_config.total_batch_size)
 
 
 def matched_plain(trm, vocab_size, world_size, by):
@@ -259,6 +261,7 @@ def plan(args, vocab_size, world_size):
         horizon = (None, target) if target else (args.num_iterations, None)
         r.run_config = replace(r.run_config, num_iterations=horizon[0], target_flops=horizon[1])
         r.iterations = num_iterations_for(r.run_config, r.model)[0]
+        r.flops_per_token = run_flops_per_token(r.model, r.run_config.n_sup_warmup, r.iterations)
         r.tokens = r.iterations * r.tokens_per_step
         r.train_flops = r.tokens * r.flops_per_token
         eval_every = max(1, r.iterations // args.evals)
@@ -310,7 +313,7 @@ def inference_sweep(run, max_sup, device, rank, world_size):
                                 get_token_bytes(device=device))
     if bpb is None:
         raise Exit(f"compare: {run.name}: the inference evaluation failed (see the warning above)")
-    return [{"n_sup": k + 1, "flops_per_token": run.model.estimate_flops(n_sup=k + 1, backward=False),
+    return [{"n_sup": k + 1, "flops_per_token": estimate_flops(run.model, n_sup=k + 1, backward=False),
              "val_bpb": b, **dict(zip(STATE_DIAGNOSTICS, row))} for k, (b, row) in enumerate(zip(bpb, state))]
 
 
@@ -323,16 +326,32 @@ def result(run, inference):
         summary = json.load(f)
     tail = train_records[-max(1, len(train_records) // 10):]  # last 10% of training batches, smoothed
     final = evals[-1]["val_bpb"]
-    flops_per_step = run.flops_per_token * run.tokens_per_step
+    trained = trained_flops(run, train_records)
     return {"name": run.name, "tag": run.tag, "flags": run.flags, "matches": run.matches,
             "model_config": run.run_config.model_config, "parameters": run.parameters,
-            "flops_per_token": run.flops_per_token, "iterations": run.iterations, "tokens": run.tokens,
-            "train_flops": run.train_flops, "wall_time_s": summary["wall_time_s"],
+            "flops_per_token": trained[-1][1] / run.tokens, "iterations": run.iterations, "tokens": run.tokens,
+            "train_flops": trained[-1][1], "planned_train_flops": run.train_flops,
+            "wall_time_s": summary["wall_time_s"],
             "val_bpb": final, "final_bpb": final[-1], "val_refinement": evals[-1]["val_refinement"],
             "train_refinement": sum(r["refinement"] for r in tail) / len(tail),
             "evals": [{"step": e["step"], "tokens": e["step"] * run.tokens_per_step,
-                       "train_flops": e["step"] * flops_per_step, "final_bpb": e["val_bpb"][-1]} for e in evals],
+                       "train_flops": flops_until(trained, e["step"]), "final_bpb": e["val_bpb"][-1]} for e in evals],
             "inference": inference}
+
+
+def trained_flops(run, train_records):
+    """[(step, training FLOPs up to it)], from each optimizer step's supervision steps as drawn (the length of its
+    step_losses): what the run spent, where drawn step counts and the curriculum make it differ from the plan."""
+    total, spent = 0.0, [(0, 0.0)]
+    for r in train_records:
+        total += estimate_flops(run.model, n_sup=len(r["step_losses"])) * run.tokens_per_step
+        spent.append((r["step"], total))
+    return spent
+
+
+def flops_until(spent, step):
+    """The training FLOPs spent before an evaluation at `step` (the last entry of `spent` at or before it)."""
+    return max((flops for s, flops in spent if s <= step), default=0.0)
 
 
 # ---------------------------------------------------------------------------------------------------- reporting
@@ -374,7 +393,8 @@ def table(report):
         rows.append(f"| {r['name']} | {inference[-1]['val_bpb'] - inference[trained - 1]['val_bpb']:+.4f} | {best} | "
                     f"{arrow('rms_y', 2)} | {arrow('rms_update', 3)} | {arrow('cos_update_y', 2)} |")
     header = [f"Mode: **{report['mode']}**. Command: `{report['command']}` ({report['date']}, {report['device']}).",
-              f"Wall time summed over runs (training and periodic evals): {report['wall_time_s'] / 60:.1f} min.", ""]
+              f"Wall time summed over runs (training and periodic evals): {report['wall_time_s'] / 60:.1f} min. "
+              "FLOPs/token and training FLOPs count the supervision steps each optimizer step drew.", ""]
     return "\n".join(header + rows) + "\n"
 
 

@@ -46,9 +46,11 @@ from nanochat.files import free_bytes, get_base_dir, gigabytes
 from nanochat.model.gpt import GPTConfig
 from nanochat.train import lifecycle, memory, multinode, preflight
 from nanochat.train.config import batch_geometry, parse_args
+from nanochat.train.flops import estimate_flops, planned_depth
 from nanochat.train.planning import (
     PLANNER_MFU,
     budget_lines,
+    drawn_note,
     fit_device_batch,
     free_ram_per_process,
     keeps_ema,
@@ -57,6 +59,8 @@ from nanochat.train.planning import (
     model_config,
     settle_sharding,
     sharding_lines,
+    step_seconds,
+    time_note,
 )
 
 # The device each GPU model of the table means (its name as torch reports it): the nodes are 8-GPU SXM boards.
@@ -154,13 +158,13 @@ def torchrun_prefix(nproc, nnodes):
 def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
     """Device batch, accumulation and checkpointing that fit memory and keep the table's effective batch.
 
-    argv: the table's flags (minus those the user gives) + the user's. Returns (flags to add, notes on what changed
-    and why); flags the user passed are left as they are.
+    argv: the table's flags (minus those the user gives) + the user's. Returns (flags to add, the plan's lines on
+    what changed and why); flags the user passed are left as they are.
     """
     batch, accum, _ = row[phase]
     sequences = row["gpus"] * batch * accum  # the table's effective batch, in sequences per optimizer step
     if given & {"gradient_accumulation_steps", "total_batch_size"}:
-        return {}, ["batch geometry set by your flags: the table's effective batch is not enforced"]
+        return {}, ["changed: batch geometry set by your flags: the table's effective batch is not enforced"]
     if sequences % world:
         raise Exit(f"the table's effective batch of {sequences} sequences does not split over {world} processes; "
                    f"pass --device_batch_size and --gradient_accumulation_steps yourself", code=ExitCode.USAGE)
@@ -173,25 +177,29 @@ def fit_batch(row, phase, world, given, argv, vocab_size, memory_bytes):
                        f"(the table's {sequences} over {world} processes); pick a divisor of {per_rank}",
                        code=ExitCode.USAGE)
         return {"gradient_accumulation_steps": per_rank // b}, [
-            f"accumulation {accum} -> {per_rank // b} keeps the table's {sequences} sequences at your device batch {b}"]
+            f"changed: accumulation {accum} -> {per_rank // b} keeps the table's {sequences} sequences at your device "
+            f"batch {b}"]
     config = model_config(run_config, vocab_size)
     b, why, run_config = fit_for_budget(run_config, vocab_size, per_rank, memory_bytes, max_batch=batch,
                                         allow_checkpointing="activation_checkpointing" not in given)
     if b is None:
         raise Exit(f"{why} (with activation checkpointing); lower DEPTH, --max_seq_len or --n_sup_train",
                    code=ExitCode.USAGE)
-    flags, notes = {"device_batch_size": b, "gradient_accumulation_steps": per_rank // b}, [run_config.sharding_note]
+    flags = {"device_batch_size": b, "gradient_accumulation_steps": per_rank // b}
+    notes = [f"changed: {run_config.sharding_note}"]
     if run_config.sharding_requested == "auto":  # settled for the launcher's budget, not for this machine's
         flags["sharding"] = run_config.sharding
     if run_config.model_config["activation_checkpointing"] and not config.activation_checkpointing:
         flags["activation_checkpointing"] = "true"
         need = memory_need(run_config, batch, config=config)
-        notes.append(f"activation checkpointing turned ON: the table's batch {batch} would need ~{need / 1e9:,.0f} GB "
-                     f"per device without it, {memory.usable_bytes(memory_bytes) / 1e9:.0f} GB are usable")
+        notes.append(f"changed: activation checkpointing turned ON: the table's batch {batch} would need "
+                     f"~{need / 1e9:,.0f} GB per device without it, {memory.usable_bytes(memory_bytes) / 1e9:.0f} GB "
+                     f"are usable")
     if (b, per_rank // b) != (batch, accum):
-        notes.append(f"device batch {batch} -> {b} and accumulation {accum} -> {per_rank // b}: the largest batch "
-                     f"that fits, and {world} processes x {b} x {per_rank // b} = {sequences} sequences keeps the "
-                     f"table's effective batch ({row['gpus']} x {batch} x {accum})")
+        notes.append(f"changed: device batch {batch} -> {b} and accumulation {accum} -> {per_rank // b}: the "
+                     f"batch that fits and trains fastest (fit: below), and {world} processes x {b} x {per_rank // b} "
+                     f"= {sequences} sequences keeps the table's effective batch ({row['gpus']} x {batch} x {accum})")
+    notes.append(f"fit:     {why}")  # and why more accumulation or recomputation, by the planned time
     return flags, notes
 
 
@@ -347,16 +355,6 @@ def tokenizer_vocab():
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
-def flops_per_token(model):
-    """(model FLOPs per token, extra FLOPs per token that activation checkpointing recomputes)."""
-    config = model.config
-    train, forward = model.estimate_flops(), model.estimate_flops(n_sup=config.n_sup_train, backward=False)
-    # train - forward = 2 x (block + head forward FLOPs of the grad sweeps); recomputation redoes the blocks only
-    head = 2 * model.lm_head.weight.numel() * config.n_sup_train
-    recompute = (train - forward) / 2 - head if config.activation_checkpointing else 0
-    return train, recompute
-
-
 def hours(seconds):
     return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
@@ -371,10 +369,12 @@ def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab
     est = memory.estimate_memory(config, run_config.device_batch_size, run_config.dtype, world,
                                  keeps_ema(run_config.ema_decay, run_config.num_iterations), run_config.sharding)
     model = meta_model(config)
-    model_flops, recompute = flops_per_token(model)
+    iterations = run_config.num_iterations or ph["iterations"]
+    depth = planned_depth(config, run_config.n_sup_warmup, iterations)  # the mean supervision steps drawn
+    model_flops = estimate_flops(model, n_sup=depth)
+    recompute = memory.recompute_share(config) * model_flops if config.activation_checkpointing else 0
     step_flops = model_flops * run_config.total_batch_size
     peak = gpu_peak_flops(LAUNCH_TABLE_DEVICES[row["gpu"]]) if run_config.device_type == "cuda" else None
-    iterations = run_config.num_iterations or ph["iterations"]
     warmup = run_config.warmup_steps if run_config.warmup_steps is not None else \
         round(run_config.warmup_ratio * iterations)
     src = run_config.config_sources
@@ -397,7 +397,7 @@ def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab
            f"accumulation = {sequences} sequences x {run_config.max_seq_len} tokens = "
            f"{run_config.total_batch_size:,} tokens per step"
            + ("" if sequences == table_sequences else "  (DIFFERS from the table)"),
-           *[f"             changed: {note}" for note in notes],
+           *[f"             {note}" for note in notes],
            f"memory       ~{est['total'] / 1e9:.1f} GB per device at batch {run_config.device_batch_size}"
            f"{' with activation checkpointing' if config.activation_checkpointing else ''} (nanochat/train/memory.py: "
            f"{run_config.sharding}: params+grads+optimizer "
@@ -414,14 +414,16 @@ def print_plan(key, phase, cmd, run_config, notes, gpus, budget, problems, vocab
            f"{run_config.eval_every}, samples "
            f"every {run_config.sample_every}, checkpoint every {run_config.save_every}, compile {run_config.compile}, "
            f"{run_config.dtype}",
-           f"compute      {model_flops:.3e} FLOPs per token (GPT.estimate_flops: every loop, sweep and supervision "
-           f"step) x {run_config.total_batch_size:,} tokens = {step_flops:.3e} FLOPs per step"
+           f"compute      {model_flops:.3e} FLOPs per token (train/flops.py: every loop, sweep and supervision "
+           f"step{drawn_note(config, depth)}) x {run_config.total_batch_size:,} tokens = {step_flops:.3e} FLOPs "
+           f"per step"
            + (f", + {recompute * run_config.total_batch_size:.3e} recomputed by checkpointing" if recompute else "")]
     if peak:
-        seconds = (model_flops + recompute) * run_config.total_batch_size / (world * peak * PLANNER_MFU)
+        seconds = step_seconds(run_config, model, peak, iterations)
         lo, hi = row[phase][2]
         cost = seconds * iterations / 3600 * row["price"] * nnodes
-        out += [f"time         peak {peak / 1e12:,.0f} TFLOP/s bf16 per GPU, assuming {PLANNER_MFU:.0%} MFU: "
+        out += [f"time         peak {peak / 1e12:,.0f} TFLOP/s bf16 per GPU, assuming {PLANNER_MFU:.0%} MFU"
+                f"{time_note(run_config, config)}: "
                 f"{seconds:.2f} s/step, {iterations} steps = {hours(seconds * iterations)}; the guide says "
                 f"{lo}-{hi} s/step = {hours(lo * iterations)}-{hours(hi * iterations)}",
                 f"cost         ${row['price']:.2f}/hour per node x {nnodes} x {hours(seconds * iterations)} = "

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,8 +18,10 @@ import torch
 from nanochat import trainer
 from nanochat.cli import ExitCode
 from nanochat.data import dataloader
+from nanochat.data.tokenizer import get_tokenizer
 from nanochat.train import config as train_config
 from nanochat.train import planning
+from nanochat.train.flops import estimate_flops
 from tests.support import processes
 from tests.support.helpers import (
     ROOT,
@@ -319,19 +322,39 @@ def test_compile_compiles_the_ema_copy_too_in_the_settled_scope(base_dir, monkey
     assert [(model is built[0].module, s) for model, s in compiled] == [(False, scope), (True, scope)]
 
 
-def test_mfu_is_measured_against_peak_tflops_when_given(base_dir, monkeypatch):
-    # --peak_tflops' help says MFU uses it; base_train read only the GPU table, so a CPU (or unlisted GPU) showed none
+def test_mfu_counts_the_steps_drawn_a_1_step_and_a_7_step_draw_read_the_same(base_dir, monkeypatch):
+    # --peak_tflops' help says MFU uses it (base_train read only the GPU table, so a CPU showed none); and under drawn
+    # step counts MFU counted n_sup_train steps whatever was drawn: an H200 printed "mfu 92.7%" for a 1-step batch
+    # and "13.4%" for a 7-step one. A fake clock runs every supervision step in the same time (the same kernels):
+    # then every step's MFU must read the same, while tok/s (the batch's tokens per second) follows the draw.
     from nanochat.model.gpt import GPT
-    flops, real = [], GPT.estimate_flops
-    monkeypatch.setattr(GPT, "estimate_flops", lambda self, *a, **k: flops.append(real(self, *a, **k)) or flops[-1])
+    clock, real = [1000.0], GPT.forward_backward
+
+    def forward_backward(self, *args, n_sup=None, **kwargs):
+        clock[0] += 0.25 * n_sup
+        return real(self, *args, n_sup=n_sup, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward_backward", forward_backward)
+    monkeypatch.setattr(trainer, "time", SimpleNamespace(time=lambda: clock[0]))
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
-    trainer.train(train_config.parse_args([*TINY, "--num_iterations=2", "--eval_every=0", "--peak_tflops=0.002",
-                                              "--model_tag=mfu"]))
+    # uniform draws on 1 .. 7 around n_sup_train=4, no curriculum: step 1 draws 1, step 14 draws 7
+    trainer.train(train_config.parse_args([*TINY, "--n_sup_train=4", "--sample_n_sup=uniform", "--n_sup_warmup=0",
+                                           "--backprop_steps=1", "--num_iterations=15",
+                                           "--eval_every=0", "--peak_tflops=0.002", "--model_tag=mfu"]))
     with open(os.path.join(ckpt_dir(base_dir, "mfu"), "metrics.jsonl")) as f:
         steps = [r for r in map(json.loads, f) if r["kind"] == "train"]
-    assert len(steps) == 2
-    for r in steps:
-        assert r["mfu"] == pytest.approx(flops[0] * r["tok_per_sec"] / 0.002e12)
+    by_depth = {len(r["step_losses"]): r for r in steps}
+    assert {1, 7} <= set(by_depth) and len(steps) == 15
+    one, seven = by_depth[1], by_depth[7]
+    assert one["dt"] == pytest.approx(0.25) and seven["dt"] == pytest.approx(7 * 0.25)
+    assert one["tok_per_sec"] == pytest.approx(7 * seven["tok_per_sec"])  # the same tokens, 7x the compute
+    assert one["mfu"] == pytest.approx(seven["mfu"], rel=1e-9) and 0 < one["mfu"]
+    assert all(r["mfu"] == pytest.approx(one["mfu"], rel=1e-9) for r in steps)
+    # against the peak: one supervision step's FLOPs per token (a 1-step draw's) x tokens / (0.25 s x 2 GFLOP/s)
+    model = trainer.build_model({**train_config.parse_args([*TINY, "--n_sup_train=4"]).model_config,
+                                 "vocab_size": get_tokenizer().get_vocab_size()}, torch.device("cpu"), False, "float32")
+    tokens = one["tok_per_sec"] * one["dt"]
+    assert one["mfu"] == pytest.approx(estimate_flops(model, n_sup=1) * tokens / (0.25 * 0.002e12))
 
 
 def test_sampled_depth_trains_logs_and_plots(base_dir):

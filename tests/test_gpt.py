@@ -16,6 +16,7 @@ import nanochat.model.supervision as supervision
 from nanochat.model.gpt import GPT, STATE_UPDATES, GPTConfig
 from nanochat.model.supervision import STATE_DIAGNOSTICS, deep_supervision_loss, supervision_weights
 from nanochat.train.compile import compile_regions
+from nanochat.train.flops import estimate_flops
 from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 from tests.support.helpers import ROOT, random_model, tiny_config
 
@@ -440,16 +441,16 @@ def test_plain_model_flops_are_nanochats_formula():
     model = GPT(config)
     non_embedding = sum(p.numel() for p in model.parameters()) - model.transformer.wte.weight.numel()
     L, h, q, t = config.n_layer, config.n_head, config.n_embd // config.n_head, config.sequence_len
-    assert model.estimate_flops() == 6 * non_embedding + 12 * L * h * q * t
+    assert estimate_flops(model) == 6 * non_embedding + 12 * L * h * q * t
 
 
 @pytest.mark.parametrize("n_loops, T_recursion", [(0, 1), (1, 1), (2, 1), (1, 2), (2, 3)])
 def test_flops_scale_with_the_recursion(n_loops, T_recursion):
     config = tiny_config(n_loops=n_loops, T_recursion=T_recursion, n_sup_train=2, n_sup_inference=3)
     model = GPT(config)
-    assert model.estimate_flops() == expected_flops(model, 2)
-    assert model.estimate_flops(n_sup=4) == 2 * model.estimate_flops(n_sup=2)
-    assert model.estimate_flops(backward=False) == expected_flops(model, 3, backward=False)
+    assert estimate_flops(model) == expected_flops(model, 2)
+    assert estimate_flops(model, n_sup=4) == 2 * estimate_flops(model, n_sup=2)
+    assert estimate_flops(model, backward=False) == expected_flops(model, 3, backward=False)
 
 
 def test_flops_count_the_block_applications_the_forward_makes():
@@ -466,7 +467,7 @@ def test_flops_count_the_block_applications_the_forward_makes():
     head = 3 * 6 * config.vocab_size * config.n_embd
     # n_sup=3 steps x n_layer x (n_loops + 1 = 3) applications, once with gradient and once (T_recursion - 1) without
     assert calls[True] == 3 * config.n_layer * 3 and calls[False] == 3 * config.n_layer * 3
-    assert model.estimate_flops() == per_app * (3 * calls[True] + calls[False]) + head
+    assert estimate_flops(model) == per_app * (3 * calls[True] + calls[False]) + head
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -577,7 +578,7 @@ def test_flops_are_the_same_for_every_state_update_and_for_sampled_depth(state_u
     base = GPT(tiny_config(n_loops=2, T_recursion=2, n_sup_train=3))
     for overrides in (dict(state_update=state_update), dict(state_update=state_update, sample_n_sup=True)):
         model = GPT(tiny_config(n_loops=2, T_recursion=2, n_sup_train=3, **overrides))
-        assert model.estimate_flops() == base.estimate_flops() == expected_flops(base, 3)
+        assert estimate_flops(model) == estimate_flops(base) == expected_flops(base, 3)
 
 
 # ---------------------------------------------------------------------------------------------------- compile

@@ -132,3 +132,37 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, monkeypatch, capsys, argv, mes
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and not (tmp_path / "out").exists()
+
+
+def test_issue_57s_recipes_run_at_their_planned_batches_and_the_report_reads_the_bar(tmp_path, monkeypatch):
+    # the new default (4 steps' activations alive) at the plan's recompute-or-accumulate choice, its recomputing
+    # side, and the detached recipe before it: one call reads all three MFUs and the plan's expected time ratio
+    monkeypatch.setattr(gpu_gap, "TIMED", 2)
+    out = tmp_path / "gap"
+    names = ["trm_holding", "trm_holding_recompute", "trm_detached"]
+    assert gpu_gap.main(["--device", "cpu", "--size", "toy", "--backend", "eager", "--variants", ",".join(names),
+                         "--out", str(out)]) == 0
+    report = json.loads((out / "gap.json").read_text())
+    holding, recompute, detached = (report["variants"][n] for n in names)
+    for v in (holding, recompute, detached):
+        assert "error" not in v and v["step_s"] > 0 and v["planned_time"] >= 1
+    assert holding["recipe"] == {"sample_n_sup": "lognormal_poisson", "backprop_steps": 4,
+                                 "detach_between_steps": True}
+    assert detached["recipe"]["backprop_steps"] == 1 and detached["recipe"]["sample_n_sup"] is False
+    assert recompute["activation_checkpointing"] and not holding["activation_checkpointing"]
+    # the toy's 1 GB holds the largest batch as it is: the plan keeps it, recomputation would cost more
+    assert holding["batch"] == recompute["batch"] == gpu_gap.SIZES["toy"].trm_max_batch
+    assert holding["planned_other"]["checkpointing"] and holding["planned_other"]["time"] > holding["planned_time"]
+    from nanochat.model.gpt import GPT, GPTConfig
+    from nanochat.train.flops import estimate_flops
+    config = GPTConfig(**gpu_gap.SIZES["toy"].model, **gpu_gap.HOLDING)
+    assert holding["flops_per_token"] == estimate_flops(GPT(config), n_sup=config.n_sup_train)
+    table = (out / "gap.md").read_text()
+    assert all(f"| {name} | " in table for name in names)
+    assert "Recompute or accumulate: the recomputing batch 2 took" in table and "the plan expected" in table
+    # on a CPU there is no MFU, so the bar is not read; a GPU's report says met or not
+    assert "Issue 57's bar" not in table
+    report["variants"]["trm_holding"]["mfu"] = 0.47
+    assert "trm_holding at 47.0% MFU at the planner's batch 2: met (>= 45%)" in gpu_gap.markdown(report)
+    report["variants"]["trm_holding"]["mfu"] = 0.30
+    assert ": NOT met (>= 45%)" in gpu_gap.markdown(report)

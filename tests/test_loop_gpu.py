@@ -1,5 +1,7 @@
 """dev/loop_gpu (issue 51 item 6): each part fits a 9-minute call by the plan, and the whole comparison runs end to end
-on a CPU at toy size, writing bpb by supervision step, tokens/s and bpb by training step for every model."""
+on a CPU at toy size, writing bpb by supervision step, tokens/s and bpb by training step for every model. Part c
+(issue 57 item 8) fits a 5-minute call by its plan from the H200's measured speeds, and runs its three models at once
+at toy size."""
 
 import os
 import subprocess
@@ -37,3 +39,46 @@ def test_the_comparison_runs_at_toy_size_and_reports_every_model(base_dir, tmp_p
         assert f"| {name} |" in text
     assert text.count(" 3:") == len(loop_gpu.CONFIGS)  # each model's bpb at its last step (3 steps of 64 tokens)
     assert "n_sup=16" in open(os.path.join(out, "compare.md")).read()  # the recursion evaluated to 4N
+
+
+def test_part_c_fits_a_5_minute_call_at_4e7_tokens_by_the_h200s_measured_speeds(capsys):
+    rows, total = loop_gpu.plan_c("4e7")
+    assert sorted(name for name, *_ in rows) == sorted(loop_gpu.PARTS["c"]) == ["holding", "loopnc", "plain24"]
+    assert total <= loop_gpu.PART_C["call_s"] == 300
+    by_name = {name: (ready, train, done) for name, ready, train, done in rows}
+    # training alone at the measured tokens/s: 4e7 tokens at 613k (holding) and 530k (plain24) tokens/s
+    assert 65 < by_name["holding"][1] < 80 and 75 < by_name["plain24"][1] < 90
+    # the GPU trains one model at a time: nothing finishes before its compile and its training are both done
+    assert all(done >= ready + train - 1e-9 for ready, train, done in by_name.values())
+    assert total == max(done for _, _, done in by_name.values())
+    # and sequentially (every start, compile and training one after another) it would not fit: why the three run at once
+    c = loop_gpu.PART_C
+    assert c["prepare_s"] + sum(ready - c["prepare_s"] + train for ready, train, _ in by_name.values()) > 300
+    loop_gpu.main(["plan", "c", "--tokens", "4e7"])
+    out = capsys.readouterr().out
+    assert "part c: ~" in out and "of a 300 s call" in out and all(f"{name} " in out for name in by_name)
+
+
+def test_part_c_runs_its_models_at_once_at_toy_size(base_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    out = str(tmp_path / "out")
+    toy = ["--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=64",
+           "--compile=false", "--dtype=float32", "--device_type=cpu"]
+    started, real_popen = [], subprocess.Popen
+
+    def popen(cmd, **kwargs):  # the children get a hard timeout: a hang fails the test instead of stalling it
+        started.append(cmd)
+        return real_popen(["timeout", "300", *cmd], **kwargs)
+
+    monkeypatch.setattr(loop_gpu.subprocess, "Popen", popen)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    loop_gpu.main(["run", "c", "--tokens", "128", "--batch_tokens", "64", "--out", out, "--", *toy])
+    assert len(started) == 3
+    assert sorted(next(a for a in cmd if a.startswith("--only=")) for cmd in started) == [
+        "--only=holding", "--only=loopnc", "--only=plain24"]
+    text = open(os.path.join(out, "table.md")).read()
+    for name in loop_gpu.PARTS["c"]:
+        assert f"| {name} |" in text and os.path.exists(os.path.join(out, name, "compare.md"))
+    assert text.count(" 2:") == 3  # each model's bpb at its last step (2 steps of 64 tokens)
+    assert "tokens/s are shares of it" in text
+    assert "--eval_tokens=262144" in started[0]  # the trimmed evaluation (the toy's own flags come after and win)

@@ -8,17 +8,20 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.depth import deepest_train_depth
 from nanochat.train.memory import estimate_memory, fit_micro_batch, usable_bytes
 from nanochat.train.optim import clipped_step, reduce_gradients, setup_optimizers
 
 # a fixed depth (training_steps trains n_sup_train steps, the estimate plans for the deepest a sampler can draw)
 SMALL = GPTConfig(sequence_len=64, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=128, n_loops=2,
-                  n_sup_train=2, sample_n_sup=False)
+                  n_sup_train=2, sample_n_sup=False, detach_between_steps=True, backprop_steps=1)
+HOLDING = SMALL.replace(sample_n_sup="lognormal_poisson", backprop_steps=4, state_update="trm")
 
 
 def training_steps(config, batch, dtype, head_chunks=None):
-    """Two optimizer steps as base_train runs them; gradients kept between steps so the second step's backward
-    holds parameters, gradients, optimizer state and activations at once (the steady state of accumulation)."""
+    """Two optimizer steps as base_train runs them, at the deepest step count the config can draw (what the estimate
+    plans for); gradients kept between steps so the second step's backward holds parameters, gradients, optimizer
+    state and activations at once (the steady state of accumulation)."""
     torch.manual_seed(0)
     model = GPT(config)
     model.init_weights()
@@ -27,7 +30,7 @@ def training_steps(config, batch, dtype, head_chunks=None):
     idx = torch.randint(0, config.vocab_size, (batch, config.sequence_len))
     for _ in range(2):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-            model.forward_backward(idx, idx)
+            model.forward_backward(idx, idx, n_sup=deepest_train_depth(config))
         clipped_step(optimizers, reduce_gradients(optimizers).sqrt().item(), 1.0)  # base_train's update
 
 
@@ -60,8 +63,13 @@ def measured_peak(config, batch, dtype, tmp_path, head_chunks=None):
     (SMALL.replace(state_update="decay"), 4, "bfloat16"),
     (SMALL.replace(n_loops=1, n_prelude=2, n_coda=2), 4, "float32"),
     (SMALL.replace(sequence_len=256, n_embd=256, state_dtype="bfloat16"), 4, "bfloat16"),  # a bf16 recursion state
+    # issue 57's recipe: log-normal draws up to 4 x 2 steps, gradients through 4 steps (4 steps' graphs alive), with
+    # and without every layer visit recomputed in backward
+    (HOLDING, 4, "float32"),
+    (HOLDING.replace(activation_checkpointing=True), 4, "float32"),
+    (HOLDING.replace(activation_checkpointing=True, sequence_len=256), 4, "bfloat16"),
 ], ids=["fp32", "bf16", "detach", "checkpointing", "large-vocab", "plain-swiglu-gqa", "vocab-8k-4-steps", "trm",
-        "decay-bf16", "prelude-coda", "bf16-state"])
+        "decay-bf16", "prelude-coda", "bf16-state", "holding", "holding-recompute", "holding-recompute-bf16"])
 def test_estimate_within_25_percent_of_measured_peak(config, batch, dtype, tmp_path):
     estimate = estimate_memory(config, batch, dtype)["total"]
     measured = measured_peak(config, batch, dtype, tmp_path)
@@ -137,25 +145,38 @@ def test_the_parts_move_the_way_the_model_does():
     assert sharded["optimizer"] < plain["optimizer"] / 6 and sharded["grads"] == plain["grads"]
 
 
-def test_fit_keeps_effective_batch_and_prefers_a_smaller_batch_to_recompute():
-    from nanochat.train.memory import MIN_TOKENS_PER_MICRO_BATCH
+def test_fit_keeps_effective_batch_and_weighs_more_accumulation_against_recompute_by_time():
+    from nanochat.train import memory
     d12 = GPTConfig(detach_between_steps=False, sample_n_sup=False)  # all 4 steps' graphs alive: the most memory
-    memory = 80e9
-    fits = lambda c, n: estimate_memory(c, n)["total"] <= usable_bytes(memory)
+    mem = 80e9
+    fits = lambda c, n: estimate_memory(c, n)["total"] <= usable_bytes(mem)  # noqa: E731
     assert not fits(d12, 32)
-    # the guides' d12 batch of 32 x 2048 does not fit: a smaller device batch of >= 8k tokens does, without recompute
-    b, checkpointing = fit_micro_batch(d12, 64, 32, memory)
-    assert not checkpointing and 64 % b == 0 and b * d12.sequence_len >= MIN_TOKENS_PER_MICRO_BATCH
-    assert fits(d12, b) and not any(fits(d12, n) for n in range(b + 1, 33) if 64 % n == 0)
-    # a batch that fits as it is stays; checkpointing is only turned on when needed
-    assert fit_micro_batch(d12.replace(sequence_len=64), 64, 32, memory) == (32, False)
-    # when no batch of 8k tokens fits, checkpointing comes on, with the largest batch that then fits
+    # the guides' d12 batch of 32 x 2048 does not fit: the largest batch that does (4 rows, 8,192-token micro-batches
+    # at 81% of a large one's rate) is planned faster than recomputing every layer visit at 32 rows (+29% FLOPs)
+    choice = memory.choose_micro_batch(d12, 64, 32, mem)
+    b, other = choice.chosen, choice.other
+    assert (b.batch, b.checkpointing, other.checkpointing) == (4, False, True) and 64 % b.batch == 0
+    assert fits(d12, b.batch) and not any(fits(d12, n) for n in range(b.batch + 1, 33) if 64 % n == 0)
+    assert other.batch == 32 and fits(d12.replace(activation_checkpointing=True), 32)
+    share = memory.recompute_share(d12)
+    assert 0.25 < share < 1 / 3  # one more forward of the trunk; the heads are not recomputed
+    assert b.time == pytest.approx(1 / memory.micro_batch_efficiency(4 * 2048)) and b.time < other.time
+    assert other.time == pytest.approx((1 + share) / memory.micro_batch_efficiency(32 * 2048))
+    assert fit_micro_batch(d12, 64, 32, mem) == (4, False)
+    # were small micro-batches 10x as costly, recomputation would win the same plan
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(memory, "MICRO_BATCH_OVERHEAD_TOKENS", 10 * memory.MICRO_BATCH_OVERHEAD_TOKENS)
+        assert fit_micro_batch(d12, 64, 32, mem) == (32, True)
+    # a batch that fits as it is stays; recomputation never beats it
+    assert fit_micro_batch(d12.replace(sequence_len=64), 64, 32, mem) == (32, False)
+    # a model whose only batches without recompute are 1 or 2 rows recomputes at a larger one
     deep = d12.replace(n_layer=24, n_embd=1536, n_head=12, n_kv_head=12)
-    b, checkpointing = fit_micro_batch(deep, 64, 32, memory)
+    b, checkpointing = fit_micro_batch(deep, 64, 32, mem)
     assert checkpointing and fits(deep.replace(activation_checkpointing=True), b)
-    assert not any(fits(deep, n) for n in range(1, 33) if n * 2048 >= MIN_TOKENS_PER_MICRO_BATCH)
-    # without permission to checkpoint, the batch shrinks further
-    assert fit_micro_batch(deep, 64, 32, memory, allow_checkpointing=False)[0] < b
+    assert max(n for n in range(1, 33) if 64 % n == 0 and fits(deep, n)) <= 2
+    # without permission to checkpoint, the batch shrinks further; a config that asks for it keeps it
+    assert fit_micro_batch(deep, 64, 32, mem, allow_checkpointing=False)[0] < b
+    assert fit_micro_batch(d12.replace(activation_checkpointing=True, sequence_len=64), 64, 32, mem) == (32, True)
     # nothing fits in 1 GB
     assert fit_micro_batch(d12, 64, 32, 1e9) is None
 

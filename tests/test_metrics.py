@@ -287,8 +287,22 @@ def test_git_commit_is_unknown_outside_a_checkout(monkeypatch):
     assert metrics.git_commit() == "unknown"
 
 
-def test_a_summary_without_steps_or_evaluations_is_valid_json():
-    model = Namespace(num_params=lambda: 10, estimate_flops=lambda: 60)
+def test_a_summary_without_steps_or_evaluations_is_valid_json(monkeypatch):
+    monkeypatch.setattr(metrics, "estimate_flops", lambda model, n_sup=None: 60)
+    model = Namespace(num_params=lambda: 10)
     s = metrics.summarize({"train": [], "eval": [], "sample": []}, "t", 0, float("nan"), 0, model, "abc")
     text = json.dumps(s, allow_nan=False)
     assert json.loads(text)["grad_norm_median_last"] is None and json.loads(text)["wall_time_s"] is None
+
+
+def test_the_summarys_flops_per_token_are_the_mean_of_the_steps_drawn():
+    # a run of drawn step counts (1 and 3 supervision steps here) spent the FLOPs of what it drew, not n_sup_train's
+    from nanochat.model.gpt import GPT
+    from nanochat.train.flops import estimate_flops
+    from tests.support.helpers import tiny_config
+    model = GPT(tiny_config(n_loops=1, n_sup_train=4, sample_n_sup="uniform"))
+    train = [{"step": 1, "step_losses": [2.0], "grad_norm": 1.0}, {"step": 2, "step_losses": [2.0, 1.9, 1.8],
+                                                                   "grad_norm": 1.0}]
+    s = metrics.summarize({"train": train, "eval": [], "sample": []}, "t", 2, 1.0, 0, model, "abc")
+    assert s["flops_per_token"] == (estimate_flops(model, n_sup=1) + estimate_flops(model, n_sup=3)) / 2
+    assert s["flops_per_token"] < estimate_flops(model)  # 2 steps on average, of 4

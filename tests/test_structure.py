@@ -161,3 +161,14 @@ def test_the_floor_check_finds_an_import_that_runs_back_up():
                                    ("nanochat/eval/metrics.py", "nanochat.checkpoint.manager"),
                                    ("nanochat/checkpoint/resume.py", "nanochat.eval.loss_eval"),
                                    ("nanochat/files.py", "nanochat.data.tokenizer")]
+
+
+# The model file reads in one sitting, as nanochat's does: samplers, compile scopes and accounting live where their
+# callers are (train/depth.py, train/compile.py, train/flops.py). It held at 625 lines, and grew back to 742.
+MODEL_FILE_LINES = 650
+
+
+def test_the_model_file_stays_the_model_alone():
+    with open(os.path.join(ROOT, "nanochat", "model", "gpt.py"), encoding="utf-8") as f:
+        lines = len(f.read().splitlines())
+    assert lines <= MODEL_FILE_LINES, f"nanochat/model/gpt.py has {lines} lines, at most {MODEL_FILE_LINES}"

@@ -13,6 +13,7 @@ import torch
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.train import config as train_config
 from nanochat.train import memory, planning
+from nanochat.train.flops import estimate_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_80GB = ["--device_type=cuda", "--device_memory_gb=80", "--dry_run"]  # a plan for a GPU this machine lacks
@@ -185,7 +186,7 @@ def test_the_plan_states_the_evaluations_share_of_the_run():
     assert planning.evaluations(run_config.eval_every, 1001) == 6  # ... and the end
     with torch.device("meta"):
         model = GPT(GPTConfig(**{**run_config.model_config, "vocab_size": 256}))
-    forward, train = model.estimate_flops(backward=False), model.estimate_flops()
+    forward, train = estimate_flops(model, backward=False), estimate_flops(model)
     line = planning.evaluation_line(run_config, model, 1000, train * run_config.total_batch_size)
     share = 5 * 5242880 * forward / (5 * 5242880 * forward + 1000 * train * run_config.total_batch_size)
     assert line.startswith("evaluation   5 evals x 5,242,880 tokens") and f"{share:.1%} of the run's compute" in line
@@ -262,3 +263,26 @@ def test_a_resumed_run_keeps_the_recipe_it_was_trained_with_whatever_the_default
     assert len(asked) == 2
     assert (run.model_config["sample_n_sup"], run.model_config["backprop_steps"], run.n_sup_warmup) == \
         ("lognormal_poisson", 4, 0.5)
+
+
+def test_the_plan_prints_its_recompute_or_accumulate_choice_and_why(monkeypatch):
+    # issue 57's recipe keeps 4 supervision steps' activations alive: on 80 GB the batch of 32 does not fit as it is;
+    # the plan times 4 rows with more accumulation against recomputing every layer visit at 32, and says so
+    recipe = ["--depth=12", "--sample_n_sup=lognormal_poisson", "--backprop_steps=4", "--n_sup_warmup=0.5",
+              "--total_batch_size=524288", *GPU_80GB]
+    run_config = parse(recipe)
+    note = next(n for n in run_config.batch_notes if n.startswith("device batch"))
+    assert (run_config.device_batch_size, run_config.grad_accum) == (4, 8)
+    assert not run_config.model_config["activation_checkpointing"]
+    assert "accumulate: batch 4 with more accumulation (8,192-token micro-batches at 81%" in note
+    assert "against activation checkpointing at batch 32 (+29% FLOPs recomputed" in note and "1.23x" in note
+    # were small micro-batches far costlier, the same plan recomputes at the larger batch, and says that instead
+    monkeypatch.setattr(memory, "MICRO_BATCH_OVERHEAD_TOKENS", 20000)
+    slow = parse(recipe)
+    assert (slow.device_batch_size, slow.model_config["activation_checkpointing"]) == (32, True)
+    assert slow.config_sources["activation_checkpointing"] == "turned on: faster than more accumulation (the plan)"
+    assert "recompute: activation checkpointing at batch 32" in "\n".join(slow.batch_notes)
+    time = next(line for line in planning.plan_lines(parse([*recipe, "--peak_tflops=989"])) if line.startswith("time"))
+    assert "+29% FLOPs recomputed (activation checkpointing)" in time
+    # --activation_checkpointing given (either way) is the user's: the plan does not weigh it
+    assert not parse([*recipe, "--activation_checkpointing=false"]).model_config["activation_checkpointing"]

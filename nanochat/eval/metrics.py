@@ -24,6 +24,7 @@ from nanochat.common import print0
 from nanochat.eval.health import LossSmoother, smooth
 from nanochat.eval.loss_eval import format_steps, refinement, step_name
 from nanochat.files import WriteError, atomic_write_bytes, remove_stale_temporaries, writing
+from nanochat.train.flops import estimate_flops
 
 GPU_READ_EVERY_S = 10.0  # NVML readings (3 calls per GPU) at most this often: a step's log line needs no fresher ones
 COMPILE_STEPS = 10  # the first steps of a process compile and warm up: left out of the mean step time
@@ -302,8 +303,16 @@ def summarize(records, model_tag, step, seconds, price_per_hour, model, tokenize
         "grad_norm_median_last": statistics.median(grad_norms[-max(1, len(grad_norms) // 10):]) if train else None,
         "grad_norm_max": max(grad_norms, default=None),
         "wall_time_s": seconds, "cost": seconds / 3600 * price_per_hour if price_per_hour else None,
-        "parameters": model.num_params(), "flops_per_token": model.estimate_flops(),
+        "parameters": model.num_params(), "flops_per_token": trained_flops_per_token(model, train),
         "tokenizer": tokenizer_fingerprint, "git_commit": git_commit()})
+
+
+def trained_flops_per_token(model, train):
+    """Training FLOPs per token of the steps the run trained, on average: each step's supervision steps as drawn (the
+    length of its step_losses); the model's nominal step when none is recorded."""
+    if not train:
+        return estimate_flops(model)
+    return statistics.fmean(estimate_flops(model, n_sup=len(r["step_losses"])) for r in train)
 
 
 def write_summary(run_dir, run_config, step, seconds, price_per_hour, model, tokenizer_fingerprint):

@@ -621,39 +621,5 @@ class GPT(nn.Module):
             previous = y
         return torch.stack(rows)
 
-    # ---------------------------------------------------------------- accounting
-    def block_params(self):
-        """Weights of one block's matrices (the per-channel decays of state_update="decay" cost no matmul)."""
-        return sum(p.numel() for p in self.transformer.h[0].parameters() if p.ndim == 2)
-
-    def estimate_flops(self, n_sup=None, backward=True):
-        """FLOPs per token of one training step (backward=True) or one inference forward (backward=False).
-
-        Counts every block application (with and without gradient, every loop, sweep and supervision step) at
-        2 FLOPs per weight forward and 4 backward, plus attention (nanochat's 12*h*q*t per layer, full context),
-        plus the lm_head of every supervision step, plus the halting head (if any) of every step. The prelude runs
-        once; the coda runs once at inference (on the last step's answer) but at every step in training, whose loss
-        reads every step's logits.
-        Activation-checkpoint recomputation is not counted: MFU reports model FLOPs, so turning recomputation on
-        shows up honestly as lower MFU.
-        """
-        c = self.config
-        n_sup = n_sup or (c.n_sup_train if backward else c.n_sup_inference)
-        head_dim = c.n_embd // c.n_head
-        applications = c.n_layer * (c.n_loops + 1)
-        forward_app = 2 * self.block_params() + 4 * c.n_head * head_dim * c.sequence_len
-        grad_mult = 3 if backward else 1
-        grad_sweeps, nograd_sweeps = (1, c.T_recursion - 1)
-        per_step = applications * forward_app * (grad_mult * grad_sweeps + nograd_sweeps)
-        per_step += grad_mult * 2 * self.lm_head.weight.numel()
-        if c.halt_head:  # training it costs per-token losses (one more lm_head forward) and, on a detached y, its
-            # weight gradients only; counted at every step although the last step has no next one to learn from
-            halt = 2 * self.halt_head.weight.numel()
-            per_step += 2 * self.lm_head.weight.numel() + 2 * halt if backward else halt
-        coda = c.n_coda * forward_app
-        if backward:
-            per_step += grad_mult * coda + (coda if c.halt_head else 0)  # + the per-token losses' coda forward
-        return n_sup * per_step + grad_mult * c.n_prelude * forward_app + (0 if backward else coda)
-
     def num_params(self):
         return sum(p.numel() for p in self.parameters())

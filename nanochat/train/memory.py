@@ -30,12 +30,14 @@ this errs on the safe side.
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
 from nanochat.model.gpt import GPT, GPTConfig, mlp_hidden
 from nanochat.model.supervision import default_head_rows, rows_per_chunk
 from nanochat.train.depth import deepest_train_depth
+from nanochat.train.flops import estimate_flops, recompute_flops
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Of a GPU's memory, how much a training process can count on: the rest goes to the CUDA context, NCCL buffers,
@@ -223,35 +225,80 @@ def usable_bytes(total_bytes):
     return int(USABLE_FRACTION * total_bytes)
 
 
-# Below this many tokens per micro-batch a GPU's matmuls get too small to keep it busy; above it, a smaller device
-# batch with more accumulation costs nothing, while activation checkpointing recomputes about a third of the work.
-MIN_TOKENS_PER_MICRO_BATCH = 8192
+# Small micro-batches run below a large one's FLOP rate (kernel launches and host work per micro-batch, smaller
+# matmuls): a micro-batch of n tokens is planned at n / (n + MICRO_BATCH_OVERHEAD_TOKENS) of the rate of an unbounded
+# one. Fit to the default TRM at depth 12 (width 768, 2048-token rows) on one GPU: 41.9% MFU at 16 rows on an H100
+# (dev/LOG.md, issue 40), 47.5% at 32 rows on an H200 (2026-11-27), the H200's 1.10x over the H100 taken from the
+# plain model measured on both at 32 rows (40.2%, 44.3%): halving the micro-batch from 32 rows to 16 cost 3%, a fixed
+# cost worth ~1,900 tokens a micro-batch. dev/gpu_gap.py's trm_holding variants measure it at the planner's batch.
+MICRO_BATCH_OVERHEAD_TOKENS = 1900
+
+
+def micro_batch_efficiency(tokens):
+    """The planned share of a large micro-batch's FLOP rate that a micro-batch of `tokens` tokens reaches."""
+    return tokens / (tokens + MICRO_BATCH_OVERHEAD_TOKENS)
+
+
+class MicroBatch(NamedTuple):
+    """A device batch that fits, and its planned time per token relative to the same FLOPs without recomputation in
+    unbounded micro-batches: (1 + recomputed share) / micro_batch_efficiency."""
+    batch: int
+    checkpointing: bool
+    time: float
+
+
+class MicroBatchChoice(NamedTuple):
+    chosen: MicroBatch
+    other: MicroBatch | None  # the best batch of the other kind (recompute or not), None where none fits or allowed
+
+
+@functools.lru_cache(maxsize=64)
+def _recompute_share(fields):
+    with torch.device("meta"):  # shapes only
+        model = GPT(GPTConfig(**dict(fields)))
+    return recompute_flops(model) / estimate_flops(model)
+
+
+def recompute_share(config):
+    """The FLOPs activation checkpointing adds to a training step, as a share of the step's model FLOPs: one more
+    forward of every layer visit with gradient, about a third for the recursion (flops.recompute_flops)."""
+    return _recompute_share(tuple(sorted(config.replace(activation_checkpointing=False).to_dict().items())))
+
+
+def choose_micro_batch(config, sequences_per_rank, max_batch, memory_bytes, dtype="bfloat16", world_size=1,
+                       allow_checkpointing=True, ema=False, sharding="ddp"):
+    """The device batch (and activation checkpointing) that fits memory_bytes and trains fastest by the planned time:
+    the largest batch that fits as it is (more accumulation when it is small) against, when allowed, the largest
+    that fits with every layer visit recomputed in backward; a MicroBatchChoice, None when not even one sequence fits.
+
+    Only max_batch and batches that divide sequences_per_rank are considered, so gradient accumulation keeps the
+    effective batch exactly. A config that asks for checkpointing keeps it. On equal time, no recomputation.
+    """
+    budget = usable_bytes(memory_bytes)
+    fits = lambda cfg, b: estimate_memory(cfg, b, dtype, world_size, ema, sharding)["total"] <= budget  # noqa: E731
+    batches = [max_batch] + [b for b in range(min(max_batch, sequences_per_rank), 0, -1)
+                             if sequences_per_rank % b == 0 and b != max_batch]
+    kinds = [True] if config.activation_checkpointing else [False] + ([True] if allow_checkpointing else [])
+    share = recompute_share(config)
+    found = []
+    for checkpointing in kinds:
+        cfg = config.replace(activation_checkpointing=checkpointing)
+        b = next((b for b in batches if fits(cfg, b)), None)
+        if b is not None:
+            time = (1 + share * checkpointing) / micro_batch_efficiency(b * config.sequence_len)
+            found.append(MicroBatch(b, checkpointing, time))
+    if not found:
+        return None
+    found.sort(key=lambda m: (m.time, m.checkpointing))
+    return MicroBatchChoice(found[0], found[1] if len(found) > 1 else None)
 
 
 def fit_micro_batch(config, sequences_per_rank, max_batch, memory_bytes, dtype="bfloat16", world_size=1,
                     allow_checkpointing=True, ema=False, sharding="ddp"):
-    """Pick (device_batch_size, activation_checkpointing) so that one micro-batch fits in memory_bytes.
-
-    Only device batches that divide sequences_per_rank are considered, so gradient accumulation keeps the effective
-    batch exactly. In order: max_batch as it is; the largest smaller batch of at least MIN_TOKENS_PER_MICRO_BATCH
-    tokens without recompute; with activation checkpointing (when allowed), the largest batch that fits; without
-    it, any batch that fits. Returns None when not even one sequence fits.
-    """
-    budget = usable_bytes(memory_bytes)
-    fits = lambda cfg, b: estimate_memory(cfg, b, dtype, world_size, ema, sharding)["total"] <= budget
-    batches = [b for b in range(min(max_batch, sequences_per_rank), 0, -1) if sequences_per_rank % b == 0]
-    if fits(config, max_batch):
-        return max_batch, config.activation_checkpointing
-    big_enough = [b for b in batches if b * config.sequence_len >= MIN_TOKENS_PER_MICRO_BATCH]
-    for b in big_enough:
-        if fits(config, b):
-            return b, config.activation_checkpointing
-    if allow_checkpointing and not config.activation_checkpointing:
-        config = config.replace(activation_checkpointing=True)
-    for b in batches:
-        if fits(config, b):
-            return b, config.activation_checkpointing
-    return None
+    """(device_batch_size, activation_checkpointing) of choose_micro_batch; None when not even one sequence fits."""
+    choice = choose_micro_batch(config, sequences_per_rank, max_batch, memory_bytes, dtype, world_size,
+                                allow_checkpointing, ema, sharding)
+    return None if choice is None else (choice.chosen.batch, choice.chosen.checkpointing)
 
 
 def head_chunks_that_fit(config, device_batch_size, memory_bytes, dtype="bfloat16", world_size=1, ema=False,

@@ -19,6 +19,7 @@ from nanochat.common import gpu_peak_flops
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.model.supervision import default_head_rows
 from nanochat.train import memory
+from nanochat.train.flops import estimate_flops, planned_depth, run_flops_per_token
 from nanochat.train.probe import build as build_probe
 
 # Model flags that map one-to-one onto GPTConfig fields; None means "not given on the command line".
@@ -34,6 +35,12 @@ REFERENCE_DEPTH = 12
 MAX_DEVICE_BATCH = 32  # the largest automatic micro-batch (nanochat's default device batch)
 QUIET_ACCUMULATION = 64  # more micro-batches per step than this gets a warning: a small model made to crawl
 PLANNER_MFU = 0.40  # model FLOPs utilisation a compiled bf16 run of this size reaches; stated in every plan
+# ... in micro-batches of this many tokens (the TRM at depth 12 measured 41.9% at 16 x 2048 on an H100): a plan's
+# smaller micro-batches are slowed by memory.micro_batch_efficiency relative to it
+PLANNER_MFU_TOKENS = 16 * 2048
+# Draws a plan averages for the mean supervision steps when the run's length is not known yet (a --target_flops
+# horizon): the curriculum is a fraction of the run, so the mean hardly depends on its length
+PLAN_DRAWS = 1000
 # Per-GPU collective bandwidths the plan prices communication at (bytes/s): PCIe-class and NVLink-class nodes
 LINK_BANDWIDTHS = {"PCIe": 25e9, "NVLink": 300e9}
 # auto starts averaging at 300 steps: at CPU scale the average hurt every 128-step run and helped every run of 337 to
@@ -100,7 +107,8 @@ def plan_batch(run_config):
     notes, lr_scale = [run_config.sharding_note], 1.0
     if total is None and accum is None:
         total, horizon, reference = optimal_batch(run_config.model_config, run_config.plan_vocab_size,
-                                                  run_config.target_flops, run_config.target_param_data_ratio)
+                                                  run_config.target_flops, run_config.target_param_data_ratio,
+                                                  run_config.n_sup_warmup)
         # a whole number of micro-batches (sequences) per process
         micro = (run_config.device_batch_size or 1) * T * world
         total = max(1, round(total / micro)) * micro
@@ -112,7 +120,8 @@ def plan_batch(run_config):
     device_batch = run_config.device_batch_size
     if device_batch is None:
         per_rank = total // (T * world) if total is not None and total % (T * world) == 0 else MAX_DEVICE_BATCH
-        device_batch, why, run_config = fit_device_batch(run_config, per_rank, memory_at=memory_at)
+        device_batch, why, run_config = fit_device_batch(run_config, per_rank, memory_at=memory_at,
+                                                         allow_checkpointing=may_recompute(run_config))
         if device_batch is None:
             raise PlanError(why)
         notes.append(why)
@@ -185,48 +194,97 @@ def sharding_reason(run_config, memory_at):
                                                        "forces)"))
 
 
-def optimal_batch(model_config, vocab_size, target_flops, target_param_data_ratio):
+def optimal_batch(model_config, vocab_size, target_flops, target_param_data_ratio, n_sup_warmup=0.0):
     """(tokens per step, the run's horizon in tokens, the reference horizon): B_REF x (D / D_REF)^BATCH_EXPONENT
-    rounded to a power of 2, D from --target_flops or the data ratio (as the horizon rule, iterations aside). The
-    reference is the run's model (model_config: GPTConfig fields) at depth REFERENCE_DEPTH with its shape derived."""
+    rounded to a power of 2, D from --target_flops (at the mean supervision steps drawn) or the data ratio (as the
+    horizon rule, iterations aside). The reference is the run's model (model_config: GPTConfig fields) at depth
+    REFERENCE_DEPTH with its shape derived."""
     model = meta_model(GPTConfig(vocab_size=vocab_size, **model_config))
     reference_model = meta_model(GPTConfig(vocab_size=vocab_size,
                                            **{**model_config, **model_shape(REFERENCE_DEPTH)}))
     reference = target_param_data_ratio * reference_model.num_params()
     if target_flops:
-        horizon = target_flops / model.estimate_flops()
+        horizon = target_flops / run_flops_per_token(model, n_sup_warmup, PLAN_DRAWS)
     else:
         horizon = target_param_data_ratio * model.num_params()
     return 2 ** round(math.log2(B_REF * (horizon / reference) ** BATCH_EXPONENT)), horizon, reference
 
 
+def may_recompute(run_config):
+    """Whether the plan may turn activation checkpointing on: on GPUs (the time model is theirs), unless
+    --activation_checkpointing was given."""
+    return run_config.device_type == "cuda" and run_config.config_sources.get("activation_checkpointing") != "flag"
+
+
 def fit_device_batch(run_config, sequences_per_rank, max_batch=MAX_DEVICE_BATCH, allow_checkpointing=False,
                      memory_at=None):
-    """(the largest device batch up to max_batch that divides sequences_per_rank and fits the device's memory, why,
-    run_config); (None, what to do, run_config) when not even one sequence fits. Activation checkpointing, when
-    allowed and needed, is turned on in the returned run_config's model_config. The launcher fits its table's batch
-    with this function too. memory_at: (bytes per device, where the number comes from), default
-    device_memory(run_config); run_config's sharding must be settled for it (settle_sharding)."""
+    """(the device batch up to max_batch that divides sequences_per_rank, fits the device's memory and trains
+    fastest by the planned time (memory.choose_micro_batch), why, run_config); (None, what to do, run_config) when
+    not even one sequence fits. Activation checkpointing, when allowed and faster than more accumulation, is turned
+    on in the returned run_config's model_config. The launcher fits its table's batch with this function too.
+    memory_at: (bytes per device, where the number comes from), default device_memory(run_config); run_config's
+    sharding must be settled for it (settle_sharding)."""
     memory_bytes, where = memory_at or device_memory(run_config)
     config = model_config(run_config, run_config.plan_vocab_size)
-    fit = memory.fit_micro_batch(config, sequences_per_rank, min(max_batch, sequences_per_rank), memory_bytes,
-                                 run_config.dtype, run_config.world_size, allow_checkpointing=allow_checkpointing,
-                                 ema=keeps_ema(run_config.ema_decay, run_config.num_iterations),
-                                 sharding=run_config.sharding)
-    if fit is None:
+    choice = memory.choose_micro_batch(config, sequences_per_rank, min(max_batch, sequences_per_rank), memory_bytes,
+                                       run_config.dtype, run_config.world_size,
+                                       allow_checkpointing=allow_checkpointing,
+                                       ema=keeps_ema(run_config.ema_decay, run_config.num_iterations),
+                                       sharding=run_config.sharding)
+    if choice is None:
         return None, (f"not even one sequence of {run_config.max_seq_len} tokens fits in {memory_bytes / 1e9:.0f} GB "
                       f"per device ({where}; estimate): turn on --activation_checkpointing, or lower --max_seq_len or "
                       f"--depth"), run_config
-    batch, checkpointing = fit
+    batch, checkpointing = choice.chosen.batch, choice.chosen.checkpointing
     if checkpointing and not config.activation_checkpointing:
         run_config = dataclasses.replace(
             run_config, model_config={**run_config.model_config, "activation_checkpointing": True},
-            config_sources={**run_config.config_sources, "activation_checkpointing": "turned on to fit memory"})
+            config_sources={**run_config.config_sources,
+                            "activation_checkpointing": "turned on: faster than more accumulation (the plan)"})
     need = memory_need(run_config, batch)
-    return batch, (f"device batch {batch}: the largest of at most {max_batch} that divides the {sequences_per_rank} "
-                   f"sequences per process and fits ~{need / 1e9:.1f} GB in "
-                   f"{memory.usable_bytes(memory_bytes) / 1e9:.0f} GB usable of {memory_bytes / 1e9:.0f} GB "
-                   f"({where})"), run_config
+    return batch, (f"device batch {batch}{' with activation checkpointing' if checkpointing else ''}: the largest "
+                   f"of at most {max_batch} that divides the {sequences_per_rank} sequences per process and fits "
+                   f"~{need / 1e9:.1f} GB in {memory.usable_bytes(memory_bytes) / 1e9:.0f} GB usable of "
+                   f"{memory_bytes / 1e9:.0f} GB ({where})" + recompute_or_accumulate(choice, config)), run_config
+
+
+def describe_micro_batch(m, config):
+    tokens = m.batch * config.sequence_len
+    what = (f"activation checkpointing at batch {m.batch} (+{memory.recompute_share(config):.0%} FLOPs recomputed, "
+            if m.checkpointing else f"batch {m.batch} with more accumulation (")
+    return (f"{what}{tokens:,}-token micro-batches at {memory.micro_batch_efficiency(tokens):.0%} of a large one's "
+            f"rate): {m.time:.2f}x")
+
+
+def recompute_or_accumulate(choice, config):
+    """The plan's words on the choice between more accumulation and recomputation, when both were weighed: each one's
+    planned time, relative to the same FLOPs in large micro-batches without recomputation."""
+    if choice.other is None:
+        return ""
+    chosen = describe_micro_batch(choice.chosen, config)
+    return (f"; {'recompute' if choice.chosen.checkpointing else 'accumulate'}: {chosen}, against "
+            f"{describe_micro_batch(choice.other, config)} the time of the same FLOPs in large micro-batches "
+            f"(memory.MICRO_BATCH_OVERHEAD_TOKENS)")
+
+
+def step_seconds(run_config, model, peak, iterations):
+    """Planned seconds of one optimizer step: the run's mean training FLOPs (the supervision steps drawn, on average,
+    flops.run_flops_per_token), plus what activation checkpointing recomputes, at PLANNER_MFU of the world's peak,
+    slowed (or sped) by the micro-batch's efficiency relative to PLANNER_MFU_TOKENS' (memory.micro_batch_efficiency)."""
+    config = model.config
+    flops = run_flops_per_token(model, run_config.n_sup_warmup, iterations) * run_config.total_batch_size
+    if config.activation_checkpointing:
+        flops *= 1 + memory.recompute_share(config)
+    return flops / (run_config.world_size * peak * PLANNER_MFU) * micro_batch_slowdown(run_config)
+
+
+def micro_batch_slowdown(run_config):
+    """How much slower than at PLANNER_MFU_TOKENS a GPU runs the plan's micro-batch (memory.micro_batch_efficiency,
+    a GPU's: 1 elsewhere)."""
+    if run_config.device_type != "cuda":
+        return 1.0
+    tokens = run_config.device_batch_size * run_config.max_seq_len
+    return memory.micro_batch_efficiency(PLANNER_MFU_TOKENS) / memory.micro_batch_efficiency(tokens)
 
 
 def memory_need(run_config, batch, sharding=None, config=None):
@@ -295,7 +353,9 @@ def plan_lines(run_config):
     iterations, source = num_iterations_for(run_config, model)
     memory_bytes, where = device_memory(run_config)
     need = memory_need(run_config, run_config.device_batch_size, config=config)
-    flops_per_step = model.estimate_flops() * run_config.total_batch_size
+    depth = planned_depth(config, run_config.n_sup_warmup, iterations)
+    flops_per_token = estimate_flops(model, n_sup=depth)
+    flops_per_step = flops_per_token * run_config.total_batch_size
     lines = [f"processes    {run_config.world_size} x {run_config.device_type}, {run_config.dtype}, compile "
              f"{run_config.compile}" + (f" (scope {run_config.compile_scope})" if run_config.compile else ""),
              f"model        depth {config.n_layer}, width {config.n_embd}, n_loops {config.n_loops}, "
@@ -307,21 +367,42 @@ def plan_lines(run_config):
              f"memory       ~{need / 1e9:.1f} GB per device (nanochat/train/memory.py) of "
              f"{memory.usable_bytes(memory_bytes) / 1e9:.0f} GB usable ({memory_bytes / 1e9:.0f} GB, {where})"
              + ("" if need <= memory.usable_bytes(memory_bytes) else "  -> predicted OUT OF MEMORY"),
-             f"compute      {model.estimate_flops():.3e} FLOPs per token x {run_config.total_batch_size:,} tokens = "
-             f"{flops_per_step:.3e} FLOPs per step; {iterations} steps ({source})",
+             f"compute      {flops_per_token:.3e} FLOPs per token{drawn_note(config, depth)} x "
+             f"{run_config.total_batch_size:,} tokens = {flops_per_step:.3e} FLOPs per step; {iterations} steps "
+             f"({source})",
              evaluation_line(run_config, model, iterations, flops_per_step),
              *probe_lines(run_config, model, iterations)]
     peak = peak_flops(run_config.peak_tflops, run_config.device_type)
     if peak:
-        seconds = flops_per_step / (run_config.world_size * peak * PLANNER_MFU)
+        seconds = step_seconds(run_config, model, peak, iterations)
         cost = (f", ${seconds * iterations / 3600 * run_config.gpu_hourly_price * run_config.world_size:,.2f} at "
                 f"${run_config.gpu_hourly_price}/GPU-hour" if run_config.gpu_hourly_price else "")
-        lines.append(f"time         {peak / 1e12:,.0f} TFLOP/s per device at {PLANNER_MFU:.0%} MFU: {seconds:.2f} s "
-                     f"per step, {seconds * iterations / 3600:.2f} h for {iterations} steps{cost}")
+        lines.append(f"time         {peak / 1e12:,.0f} TFLOP/s per device at {PLANNER_MFU:.0%} MFU"
+                     f"{time_note(run_config, config)}: {seconds:.2f} s per step, {seconds * iterations / 3600:.2f} h "
+                     f"for {iterations} steps{cost}")
         lines += budget_lines(run_config.max_hours, run_config.total_batch_size, seconds, iterations)
     else:
         lines.append("time         unknown: no GPU in the peak-FLOPs table here; --peak_tflops gives one")
     return lines + sharding_lines(run_config, config, memory_bytes)
+
+
+def drawn_note(config, depth):
+    """What the plan's FLOPs count when a run draws its supervision steps: their mean, against n_sup_train."""
+    if depth == config.n_sup_train:
+        return ""
+    return (f" (the mean {depth:.2f} supervision steps drawn, of {config.n_sup_train} nominal: --sample_n_sup, "
+            f"--n_sup_warmup)")
+
+
+def time_note(run_config, config):
+    """What the plan's time adds to the FLOPs at PLANNER_MFU: recomputation, a micro-batch's efficiency."""
+    notes = [f"+{memory.recompute_share(config):.0%} FLOPs recomputed (activation checkpointing)"] \
+        if config.activation_checkpointing else []
+    slowdown = micro_batch_slowdown(run_config)
+    if abs(slowdown - 1) >= 0.005:
+        notes.append(f"{slowdown:.2f}x the time for micro-batches of "
+                     f"{run_config.device_batch_size * run_config.max_seq_len:,} tokens against {PLANNER_MFU_TOKENS:,}")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def evaluations(eval_every, iterations):
@@ -334,9 +415,9 @@ def evaluations(eval_every, iterations):
 def evaluation_line(run_config, model, iterations, flops_per_step):
     """The validation evals' share of the run's compute (forward only, every supervision step, compiled)."""
     n = evaluations(run_config.eval_every, iterations)
-    flops = n * run_config.eval_tokens * model.estimate_flops(backward=False)
+    flops = n * run_config.eval_tokens * estimate_flops(model, backward=False)
     share = flops / (flops + iterations * flops_per_step)
-    return (f"evaluation   {n} evals x {run_config.eval_tokens:,} tokens x {model.estimate_flops(backward=False):.3e} "
+    return (f"evaluation   {n} evals x {run_config.eval_tokens:,} tokens x {estimate_flops(model, backward=False):.3e} "
             f"FLOPs = {flops:.3e} FLOPs: {share:.1%} of the run's compute")
 
 
@@ -347,8 +428,9 @@ def probe_lines(run_config, model, iterations):
     probe = build_probe(run_config.probe, run_config.probe_share, run_config.seed, run_config.probe_docs)
     doc_chars = len(probe.eval_documents()[0])  # about one token a character: answers are, the rest merges less
     eval_flops = (evaluations(run_config.eval_every, iterations) * run_config.probe_docs * doc_chars
-                  * model.estimate_flops(backward=False))
-    train_flops = iterations * model.estimate_flops() * run_config.total_batch_size
+                  * estimate_flops(model, backward=False))
+    train_flops = iterations * run_config.total_batch_size * run_flops_per_token(model, run_config.n_sup_warmup,
+                                                                                  iterations)
     rows = min(1.0, run_config.probe_share * (run_config.max_seq_len + 1) / (doc_chars + 1))
     return [f"probe        {run_config.probe}: {run_config.probe_share:.0%} of the training tokens are hops documents, "
             f"one at the start of {rows:.0%} of the rows (that much less text), and {run_config.probe_docs} documents "
@@ -397,11 +479,22 @@ def budget_lines(max_hours, tokens_per_step, seconds_per_step, iterations):
 
 
 def num_iterations_for(run_config, model):
+    """(optimizer steps, where the number comes from): --num_iterations, or --target_flops over the training FLOPs of
+    a step (at the mean supervision steps the run draws: that mean depends on the run's length through the
+    curriculum, so the two are settled together), or the data ratio's tokens over the batch."""
     if run_config.num_iterations:
         return run_config.num_iterations, "--num_iterations"
-    flops_per_step = model.estimate_flops() * run_config.total_batch_size
     if run_config.target_flops:
-        return max(1, round(run_config.target_flops / flops_per_step)), f"--target_flops={run_config.target_flops:g}"
+        steps = lambda n: max(1, round(run_config.target_flops / (run_config.total_batch_size  # noqa: E731
+                                                                  * run_flops_per_token(model,
+                                                                                        run_config.n_sup_warmup, n))))
+        iterations = steps(PLAN_DRAWS)
+        for _ in range(5):  # a fixed point; the mean depth barely moves with the length, so it settles at once
+            settled = steps(iterations)
+            if settled == iterations:
+                break
+            iterations = settled
+        return iterations, f"--target_flops={run_config.target_flops:g}"
     tokens = run_config.target_param_data_ratio * model.num_params()
     return (max(1, round(tokens / run_config.total_batch_size)),
             f"--target_param_data_ratio={run_config.target_param_data_ratio:g}")
