@@ -250,6 +250,10 @@ def plan(args, vocab_size, world_size):
             raise Exit("compare: --mode=params needs at least one TRM config to match")
         matched = {}
         for trm in trms:
+            # match the FLOPs this run will spend: under the step-count curriculum its mean depends on its length
+            iterations = num_iterations_for(replace(trm.run_config, num_iterations=args.num_iterations,
+                                                    target_flops=None), trm.model)[0]
+            trm.flops_per_token = run_flops_per_token(trm.model, trm.run_config.n_sup_warmup, iterations)
             run = matched_plain(trm, vocab_size, world_size, args.match_by)
             matched.setdefault(run.name, run)
         runs += matched.values()
