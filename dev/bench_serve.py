@@ -414,7 +414,7 @@ def main(argv=None):
             base_dir, model_tag = get_base_dir(), args.model_tag
         api_key = secrets.token_urlsafe(24)
         with server(base_dir, model_tag, api_key, args) as (proc, base_url):
-            health = httpx.get(f"{base_url}/health").json()
+            health = httpx.get(f"{base_url}/health", headers={"Authorization": f"Bearer {api_key}"}).json()
             if args.heavy:
                 defects = Counter(heavy_run(base_url, api_key, health, args))
             else:

@@ -131,7 +131,9 @@ def through_server(args, items):
         raise Exit(f"chat_eval: {missing_package(e, '--server')}", code=ExitCode.USAGE)
     key = args.api_key or os.environ.get("NANOCHAT_API_KEY") or None
     try:
-        health = httpx.get(f"{args.server.rstrip('/')}/health", timeout=30).json()
+        # a keyed server tells the model and its limits only to the key's holder
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        health = httpx.get(f"{args.server.rstrip('/')}/health", headers=headers, timeout=30).json()
         tag, step = health["model_tag"], health["step"]
     except (httpx.HTTPError, ValueError, KeyError) as e:
         raise Exit(f"chat_eval: {args.server} does not answer as a nanochat server ({e}); start one with python -m "

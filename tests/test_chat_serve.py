@@ -130,7 +130,8 @@ def test_a_bad_chat_request_is_answered_in_openais_error_shape(url, change, stat
     assert httpx.get(f"{url}/health").json()["running"] == 0  # a refused request holds no slot
 
 
-def test_the_key_guards_the_chat_route(trained):
+def test_the_key_guards_the_chat_route(trained, tmp_path, capsys):
+    from scripts import chat_eval
     _, model, tokenizer = trained
     server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40})
     http = uvicorn.Server(uvicorn.Config(create_app(server, api_key=KEY), log_level="warning", lifespan="off"))
@@ -141,6 +142,14 @@ def test_the_key_guards_the_chat_route(trained):
         keyed = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
         assert keyed.chat.completions.create(model=MODEL_TAG, messages=USER, max_tokens=3,
                                              temperature=0).choices[0].message.content == answer(trained, USER, 3)
+        # chat_eval --server sends the key for /health too, which names the model and its steps only to its holder
+        data = tmp_path / "qa.jsonl"
+        data.write_text(json.dumps({"messages": [*USER, {"role": "assistant", "content": "x"}]}) + "\n")
+        with pytest.raises(SystemExit) as refused:
+            chat_eval.main([f"--server={base_url}", f"--api_key={KEY}", f"--data={data}", "--n_sup=99",
+                            f"--out={tmp_path}"])
+        out = capsys.readouterr()
+        assert refused.value.code == 2 and "the server runs 1 to" in out.out + out.err
 
 
 def test_the_refinement_route_answers_a_conversation_step_by_step(url, trained):

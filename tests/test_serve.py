@@ -833,7 +833,7 @@ def test_the_start_up_line_names_both_apis_and_the_viewer(monkeypatch, capsys):
     line = capsys.readouterr().out
     base = line.split(" at ")[1].split()[0].removesuffix("/v1")
     assert line == (f"serving m step 7 at {base}/v1 (OpenAI's completions and chat completions APIs: POST "
-                    f"/v1/completions, /v1/chat/completions; max_concurrency=16; no API key); the refinement viewer: "
+                    f"/v1/completions, /v1/chat/completions; max_concurrency=20; no API key); the refinement viewer: "
                     f"{base}/\n")
 
 
