@@ -27,9 +27,9 @@ $py -m scripts.tok_eval --references=none  # offline: no GPT-2/GPT-4 download tr
 
 echo "== 4/6 train a depth-4 TRM model (1 latent loop, 3 supervision steps)"
 # A plain depth-4 GPT costs 1/5 of this model per token: the recursion is not free, and the log's tok/s shows it.
-# The recursion is gpt.py's default (TRM state update, detached supervision steps); at 120 steps base_train's
-# weight average is off (auto starts at 300). Learning rates are 1/4 of the defaults (tuned for 0.5M-token batches)
-# and the warmdown is long.
+# The recursion is gpt.py's default (TRM state update, drawn step counts with gradients through 4 steps, and
+# base_train's step-count curriculum over the first half); at 120 steps base_train's weight average is off (auto
+# starts at 300). Learning rates are 1/4 of the defaults (tuned for 0.5M-token batches) and the warmdown is long.
 resume=""  # run again, the pipeline continues (or re-checks) its run instead of refusing the used tag
 if compgen -G "$NANOCHAT_BASE_DIR/base_checkpoints/$MODEL_TAG/step_*" > /dev/null; then resume="--resume"; fi
 $py -m scripts.base_train --device_type=cpu --depth=4 --max_seq_len=256 --device_batch_size=8 --total_batch_size=2048 \
