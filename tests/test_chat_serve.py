@@ -273,36 +273,45 @@ def test_chat_eval_through_the_server_scores_as_in_process(url, trained, tmp_pat
 CHROMIUM = find_chromium()
 
 
+# the Chat tab as shown: its error line, and each transcript line with the drafts and the note under a reply
+CHAT_TAB = """({error: document.getElementById('error').textContent,
+  transcript: [...document.querySelectorAll('#transcript > *')].map((e) => e.tagName === 'DIV'
+    ? [e.dataset.role, e.textContent]
+    : e.tagName === 'OL' ? ['drafts', [...e.querySelectorAll('li')].map((li) => [li.textContent, li.className])]
+    : ['note', e.textContent])})"""
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (tests/support/chromium.py says how)")
-def test_the_chat_tab_shows_every_steps_draft_of_each_reply_token_and_keeps_the_conversation(url, trained):
-    turns = ["the cat", "the dog"]
+def test_the_chat_tab_shows_every_steps_draft_of_each_reply_and_keeps_the_conversation(url, trained):
+    """The tab talks to /v1/chat/completions with drafts: true (streamed): each reply joins the transcript with its
+    draft at every step under it, a draft that differs from the reply highlighted, and when every step agrees a note
+    saying so."""
+    turns = [("cat sat on the", 6), ("the", 1)]  # the steps differ on the first (see USER); one token: they agree
     with Chromium(CHROMIUM, timeout_s=90) as browser:
         browser.open(f"{url}/")
         browser.wait_for("['ready', 'error', 'done'].includes(document.body.dataset.state)")
         browser.click("nav button[data-tab=chat]")
-        browser.type_into("#chat_max_tokens", "5")
         pages = []
-        for turn in turns:
+        for turn, max_tokens in turns:
+            browser.type_into("#chat_max_tokens", str(max_tokens))
             browser.type_into("#message", turn)
             browser.click("#chat button[type=submit]")
             browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
-            pages.append(browser.evaluate(
-                "({error: document.getElementById('error').textContent, steps: [...document.querySelectorAll("
-                "'#steps tr.step')].map((r) => [...r.querySelectorAll('td')].map((td) => td.firstChild.textContent)),"
-                " transcript: [...document.querySelectorAll('#transcript div')].map((d) => [d.dataset.role, "
-                "d.textContent])})"))
-    conversation = []
-    for turn, page in zip(turns, pages):
+            pages.append(browser.evaluate(CHAT_TAB))
+    conversation, shown = [], []
+    for (turn, max_tokens), page in zip(turns, pages):
         conversation.append({"role": "user", "content": turn})
-        want = httpx.post(f"{url}/v1/refinement", json={"messages": conversation, "max_tokens": 5,
-                                                        "temperature": 0, "seed": 42}, timeout=60).json()
-        assert page["error"] == ""
-        assert len(page["steps"]) == trained[1].config.n_sup_inference
-        for s, row in enumerate(page["steps"]):  # every step's token at every reply position, as the JSON has it
-            assert row == [visible(token["steps"][s]["text"]) for token in want["tokens"]]
-        conversation.append({"role": "assistant", "content": want["text"]})
-        assert page["transcript"] == [[m["role"], m["content"]] for m in conversation]
-
-
-def visible(text):
-    return text.replace(" ", "\u00b7").replace("\n", "\u21b5").replace("\t", "\u2192") or "\u2205"
+        want = httpx.post(f"{url}/v1/chat/completions", json={"messages": conversation, "max_tokens": max_tokens,
+                                                               "temperature": 0, "seed": 42, "drafts": True},
+                          timeout=60).json()["choices"][0]
+        reply, drafts = want["message"]["content"], want["drafts"]
+        assert page["error"] == "" and len(drafts) == trained[1].config.n_sup_inference
+        conversation.append({"role": "assistant", "content": reply})
+        shown += [["user", turn], ["assistant", reply],
+                  ["drafts", [[f"step {s} draft: {json.dumps(d)}", "" if d == reply else "diff"]
+                              for s, d in enumerate(drafts, start=1)]]]
+        if len(set(drafts)) == 1:
+            shown.append(["note", f"every step gave the same reply: at this model's scale the {len(drafts)} steps "
+                                  "agree"])
+        assert page["transcript"] == shown
+    assert "diff" in str(pages[0]["transcript"]) and pages[1]["transcript"][-1][0] == "note"  # both cases were seen
