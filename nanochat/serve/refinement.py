@@ -11,7 +11,7 @@ is wrong in one sentence):
   the cache computes every step for the last position anyway; the extra cost is the head on each step's answer.
   drafts: true adds base_sample --show_steps' drafts: each step's own greedy continuation (n_sup more generations).
   The prompt is a text (after <|bos|>) or messages, a conversation rendered as chat_sft trained on it
-  (nanochat/data/chat.py) and answered until <|assistant_end|>: the viewer's Chat tab.
+  (nanochat/data/chat.py) and answered until <|assistant_end|>, token by token as the Generate tab shows a text.
 - score: a pasted text teacher-forced, each token's loss (nats) at every step: where later steps help.
 - hops: a hops document (pasted, or drawn from a seed out of the corpus the model was trained on: HopsCorpus), each
   query's predicted answer at every step, by hop count.

@@ -24,13 +24,15 @@ POST /v1/chat/completions  OpenAI's chat request: messages (system or developer,
                       user first and last; content a string or text parts), rendered as chat_sft trained on them
                       (nanochat/data/chat.py) and answered until <|assistant_end|>; max_tokens or
                       max_completion_tokens (default: the server's limit), and temperature, top_p, n, stop, seed,
-                      stream, stream_options, user as completions take them; extras top_k and n_sup (steps, "auto" or
-                      "RULE:THRESHOLD", as completions). logprobs, logit_bias and the penalties at their defaults
-                      only. -> {id: "chatcmpl-...", object: "chat.completion", created, model, choices: [{index,
-                      message: {role: "assistant", content}, logprobs: null, finish_reason}], usage, n_sup: the
-                      steps each token ran, or the halting rule}; with stream, chat.completion.chunk events whose
-                      delta carries the role first, then the text as it comes, then data: [DONE]. The same slots,
-                      batching, key and limits as completions.
+                      stream, stream_options, user as completions take them; extras top_k, n_sup (steps, "auto" or
+                      "RULE:THRESHOLD", as completions) and drafts (a JSON boolean: each choice's reply at every step
+                      too, Server.drafts). logprobs, logit_bias and the penalties at their defaults only.
+                      -> {id: "chatcmpl-...", object: "chat.completion", created, model, choices: [{index,
+                      message: {role: "assistant", content}, logprobs: null, finish_reason, with drafts: drafts, a
+                      text per step}], usage, n_sup: the steps each token ran, or the halting rule}; with stream,
+                      chat.completion.chunk events: each choice's delta {role: "assistant", content: ""} first, then
+                      the text as it comes; with drafts one chunk of every choice's drafts (an empty delta) before
+                      the usage's; then data: [DONE]. The same slots, batching, key and limits as completions.
 POST /v1/refinement   what each supervision step did, per token (generate, score a text, a hops document): the
                       fields and answers are in nanochat/serve/refinement.py and docs/serving.md
 GET  /                the refinement viewer, a page that renders /v1/refinement (no key needed: it holds no data)
