@@ -1,7 +1,7 @@
 """POST /v1/chat/completions with the official openai client against a real server on 127.0.0.1 (the tiny model): the
 conversation rendered as chat_sft trains on it and answered as the engine answers it, streaming or not, with n_sup,
-halting and each step's drafts (variations in-process); its errors; the same batching, slots and key as completions; chat_eval through lm-eval's chat backend
-against it; and the viewer's Chat tab in headless Chromium."""
+halting and each step's drafts (variations in-process); its errors; the same batching, slots and key as completions;
+chat_eval through lm-eval's chat backend against it; and the viewer's Chat tab in headless Chromium."""
 
 import json
 import threading
