@@ -1,7 +1,7 @@
 """POST /v1/chat/completions with the official openai client against a real server on 127.0.0.1 (the tiny model): the
-conversation rendered as chat_sft trains on it and answered as the engine answers it, streaming or not, with n_sup and
-halting; its errors; the same batching, slots and key as completions; chat_eval through lm-eval's chat backend
-against it; and the viewer's Chat tab in headless Chromium."""
+conversation rendered as chat_sft trains on it and answered as the engine answers it, streaming or not, with n_sup,
+halting and each step's drafts (variations in-process); its errors; the same batching, slots and key as completions;
+chat_eval through lm-eval's chat backend against it; and the viewer's Chat tab in headless Chromium."""
 
 import json
 import threading
@@ -10,9 +10,12 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi.testclient import TestClient
 
 from nanochat.data.chat import render_prompt
 from nanochat.model.engine import Engine
+from nanochat.serve import refinement
+from nanochat.serve import server as server_module
 from nanochat.serve.api import AUTO_HALTING
 from nanochat.serve.batcher import Batcher
 from nanochat.serve.server import Server, create_app
@@ -75,10 +78,98 @@ def test_streamed_deltas_carry_the_role_first_then_the_same_text(client, trained
     chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
     pieces = [c.choices[0] for c in chunks if c.choices]
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
-    assert pieces[0].delta.role == "assistant" and all(p.delta.role is None for p in pieces[1:])
+    # the role alone first, with empty content, as OpenAI sends it; then the text
+    assert (pieces[0].delta.role, pieces[0].delta.content) == ("assistant", "")
+    assert all(p.delta.role is None for p in pieces[1:])
     assert "".join(p.delta.content for p in pieces) == answer(trained, USER, 8)
     assert [p.finish_reason for p in pieces] == [None] * (len(pieces) - 1) + ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_drafts_through_the_openai_client_one_per_step_the_last_the_reply(client, trained):
+    """End to end: extra_body={"drafts": True} gives each step's reply, whole and streamed; every chunk parses."""
+    request = dict(model=MODEL_TAG, messages=USER, max_tokens=6, temperature=0, extra_body={"drafts": True})
+    want = [answer(trained, USER, 6, n_sup=s) for s in (1, 2, 3)]
+    assert trained[1].config.n_sup_inference == 3 and want[0] != want[1]  # the steps differ on this prompt
+    r = client.chat.completions.create(**request)
+    assert r.choices[0].model_extra["drafts"] == want and r.choices[0].message.content == want[-1]
+    chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    drafts = [c for c in chunks if c.choices and "drafts" in c.choices[0].model_extra]
+    assert len(drafts) == 1 and chunks[-2:] == [drafts[0], chunks[-1]] and chunks[-1].usage.completion_tokens == 6
+    assert drafts[0].choices[0].model_extra["drafts"] == want and drafts[0].choices[0].delta.content is None
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want[-1]
+    plain = client.chat.completions.create(**{**request, "extra_body": {"drafts": False}})
+    assert "drafts" not in plain.choices[0].model_extra and plain.choices[0].message.content == want[-1]
+
+
+@pytest.fixture(scope="module")
+def local(trained):
+    """(an in-process client of a fresh server, the server): the variations below, without a socket."""
+    _, model, tokenizer = trained
+    server = Server(Engine(model, tokenizer), {"model_tag": MODEL_TAG, "step": 40}, max_concurrency=2)
+    with TestClient(create_app(server), base_url="http://localhost") as c:  # TestClient's own Host names no server
+        yield c, server
+
+
+def chat(local, **fields):
+    r = local[0].post("/v1/chat/completions", json={"messages": USER, "max_tokens": 6, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("fields", [{"n": 2, "temperature": 1.0, "seed": 5, "n_sup": 2},
+                                    {"temperature": 0, "stop": [" the"], "n_sup": 4},
+                                    {"temperature": 0.8, "top_k": 5, "top_p": 0.9, "seed": 1}])
+def test_each_draft_is_the_reply_a_request_of_that_many_steps_gets(local, fields):
+    """drafts[s - 1]: the reply to the same request at n_sup=s (same seed, sampling and stop strings); the last is the
+    reply itself; with n, each choice its own."""
+    got = chat(local, drafts=True, **fields)
+    steps = fields.get("n_sup", 3)
+    for s in range(1, steps + 1):
+        at_s = chat(local, **{**fields, "n_sup": s})["choices"]
+        assert [c["drafts"][s - 1] for c in got["choices"]] == [c["message"]["content"] for c in at_s], s
+    assert all(len(c["drafts"]) == steps and c["drafts"][-1] == c["message"]["content"] for c in got["choices"])
+    assert len(got["choices"]) == fields.get("n", 1)
+    if "stop" in fields:  # cut before the stop string, as the reply is
+        assert all(" the" not in d for d in got["choices"][0]["drafts"])
+
+
+def test_drafts_under_halting_are_every_fixed_steps_reply_and_unseeded_ones_share_a_seed(local, trained,
+                                                                                         monkeypatch):
+    """n_sup "auto": the reply is no one step's, so drafts are the replies at 1..n_sup_inference steps, all generated.
+    Without a seed, the reply and its drafts draw with one seed drawn for the request: they differ by step only."""
+    got = chat(local, drafts=True, n_sup="auto", temperature=0)
+    assert got["choices"][0]["drafts"] == [answer(trained, USER, 6, n_sup=s) for s in (1, 2, 3)]
+    assert got["choices"][0]["message"]["content"] == answer(trained, USER, 6, halt=AUTO_HALTING)
+    assert got["n_sup"] == AUTO_HALTING
+    monkeypatch.setattr(server_module.random, "getrandbits", lambda bits: 11)  # the seed the request draws
+    sampled = chat(local, drafts=True, temperature=1.0, n=3)
+    for s in (1, 2, 3):
+        seeded = chat(local, temperature=1.0, n=3, seed=11, n_sup=s)["choices"]
+        assert [c["drafts"][s - 1] for c in sampled["choices"]] == [c["message"]["content"] for c in seeded]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, [], {}, "true"])
+def test_drafts_must_be_a_json_boolean(local, value):
+    r = local[0].post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "drafts": value})
+    assert r.status_code == 400 and r.json()["error"] == {"message": "drafts: Input should be a valid boolean",
+                                                          "type": "invalid_request_error", "param": "drafts",
+                                                          "code": None}
+    assert "drafts" not in chat(local, drafts=None)["choices"][0]  # null: the default, as every optional field
+
+
+def test_drafts_run_in_the_requests_one_slot_and_stop_when_cancelled(local, trained, monkeypatch):
+    client, server = local
+    held, step_drafts = [], refinement.step_drafts
+    monkeypatch.setattr(refinement, "step_drafts", lambda *a, **k: held.append(server.running) or step_drafts(*a, **k))
+    streamed = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "drafts": True,
+                                                         "stream": True})
+    assert held == [1] and server.running == 0 and streamed.text.endswith("data: [DONE]\n\n")
+    cancelled = threading.Event()
+    cancelled.set()
+    prompt = render_prompt(trained[2], USER)
+    assert step_drafts(server.engine, [prompt], [1, 2], cancelled, max_tokens=3) is None
+    assert [len(d[0]) for d in step_drafts(server.engine, [prompt], [1, 2], threading.Event(), max_tokens=3)] == [3, 3]
 
 
 def test_halting_by_rule_and_several_choices(client, trained):
@@ -191,36 +282,45 @@ def test_chat_eval_through_the_server_scores_as_in_process(url, trained, tmp_pat
 CHROMIUM = find_chromium()
 
 
+# the Chat tab as shown: its error line, and each transcript line with the drafts and the note under a reply
+CHAT_TAB = """({error: document.getElementById('error').textContent,
+  transcript: [...document.querySelectorAll('#transcript > *')].map((e) => e.tagName === 'DIV'
+    ? [e.dataset.role, e.textContent]
+    : e.tagName === 'OL' ? ['drafts', [...e.querySelectorAll('li')].map((li) => [li.textContent, li.className])]
+    : ['note', e.textContent])})"""
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (tests/support/chromium.py says how)")
-def test_the_chat_tab_shows_every_steps_draft_of_each_reply_token_and_keeps_the_conversation(url, trained):
-    turns = ["the cat", "the dog"]
+def test_the_chat_tab_shows_every_steps_draft_of_each_reply_and_keeps_the_conversation(url, trained):
+    """The tab talks to /v1/chat/completions with drafts: true (streamed): each reply joins the transcript with its
+    draft at every step under it, a draft that differs from the reply highlighted, and when every step agrees a note
+    saying so."""
+    turns = [("cat sat on the", 6), ("the", 1)]  # the steps differ on the first (see USER); one token: they agree
     with Chromium(CHROMIUM, timeout_s=90) as browser:
         browser.open(f"{url}/")
         browser.wait_for("['ready', 'error', 'done'].includes(document.body.dataset.state)")
         browser.click("nav button[data-tab=chat]")
-        browser.type_into("#chat_max_tokens", "5")
         pages = []
-        for turn in turns:
+        for turn, max_tokens in turns:
+            browser.type_into("#chat_max_tokens", str(max_tokens))
             browser.type_into("#message", turn)
             browser.click("#chat button[type=submit]")
             browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
-            pages.append(browser.evaluate(
-                "({error: document.getElementById('error').textContent, steps: [...document.querySelectorAll("
-                "'#steps tr.step')].map((r) => [...r.querySelectorAll('td')].map((td) => td.firstChild.textContent)),"
-                " transcript: [...document.querySelectorAll('#transcript div')].map((d) => [d.dataset.role, "
-                "d.textContent])})"))
-    conversation = []
-    for turn, page in zip(turns, pages):
+            pages.append(browser.evaluate(CHAT_TAB))
+    conversation, shown = [], []
+    for (turn, max_tokens), page in zip(turns, pages):
         conversation.append({"role": "user", "content": turn})
-        want = httpx.post(f"{url}/v1/refinement", json={"messages": conversation, "max_tokens": 5,
-                                                        "temperature": 0, "seed": 42}, timeout=60).json()
-        assert page["error"] == ""
-        assert len(page["steps"]) == trained[1].config.n_sup_inference
-        for s, row in enumerate(page["steps"]):  # every step's token at every reply position, as the JSON has it
-            assert row == [visible(token["steps"][s]["text"]) for token in want["tokens"]]
-        conversation.append({"role": "assistant", "content": want["text"]})
-        assert page["transcript"] == [[m["role"], m["content"]] for m in conversation]
-
-
-def visible(text):
-    return text.replace(" ", "\u00b7").replace("\n", "\u21b5").replace("\t", "\u2192") or "\u2205"
+        want = httpx.post(f"{url}/v1/chat/completions", json={"messages": conversation, "max_tokens": max_tokens,
+                                                               "temperature": 0, "seed": 42, "drafts": True},
+                          timeout=60).json()["choices"][0]
+        reply, drafts = want["message"]["content"], want["drafts"]
+        assert page["error"] == "" and len(drafts) == trained[1].config.n_sup_inference
+        conversation.append({"role": "assistant", "content": reply})
+        shown += [["user", turn], ["assistant", reply],
+                  ["drafts", [[f"step {s} draft: {json.dumps(d)}", "" if d == reply else "diff"]
+                              for s, d in enumerate(drafts, start=1)]]]
+        if len(set(drafts)) == 1:
+            shown.append(["note", f"every step gave the same reply: at this model's scale the {len(drafts)} steps "
+                                  "agree"])
+        assert page["transcript"] == shown
+    assert "diff" in str(pages[0]["transcript"]) and pages[1]["transcript"][-1][0] == "note"  # both cases were seen

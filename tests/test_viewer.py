@@ -5,7 +5,9 @@ Chromium is installed; what can be read from the page's script alone is checked 
 
 VIEWER_SCREENSHOT=dev/results/viewer.png pytest tests/test_viewer.py  # also saves what the browser showed"""
 
+import base64
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -18,6 +20,7 @@ from nanochat.data.dataset import SYNTHETIC, synthetic_flags, write_source
 from nanochat.data.synthetic import HopsSpec, pairs_document
 from nanochat.model.engine import Engine
 from nanochat.serve import refinement
+from nanochat.serve.http import page_policy
 from nanochat.serve.server import Server, create_app
 from tests.support import server as support_server
 from tests.support.chromium import INSTALL, Chromium, find_chromium
@@ -118,7 +121,6 @@ def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours_then_sco
         page = browser.evaluate(RENDERED)
         drafts = browser.evaluate("[[...document.querySelectorAll('#step_drafts div')].map((d) => d.textContent), "
                                   "document.body.innerText, document.getElementById('drafts').childNodes.length]")
-        png = browser.screenshot()
         browser.evaluate("document.body.style.width = '360px'; true")  # a narrow window: the heat map must wrap
         submit_tab(browser, "score", "#text", text)
         heat, layout = browser.evaluate(HEAT), browser.evaluate(HEAT_LAYOUT)
@@ -128,6 +130,13 @@ def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours_then_sco
                                 "[...r.querySelectorAll('td.right, td.wrong')].map((td) => td.className))")
         answered = httpx.post(f"{url}/v1/refinement", json={"mode": "hops", "text": "a>b b>c c>a ; a1=b c2=b"},
                               timeout=60).json()
+        browser.evaluate("document.body.style.width = ''; true")
+        browser.click("nav button[data-tab=chat]")
+        browser.type_into("#chat_max_tokens", "6")  # within the tiny model's 32
+        submit_tab(browser, "chat", "#message", "cat sat on the")  # the screenshot shows the Chat tab's drafts
+        chatted = browser.evaluate("[...document.querySelectorAll('#transcript ol.drafts li')].map((li) => "
+                                   "li.textContent)")
+        png = browser.screenshot()
         violations = browser.evaluate("window.violations")
     assert violations == []  # the page runs under its own Content-Security-Policy: every colour below is allowed
     assert [[text for text, _ in row] for row in heat] == [[f"{v:.1f}" for v in row] for row in scored["losses"]]
@@ -154,6 +163,7 @@ def test_a_typed_prompt_streams_every_steps_row_and_the_halting_colours_then_sco
     shown, seen, inside_checkbox = drafts
     assert shown == [f"step {s} draft: {json.dumps(d)}" for s, d in enumerate(want["drafts"], start=1)]
     assert len(shown) == n_sup and all(line in seen for line in shown) and inside_checkbox == 0
+    assert len(chatted) == n_sup and all(line.startswith(f"step {s} draft: ") for s, line in enumerate(chatted, 1))
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     if os.environ.get("VIEWER_SCREENSHOT"):
         with open(os.environ["VIEWER_SCREENSHOT"], "wb") as f:
@@ -277,4 +287,19 @@ def test_the_page_never_runs_a_form_itself():
     calls = [line.strip() for line in script.splitlines() if re.search(r"runners\[[^\]]+\]\(", line)]
     assert len(calls) == 1 and 'addEventListener("submit"' in calls[0], calls
     assert re.findall(r"\bpost\(", script) == ["post("] * 2  # its definition and run's one call
-    assert 'fetch("/v1/refinement"' in script and script.count("fetch(") == 3  # post, /health and /v1/models only
+    assert script.count("fetch(") == 3  # post, /health and /v1/models only
+    # post's routes: run's default, and the Chat tab's, which asks for every step's draft of the streamed reply
+    assert sorted(re.findall(r'"(/v1/[a-z/]+)"', script)) == ["/v1/chat/completions", "/v1/models", "/v1/refinement"]
+    chat = script[script.index("function chat()"):script.index("$(\"newchat\")")]
+    assert "stream: true, drafts: true}" in chat and '"/v1/chat/completions")' in chat
+
+
+def test_the_pages_policy_allows_its_own_script_and_style_as_they_are_now():
+    """The Content-Security-Policy names the page's inline script and style by their SHA-256, computed from the file
+    when the server starts: an edited script is allowed, and nothing else is."""
+    with open(refinement.PAGE, encoding="utf-8") as f:
+        page = f.read()
+    policy = dict(d.strip().split(" ", 1) for d in page_policy(refinement.PAGE).split(";"))
+    for tag, directive in (("script", "script-src"), ("style", "style-src")):
+        body = page.split(f"<{tag}>")[1].split(f"</{tag}>")[0]
+        assert policy[directive] == f"'sha256-{base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()}'"

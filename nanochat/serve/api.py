@@ -81,6 +81,7 @@ class ChatCompletionRequest(Sampling):
     max_tokens: int | None = Field(None, ge=1)  # None: the server's limit (the reply ends at <|assistant_end|>)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
+    drafts: bool = False  # extension: each choice's reply at every supervision step too (Server.drafts)
 
 
 CHAT_NEUTRAL = {"logprobs": False, "logit_bias": {}, "frequency_penalty": 0.0, "presence_penalty": 0.0}

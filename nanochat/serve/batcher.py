@@ -19,6 +19,8 @@ class Job:
         self.cancelled = threading.Event()  # the worker's, once run starts
         self.worker = None  # the streaming.Worker running it
         self.logprobs = [None] * len(choices)
+        self.draft = None  # draft(job, cancelled): each choice's reply at every step, computed once generation is over
+        self.drafts = None  # what draft returned: per choice, a text per step
         self.stats = {}  # the engine's stats of this generation (steps per token under halting)
         self.arrived = time.perf_counter()  # the handler sets it to when the request arrived, before any wait
         self.first_at = self.last_at = None  # when the first and the last token step ended
@@ -29,11 +31,13 @@ class Job:
 
     def run(self, emit, cancelled):
         """Worker thread: generate, emitting (choice index, text piece, finish reason) as text becomes final, then
-        score what was generated."""
+        score what was generated and draft it at every step, if asked to."""
         self.cancelled = cancelled
         self.generate(emit)
         if self.score is not None and not self.cancelled.is_set():
             self.logprobs = [self.score(row, choice) for row, choice in zip(self.rows, self.choices)]
+        if self.draft is not None and not self.cancelled.is_set():
+            self.drafts = self.draft(self, cancelled)
 
     def generate(self, emit):
         """Every row token by token, until each choice is finished or the job is cancelled."""

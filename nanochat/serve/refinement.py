@@ -11,7 +11,7 @@ is wrong in one sentence):
   the cache computes every step for the last position anyway; the extra cost is the head on each step's answer.
   drafts: true adds base_sample --show_steps' drafts: each step's own greedy continuation (n_sup more generations).
   The prompt is a text (after <|bos|>) or messages, a conversation rendered as chat_sft trained on it
-  (nanochat/data/chat.py) and answered until <|assistant_end|>: the viewer's Chat tab.
+  (nanochat/data/chat.py) and answered until <|assistant_end|>, token by token as the Generate tab shows a text.
 - score: a pasted text teacher-forced, each token's loss (nats) at every step: where later steps help.
 - hops: a hops document (pasted, or drawn from a seed out of the corpus the model was trained on: HopsCorpus), each
   query's predicted answer at every step, by hop count.
@@ -294,10 +294,28 @@ def generate(engine, req):
                "text": engine.tokenizer.decode(tokens), "finish_reason": finish_reason,
                "mean_halt_steps": sum(halts) / len(halts) if halts else None}
     if req.drafts:  # base_sample --show_steps: each step's greedy continuation, generated on its own
-        summary["drafts"] = [engine.tokenizer.decode(engine.generate_batch(
-            [req.ids], n_sup=s, max_tokens=req.max_tokens, temperature=0.0, top_k=req.top_k, seed=req.seed)[0])
-            for s in range(1, req.n_sup + 1)]
+        drafts = step_drafts(engine, [req.ids], range(1, req.n_sup + 1), max_tokens=req.max_tokens, temperature=0.0,
+                             top_k=req.top_k, seed=req.seed)
+        summary["drafts"] = [engine.tokenizer.decode(rows[0]) for rows in drafts]
     yield summary
+
+
+def step_drafts(engine, rows, steps, cancelled=None, **sampling):
+    """Each step's own continuation of the prompts rows: for each s of steps, the rows generated alone at n_sup=s
+    (engine.generate's sampling, the seed's generator drawn anew for each step, so a seeded draft at step s is what a
+    request of n_sup=s gets): [[token ids per row] per step], end tokens left out. None once cancelled (a
+    threading.Event) is set: it is checked at every token. Drafts for /v1/refinement and /v1/chat/completions."""
+    drafts = []
+    for s in steps:
+        tokens = [[] for _ in rows]
+        for column in engine.generate(rows, n_sup=s, **sampling):
+            if cancelled is not None and cancelled.is_set():
+                return None
+            for out, token in zip(tokens, column):
+                if token is not None:
+                    out.append(token)
+        drafts.append(tokens)
+    return drafts
 
 
 @torch.inference_mode()

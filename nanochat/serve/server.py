@@ -24,13 +24,15 @@ POST /v1/chat/completions  OpenAI's chat request: messages (system or developer,
                       user first and last; content a string or text parts), rendered as chat_sft trained on them
                       (nanochat/data/chat.py) and answered until <|assistant_end|>; max_tokens or
                       max_completion_tokens (default: the server's limit), and temperature, top_p, n, stop, seed,
-                      stream, stream_options, user as completions take them; extras top_k and n_sup (steps, "auto" or
-                      "RULE:THRESHOLD", as completions). logprobs, logit_bias and the penalties at their defaults
-                      only. -> {id: "chatcmpl-...", object: "chat.completion", created, model, choices: [{index,
-                      message: {role: "assistant", content}, logprobs: null, finish_reason}], usage, n_sup: the
-                      steps each token ran, or the halting rule}; with stream, chat.completion.chunk events whose
-                      delta carries the role first, then the text as it comes, then data: [DONE]. The same slots,
-                      batching, key and limits as completions.
+                      stream, stream_options, user as completions take them; extras top_k, n_sup (steps, "auto" or
+                      "RULE:THRESHOLD", as completions) and drafts (a JSON boolean: each choice's reply at every step
+                      too, Server.drafts). logprobs, logit_bias and the penalties at their defaults only.
+                      -> {id: "chatcmpl-...", object: "chat.completion", created, model, choices: [{index,
+                      message: {role: "assistant", content}, logprobs: null, finish_reason, with drafts: drafts, a
+                      text per step}], usage, n_sup: the steps each token ran, or the halting rule}; with stream,
+                      chat.completion.chunk events: each choice's delta {role: "assistant", content: ""} first, then
+                      the text as it comes; with drafts one chunk of every choice's drafts (an empty delta) before
+                      the usage's; then data: [DONE]. The same slots, batching, key and limits as completions.
 POST /v1/refinement   what each supervision step did, per token (generate, score a text, a hops document): the
                       fields and answers are in nanochat/serve/refinement.py and docs/serving.md
 GET  /                the refinement viewer, a page that renders /v1/refinement (no key needed: it holds no data)
@@ -53,6 +55,7 @@ again (/metrics counts its request as 499); one that sends too slowly gets a 408
 """
 
 import json
+import random
 import sys
 import time
 
@@ -246,43 +249,56 @@ class Server:
 
     def chat_completion(self, job, n_sup):
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                    "finish_reason": c.finish_reason} for i, c in enumerate(job.choices)]
+                    "finish_reason": c.finish_reason, **self.choice_drafts(job, i)} for i, c in enumerate(job.choices)]
         return {**self.chat_chunk(job, choices, job.usage(), "chat.completion"), "n_sup": self.steps_run(n_sup)}
+
+    @staticmethod
+    def choice_drafts(job, index):
+        """The extension field of a choice asked for its drafts: {"drafts": its reply at step 1, 2, ...}."""
+        return {} if job.drafts is None else {"drafts": job.drafts[index]}
 
     def chat_chunk(self, job, choices, usage=None, kind="chat.completion.chunk"):
         return {"id": job.id, "object": kind, "created": job.created, "model": self.model_id, "choices": choices,
                 "usage": usage}
 
     def chat_events(self, job, n_sup):
-        """chat.completion.chunk events as the text comes: each choice's first delta names the role; the last chunk
-        carries the usage, if asked for, and the steps run."""
-        started = set()
+        """chat.completion.chunk events: each choice's role alone first (with empty content, as OpenAI sends it), then
+        its text as it comes, the steps run on its last; then, if asked for, one chunk of every choice's drafts (an
+        empty delta, the extension field drafts) and one of the usage (no choices)."""
+        def piece(index, delta, finish_reason=None):
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
         def event(item):
             index, text, finish_reason = item
-            delta = {"content": text} if index in started else {"role": "assistant", "content": text}
-            started.add(index)
-            chunk = self.chat_chunk(job, [{"index": index, "delta": delta, "logprobs": None,
-                                           "finish_reason": finish_reason}])
+            chunk = self.chat_chunk(job, [piece(index, {"content": text}, finish_reason)])
             return {**chunk, "n_sup": self.steps_run(n_sup)} if finish_reason else chunk
-        last = lambda: [self.chat_chunk(job, [], job.usage())] if job.include_usage else []  # noqa: E731
-        return job.worker.events(event, last)
+
+        def last():
+            drafts = [] if job.drafts is None else [self.chat_chunk(job, [
+                {**piece(i, {}), **self.choice_drafts(job, i)} for i in range(len(job.choices))])]
+            return drafts + ([self.chat_chunk(job, [], job.usage())] if job.include_usage else [])
+        roles = [self.chat_chunk(job, [piece(i, {"role": "assistant", "content": ""})])
+                 for i in range(len(job.choices))]
+        return job.worker.events(event, last, first=roles)
 
     def steps_run(self, n_sup):
         """What a request's n_sup ran, for the answer: the steps, or the halting rule ("kl:0.0005")."""
         steps, halting = self.depth(n_sup)
         return str(halting) if halting else steps or self.config.n_sup_inference
 
-    def start(self, req, prompts, client=None, route="/v1/completions"):
+    def start(self, req, prompts, client=None, route="/v1/completions", drafts=False):
         """Start the request's generation on a worker thread (its slot taken, freed when it ends); client: the HTTP
         request, watched so that a client that leaves stops it, and whose slot it holds; route: the one /metrics
-        counts a failure under."""
+        counts a failure under; drafts: then each choice's reply at every step too (Server.drafts), in the same slot."""
         rows = [ids for ids in prompts for _ in range(req.n)]  # choice index = prompt index * n + j, as at OpenAI
         stats = {}
         n_sup, halting = self.depth(req.n_sup)
+        seed = req.seed
+        if drafts and seed is None:  # one seed for the reply and every draft: they differ by their steps, not by luck
+            seed = random.getrandbits(63)
         # the end tokens are Choice's to spot, so that logprobs can score the one the model chose
         request = self.engine.prepare(rows, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                      top_p=req.top_p, n_sup=n_sup, seed=req.seed, halt=halting,
+                                      top_p=req.top_p, n_sup=n_sup, seed=seed, halt=halting,
                                       stop_tokens=())  # checks its arguments now
         columns = self.batcher.submit(request, stats)
         end_tokens = self.engine.stop_tokens()
@@ -293,12 +309,37 @@ class Server:
         job = Job(prompts, rows, choices, columns, req.max_tokens,
                   req.stream_options is not None and req.stream_options.include_usage, score, req.echo)
         job.stats = stats
+        if drafts:
+            job.draft = lambda job, cancelled: self.drafts(job, req, seed, n_sup, halting, cancelled)
         steps = n_sup or self.config.n_sup_inference
         key = request_client(client)
         release = lambda _: self.release(key)  # noqa: E731
         job.worker = Worker(job.run, (release, lambda worker: self.metrics.finished(job, steps, worker.error(),
                                                                                      route)), client)
         return job
+
+    def drafts(self, job, req, seed, n_sup, halting, cancelled):
+        """Each choice's reply at every step 1..N, as a request of n_sup=s with the same seed and sampling gets it
+        (refinement.step_drafts), cut at the stop strings as the reply is; N: the steps the request ran, whose draft
+        is the reply itself, or under halting (a reply that is no one step's) the most it may run, every step
+        generated. None once cancelled."""
+        most = n_sup or self.config.n_sup_inference
+        drafts = refinement.step_drafts(self.engine, job.rows, range(1, most if halting is None else most + 1),
+                                        cancelled, max_tokens=req.max_tokens, temperature=req.temperature,
+                                        top_k=req.top_k, top_p=req.top_p, seed=seed)
+        if drafts is None:
+            return None
+        return [[self.draft_text(rows[i], req.stop) for rows in drafts] + ([] if halting else [choice.text])
+                for i, choice in enumerate(job.choices)]
+
+    def draft_text(self, tokens, stop):
+        """A draft's text as a reply's would be: cut before its first stop string (Choice)."""
+        choice = Choice(self.engine.tokenizer, stop)
+        for i, token in enumerate(tokens):
+            choice.add(token, last=i == len(tokens) - 1)
+            if choice.finish_reason:
+                break
+        return choice.text
 
     def next_token_logprobs(self, ids, n_sup, halting=None):
         """(len(ids), V) float32: log-probabilities of the token after each prefix of ids, at step n_sup, or with
@@ -432,7 +473,7 @@ def create_app(server, api_key=None, host="127.0.0.1", allowed_hosts=(), allowed
         completion, prompts = await run_in_threadpool(server.check_chat, req)  # rendering off the loop, as above
         await server.acquire(request_client(request))
         try:
-            job = server.start(completion, prompts, request, route="/v1/chat/completions")
+            job = server.start(completion, prompts, request, route="/v1/chat/completions", drafts=req.drafts)
         except BaseException:
             server.release(request_client(request))
             raise

@@ -54,11 +54,13 @@ class Worker:
         finally:
             self.cancelled.set()
 
-    async def events(self, event, last=lambda: []):
-        """Server-sent events: event(item) per item, then last() and data: [DONE]; a worker that failed mid-stream
-        ends it with an error event instead (the status line said 200: the stream is the only place left to say it).
-        Every event ready goes in one write, and the await between writes lets a closed connection be noticed before
-        the next (asyncio logs "socket.send() raised exception." from the fifth write after)."""
+    async def events(self, event, last=lambda: [], first=()):
+        """Server-sent events: first at once, event(item) per item, then last() and data: [DONE]; a worker that failed
+        mid-stream ends it with an error event instead (the status line said 200: the stream is the only place left to
+        say it). Every event ready goes in one write, and the await between writes lets a closed connection be noticed
+        before the next (asyncio logs "socket.send() raised exception." from the fifth write after)."""
+        if first:
+            yield "".join(f"data: {json.dumps(e)}\n\n" for e in first)
         async for items, ended in self.batches():
             events = [event(item) for item in items]
             if ended:
