@@ -47,7 +47,7 @@ def test_equal_flops_iterations_spend_the_same_flops_within_one_step(budget):
                 "--config", "trm=--n_loops=1 --n_sup_train=2", "--config", "deep=--n_loops=2 --n_sup_train=4",
                 "--config", "sweeps=--n_loops=1 --n_sup_train=3 --T_recursion=2", "--", "--depth=2", "--n_embd=64",
                 "--max_seq_len=128", "--device_batch_size=4", "--gradient_accumulation_steps=1",
-                "--sample_n_sup=false", "--n_sup_warmup=0")  # fixed step counts: the drawn ones' test is in test_base_train
+                "--sample_n_sup=false", "--n_sup_warmup=0")  # fixed step counts; drawn ones: test_base_train
     recursion = {"plain": (0, 1, 1), "trm": (1, 2, 1), "deep": (2, 4, 1), "sweeps": (1, 3, 2)}
     for r in runs:  # each config's own recursion-aware estimate, not a plain model's
         n_loops, n_sup, sweeps = recursion[r.name]
