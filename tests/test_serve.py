@@ -1094,10 +1094,13 @@ def test_one_address_with_slow_and_non_reading_sockets_cannot_lock_out_another(t
     assert done.returncode == 0, done.stderr
     answers = json.loads(done.stdout)
     assert max(times) < max(1.0, 3 * max(alone[2:])), ([f"{t:.2f} s" for t in times], alone)
-    assert max(attacking) == 2  # the attacker generated, and never beyond its share of the slots
+    # never beyond its share of the slots; whether its unread streams still hold one when sampled depends on the
+    # kernel's socket buffers (a tiny model's 8 x 32 tokens may fit in them), so the share itself is test_slots.py's
+    assert max(attacking) <= 2
     assert any(a.startswith("HTTP/1.1 408 ") and "--header_timeout" in a for a in answers), answers
-    assert any(a.startswith("HTTP/1.1 503 ") and "--max_connections_per_client" in a for a in answers), answers
     refused = metric_samples(metrics)
+    ours = 2 * len(requests) // 2 + 4 * len(requests) // 2  # the completions above, alone and under attack
+    assert refused[("nanochat_requests_total", (("route", "/v1/completions"), ("status", "200")))] > ours  # theirs
     assert refused[("nanochat_refused_connections_total", (("reason", "header_timeout"),))] >= 1
     assert refused[("nanochat_refused_connections_total", (("reason", "max_connections_per_client"),))] >= 1
     assert ("nanochat_refused_connections_total", (("reason", "max_connections"),)) not in refused  # 8 never full
