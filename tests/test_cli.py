@@ -154,7 +154,7 @@ def test_chat_eval_server_without_its_clients_names_the_extra(monkeypatch, capsy
     from scripts import chat_eval
     if module == "lm_eval":  # the server answers; lm-eval, which asks it the questions, is missing
         import httpx
-        monkeypatch.setattr(httpx, "get", lambda url, timeout: FakeHealth())
+        monkeypatch.setattr(httpx, "get", lambda url, timeout, headers=None: FakeHealth())
     monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(SystemExit) as e:
         chat_eval.main(["--server=http://127.0.0.1:9", "--limit=2", "--device_type=cpu"])
