@@ -561,7 +561,7 @@ def test_early_stop_after_k_evaluations_without_improvement(base_dir, torchrun):
         assert "(step 0) for 3 evaluations in a row at step 3: saving and stopping" in out, out[-2000:]
 
 
-@pytest.mark.parametrize("torchrun", [False, True])
+@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.slow)])  # torchrun: 20 s more
 def test_a_shard_damaged_mid_run_saves_the_last_step_and_stops_with_one_line(base_dir, tmp_path, torchrun):
     own = tmp_path / "base"  # this run's own corpus, damaged below
     for name in ("base_data", "tokenizer"):

@@ -24,7 +24,9 @@ def torchrun(*args, timeout=120):
 
 
 @pytest.mark.parametrize("config,detach,compiled", [
-    ("plain", False, False), ("trm", False, False), ("trm", True, False), ("trm-checkpointing", True, False),
+    # the recursion with and without detached steps in CI; the plain model and checkpointing variants are slow
+    pytest.param("plain", False, False, marks=pytest.mark.slow), ("trm", False, False), ("trm", True, False),
+    pytest.param("trm-checkpointing", True, False, marks=pytest.mark.slow),
     pytest.param("trm", True, True, marks=pytest.mark.slow),  # inductor on CPU: a minute of compiling
 ])
 def test_two_sharded_ranks_train_as_one_process_with_the_same_effective_batch(tmp_path, config, detach, compiled):
@@ -86,7 +88,8 @@ def test_a_sharded_training_step_makes_no_host_sync(tmp_path):
     assert torch.load(tmp_path / "syncs.pt") == [0, 0]  # every rank's
 
 
-@pytest.mark.parametrize("config", ["plain", "trm-one-sweep", "trm"])
+@pytest.mark.parametrize("config", [  # the recursion's count in CI; the others torchrun 15-20 s each
+    pytest.param("plain", marks=pytest.mark.slow), pytest.param("trm-one-sweep", marks=pytest.mark.slow), "trm"])
 def test_a_micro_step_gathers_each_block_once_per_visit_under_one_fsdp_root(tmp_path, config):
     from nanochat.model.gpt import GPTConfig
     from nanochat.train.memory import collective_bytes

@@ -228,7 +228,8 @@ def test_the_lock_is_one_holders_and_free_after_release(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- signals in
 # evaluation
-@pytest.mark.parametrize("processes", [1, 2])
+# under torchrun slow: a minute; the torchrun SIGTERM path is test_sigterm_to_torchrun_saves_exits_and_resumes_...
+@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sigterm_during_an_evaluation_saves_the_step_and_exits_at_once(base_dir, processes):
     tag = f"evalterm{processes}"
     # every evaluation takes ~10 s here (300,000 tokens), a training step milliseconds
