@@ -23,15 +23,39 @@ def torchrun(*args, timeout=120):
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
 
 
+@pytest.fixture(scope="module")
+def ci_cases(tmp_path_factory):
+    """The directory where one torchrun left every CI case's result (worker.CI_CASES): a start per case cost more
+    than the cases."""
+    out = tmp_path_factory.mktemp("fsdp_ci")
+    torchrun("ci", out, timeout=300)
+    return out
+
+
+def result(request, tmp_path, mode, *args, timeout=120):
+    """What the worker's `mode` gave on 2 ranks: from the CI launch when it is one of its cases, else from a launch
+    of its own (the slow variants)."""
+    args = [str(a) for a in args]
+    name = worker.case_name(mode, args)
+    if (mode, args) in worker.CI_CASES:
+        out = request.getfixturevalue("ci_cases")
+        failed = sorted(out.glob(f"{name}.err.*"))
+        if failed:
+            pytest.fail(f"{name} raised in the workers:\n" + "\n".join(f.read_text() for f in failed))
+        return torch.load(out / f"{name}.pt")
+    torchrun(mode, *args, tmp_path / f"{name}.pt", timeout=timeout)
+    return torch.load(tmp_path / f"{name}.pt")
+
+
 @pytest.mark.parametrize("config,detach,compiled", [
     # the recursion with and without detached steps in CI; the plain model and checkpointing variants are slow
     pytest.param("plain", False, False, marks=pytest.mark.slow), ("trm", False, False), ("trm", True, False),
     pytest.param("trm-checkpointing", True, False, marks=pytest.mark.slow),
     pytest.param("trm", True, True, marks=pytest.mark.slow),  # inductor on CPU: a minute of compiling
 ])
-def test_two_sharded_ranks_train_as_one_process_with_the_same_effective_batch(tmp_path, config, detach, compiled):
-    torchrun("train", config, int(detach), int(compiled), tmp_path / "fsdp.pt", timeout=300 if compiled else 120)
-    got = torch.load(tmp_path / "fsdp.pt")
+def test_two_sharded_ranks_train_as_one_process_with_the_same_effective_batch(request, tmp_path, config, detach,
+                                                                              compiled):
+    got = result(request, tmp_path, "train", config, int(detach), int(compiled), timeout=300 if compiled else 120)
     history, state = worker.run_single(config, detach)
     losses, norms = zip(*history)
     assert len(losses) == worker.STEPS >= 5
@@ -47,9 +71,8 @@ def test_two_sharded_ranks_train_as_one_process_with_the_same_effective_batch(tm
         torch.testing.assert_close(got["state"][name], value, atol=atol, rtol=tolerance, msg=name)
 
 
-def test_muon_on_shards_equals_muon_on_whole_matrices(tmp_path):
-    torchrun("muon", tmp_path / "muon.pt")
-    got = torch.load(tmp_path / "muon.pt")
+def test_muon_on_shards_equals_muon_on_whole_matrices(request, tmp_path):
+    got = result(request, tmp_path, "muon")
     params = worker.toy_matrices()
     opt = Muon(params, lr=0.02, momentum=0.95, weight_decay=0.1)
     start = [p.detach().clone() for p in params]
@@ -61,44 +84,38 @@ def test_muon_on_shards_equals_muon_on_whole_matrices(tmp_path):
             torch.testing.assert_close(q, p.detach(), atol=1e-6, rtol=1e-5, msg=f"step {step} matrix {i}")
     assert all(not torch.equal(p, s) for p, s in zip(params, start))
 
-
-
-def test_the_sharded_memory_estimate_is_within_25_percent_of_the_measured_peak(tmp_path):
+def test_the_sharded_memory_estimate_is_within_25_percent_of_the_measured_peak(request, tmp_path):
     from nanochat.model.gpt import GPTConfig
     from nanochat.train.memory import estimate_memory
-    torchrun("memory", tmp_path / "peaks.pt")
     estimate = estimate_memory(GPTConfig(**worker.MEMORY_CONFIG), worker.MEMORY_BATCH, "float32", 2,
                                sharding="fsdp")["total"]
-    for measured in torch.load(tmp_path / "peaks.pt"):  # every rank's
+    for measured in result(request, tmp_path, "memory"):  # every rank's
         assert abs(estimate - measured) <= 0.25 * measured, f"estimate {estimate:,} vs measured {measured:,}"
 
 
-def test_sharded_blocks_get_their_inputs_in_the_dtype_ddp_gives_them(tmp_path):
+def test_sharded_blocks_get_their_inputs_in_the_dtype_ddp_gives_them(request, tmp_path):
     # FSDP's bf16 policy cast every block's inputs (the recursion's float32 state) to bf16 by default
-    torchrun("dtypes", tmp_path / "dtypes.pt")
-    got = torch.load(tmp_path / "dtypes.pt")
+    got = result(request, tmp_path, "dtypes")
     assert got["ddp"] and set(got["ddp"]) == {"torch.float32"}
     assert got["fsdp"] == got["ddp"]
 
 
-def test_a_sharded_training_step_makes_no_host_sync(tmp_path):
+def test_a_sharded_training_step_makes_no_host_sync(request, tmp_path):
     # tests/test_base_train.py counts the step's one read; under FSDP, ShardedMuon indexed its updates with a Python
     # list (a blocking host-to-device copy per shape group per step)
-    torchrun("syncs", "trm", tmp_path / "syncs.pt")
-    assert torch.load(tmp_path / "syncs.pt") == [0, 0]  # every rank's
+    assert result(request, tmp_path, "syncs", "trm") == [0, 0]  # every rank's
 
 
 @pytest.mark.parametrize("config", [  # the recursion's count in CI; the others torchrun 15-20 s each
     pytest.param("plain", marks=pytest.mark.slow), pytest.param("trm-one-sweep", marks=pytest.mark.slow), "trm"])
-def test_a_micro_step_gathers_each_block_once_per_visit_under_one_fsdp_root(tmp_path, config):
+def test_a_micro_step_gathers_each_block_once_per_visit_under_one_fsdp_root(request, tmp_path, config):
     from nanochat.model.gpt import GPTConfig
     from nanochat.train.memory import collective_bytes
-    torchrun("gathers", config, tmp_path / "gathers.pt")
     _, planned = collective_bytes(GPTConfig(**worker.CONFIGS[config], detach_between_steps=True), "fsdp", 2, 1)
     # trm-one-sweep: 3 blocks x 3 supervision steps x 1 visit x 2 (forward, backward) + the prelude's 2 + the coda's
     # 2 per step + the embedding's 2 + lm_head's 1 (whole for the micro-step) = 29; trm adds 3 x 3 no-gradient visits.
     # (gathering per Block.delta call made 50 and 68, with prefetches that FSDP's end of iteration dropped)
-    counted, roots, held = torch.load(tmp_path / "gathers.pt")
+    counted, roots, held = result(request, tmp_path, "gathers", config)
     assert counted == sum(planned.values()) == {"plain": 9, "trm-one-sweep": 29, "trm": 38}[config]
     # one root: were FSDP's iteration to end at each of forward_backward's backwards, every block call after the first
     # would start one of its own
@@ -106,11 +123,10 @@ def test_a_micro_step_gathers_each_block_once_per_visit_under_one_fsdp_root(tmp_
     assert not held
 
 
-def test_a_model_initialised_sharded_has_the_weights_the_unsharded_init_gives(tmp_path):
+def test_a_model_initialised_sharded_has_the_weights_the_unsharded_init_gives(request, tmp_path):
     from nanochat.checkpoint.manager import build_model
     from nanochat.model.gpt import GPTConfig
-    torchrun("metainit", tmp_path / "metainit.pt")
-    got = torch.load(tmp_path / "metainit.pt")
+    got = result(request, tmp_path, "metainit")
     torch.manual_seed(0)  # the unsharded model's init on the CPU, from the seed the sharded build had
     model = build_model(GPTConfig(**worker.META_CONFIG).to_dict(), torch.device("cpu"))
     expected = model.state_dict()
@@ -126,13 +142,12 @@ def test_a_model_initialised_sharded_has_the_weights_the_unsharded_init_gives(tm
     assert torch.equal(got["cos"], model.cos) and torch.equal(got["sin"], model.sin)
 
 
-def test_a_sharded_build_holds_one_weight_beyond_its_shards_in_host_memory(tmp_path):
+def test_a_sharded_build_holds_one_weight_beyond_its_shards_in_host_memory(request, tmp_path):
     # it built the whole float32 model on the CPU first: 54 GB per process at depth 64
     from nanochat.model.gpt import GPTConfig
     from nanochat.train.memory import sharded_build_host_bytes
     planned = sharded_build_host_bytes(GPTConfig(**worker.BUILD_MEMORY_CONFIG), 1)  # one weight, the embedding's
-    torchrun("buildmemory", tmp_path / "memory.pt")
-    for rank, m in enumerate(torch.load(tmp_path / "memory.pt")):
+    for rank, m in enumerate(result(request, tmp_path, "buildmemory")):
         beyond = m["growth"] - m["shards"]  # on a CPU device the rank's shards live in host memory; on a GPU, not
         print(f"rank {rank}: peak RSS growth {m['growth'] / 1e6:.0f} MB building a {m['model'] / 1e6:.0f} MB model, "
               f"{beyond / 1e6:.0f} MB beyond its {m['shards'] / 1e6:.0f} MB of shards (planned "

@@ -10,6 +10,7 @@ FSDP training against one process, for tests/test_fsdp.py. Launched as
     dtypes OUT                        # blocks' input dtypes
     metainit OUT                      # the weights of a model initialised sharded
     buildmemory OUT                   # host memory a sharded build takes
+    ci OUT_DIR                        # every case CI runs, in one launch: OUT_DIR/<case>.pt (or .err, its traceback)
 
 `train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
 clipped_step) on a model sharded by nanochat.train.sharding; rank r trains on batch r. run_single (called by the test in
@@ -264,6 +265,8 @@ def build_memory():
     tiny = dict(sequence_len=8, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=8)
     build_model(GPTConfig(**tiny).to_dict(), torch.device("cpu"), True, "float32")
     torch.manual_seed(0)
+    with open("/proc/self/clear_refs", "w") as f:  # the peak so far (imports, earlier cases) reset to what is resident
+        f.write("5")
     start = host_bytes("VmRSS")
     model = build_model(GPTConfig(**BUILD_MEMORY_CONFIG).to_dict(), torch.device("cpu"), True, "float32")
     growth = host_bytes("VmHWM") - start
@@ -282,43 +285,64 @@ def toy_grads(step):
     return [torch.randn(s, generator=g) for s in MUON_SHAPES]
 
 
+def everywhere(case):
+    """case() run on every rank, its results gathered: [rank 0's, rank 1's, ...]."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, case())
+    return out
+
+
+# mode -> (the arguments after the mode, without OUT; the function of them whose result rank 0 saves)
+MODES = {
+    "metainit": (0, meta_initialised),
+    "buildmemory": (0, lambda: everywhere(build_memory)),
+    "dtypes": (0, lambda: {"fsdp": block_input_dtypes(sharded=True), "ddp": block_input_dtypes(sharded=False)}),
+    "syncs": (1, lambda config: everywhere(lambda: syncs_per_step(config))),
+    "gathers": (1, gathers_per_micro_step),
+    "memory": (0, lambda: everywhere(measured_peak)),
+    "muon": (0, muon_on_shards),
+    "train": (3, lambda config, detach, compiled: dict(zip(("history", "state"), run_sharded(
+        config, detach == "1", compiled == "1")))),
+}
+# What tests/test_fsdp.py runs in CI, as (mode, arguments): one torchrun for all of them, since starting one (a Python
+# and torch per process) costs more than most cases; buildmemory first, before the others grow the heap
+CI_CASES = [("buildmemory", []), ("metainit", []), ("muon", []), ("memory", []), ("dtypes", []), ("syncs", ["trm"]),
+            ("gathers", ["trm"]), ("train", ["trm", "0", "0"]), ("train", ["trm", "1", "0"])]
+
+
+def case_name(mode, args):
+    return "-".join([mode, *map(str, args)])
+
+
+def run_case(mode, args, out):
+    result = MODES[mode][1](*args)
+    if dist.get_rank() == 0:
+        torch.save(result, out)
+    dist.barrier()
+
+
+def run_ci_cases(out_dir):
+    """Every CI case; one that raises leaves its traceback in <case>.err for its test, and the next goes on (a case
+    raises on every rank alike here: one rank raising alone would leave the other in a collective, and the test's
+    hard timeout ends the launch)."""
+    import traceback
+    for mode, args in CI_CASES:
+        name = case_name(mode, args)
+        try:
+            run_case(mode, args, os.path.join(out_dir, f"{name}.pt"))
+        except Exception:  # noqa: BLE001 - reported to the case's test, whatever it is
+            with open(os.path.join(out_dir, f"{name}.err.{dist.get_rank()}"), "w") as f:
+                f.write(traceback.format_exc())
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    if sys.argv[1] == "metainit":
-        result = meta_initialised()
-        if dist.get_rank() == 0:
-            torch.save(result, sys.argv[2])
-    elif sys.argv[1] == "buildmemory":
-        measured = [None] * dist.get_world_size()
-        dist.all_gather_object(measured, build_memory())
-        if dist.get_rank() == 0:
-            torch.save(measured, sys.argv[2])
-    elif sys.argv[1] == "dtypes":
-        result = {"fsdp": block_input_dtypes(sharded=True), "ddp": block_input_dtypes(sharded=False)}
-        if dist.get_rank() == 0:
-            torch.save(result, sys.argv[2])
-    elif sys.argv[1] == "syncs":
-        counted = [None] * dist.get_world_size()
-        dist.all_gather_object(counted, syncs_per_step(sys.argv[2]))
-        if dist.get_rank() == 0:
-            torch.save(counted, sys.argv[3])
-    elif sys.argv[1] == "gathers":
-        counted = gathers_per_micro_step(sys.argv[2])
-        if dist.get_rank() == 0:
-            torch.save(counted, sys.argv[3])
-    elif sys.argv[1] == "memory":
-        peaks = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, measured_peak())
-        if dist.get_rank() == 0:
-            torch.save(peaks, sys.argv[2])
-    elif sys.argv[1] == "muon":
-        result = muon_on_shards()
-        if dist.get_rank() == 0:
-            torch.save(result, sys.argv[2])
+    mode = sys.argv[1]
+    if mode == "ci":
+        run_ci_cases(sys.argv[2])
     else:
-        history, state = run_sharded(sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1")
-        if dist.get_rank() == 0:
-            torch.save({"history": history, "state": state}, sys.argv[5])
+        count = MODES[mode][0]
+        run_case(mode, sys.argv[2:2 + count], sys.argv[2 + count])
     dist.barrier()  # every rank here before any tears Gloo down: one that goes first can abort a peer still in it
     dist.destroy_process_group()
     # the results are saved: skip the interpreter's C++ teardown, where about one run of tests/test_fsdp.py in five
