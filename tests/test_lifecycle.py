@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from nanochat.train import lifecycle
-from tests.support.helpers import ROOT, TINY, ckpt_dir, finish, read_until, tree, weights
+from scripts.base_train import main as base_train_main
+from tests.support.helpers import ROOT, TINY, ckpt_dir, exit_code, finish, read_until, tree, weights
+from tests.test_base_train import in_process
 
 FLAGS = TINY + ["--eval_every=0", "--keep_last=0"]
 
@@ -183,17 +185,19 @@ def test_a_second_run_on_a_live_tag_refuses_and_a_killed_run_leaves_no_lock(base
     os.kill(first.pid, signal.SIGSTOP)  # holds the lock but writes nothing while the others try
     try:
         before = tree(ckpt_dir(base_dir, "busy"))
-        for extra in ([], ["--overwrite"], ["--resume"]):
-            rc, out = finish(one_process(base_dir, *flags, *extra))
-            assert rc != 0 and f"is in use by another run (PID {first.pid} on host {socket.gethostname()}" in out, out
+        for extra in ([], ["--overwrite"], ["--resume"]):  # in this process: the lock is the first run's, elsewhere
+            done = in_process(base_dir, [*flags, *extra])
+            out = done.stdout + done.stderr
+            assert done.returncode != 0, out
+            assert f"is in use by another run (PID {first.pid} on host {socket.gethostname()}" in out, out
             assert "--overwrite never moves a run in progress" in out and "Traceback" not in out
             assert tree(ckpt_dir(base_dir, "busy")) == before
         assert not [d for d in os.listdir(os.path.dirname(ckpt_dir(base_dir, "busy"))) if ".replaced-" in d]
     finally:
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
-    rc, out = finish(one_process(base_dir, *flags, "--resume", "--max_hours=0.0000001"))
-    assert rc == 0 and "resumed busy from step" in out, out[-3000:]
+    done = in_process(base_dir, [*flags, "--resume", "--max_hours=0.0000001"])
+    assert done.returncode == 0 and "resumed busy from step" in done.stdout, done.stdout[-3000:] + done.stderr
 
 
 def test_a_locked_tag_refuses_both_ranks_under_torchrun(base_dir, monkeypatch):
@@ -228,14 +232,46 @@ def test_the_lock_is_one_holders_and_free_after_release(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- signals in
 # evaluation
-# under torchrun slow: a minute; the torchrun SIGTERM path is test_sigterm_to_torchrun_saves_exits_and_resumes_...
-@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_sigterm_during_an_evaluation_saves_the_step_and_exits_at_once(base_dir, processes):
-    tag = f"evalterm{processes}"
+def test_sigterm_during_an_evaluation_saves_the_step_and_exits_at_once(base_dir, monkeypatch, capfd):
+    # in this process, the signal sent from inside step 4's evaluation (after its first batch): where it lands is
+    # certain, where one from outside needs evaluations long enough to hit (the slow test below); the signal from
+    # torchrun is test_sigterm_to_torchrun_saves_exits_and_resumes_bit_identically
+    from nanochat import trainer
+    real, calls, sent = trainer.validation_bpb, [], []
+
+    def signalled_in_the_second(*args, stop, **kwargs):
+        calls.append(1)
+
+        def stop_after_signal():
+            if len(calls) == 2 and not sent:
+                sent.append(time.time())
+                os.kill(os.getpid(), signal.SIGTERM)
+            return stop()
+        return real(*args, stop=stop_after_signal, **kwargs)
+    monkeypatch.setattr(trainer, "validation_bpb", signalled_in_the_second)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    # 8 batches per evaluation: the signal lands with 7 to go. capfd: the handler writes to stderr's descriptor
+    rc = exit_code(base_train_main, *FLAGS, "--num_iterations=50", "--eval_every=4", "--eval_tokens=512",
+                   "--save_every=0", "--save_every_minutes=0", "--model_tag=evalterm1")
+    took, out = time.time() - sent[0], "".join(capfd.readouterr())
+    assert len(calls) == 2, out[-3000:]
+    assert "SIGTERM received: finishing the current batch, then saving" in out, out[-3000:]
+    assert "during the evaluation at step 4: saving and stopping" in out, out[-3000:]
+    assert out.count("stopped at step 4 by SIGTERM received") == 1
+    assert out.count("validation bpb per step") == 1  # step 0's; step 4's was abandoned
+    assert checkpoints(base_dir, "evalterm1") == [4]
+    assert rc == 143
+    assert took < 30, took  # inside torchrun's 30 s before it SIGKILLs; in practice one batch and a save
+
+
+# a minute under torchrun; the in-process test above checks the evaluation's stop, and
+# test_sigterm_to_torchrun_saves_exits_and_resumes_bit_identically the signal from torchrun
+@pytest.mark.slow
+def test_sigterm_to_torchrun_during_an_evaluation_saves_the_step_and_exits_at_once(base_dir):
     # every evaluation takes ~10 s here (300,000 tokens), a training step milliseconds
     flags = [*FLAGS, "--num_iterations=50", "--eval_every=4", "--eval_tokens=300000", "--save_every=0",
-             "--save_every_minutes=0", f"--model_tag={tag}"]
-    proc = base_train(base_dir, *flags) if processes == 2 else one_process(base_dir, *flags)
+             "--save_every_minutes=0", "--model_tag=evalterm2"]
+    proc = base_train(base_dir, *flags)
     assert "validation bpb per step" in read_until(proc, "step 00004/")  # step 0's evaluation, in full
     time.sleep(2)  # into the evaluation at step 4
     t0 = time.time()
@@ -244,10 +280,9 @@ def test_sigterm_during_an_evaluation_saves_the_step_and_exits_at_once(base_dir,
     took = time.time() - t0
     assert "SIGTERM received: finishing the current batch, then saving" in out, out[-3000:]
     assert "during the evaluation at step 4: saving and stopping" in out, out[-3000:]
-    assert out.count("stopped at step 4 by SIGTERM received") == processes  # every rank exited on its own
+    assert out.count("stopped at step 4 by SIGTERM received") == 2  # every rank exited on its own
     assert "validation bpb per step" not in out  # step 4's evaluation was abandoned
-    assert checkpoints(base_dir, tag) == [4]
-    assert processes == 2 or rc == 143
+    assert checkpoints(base_dir, "evalterm2") == [4]
     assert took < 30, took  # inside torchrun's 30 s before it SIGKILLs; in practice one batch and a save
 
 
@@ -269,18 +304,19 @@ def test_early_stop_counts_evaluations_without_a_new_best_and_resumes_its_count(
     assert off.stale == 1 and off.reason() is None
 
 
-# Records PYTORCH_ALLOC_CONF at the moment torch is first imported, then imports the entry point named in argv[1]: the
+# Imports the entry point named in argv[1] and prints PYTORCH_ALLOC_CONF at the moment torch is first imported: the
 # CUDA allocator reads its setting once, at CUDA's first initialisation, which can come any time after that import.
+# It exits there, as nothing after that import can change what it saw (and torch's import would cost seconds each).
 AT_TORCH_IMPORT = """
 import importlib, importlib.abc, os, sys
-seen = []
 class Spy(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "torch" and not seen:
-            seen.append(os.environ.get("PYTORCH_ALLOC_CONF"))
+        if name == "torch":
+            print(os.environ.get("PYTORCH_ALLOC_CONF"), flush=True)
+            os._exit(0)
 sys.meta_path.insert(0, Spy())
 importlib.import_module(sys.argv[1])
-print(seen[0] if seen else "torch never imported")
+print("torch never imported")
 """
 GPU_ENTRY_POINTS = ("scripts.base_train", "scripts.base_loss", "scripts.base_eval", "scripts.serve", "scripts.compare",
                     "scripts.base_sample", "scripts.halt_train", "dev.gpu_check")
