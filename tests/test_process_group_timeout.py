@@ -1,36 +1,41 @@
 """No rank waits alone past the process-group timeout: rank 0's checkpoint I/O and backup, longer than the timeout,
-with the other rank waiting (2 Gloo processes under torchrun, a 5 s timeout, each run with a hard timeout)."""
+with the other rank waiting (2 Gloo processes under torchrun, a 5 s timeout, one launch with a hard timeout)."""
 
 import os
 import sys
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from nanochat import common
 from tests.support import processes
 from tests.support.helpers import ROOT, TINY, ckpt_dir
 
-TIMEOUT_S = "5"  # the process group's; rank 0's slow steps take 2x as long
-HANG = 240  # seconds: far above what the runs take here, so only a hang reaches it
+TIMEOUT_S = "5"  # the process group's; rank 0's slow steps take 1.5x as long
+HANG = 240  # seconds: far above what the run takes here, so only a hang reaches it
 GROUP_GAVE_UP = ("Connection closed", "Timed out", "timed out", "Timeout")
 
 
-def torchrun(base_dir, *args):
+@pytest.fixture(scope="module")
+def launch(base_dir, tmp_path_factory):
+    """(exit code, output, backup bucket) of one torchrun of tests/support/rank0_wait_worker.py: its slow steps,
+    then a base_train run whose backup drains slowly."""
+    bucket = tmp_path_factory.mktemp("rank0_wait") / "bucket"
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
            "NANOCHAT_PROCESS_GROUP_TIMEOUT_S": TIMEOUT_S}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join("tests", "support", "rank0_wait_worker.py"), *args]
+           os.path.join("tests", "support", "rank0_wait_worker.py"), str(bucket), *TINY, "--eval_every=0",
+           "--num_iterations=2", "--save_every=2", "--model_tag=slowbackup", f"--backup_dir={bucket}"]
     done = processes.run(cmd, HANG, cwd=ROOT, env=env)
-    return done.returncode, done.stdout + done.stderr
+    return done.returncode, done.stdout + done.stderr, bucket
 
 
-def test_every_rank0_wait_is_far_below_the_process_group_timeout():
+def test_every_rank0_wait_is_far_below_the_process_group_timeout(launch):
     assert common.RANK0_POLL_S <= common.PROCESS_GROUP_TIMEOUT.total_seconds() / 10
-    env = {**os.environ, "NANOCHAT_PROCESS_GROUP_TIMEOUT_S": TIMEOUT_S}
-    out = processes.run([sys.executable, "-c", "from nanochat import common; print(common.PROCESS_GROUP_TIMEOUT"
-                                               ".total_seconds(), common.RANK0_POLL_S)"], 60, cwd=ROOT, env=env)
-    assert out.stdout.split() == ["5.0", "0.5"], out.stderr
+    out = launch[1]
+    for rank in (0, 1):  # the environment's timeout, as the launched ranks read it
+        assert f"rank {rank}: process group timeout 5.0 s, rank 0's longest wait 0.5 s" in out, out[-3000:]
 
 
 def test_compute_init_gives_the_process_group_its_timeout(monkeypatch):
@@ -46,8 +51,8 @@ def test_compute_init_gives_the_process_group_its_timeout(monkeypatch):
         "NANOCHAT_PROCESS_GROUP_TIMEOUT_S") or 600))
 
 
-def test_slow_work_saves_and_restores_on_rank0_keep_the_other_rank_waiting(tmp_path):
-    rc, out = torchrun(tmp_path, "steps", str(tmp_path / "bucket"))
+def test_slow_work_saves_and_restores_on_rank0_keep_the_other_rank_waiting(launch):
+    rc, out, _ = launch
     assert rc == 0, out[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: slow work done" in out
@@ -59,10 +64,8 @@ def test_slow_work_saves_and_restores_on_rank0_keep_the_other_rank_waiting(tmp_p
     assert not any(word in out for word in GROUP_GAVE_UP), out[-3000:]
 
 
-def test_a_slow_backup_at_the_end_of_a_run_ends_both_ranks_cleanly(base_dir, tmp_path):
-    bucket = tmp_path / "bucket"
-    rc, out = torchrun(base_dir, "base_train", *TINY, "--eval_every=0", "--num_iterations=2", "--save_every=2",
-                       "--model_tag=slowbackup", f"--backup_dir={bucket}")
+def test_a_slow_backup_at_the_end_of_a_run_ends_both_ranks_cleanly(base_dir, launch):
+    rc, out, bucket = launch
     assert rc == 0, out[-3000:]
     assert "rank 0: exited cleanly" in out and "rank 1: exited cleanly" in out
     assert not any(word in out for word in GROUP_GAVE_UP), out[-3000:]

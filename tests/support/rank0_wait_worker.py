@@ -2,12 +2,12 @@
 Rank 0 working alone for longer than the process-group timeout while the other rank waits. Launched by
 tests/test_process_group_timeout.py with a short NANOCHAT_PROCESS_GROUP_TIMEOUT_S as
 
-    torchrun --standalone --nproc_per_node=2 tests/support/rank0_wait_worker.py steps <backup dir>
-    torchrun --standalone --nproc_per_node=2 tests/support/rank0_wait_worker.py base_train [base_train flags...]
+    torchrun --standalone --nproc_per_node=2 tests/support/rank0_wait_worker.py <backup dir> [base_train flags...]
 
-steps: a slow piece of work, a failing one, a checkpoint whose weights write slowly and a slow restore from a backup,
-a background save whose slow write runs beside the training's collectives and one that fails on rank 1, each printing
-one line per rank. base_train: a run whose backup drains slowly at the end.
+First the timeouts this process read, then `steps`: a slow piece of work, a failing one, a checkpoint whose weights
+write slowly and a slow restore from a backup, a background save whose slow write runs beside the training's
+collectives and one that fails on rank 1, each printing one line per rank; then, in the same process group (one
+launch: a start costs more than the checks), a base_train run whose backup drains slowly at the end.
 """
 
 import os
@@ -24,10 +24,11 @@ from nanochat.checkpoint.backup import Backup
 from nanochat.checkpoint.manager import build_model
 from nanochat.checkpoint.writer import CheckpointWriter
 from nanochat.collectives import RankFailure, raise_if_any_rank_failed, run_on_rank0
-from nanochat.common import PROCESS_GROUP_TIMEOUT, compute_cleanup, compute_init
+from nanochat.common import PROCESS_GROUP_TIMEOUT, RANK0_POLL_S, compute_init
 from nanochat.model.gpt import GPTConfig
 
-SLOW_S = 2 * PROCESS_GROUP_TIMEOUT.total_seconds()  # twice the timeout: a collective waiting this long fails
+# 1.5 times the timeout: a collective waiting this long fails, with seconds to spare for the ranks' skew
+SLOW_S = 1.5 * PROCESS_GROUP_TIMEOUT.total_seconds()
 
 
 def slowly(function):
@@ -49,6 +50,8 @@ def move_to_backup(model_tag, step, backup_url):
 
 def steps(backup_url):
     rank = compute_init("cpu")[1]
+    print(f"rank {rank}: process group timeout {PROCESS_GROUP_TIMEOUT.total_seconds()} s, rank 0's longest wait "
+          f"{RANK0_POLL_S} s", flush=True)
     assert run_on_rank0(slowly(lambda: None), rank) is None
     print(f"rank {rank}: slow work done", flush=True)
     try:
@@ -70,7 +73,6 @@ def steps(backup_url):
     step = resume.load_resume_point("slow", "latest", rank, backup_url).step
     print(f"rank {rank}: resumed from step {step}", flush=True)
     background_saves(model, rank)
-    compute_cleanup(together=True)
 
 
 def background_saves(model, rank):
@@ -100,9 +102,10 @@ def background_saves(model, rank):
 def base_train(argv):
     from scripts import base_train
     Backup.close = slowly(Backup.close)
-    base_train.main(argv)
+    base_train.main(argv)  # in the process group steps() started (compute_init joins an existing one), then ends it
     print(f"rank {os.environ['RANK']}: exited cleanly", flush=True)
 
 
 if __name__ == "__main__":
-    steps(sys.argv[2]) if sys.argv[1] == "steps" else base_train(sys.argv[2:])
+    steps(sys.argv[1])
+    base_train(sys.argv[2:])
