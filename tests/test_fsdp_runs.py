@@ -1,8 +1,11 @@
 """base_train --sharding=fsdp end to end on 1 and 2 Gloo processes: sharded checkpoints that resume on another process
-count as an uninterrupted run, a kill, SIGTERM and a budget stop, and one process reading a sharded checkpoint."""
+count as an uninterrupted run, a kill, SIGTERM and a budget stop, and one process reading a sharded checkpoint. The
+2-process runs are torchrun launches; the 1-process ones run in this process, in a process group of one (as torchrun
+--nproc_per_node=1 gives them), since a launch costs seconds of starting Python and torch."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -11,16 +14,17 @@ import torch
 
 from tests.support import processes
 from tests.support.helpers import ROOT, TINY, ckpt_dir, finish, read_until
+from tests.test_base_train import in_process
 
 FLAGS = TINY + ["--eval_every=0", "--keep_last=0", "--save_every_minutes=0", "--sharding=fsdp", "--ema_decay=0.5",
                 "--grad_clip=0.5"]
 
 
-def base_train(base_dir, nproc, *flags):
-    """base_train under torchrun with nproc processes and the accumulation that keeps 2 data ranks."""
+def base_train(base_dir, *flags):
+    """base_train under torchrun on 2 processes, one accumulation step each: 2 data ranks."""
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "scripts.base_train", "--", *FLAGS, f"--gradient_accumulation_steps={2 // nproc}", *flags]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "scripts.base_train", "--", *FLAGS, "--gradient_accumulation_steps=1", *flags]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -28,6 +32,19 @@ def completed(proc):
     rc, out = finish(proc, timeout=150)
     assert rc == 0, out[-4000:]
     return out
+
+
+def one_process(base_dir, *flags):
+    """base_train in this process as rank 0 of a Gloo process group of one, with 2 accumulation steps: the same 2
+    data ranks. Its CompletedProcess (run_or_exit ends the group on every way out)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+            mp.setenv(name, value)
+        return in_process(base_dir, [*FLAGS, "--gradient_accumulation_steps=2", *flags])
 
 
 def published(base_dir, tag, step, part="model"):
@@ -45,39 +62,48 @@ def assert_same_weights(base_dir, tag_a, tag_b, step):
 
 @pytest.fixture(scope="module")
 def uninterrupted(base_dir):
-    """The tag of a 6-step run on 2 processes: what an interrupted run must end at, whatever its process counts."""
-    completed(base_train(base_dir, 2, "--num_iterations=6", "--model_tag=fs_straight"))
+    """The tag of a 6-step run on 1 process: what an interrupted run must end at, whatever its process counts."""
+    done = one_process(base_dir, "--num_iterations=6", "--model_tag=fs_straight")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return "fs_straight"
 
 
 def test_killed_on_two_processes_resumed_on_one_continues_as_the_uninterrupted_run(base_dir, uninterrupted):
     flags = ["--num_iterations=6", "--save_every=2"]
-    proc = base_train(base_dir, 2, *flags, "--model_tag=fs_killed")
+    proc = base_train(base_dir, *flags, "--model_tag=fs_killed")
     read_until(proc, "step 00005/", timeout=150)  # after step 4's checkpoint, before step 6's
     processes.kill_all(proc)
     assert sorted(os.listdir(ckpt_dir(base_dir, "fs_killed"))).count("step_000004") == 1
     assert not os.path.exists(ckpt_dir(base_dir, "fs_killed", 6))
-    out = completed(base_train(base_dir, 1, *flags, "--model_tag=fs_killed", "--resume"))
-    assert "resumed fs_killed from step 4" in out
+    done = one_process(base_dir, *flags, "--model_tag=fs_killed", "--resume")
+    assert done.returncode == 0 and "resumed fs_killed from step 4" in done.stdout, done.stdout[-3000:] + done.stderr
     assert_same_weights(base_dir, uninterrupted, "fs_killed", 6)
 
 
-def test_sigterm_on_one_process_saves_and_two_processes_continue_as_the_uninterrupted_run(base_dir, uninterrupted):
+def test_sigterm_on_one_process_saves_and_two_processes_continue_as_the_uninterrupted_run(base_dir, uninterrupted,
+                                                                                          monkeypatch):
+    from nanochat import trainer
+    real = trainer.Run.log_step
+
+    def signalled_after_step_2(self, step, *args, **kwargs):
+        real(self, step, *args, **kwargs)
+        if step == 2:  # as torchrun forwards one: to this process, between steps
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(trainer.Run, "log_step", signalled_after_step_2)
     flags = ["--num_iterations=6"]
-    proc = base_train(base_dir, 1, *flags, "--model_tag=fs_term")
-    read_until(proc, "step 00002/", timeout=150)
-    proc.send_signal(signal.SIGTERM)
-    rc, out = finish(proc, timeout=60)  # no hang: saved and gone well inside torchrun's 30 s grace
-    assert rc != 0 and "stopped at step" in out, out[-4000:]
-    at = int(out.split("stopped at step ")[1].split()[0])
+    done = one_process(base_dir, *flags, "--model_tag=fs_term")
+    monkeypatch.undo()
+    out = done.stdout + done.stderr
+    assert done.returncode == 143 and "stopped at step" in out, out[-4000:]
+    at = int(out.split("stopped at step ")[1].split()[0])  # the step whose flags the signal reached first
     assert 2 <= at < 6 and os.path.exists(os.path.join(ckpt_dir(base_dir, "fs_term", at), ".metadata"))
-    out = completed(base_train(base_dir, 2, *flags, "--model_tag=fs_term", "--resume"))
+    out = completed(base_train(base_dir, *flags, "--model_tag=fs_term", "--resume"))
     assert f"resumed fs_term from step {at}" in out
     assert_same_weights(base_dir, uninterrupted, "fs_term", 6)
 
 
 def test_budget_stop_saves_shards_that_one_process_loads_and_ddp_refuses_to_resume(base_dir):
-    out = completed(base_train(base_dir, 2, "--num_iterations=100000", "--max_hours=0.0005", "--model_tag=fs_budget"))
+    out = completed(base_train(base_dir, "--num_iterations=100000", "--max_hours=0.0005", "--model_tag=fs_budget"))
     stop = [line for line in out.splitlines() if line.startswith("budget spent (--max_hours=0.0005) at step")]
     assert len(stop) == 1, out[-3000:]
     at = int(stop[0].split("at step ")[1].split(":")[0])
@@ -93,7 +119,9 @@ def test_budget_stop_saves_shards_that_one_process_loads_and_ddp_refuses_to_resu
     assert not any(v.isnan().any() for v in shards.values())
     x = torch.tensor([tokenizer.encode("the cat sat")])
     assert torch.isfinite(model(x[:, :-1], x[:, 1:])[0])
-    refused = base_train(base_dir, 2, "--num_iterations=100000", "--model_tag=fs_budget", "--resume",
-                         "--sharding=ddp")
-    rc, out = finish(refused, timeout=150)
-    assert rc != 0 and "sharding: checkpoint 'fsdp' vs this run 'ddp' (pass --sharding=fsdp)" in out, out[-3000:]
+    # the refusal is each rank's own check of the checkpoint's meta: one process (in this one) shows it
+    refused = in_process(base_dir, [*FLAGS, "--gradient_accumulation_steps=2", "--num_iterations=100000",
+                                    "--model_tag=fs_budget", "--resume", "--sharding=ddp"])
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0, out[-3000:]
+    assert "sharding: checkpoint 'fsdp' vs this run 'ddp' (pass --sharding=fsdp)" in out, out[-3000:]
