@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -327,9 +328,10 @@ def run_ci_cases(out_dir):
     hard timeout ends the launch)."""
     import traceback
     for mode, args in CI_CASES:
-        name = case_name(mode, args)
+        name, t0 = case_name(mode, args), time.time()
         try:
             run_case(mode, args, os.path.join(out_dir, f"{name}.pt"))
+            print(f"rank {dist.get_rank()}: {name} {time.time() - t0:.1f}s", flush=True)  # where a slow launch goes
         except Exception:  # noqa: BLE001 - reported to the case's test, whatever it is
             with open(os.path.join(out_dir, f"{name}.err.{dist.get_rank()}"), "w") as f:
                 f.write(traceback.format_exc())
