@@ -186,10 +186,13 @@ def test_a_second_run_on_a_live_tag_refuses_and_a_killed_run_leaves_no_lock(base
     os.kill(first.pid, signal.SIGSTOP)  # holds the lock but writes nothing while the others try
     try:
         before = tree(ckpt_dir(base_dir, "busy"))
-        for extra in ([], ["--overwrite"], ["--resume"]):  # in this process: the lock is the first run's, elsewhere
-            done = in_process(base_dir, [*flags, *extra])
-            out = done.stdout + done.stderr
-            assert done.returncode != 0, out
+        for extra in ([], ["--overwrite"], ["--resume"]):  # a process, then in this one (a start costs seconds)
+            if extra:
+                done = in_process(base_dir, [*flags, *extra])
+                rc, out = done.returncode, done.stdout + done.stderr
+            else:
+                rc, out = finish(one_process(base_dir, *flags))
+            assert rc != 0, out
             assert f"is in use by another run (PID {first.pid} on host {socket.gethostname()}" in out, out
             assert "--overwrite never moves a run in progress" in out and "Traceback" not in out
             assert tree(ckpt_dir(base_dir, "busy")) == before
@@ -201,6 +204,9 @@ def test_a_second_run_on_a_live_tag_refuses_and_a_killed_run_leaves_no_lock(base
     assert done.returncode == 0 and "resumed busy from step" in done.stdout, done.stdout[-3000:] + done.stderr
 
 
+# slow: a torchrun start (~20 s of CPU) for what two CI tests check: the lock's refusal (the live-tag test above) and
+# a failure before training on rank 0 stopping every rank (test_a_write_that_fails_on_rank_0_stops_every_rank_...)
+@pytest.mark.slow
 def test_a_locked_tag_refuses_both_ranks_under_torchrun(base_dir, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     held = lifecycle.RunLock(ckpt_dir(base_dir, "held2"), active=True)
