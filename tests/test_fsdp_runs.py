@@ -44,7 +44,11 @@ def one_process(base_dir, *flags):
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                             ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
             mp.setenv(name, value)
-        return in_process(base_dir, [*FLAGS, "--gradient_accumulation_steps=2", *flags])
+        try:
+            return in_process(base_dir, [*FLAGS, "--gradient_accumulation_steps=2", *flags])
+        finally:  # a run that raised past run_or_exit: the group must not outlive it into other tests
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
 
 def published(base_dir, tag, step, part="model"):

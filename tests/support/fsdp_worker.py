@@ -10,7 +10,7 @@ FSDP training against one process, for tests/test_fsdp.py. Launched as
     dtypes OUT                        # blocks' input dtypes
     metainit OUT                      # the weights of a model initialised sharded
     buildmemory OUT                   # host memory a sharded build takes
-    ci OUT_DIR                        # every case CI runs, in one launch: OUT_DIR/<case>.pt (or .err, its traceback)
+    ci OUT_DIR                        # every CI case, one launch: OUT_DIR/<case>.pt, or <case>.err.<rank> if it raised
 
 `train`: base_train's step (forward_backward per micro-batch, reduce_gradients, the norm summed over ranks,
 clipped_step) on a model sharded by nanochat.train.sharding; rank r trains on batch r. run_single (called by the test in
