@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -64,6 +65,22 @@ def assert_same_weights(base_dir, tag_a, tag_b, step):
             torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=f"{part} {k}")
 
 
+def wait_dead(pids, timeout=30):
+    """Until every process in pids has exited (gone, or a zombie: its files closed and locks released)."""
+    deadline = time.time() + timeout
+    for pid in pids:
+        while time.time() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except OSError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"process {pid} still alive {timeout}s after SIGKILL")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(base_dir):
     """The tag of a 6-step run on 1 process: what an interrupted run must end at, whatever its process counts."""
@@ -76,7 +93,9 @@ def test_killed_on_two_processes_resumed_on_one_continues_as_the_uninterrupted_r
     flags = ["--num_iterations=6", "--save_every=2"]
     proc = base_train(base_dir, *flags, "--model_tag=fs_killed")
     read_until(proc, "step 00005/", timeout=150)  # after step 4's checkpoint, before step 6's
+    workers = processes.descendants(proc.pid)
     processes.kill_all(proc)
+    wait_dead(workers)  # the kernel frees rank 0's run lock as it dies; the resume below starts at once
     assert sorted(os.listdir(ckpt_dir(base_dir, "fs_killed"))).count("step_000004") == 1
     assert not os.path.exists(ckpt_dir(base_dir, "fs_killed", 6))
     done = one_process(base_dir, *flags, "--model_tag=fs_killed", "--resume")
