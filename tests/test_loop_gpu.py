@@ -10,6 +10,7 @@ import pytest
 
 from dev import loop_gpu
 from scripts import compare
+from tests.support.helpers import base_train_child_in_process
 
 
 @pytest.mark.parametrize("part", ["a", "b"])
@@ -21,21 +22,10 @@ def test_each_part_trains_in_a_few_minutes_of_one_h100_at_1e8_tokens(part):
     assert 0.8 < flops["plain24"] / flops["default"] < 1.25  # the deeper plain: about the recursion's FLOPs
 
 
-def base_train_in_process(cmd, env=None):
-    """compare's base_train child (run_child's (exit code, signal)) run in this process: a process start per model
-    costs seconds here. compare's children as processes: test_compare's tiny grid and part c's test below."""
-    from scripts import base_train
-    assert cmd[1:3] == ["-m", "scripts.base_train"], cmd
-    try:
-        base_train.main(cmd[3:])
-    except SystemExit as e:
-        return (e.code if isinstance(e.code, int) else 1), None
-    return 0, None
-
-
 def test_the_comparison_runs_at_toy_size_and_reports_every_model(base_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
-    monkeypatch.setattr(compare.lifecycle, "run_child", base_train_in_process)
+    # compare's children in this process (as processes: test_compare's tiny grid and part c's test below)
+    monkeypatch.setattr(compare.lifecycle, "run_child", base_train_child_in_process)
     out = str(tmp_path / "out")
     toy = ["--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=64",
            "--compile=false", "--dtype=float32", "--device_type=cpu"]
