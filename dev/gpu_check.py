@@ -25,6 +25,7 @@ The checks, in order (--quick runs the ones marked *: no tokenizer training, so 
                                a copy of its nanochat/ package), and our time over theirs
     train_run, train_resume    torchrun base_train for 30 steps with evaluation, samples and checkpoints, then a
                                second run resumed from step 20 must retrain steps 21-30 with the first run's losses
+                               (on CPU: 6 steps, resumed from step 4)
     kv_cache_logits, decode    cached against uncached generation logits (bf16 on CUDA), and decode tokens/s
     export_hf                  scripts/export_hf.py's export, loaded by transformers, computes our logits
 
@@ -70,7 +71,6 @@ from nanochat.train.optim import setup_optimizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_TAG = "gpucheck"
-TRAIN_STEPS, RESUME_FROM, CHECKPOINT_EVERY = 30, 20, 10
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,10 @@ class Sizes:
     decode_tokens: int
     process_timeout_s: int  # each subprocess of the training check
     attention_batch: int  # the attention check's batch (at the model's heads and sequence_len)
+    # the training run: its steps, and the step the second run resumes from (checkpoints and evaluations every
+    # train_steps - resume_from steps)
+    train_steps: int = 30
+    resume_from: int = 20
     dtype: str = "bfloat16"
     compile_train: bool = True
     # the micro-steps' torch.compile backend: CPU's checks the capture (graphs, recompiles, breaks) with aot_eager,
@@ -101,13 +105,15 @@ SIZES = {
                                "--n_sup_train=2", "--eval_tokens=16384", "--sample_tokens=16"],
                   tokenizer=["--vocab_size=4096", "--max_chars=5000000"], prompt_tokens=128, decode_tokens=32,
                   process_timeout_s=240, attention_batch=16),
-    "cpu": Sizes(model=dict(n_layer=12, n_embd=32, n_head=2, n_kv_head=2, sequence_len=32, vocab_size=512),
+    # CPU: the plumbing of every check at the least that runs each stage (2 layers: the capture of a layer visit and of
+    # a whole model alike; 6 steps: 3 checkpoints and evaluations, 2 steps retrained after the resume)
+    "cpu": Sizes(model=dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=2, sequence_len=32, vocab_size=512),
                  sequences_per_rank=4, max_batch=4, memory_bytes=2**30, timed_steps=2,
                  train_flags=["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2",
                               "--n_loops=1", "--n_sup_train=2", "--eval_tokens=256", "--sample_tokens=4"],
                  tokenizer=["--vocab_size=300", "--max_chars=200000"], prompt_tokens=16, decode_tokens=8,
                  process_timeout_s=120, attention_batch=2, dtype="float32", compile_train=False,
-                 compile_backend="aot_eager"),
+                 compile_backend="aot_eager", train_steps=6, resume_from=4),
 }
 
 
@@ -519,9 +525,10 @@ def run_process(ctx, args, what):
 
 def base_train_args(ctx, *extra):
     s = ctx.sizes
+    every = s.train_steps - s.resume_from
     return ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "scripts.base_train", "--",
             *s.train_flags, f"--device_type={ctx.device.type}", f"--compile={str(s.compile_train).lower()}",
-            f"--num_iterations={TRAIN_STEPS}", f"--save_every={CHECKPOINT_EVERY}", f"--eval_every={CHECKPOINT_EVERY}",
+            f"--num_iterations={s.train_steps}", f"--save_every={every}", f"--eval_every={every}",
             "--sample_every=0", "--gradient_accumulation_steps=1", "--warmup_steps=2", "--save_every_minutes=0",
             "--keep_last=0", "--run=dummy", f"--model_tag={MODEL_TAG}", *extra]
 
@@ -547,28 +554,30 @@ def check_train_run(ctx):
     saved = sorted(int(d[5:]) for d in os.listdir(os.path.join(ctx.base_dir, "base_checkpoints", MODEL_TAG))
                    if re.fullmatch(r"step_\d+", d))
     ctx.results["train"] = {"losses": losses, "eval_steps": evals, "checkpoints": saved}
-    ok = (sorted(losses) == list(range(1, TRAIN_STEPS + 1)) and evals[-1:] == [TRAIN_STEPS] and samples
-          and saved[-1:] == [TRAIN_STEPS] and losses[TRAIN_STEPS] < losses[1])
+    last = ctx.sizes.train_steps
+    ok = (sorted(losses) == list(range(1, last + 1)) and evals[-1:] == [last] and samples and saved[-1:] == [last]
+          and losses[last] < losses[1])
     return row("train_run", ok, f"{len(losses)} steps, loss {losses.get(1, math.nan):.3f} -> "
-               f"{losses.get(TRAIN_STEPS, math.nan):.3f}, evals at {evals}, {len(samples)} sample set(s), "
-               f"checkpoints {saved}", f"{TRAIN_STEPS} steps, loss falls, eval + samples + checkpoint at the end")
+               f"{losses.get(last, math.nan):.3f}, evals at {evals}, {len(samples)} sample set(s), "
+               f"checkpoints {saved}", f"{last} steps, loss falls, eval + samples + checkpoint at the end")
 
 
 def check_train_resume(ctx):
     first = ctx.results.get("train")
     if first is None:
         raise RuntimeError("needs train_run's checkpoints, and train_run failed")
-    run_process(ctx, base_train_args(ctx, f"--resume_from_step={RESUME_FROM}"), "base_train_resume")
+    last, resume_from = ctx.sizes.train_steps, ctx.sizes.resume_from
+    run_process(ctx, base_train_args(ctx, f"--resume_from_step={resume_from}"), "base_train_resume")
     resumed = train_losses(metrics(ctx))
-    steps = range(RESUME_FROM + 1, TRAIN_STEPS + 1)
+    steps = range(resume_from + 1, last + 1)
     # bit-identical in float32 on a CPU; compiled bf16 kernels (atomics in backward) may differ in the last bits
     tolerance = 1e-5 if ctx.sizes.dtype == "float32" else 2e-2
     gap = max(abs(resumed[s] - first["losses"][s]) / first["losses"][s] for s in steps)
-    ok = sorted(resumed) == list(range(1, TRAIN_STEPS + 1)) and gap <= tolerance
-    s = RESUME_FROM + 1
-    return row("train_resume", ok, f"from step {RESUME_FROM}: step {s} loss {resumed[s]:.4f} (uninterrupted "
-               f"{first['losses'][s]:.4f}), max relative gap over steps {s}-{TRAIN_STEPS} {gap:.1e}",
-               f"<= {tolerance:g}, steps 1-{TRAIN_STEPS} once each")
+    ok = sorted(resumed) == list(range(1, last + 1)) and gap <= tolerance
+    s = resume_from + 1
+    return row("train_resume", ok, f"from step {resume_from}: step {s} loss {resumed[s]:.4f} (uninterrupted "
+               f"{first['losses'][s]:.4f}), max relative gap over steps {s}-{last} {gap:.1e}",
+               f"<= {tolerance:g}, steps 1-{last} once each")
 
 
 # ---------------------------------------------------------------------------------------------------- generation

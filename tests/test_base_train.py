@@ -38,10 +38,10 @@ from tests.support.helpers import (
 
 
 def run(base_dir, *flags, torchrun=False, check=True, script="scripts.base_train"):
-    """A finished run's CompletedProcess. One base_train process runs in this process (a start costs seconds here);
-    torchrun and the other scripts run as real processes."""
-    if script == "scripts.base_train" and not torchrun:
-        proc = in_process(base_dir, flags)
+    """A finished run's CompletedProcess. One base_train or base_loss process runs in this process (a start costs
+    seconds here); torchrun and the other scripts run as real processes."""
+    if script in ("scripts.base_train", "scripts.base_loss") and not torchrun:
+        proc = in_process(base_dir, flags, script)
     else:
         env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -53,14 +53,15 @@ def run(base_dir, *flags, torchrun=False, check=True, script="scripts.base_train
     return proc
 
 
-def in_process(base_dir, flags):
-    """base_train.main in this process, its output and exit status as a process's (a message exit: status 1)."""
-    from scripts import base_train
+def in_process(base_dir, flags, script="scripts.base_train"):
+    """The script's main in this process, its output and exit status as a process's (a message exit: status 1)."""
+    import importlib
+    main = importlib.import_module(script).main
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         mp.setenv("NANOCHAT_BASE_DIR", base_dir)
         try:
-            base_train.main(list(flags))
+            main(list(flags))
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
@@ -545,20 +546,20 @@ def test_wandb_run_comes_from_the_environment(monkeypatch):
 STILL = ["--matrix_lr=0", "--embedding_lr=0", "--unembedding_lr=0"]
 
 
-@pytest.mark.parametrize("torchrun", [False, True])
-def test_early_stop_after_k_evaluations_without_improvement(base_dir, torchrun):
-    tag = f"early{int(torchrun)}"
+def test_early_stop_after_k_evaluations_without_improvement(base_dir):
+    # on 2 Gloo processes (the ranks stop together): test_launch's test_an_early_stop_is_a_success_for_the_launcher
+    tag = "early0"
     flags = TINY + STILL + ["--num_iterations=20", "--eval_every=1", "--save_every=0", f"--model_tag={tag}"]
-    out = run(base_dir, *flags, "--early_stop=2", torchrun=torchrun).stdout  # exit code 0: run() checks it
+    out = run(base_dir, *flags, "--early_stop=2").stdout  # exit code 0: run() checks it
     stop = [line for line in out.splitlines() if line.startswith("early stop (--early_stop=2): ")]
     assert len(stop) == 1 and stop[0].endswith("(step 0) for 2 evaluations in a row at step 2: saving and stopping")
     assert [d for d in os.listdir(ckpt_dir(base_dir, tag)) if d.startswith("step_")] == ["step_000002"]
     assert meta(base_dir, tag, 2)["val_bpb"]  # saved after its evaluation, which it records
     with open(os.path.join(ckpt_dir(base_dir, tag), "summary.json")) as f:
         assert json.load(f)["step"] == 2
-    if not torchrun:  # resumed with more patience: step 2's evaluation is not counted twice, step 3's is the third
-        out = run(base_dir, *flags, "--early_stop=3", "--resume").stdout
-        assert "(step 0) for 3 evaluations in a row at step 3: saving and stopping" in out, out[-2000:]
+    # resumed with more patience: step 2's evaluation is not counted twice, step 3's is the third
+    out = run(base_dir, *flags, "--early_stop=3", "--resume").stdout
+    assert "(step 0) for 3 evaluations in a row at step 3: saving and stopping" in out, out[-2000:]
 
 
 @pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.slow)])  # torchrun: 20 s more

@@ -7,11 +7,14 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
+from nanochat.data import dataloader
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.train.flops import estimate_flops
 from scripts import compare
 from tests.support import processes
+from tests.support.helpers import base_train_child_in_process
 
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=128",
         "--sample_tokens=2", "--device_type=cpu",
@@ -137,43 +140,35 @@ def test_tiny_grid_end_to_end_then_interrupted_rerun_skips_finished_configs(base
     assert writes == [["plain", "trm"], ["plain", "trm"]]
 
 
-# Each config trains in a process of its own: this module, put first on the children's path, records every training
-# batch they draw into RECORD_DIR/<model tag>.jsonl.
-RECORDER = """
-import json, os, sys
-from nanochat.data import dataloader
-real_init, real_next = dataloader.DataLoader.__init__, dataloader.DataLoader.__next__
-
-def init(self, tokenizer, B, T, split, *args, **kwargs):
-    real_init(self, tokenizer, B, T, split, *args, **kwargs)
-    self.split = split
-
-def next_batch(self):
-    x, y = real_next(self)
-    if self.split == "train":
-        tag = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--model_tag="))
-        with open(os.path.join(os.environ["RECORD_DIR"], tag + ".jsonl"), "a") as f:
-            f.write(json.dumps(__import__("torch").cat([x, y[:, -1:]], 1).tolist()) + "\\n")
-    return x, y
-
-dataloader.DataLoader.__init__, dataloader.DataLoader.__next__ = init, next_batch
-"""
-
-
 def model_tag(argv):
     return next(a.split("=", 1)[1] for a in argv if a.startswith("--model_tag="))
 
 
 def test_equal_tokens_mode_feeds_every_config_the_identical_token_stream(base_dir, tmp_path, monkeypatch):
-    hook, records = tmp_path / "hook", tmp_path / "records"
-    hook.mkdir(), records.mkdir()
-    (hook / "sitecustomize.py").write_text(RECORDER)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), ROOT, os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("RECORD_DIR", str(records))
+    """compare's base_train children in this process (as processes: the tiny grid above), every training batch each
+    draws recorded under its model tag."""
+    streams, tags = {}, []
+    real_init, real_next = dataloader.DataLoader.__init__, dataloader.DataLoader.__next__
+
+    def init(self, tokenizer, B, T, split, *args, **kwargs):
+        real_init(self, tokenizer, B, T, split, *args, **kwargs)
+        self.split = split
+
+    def next_batch(self):
+        x, y = real_next(self)
+        if self.split == "train":
+            streams.setdefault(tags[-1], []).append(torch.cat([x, y[:, -1:]], 1).tolist())
+        return x, y
+
+    def child(cmd, env=None):
+        tags.append(model_tag(cmd))
+        return base_train_child_in_process(cmd, env)
+
+    monkeypatch.setattr(dataloader.DataLoader, "__init__", init)
+    monkeypatch.setattr(dataloader.DataLoader, "__next__", next_batch)
+    monkeypatch.setattr(compare.lifecycle, "run_child", child)
     compare.main(["--mode=tokens", "--num_iterations=4", "--evals=1", f"--out={tmp_path / 'out'}", *GRID, "--",
                   *TINY, "--gradient_accumulation_steps=2"])
-    streams = {path.stem: [json.loads(line) for line in path.read_text().splitlines()]
-               for path in sorted(records.iterdir())}
     assert len(streams) == 2
     plain, trm = (streams[name] for name in sorted(streams))  # compare_plain_..., compare_trm_...
     assert len(plain) == 4 * 2  # 4 steps x 2 micro-batches

@@ -137,22 +137,26 @@ def test_extra_arguments_win_and_env_overrides_apply(tmp_path):
         2000, 6, 4, 32)
 
 
-def test_bad_flag_is_rejected_by_base_trains_parser(tmp_path):
-    proc = run_script("scripts/train_8xH100_fast.sh", tmp_path, "--num_iteration=5", DRY_RUN="1")
-    assert proc.returncode != 0 and "did you mean --num_iterations" in proc.stderr
+def test_bad_flag_is_rejected_by_base_trains_parser(tmp_path, monkeypatch, capsys):
+    """In process: a usage error's exit code and message through a script: test_extra_arguments_win_and_env_..."""
+    code, _, err = launch_in_process(monkeypatch, capsys, tmp_path, "8xH100", "fast", "--num_iteration=5",
+                                     DRY_RUN="1")
+    assert code not in (0, None) and "did you mean --num_iterations" in err
+    assert not os.path.exists(tmp_path / "base_data") and not os.path.exists(tmp_path / "tokenizer")
 
 
-def test_multi_node_dry_run(tmp_path):
-    proc = run_script("scripts/train_8xA100_extreme.sh", tmp_path, DRY_RUN="1", NNODES="2", NODE_RANK="1",
-                      MASTER_ADDR="10.1.2.3", MASTER_PORT="29600")
-    assert proc.returncode == 0, proc.stderr
-    options, argv = torchrun_command(proc.stdout)
+def test_multi_node_dry_run(tmp_path, monkeypatch, capsys):
+    """In process (the environment reaches launch.main through the script: test_extra_arguments_win_and_env_...)."""
+    code, out, err = launch_in_process(monkeypatch, capsys, tmp_path, "8xA100", "extreme", DRY_RUN="1", NNODES="2",
+                                       NODE_RANK="1", MASTER_ADDR="10.1.2.3", MASTER_PORT="29600")
+    assert code == 0, err
+    options, argv = torchrun_command(out)
     assert options == ["--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=29600",
                        "--nproc_per_node=8"]
     run_config = parse_args(argv, world_size=16, check_hardware=False)
     assert 16 * run_config.device_batch_size * run_config.grad_accum == 8 * 14 * 2  # the table's, over 2 nodes
-    proc = run_script("scripts/train_8xA100_extreme.sh", tmp_path, DRY_RUN="1", NNODES="2")
-    assert proc.returncode != 0 and "NNODES=2 also needs NODE_RANK and MASTER_ADDR" in proc.stderr
+    code, _, err = launch_in_process(monkeypatch, capsys, tmp_path, "8xA100", "extreme", DRY_RUN="1", NNODES="2")
+    assert code not in (0, None) and "NNODES=2 also needs NODE_RANK and MASTER_ADDR" in err
 
 
 def test_preflight_stops_without_gpus_before_anything_runs(tmp_path, monkeypatch, capsys):
@@ -191,12 +195,12 @@ def test_force_goes_on_past_a_failed_preflight(tmp_path, monkeypatch, capsys):
     assert "run scripts/train_8xA100_fast.sh instead" in capsys.readouterr().out
 
 
-def test_detect_reads_the_node(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "scripts.launch", "detect"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ,
-                               "PATH": f"{fake_nvidia_smi(tmp_path, 'NVIDIA H200', 8)}:{os.environ['PATH']}",
-                               "PYTHONPATH": ROOT})
-    assert proc.returncode == 0 and proc.stdout.strip() == "8xH200"
+def test_detect_reads_the_node(tmp_path, monkeypatch, capsys):
+    """In process, nvidia-smi found on PATH as in a process (speedrun.sh runs detect in one: its dry run below)."""
+    monkeypatch.delenv("HARDWARE", raising=False)
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi(tmp_path, 'NVIDIA H200', 8)}:{os.environ['PATH']}")
+    capsys.readouterr()
+    assert launch.main(["detect"]) == 0 and capsys.readouterr().out.strip() == "8xH200"
 
 
 @pytest.mark.parametrize("phase, summary, expected", [
@@ -253,7 +257,7 @@ def test_speedrun_dry_run_tells_the_whole_story(tmp_path):
     assert len(commands) == 2 and "--preset=aggressive" in commands[0] and "--preset=extreme" in commands[1]
 
 
-def test_end_to_end_on_cpu_stopped_and_run_again(tmp_path):
+def test_end_to_end_on_cpu_stopped_and_run_again(tmp_path, monkeypatch, capsys):
     """train_8xH100_fast.sh for real: 2 Gloo processes, tiny model, built-in corpus, tiny tokenizer, 4 steps. SIGTERM
     to the script after step 2 saves a checkpoint and exits 143; the same command again continues from it."""
     from tests.support.helpers import finish, read_until
@@ -285,10 +289,10 @@ def test_end_to_end_on_cpu_stopped_and_run_again(tmp_path):
         assert f"[{ {True: 'met', False: 'NOT MET', None: 'info'}[status]}] {text}" in out
     assert f"{100 * summary['val_refinement']:.1f}%" in out
     assert ("next: bash scripts/train_8xH100_extreme.sh" in out) == all(s is not False for s, _ in results)
-    check = subprocess.run([sys.executable, "-m", "scripts.launch", "check", "--model_tag=8xH100_fast", "--phase=fast"],
-                           cwd=ROOT, capture_output=True, text=True,
-                           env={**os.environ, "NANOCHAT_BASE_DIR": str(tmp_path), "PYTHONPATH": ROOT})
-    assert check.returncode == (0 if all(s is not False for s, _ in results) else 1)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))  # `launch check`, what speedrun.sh runs next: in process
+    assert launch.main(["check", "--model_tag=8xH100_fast", "--phase=fast"]) == (
+        0 if all(s is not False for s, _ in results) else 1)
+    assert "=== Phase 1 (fast) results: 8xH100_fast (step 4) ===" in capsys.readouterr().out
 
 
 def test_plan_continues_a_run_or_says_why_it_cannot(tmp_path, monkeypatch, capsys):
@@ -318,13 +322,23 @@ def test_plan_continues_a_run_or_says_why_it_cannot(tmp_path, monkeypatch, capsy
 
 
 def test_an_early_stop_is_a_success_for_the_launcher(base_dir, monkeypatch, capfd):
-    """The launcher runs base_train and then checks its summary: a run that stopped early (its validation stopped
-    improving: learning rates 0) exits 0 and has a summary, so the launcher goes on to the criteria."""
+    """The launcher runs torchrun and then checks its summary: a run that stopped early (its validation stopped
+    improving: learning rates 0) exits 0 on every rank and has a summary, so the launcher goes on to the criteria. On 2
+    Gloo processes, the ranks stop together after the same evaluation (test_base_train's early-stop test: the rule in
+    one process, and its resume)."""
     from tests.support.helpers import TINY
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    launch.run([sys.executable, "-m", "scripts.base_train", *TINY, "--matrix_lr=0", "--embedding_lr=0",
-                "--unembedding_lr=0", "--num_iterations=20", "--eval_every=1", "--early_stop=1", "--model_tag=early"])
-    assert "early stop (--early_stop=1)" in capfd.readouterr().out  # and no Exit: the launcher saw exit code 0
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    launch.run(["timeout", "300", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "-m", "scripts.base_train", "--", *TINY, "--matrix_lr=0", "--embedding_lr=0", "--unembedding_lr=0",
+                "--num_iterations=20", "--eval_every=1", "--save_every=0", "--early_stop=2", "--model_tag=early"])
+    out = capfd.readouterr().out  # and no Exit: the launcher saw exit code 0
+    stop = [line for line in out.splitlines() if line.startswith("early stop (--early_stop=2): ")]
+    assert len(stop) == 1 and stop[0].endswith("(step 0) for 2 evaluations in a row at step 2: saving and stopping")
+    run_dir = os.path.join(base_dir, "base_checkpoints", "early")
+    assert [d for d in os.listdir(run_dir) if d.startswith("step_")] == ["step_000002"]
+    with open(os.path.join(run_dir, "step_000002", "meta.json")) as f:
+        assert json.load(f)["val_bpb"]  # saved after its evaluation, which it records
     text, _ = launch.criteria_report("early", "fast")
-    assert "results: early (step 1) ===" in text
+    assert "results: early (step 2) ===" in text

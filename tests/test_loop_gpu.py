@@ -10,7 +10,7 @@ import pytest
 
 from dev import loop_gpu
 from scripts import compare
-from tests.support import processes
+from tests.support.helpers import base_train_child_in_process
 
 
 @pytest.mark.parametrize("part", ["a", "b"])
@@ -24,12 +24,8 @@ def test_each_part_trains_in_a_few_minutes_of_one_h100_at_1e8_tokens(part):
 
 def test_the_comparison_runs_at_toy_size_and_reports_every_model(base_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
-
-    def run_child(cmd, env=None):  # a hang fails the test instead of stalling it
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, text=True)
-        return processes.finish(proc, timeout=300).returncode, None
-
-    monkeypatch.setattr(compare.lifecycle, "run_child", run_child)
+    # compare's children in this process (as processes: test_compare's tiny grid and part c's test below)
+    monkeypatch.setattr(compare.lifecycle, "run_child", base_train_child_in_process)
     out = str(tmp_path / "out")
     toy = ["--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=64",
            "--compile=false", "--dtype=float32", "--device_type=cpu"]

@@ -175,3 +175,15 @@ def private_base_dir(base_dir, tmp_path, monkeypatch, copy_data=False):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(copy))
     monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
     return str(copy)
+
+
+def base_train_child_in_process(cmd, env=None):
+    """lifecycle.run_child's (exit code, signal) for a `python -m scripts.base_train ...` child, run in this process
+    instead (a process start costs seconds here): for tests whose point is not the child process itself."""
+    from scripts import base_train
+    assert cmd[1:3] == ["-m", "scripts.base_train"], cmd
+    try:
+        base_train.main(cmd[3:])
+    except SystemExit as e:
+        return (e.code if isinstance(e.code, int) else 1), None
+    return 0, None
