@@ -13,7 +13,6 @@ from nanochat.train import config as train_config
 from nanochat.train import memory, planning
 from nanochat.train.flops import estimate_flops
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_80GB = ["--device_type=cuda", "--device_memory_gb=80", "--dry_run"]  # a plan for a GPU this machine lacks
 
 
