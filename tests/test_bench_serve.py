@@ -70,16 +70,18 @@ def test_answer_bpb_through_the_server_is_the_models_own(tmp_path_factory, monke
     assert got[None] != got[1] and math.isclose(got["rms:inf"], got[1], rel_tol=1e-5)  # halted at step 1: step 1's
 
 
-def test_the_heavy_mode_reports_the_short_clients_latency_beside_heavy_ones(tmp_path_factory):
+def test_the_heavy_mode_reports_the_short_clients_latency_beside_heavy_ones(tmp_path_factory, monkeypatch, capsys):
     """--heavy: heavy clients loop from 127.0.0.1, one short chat client from 127.0.0.2; the heavy body is clipped to
-    the server's limits (the tiny model's context, 32 tokens)."""
+    the server's limits (the tiny model's context, 32 tokens). main in process (the server is still a process of its
+    own): `python -m dev.bench_serve` is the levels test's."""
     base_dir = tiny_checkpoint(tmp_path_factory)[0]
-    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "dev.bench_serve", "--model_tag", MODEL_TAG, "--heavy", "2", "--level_seconds", "2"]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert '2 heavy clients from 127.0.0.1 loop {"prompt": "x", "max_tokens": 32, "n": 8, "n_sup": 8}' in result.stdout
-    row = next(line for line in result.stdout.splitlines() if line.startswith("| 2 |")).split(" | ")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code = bench_serve.main(["--model_tag", MODEL_TAG, "--heavy", "2", "--level_seconds", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert '2 heavy clients from 127.0.0.1 loop {"prompt": "x", "max_tokens": 32, "n": 8, "n_sup": 8}' in out
+    row = next(line for line in out.splitlines() if line.startswith("| 2 |")).split(" | ")
     assert int(row[1]) >= 1 and int(row[2]) >= 1 and row[3] == row[2]  # every short request served
     assert float(row[4]) > 0 and float(row[7]) > 0 and row[-1] == "none |"
 

@@ -255,26 +255,28 @@ def test_the_refinement_route_answers_a_conversation_step_by_step(url, trained):
 
 def test_chat_eval_through_the_server_scores_as_in_process(url, trained, tmp_path, monkeypatch):
     """chat_eval --server: the same questions through lm-eval's chat backend, the same replies and exact match at
-    every step as the model evaluated in-process (a system message folded in as the rendering folds it)."""
+    every step as the model evaluated in-process (a system message folded in as the rendering folds it). One run of
+    the command (each step is one lm-eval run of seconds) checks evaluate_chat_server and the CLI around it."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     pytest.importorskip("lm_eval", reason="lm-eval is the optional [eval] extra: pip install -e '.[eval]'")
-    from nanochat.eval.chat_eval import evaluate_chat, evaluate_chat_server
+    from nanochat.eval.chat_eval import evaluate_chat, items_from
     from scripts import chat_eval
     right_at_2 = answer(trained, USER, 5, n_sup=2).strip()  # right from step 2 on, wrong at step 1
-    items = [("echo", [*USER, {"role": "assistant", "content": right_at_2}]),
-             ("other", [{"role": "system", "content": "mat"}, {"role": "user", "content": "dog"},  # the system
-                        {"role": "assistant", "content": "no"}])]  # message changes this reply
-    served = evaluate_chat_server(url, MODEL_TAG, items, 2, max_tokens=5)
-    here = evaluate_chat(trained[1], trained[2], items, 2, max_tokens=5)
-    assert served["tasks"]["echo"]["accuracy"] == here["tasks"]["echo"]["accuracy"] == [0.0, 1.0]
-    assert served["examples"] == here["examples"] and served["all"]["ended"] == [None] * 2
+    conversations = [[*USER, {"role": "assistant", "content": right_at_2}],
+                     [{"role": "system", "content": "mat"}, {"role": "user", "content": "dog"},  # the system
+                      {"role": "assistant", "content": "no"}]]  # message changes this reply
     data = tmp_path / "qa.jsonl"
-    data.write_text("".join(json.dumps({"messages": m}) + "\n" for _, m in items))
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
     with pytest.raises(SystemExit) as refused:
         chat_eval.main([f"--server={url}", f"--data={data}", "--n_sup=99", f"--out={tmp_path}"])
     assert refused.value.code == 2
-    result = chat_eval.main([f"--server={url}", f"--data={data}", "--n_sup=1", "--max_tokens=5", f"--out={tmp_path}"])
-    assert result["all"]["accuracy"] == [0.0] and result["server"] == url
+    served = chat_eval.main([f"--server={url}", f"--data={data}", "--n_sup=2", "--max_tokens=5", f"--out={tmp_path}"])
+    here = evaluate_chat(trained[1], trained[2], items_from(str(data)), 2, max_tokens=5)
+    echo = here["examples"][str(data)][0]["replies"]
+    assert echo[1] == right_at_2 != echo[0]  # the steps differ, and the score sees it
+    assert served["all"]["accuracy"] == here["all"]["accuracy"] and served["all"]["accuracy"][1] > 0
+    assert served["examples"] == here["examples"] and served["all"]["ended"] == [None] * 2
+    assert served["server"] == url and served["n_sup_train"] == trained[1].config.n_sup_train
     written = {p.name for p in tmp_path.iterdir()}
     assert written >= {f"chat_eval_step000040_server.{ext}" for ext in ("json", "md", "png")}
 

@@ -619,22 +619,27 @@ def compiled_training_matches_eager(config, backend, steps=2, scope="layer"):
 def test_regional_compile_graphs_do_not_grow_with_the_recursion_and_never_recompile():
     # dynamo's capture and guards with the aot_eager backend (seconds); inductor's numerics in the slow test below
     # per grad mode: the first layer visit (z does not require grad yet), every other visit; the head's loss chunk;
-    # the no-gradient sweeps of T_recursion 2 add the no-grad twin's graphs for inputs that require grad
-    for T in (1, 2):
-        shallow = compiled_training_matches_eager(tiny_config(n_loops=1, T_recursion=T, n_sup_train=2, n_layer=2),
-                                                  "aot_eager", steps=2 if T == 1 else 1)
-        deep = compiled_training_matches_eager(tiny_config(n_loops=3, T_recursion=T, n_sup_train=4, n_layer=4,
-                                                           state_update="trm"), "aot_eager", steps=1)
-        assert shallow == deep <= 8, (T, shallow, deep)
+    # the no-gradient sweeps of T_recursion 2 add the no-grad twin's graphs for inputs that require grad (T_recursion
+    # 1's graphs are a subset of these, so 2 alone is compiled: each compile costs seconds). The deeper model, one more
+    # of every axis, also carries its state detached between steps (the TRM paper's default): compile still takes
+    # effect there, in the same graphs. Its graph count is dynamo's alone, so it is traced with the "eager" backend
+    # (a quarter of the time); aot_eager's numerics of those same graphs are the shallow model's.
+    shallow = compiled_training_matches_eager(tiny_config(n_loops=1, T_recursion=2, n_sup_train=2, n_layer=2),
+                                              "aot_eager", steps=2)
+    deep = compiled_training_matches_eager(tiny_config(n_loops=2, T_recursion=3, n_sup_train=3, n_layer=3,
+                                                       detach_between_steps=True), "eager", steps=1)
+    assert 1 <= shallow == deep <= 8, (shallow, deep)
 
 
 def test_the_whole_model_compiled_matches_eager_in_a_fixed_number_of_graphs():
     # compile scope "model": the embedding and each sweep one region; a plain GPT's trunk is then one graph (forward
-    # and backward), however deep; the TRM's sweep too (every visit unrolled in it: not its default, checked once)
+    # and backward), however deep (one more layer shows it, counted by dynamo alone: the "eager" backend); the TRM's
+    # sweep too (every visit unrolled in it: not its default, checked once, at one layer)
     shallow = compiled_training_matches_eager(tiny_config(n_loops=0, n_layer=2), "aot_eager", scope="model")
-    deep = compiled_training_matches_eager(tiny_config(n_loops=0, n_layer=4), "aot_eager", steps=1, scope="model")
+    deep = compiled_training_matches_eager(tiny_config(n_loops=0, n_layer=3), "eager", steps=1, scope="model")
     assert shallow == deep <= 6, (shallow, deep)
-    assert compiled_training_matches_eager(tiny_config(n_loops=1), "aot_eager", steps=1, scope="model") <= 8
+    assert compiled_training_matches_eager(tiny_config(n_loops=1, n_layer=1), "aot_eager", steps=1,
+                                           scope="model") <= 8
 
 
 def test_compile_scope_auto_is_the_model_for_a_plain_gpt_and_the_layer_visit_for_the_recursion():
@@ -648,12 +653,6 @@ def test_compile_scope_auto_is_the_model_for_a_plain_gpt_and_the_layer_visit_for
         compile_scope_for(tiny_config(n_loops=0), "model", fsdp=True)
     with pytest.raises(ValueError, match="unknown"):
         compile_scope_for(tiny_config(), "everything")
-
-
-def test_compile_takes_effect_with_detached_steps():
-    graphs = compiled_training_matches_eager(tiny_config(n_loops=1, n_sup_train=3, detach_between_steps=True),
-                                             "aot_eager", steps=1)
-    assert graphs >= 1
 
 
 @pytest.mark.slow

@@ -216,6 +216,9 @@ def test_the_wait_gives_up_at_the_deadline_with_one_line(tmp_path, monkeypatch):
     assert "\n" not in line and "node 1 waited 0.2 s" in line and "but found one for {'dataset': 'fineweb', " \
                                                                    "'shards': 50}" in line
     assert "NANOCHAT_BASE_DIR must be a directory shared by every node" in line and multinode.WAIT_ENV in line
+    t0 = time.monotonic()  # a poll longer than the deadline ends at the deadline, not a poll later
+    assert "node 1 waited 0.2 s" in multinode.wait_for_node0({"dataset": "fineweb", "shards": 100}, 1, 0.2, poll_s=60)
+    assert time.monotonic() - t0 < 10
 
 
 def test_a_single_node_prepares_without_a_marker(tmp_path, monkeypatch):

@@ -75,7 +75,10 @@ def stop_cli(proc):
 
 @pytest.fixture(scope="module")
 def url(trained):
-    proc, base_url = start_cli(trained[0], "--max_concurrency", "2", env={"NANOCHAT_API_KEY": ""})
+    # the module's one CLI process (each costs seconds to start): its allowed hosts and origins are
+    # test_the_cli_logs_nothing_for_abandoned_streams_and_takes_its_allowed_hosts_and_origins's
+    proc, base_url = start_cli(trained[0], "--max_concurrency", "2", "--allowed_hosts", "proxy.example,*.lan.example",
+                               "--allowed_origins", "https://page.example", env={"NANOCHAT_API_KEY": ""})
     try:
         yield base_url
     finally:
@@ -397,7 +400,8 @@ def test_lm_evals_local_completions_scores_a_task_as_the_model(url, trained, tmp
     (tmp_path / "tiny_mc.yaml").write_text(MC_TASK.format(data=data))
     hf_tokenizer(tokenizer, model.config.sequence_len).save_pretrained(tmp_path / "tokenizer")
     results = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model="local-completions", tasks=["tiny_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),  # the built-ins: ~15 s to index
         model_args={"base_url": f"{url}/v1/completions", "model": MODEL_TAG, "tokenizer": str(tmp_path / "tokenizer"),
                     "tokenizer_backend": "huggingface", "add_bos_token": True, "max_length": 32, "batch_size": 2,
                     "max_retries": 1},
@@ -906,23 +910,18 @@ def abandon_stream(port, route, body):
         assert sock.recv(100).startswith(b"HTTP/1.1 200 ")
 
 
-def test_the_cli_logs_nothing_for_abandoned_streams_and_takes_its_allowed_hosts_and_origins(trained):
+def test_the_cli_logs_nothing_for_abandoned_streams_and_takes_its_allowed_hosts_and_origins(url):
     """Clients leaving streams mid-way (test_a_stream_whose_client_left_logs_nothing forces the race) log nothing
-    (stop_cli allows no other line); --allowed_hosts and --allowed_origins reach the gate."""
-    proc, base_url = start_cli(trained[0], "--allowed_hosts", "proxy.example,*.lan.example", "--allowed_origins",
-                               "https://page.example", env={"NANOCHAT_API_KEY": ""})
-    try:
-        port = int(base_url.rsplit(":", 1)[1])
-        for _ in range(3):
-            abandon_stream(port, "/v1/completions", {"prompt": "the", "max_tokens": 30, "n": 8, "temperature": 1.0})
-            abandon_stream(port, "/v1/refinement", {"prompt": "the", "max_tokens": 30, "temperature": 1.0})
-        wait_until_running(base_url, 0)
-        health = lambda **headers: httpx.get(f"{base_url}/health", headers=headers, timeout=30).status_code
-        assert health(host="proxy.example") == health(host="box.lan.example:8000") == 200
-        assert health(host="attacker.example") == 400
-        assert health(origin="https://page.example") == 200 and health(origin="https://evil.example") == 403
-    finally:
-        stop_cli(proc)
+    (the url fixture's stop_cli allows no other line); --allowed_hosts and --allowed_origins reach the gate."""
+    port = int(url.rsplit(":", 1)[1])
+    for _ in range(3):
+        abandon_stream(port, "/v1/completions", {"prompt": "the", "max_tokens": 30, "n": 8, "temperature": 1.0})
+        abandon_stream(port, "/v1/refinement", {"prompt": "the", "max_tokens": 30, "temperature": 1.0})
+    wait_until_running(url, 0)
+    health = lambda **headers: httpx.get(f"{url}/health", headers=headers, timeout=30).status_code
+    assert health(host="proxy.example") == health(host="box.lan.example:8000") == 200
+    assert health(host="attacker.example") == 400
+    assert health(origin="https://page.example") == 200 and health(origin="https://evil.example") == 403
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])

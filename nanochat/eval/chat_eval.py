@@ -209,7 +209,8 @@ def evaluate_chat_server(url, model_id, items, n_steps, max_tokens=16, api_key=N
             f.write("".join(json.dumps(doc) + "\n" for doc in docs))
         with open(os.path.join(directory, "nanochat_chat.yaml"), "w", encoding="utf-8") as f:
             f.write(LM_EVAL_TASK.format(name="nanochat_chat", data=data, max_tokens=max_tokens))
-        manager = TaskManager(include_path=directory)
+        # only this task: indexing lm-eval's thousands of built-in task files takes ~15 s and none is used
+        manager = TaskManager(include_path=directory, include_defaults=False)
         for s in range(1, n_steps + 1):
             results = lm_eval.simple_evaluate(model="local-chat-completions", tasks=["nanochat_chat"],
                                               task_manager=manager, model_args=model_args, apply_chat_template=True,

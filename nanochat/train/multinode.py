@@ -121,5 +121,5 @@ def wait_for_node0(prepared, node_rank, deadline_s, poll_s=POLL_S, probe_s=DEFAU
             return (f"node {node_rank} waited {deadline_s} s for node 0's {marker_path(base_dir)} saying {prepared} is "
                     f"ready " + (f"but found one for {found}" if found else "and it did not appear")
                     + f": {shared}; {WAIT_ENV}=<seconds> waits longer")
-        time.sleep(poll_s)
+        time.sleep(min(poll_s, max(0.0, start + deadline_s - now)))  # a short deadline is not overslept by a poll
     return None
