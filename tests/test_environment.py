@@ -67,3 +67,14 @@ def test_the_editable_install_is_a_path_entry_without_setuptools_warning_box(tmp
     with zipfile.ZipFile(tmp_path / "wheel" / result.stdout.split()[-1]) as wheel:
         pth = [name for name in wheel.namelist() if name.endswith(".pth")]
         assert [wheel.read(name).decode().strip() for name in pth] == [str(tmp_path.resolve())]
+
+
+def test_uv_is_handed_pips_own_sources():
+    """dev/setup_env.sh installs with uv, which reads no pip.conf: pip's indexes and find-links (a local torch wheel)
+    must reach it, each once, whatever the scope that set them."""
+    from dev.pip_sources import sources
+    listing = ("global.extra-index-url='file:///a/simple file:///b/simple'\nglobal.find-links='/opt/wheels'\n"
+               ":env:.find-links='/opt/wheels'\nglobal.cert='/etc/ssl/x.crt'\nuser.index-url=\"https://mirror/simple\"\n")
+    assert sources(listing) == ["--extra-index-url", "file:///a/simple", "--extra-index-url", "file:///b/simple",
+                                "--find-links", "/opt/wheels", "--index-url", "https://mirror/simple"]
+    assert sources("") == []
