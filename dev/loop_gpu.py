@@ -40,10 +40,18 @@ CONFIGS = {
     # issue 51's best candidate, issue 57's new default: the holding recipe (drawn step counts, gradients through 4)
     # with the curriculum
     "holding": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4 --n_sup_warmup=0.5",
+    # issue 57 item 4's longer tail: the draws beyond N trained more. The curriculum's cap reaches 2N+1 by the end at
+    # warmup 0.5, 4N+1 at 0.25 (and 2N+1 at half the run), none at 0 (issue 51's holding, draws up to 4N throughout)
+    "tail": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4 --n_sup_warmup=0.25",
+    "open": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4 --n_sup_warmup=0",
 }
 # c: issue 57 item 8, the equal-FLOPs question: the new default (holding) against the deeper plain and loopnc
+# d: issue 57 item 4, do later steps stop hurting on text when the steps past N are trained (the tail levers)?
 PARTS = {"a": ["plain2", "plain24", "loopnc"], "b": ["default", "holding"], "c": ["holding", "plain24", "loopnc"],
-         "all": list(CONFIGS)}
+         "d": ["holding", "tail", "open"], "all": ["plain2", "plain24", "loopnc", "default", "holding"]}
+CONCURRENT = ("c", "d")  # parts whose models run at once, each in a process of its own (run_concurrently)
+# the call each concurrent part is planned into: d's three recursions (~370 s at 4e7 tokens) take one 7-minute call
+CALL_S = {"c": 300, "d": 420}
 SHARED = ["--n_embd=384", "--n_head=3", "--max_seq_len=2048", "--device_batch_size=16", "--compile=true",
           "--dtype=bfloat16", "--eval_tokens=1048576", "--sample_every=0"]
 BATCH_TOKENS = 131072  # 64 rows of 2048
@@ -71,7 +79,8 @@ MEASURED_H200 = {"holding": {"tokens_per_s": 304 * 131072 / 64.96, "compile_s": 
                  "default": {"tokens_per_s": 304 * 131072 / 79.95, "compile_s": 41.9},
                  "plain24": {"tokens_per_s": 227 * 131072 / 56.13, "compile_s": 66.9},
                  "plain2": {"tokens_per_s": 304 * 131072 / 22.87, "compile_s": 19.1}}
-ASSUMED_LIKE = {"loopnc": ("holding", "plain2")}  # unmeasured: (whose FLOP rate, whose compile)
+# unmeasured: (whose FLOP rate, whose compile); tail and open are holding's model and shapes with other draws
+ASSUMED_LIKE = {"loopnc": ("holding", "plain2"), "tail": ("holding", "holding"), "open": ("holding", "holding")}
 PART_C = {"evals": 2, "flags": ["--eval_tokens=262144"],  # evaluation trimmed: 4 evaluations of 262,144 tokens
           "call_s": 300, "prepare_s": 10, "start_s": 20, "eval_compile_s": 18.6, "eval_s": 0.86 * 262144 / 524288,
           "sweep_s": 5, "compile_contention": 1.5}
@@ -82,7 +91,7 @@ def compare_argv(part, tokens, out, extra=(), batch_tokens=BATCH_TOKENS, only=No
     times (part c: PART_C's trimmed evaluation) and to 4N steps."""
     configs = [a for name in CONFIGS for a in ("--config", f"{name}={CONFIGS[name]}")]
     steps = max(1, round(float(tokens) / batch_tokens))
-    evals, trimmed = (PART_C["evals"], PART_C["flags"]) if part == "c" else (8, [])
+    evals, trimmed = (PART_C["evals"], PART_C["flags"]) if part in CONCURRENT else (8, [])
     return ["--mode=tokens", f"--num_iterations={steps}", f"--only={','.join(only or PARTS[part])}", f"--out={out}",
             f"--evals={evals}", "--inference_factor=4", *configs, "--",
             *SHARED, *trimmed, f"--total_batch_size={batch_tokens}", *extra]
@@ -96,13 +105,13 @@ def plan(argv, vocab_size=264):
             for r in compare.plan(args, vocab_size, 1) if r.name in args.only]
 
 
-def plan_c(tokens, extra=(), batch_tokens=BATCH_TOKENS, vocab_size=264):
-    """Part c's time on one H200, its models at once: ([(name, ready_s, train_s, done_s)], total seconds). ready_s:
-    when a model's process has started and compiled (its evaluation twin first: the eval at step 0); train_s: its
-    tokens at its measured speed; done_s: when the GPU, serving the models one after another as they are ready,
-    finishes it and its evaluations and inference sweep."""
+def plan_c(tokens, extra=(), batch_tokens=BATCH_TOKENS, vocab_size=264, part="c"):
+    """A concurrent part's (c, d) time on one H200, its models at once: ([(name, ready_s, train_s, done_s)], total
+    seconds). ready_s: when a model's process has started and compiled (its evaluation twin first: the eval at step
+    0); train_s: its tokens at its measured speed; done_s: when the GPU, serving the models one after another as they
+    are ready, finishes it and its evaluations and inference sweep."""
     from scripts import compare
-    args = compare.parse_args(compare_argv("c", tokens, "out", extra, batch_tokens))
+    args = compare.parse_args(compare_argv(part, tokens, "out", extra, batch_tokens))
     runs = {r.name: r for r in compare.plan(args, vocab_size, 1) if r.name in args.only}
     c = PART_C
     measured = dict(MEASURED_H200)
@@ -183,13 +192,13 @@ def table(out):
     return text
 
 
-def print_plan_c(tokens, extra=(), batch_tokens=BATCH_TOKENS):
-    rows, total = plan_c(tokens, extra, batch_tokens)
+def print_plan_c(tokens, extra=(), batch_tokens=BATCH_TOKENS, part="c"):
+    rows, total = plan_c(tokens, extra, batch_tokens, part=part)
     for name, ready, train, done in rows:
         print(f"{name:12s} ready at {ready:5.0f} s (start, compiles), {train:5.0f} s on the GPU (training at the "
               f"H200's measured speed, evaluations, sweep), done at {done:5.0f} s")
-    print(f"part c: ~{total:.0f} s of a {PART_C['call_s']} s call, its models at once on one H200 (dev/loop_gpu.py, "
-          f"PART_C)")
+    print(f"part {part}: ~{total:.0f} s of a {CALL_S[part]} s call, its models at once on one H200 "
+          f"(dev/loop_gpu.py, PART_C)")
     return total
 
 
@@ -204,18 +213,18 @@ def main(argv=None):
     own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = ap.parse_args(own)  # after --: base_train flags for every model
     argv = compare_argv(args.part, args.tokens, args.out, extra, args.batch_tokens)
-    if args.action in ("plan", "run") and args.part == "c":
-        print_plan_c(args.tokens, extra, args.batch_tokens)
+    if args.action in ("plan", "run") and args.part in CONCURRENT:
+        print_plan_c(args.tokens, extra, args.batch_tokens, args.part)
     elif args.action in ("plan", "run"):
         estimates = plan(argv)
         for name, flops, seconds in estimates:
             print(f"{name:12s} {flops:.3e} training FLOPs, {seconds / 60:.1f} min at {MFU:.0%} MFU on one H100")
         total = sum(s for *_, s in estimates) / 60
         print(f"part {args.part}: {total:.1f} min of training, plus compile and evaluation")
-    if args.action == "run" and args.part == "c":
+    if args.action == "run" and args.part in CONCURRENT:
         codes = run_concurrently(args.part, args.tokens, args.out, extra, args.batch_tokens)
         if any(codes.values()):
-            print(f"loop_gpu: part c: {', '.join(n for n, c in codes.items() if c)} failed (see their logs)")
+            print(f"loop_gpu: part {args.part}: {', '.join(n for n, c in codes.items() if c)} failed (see their logs)")
     elif args.action == "run":
         from scripts import compare
         compare.main(argv)

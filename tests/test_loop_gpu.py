@@ -31,16 +31,16 @@ def test_the_comparison_runs_at_toy_size_and_reports_every_model(base_dir, tmp_p
            "--compile=false", "--dtype=float32", "--device_type=cpu"]
     loop_gpu.main(["run", "all", "--tokens", "192", "--batch_tokens", "64", "--out", out, "--", *toy])
     text = open(os.path.join(out, "table.md")).read()
-    for name in loop_gpu.CONFIGS:
+    for name in loop_gpu.PARTS["all"]:
         assert f"| {name} |" in text
-    assert text.count(" 3:") == len(loop_gpu.CONFIGS)  # each model's bpb at its last step (3 steps of 64 tokens)
+    assert text.count(" 3:") == len(loop_gpu.PARTS["all"])  # each model's bpb at its last step (3 steps of 64 tokens)
     assert "n_sup=16" in open(os.path.join(out, "compare.md")).read()  # the recursion evaluated to 4N
 
 
 def test_part_c_fits_a_5_minute_call_at_4e7_tokens_by_the_h200s_measured_speeds(capsys):
     rows, total = loop_gpu.plan_c("4e7")
     assert sorted(name for name, *_ in rows) == sorted(loop_gpu.PARTS["c"]) == ["holding", "loopnc", "plain24"]
-    assert total <= loop_gpu.PART_C["call_s"] == 300
+    assert total <= loop_gpu.CALL_S["c"] == loop_gpu.PART_C["call_s"] == 300
     by_name = {name: (ready, train, done) for name, ready, train, done in rows}
     # training alone at the measured tokens/s: 4e7 tokens at 613k (holding) and 530k (plain24) tokens/s
     assert 65 < by_name["holding"][1] < 80 and 75 < by_name["plain24"][1] < 90
@@ -53,6 +53,20 @@ def test_part_c_fits_a_5_minute_call_at_4e7_tokens_by_the_h200s_measured_speeds(
     loop_gpu.main(["plan", "c", "--tokens", "4e7"])
     out = capsys.readouterr().out
     assert "part c: ~" in out and "of a 300 s call" in out and all(f"{name} " in out for name in by_name)
+
+
+def test_part_d_plans_the_tail_levers_beside_the_default_in_one_7_minute_call():
+    """Issue 57 item 4's GPU run: the new default and its two longer tails, equal in all but the curriculum's warmup."""
+    rows, total = loop_gpu.plan_c("4e7", part="d")
+    assert [name for name, *_ in rows] == loop_gpu.PARTS["d"] == ["holding", "tail", "open"]
+    assert total <= loop_gpu.CALL_S["d"] == 420
+    flags = {name: loop_gpu.CONFIGS[name].split() for name in loop_gpu.PARTS["d"]}
+    same = [[f for f in flags[name] if "n_sup_warmup" not in f] for name in ("holding", "tail", "open")]
+    assert same[0] == same[1] == same[2]
+    assert "--n_sup_warmup=0.25" in flags["tail"] and "--n_sup_warmup=0" in flags["open"]
+    # a longer tail trains more steps a token: the plan's GPU time grows with it
+    train = {name: train_s for name, _, train_s, _ in rows}
+    assert train["holding"] < train["tail"] < train["open"]
 
 
 def test_part_c_runs_its_models_at_once_at_toy_size(base_dir, tmp_path, monkeypatch):
