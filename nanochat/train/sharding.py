@@ -16,19 +16,19 @@ while one of its visits runs.
   owns it, orthogonalises whole matrices there and sends every rank its rows of the update.
 """
 
+import sys
+
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.train.optim import AdamW, Muon, ShardedMuon
 
 
 def is_sharded(model):
-    return isinstance(model, FSDPModule)
+    """Without importing FSDP: a model is sharded only once torch.distributed.fsdp was imported (by shard_model)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def shard_model(model, device, param_dtype="auto"):
@@ -38,6 +38,9 @@ def shard_model(model, device, param_dtype="auto"):
     bf16 on GPUs, None on CPU."""
     if param_dtype == "auto":
         param_dtype = torch.bfloat16 if device.type == "cuda" else None
+    # lazy: FSDP and DTensor cost ~1.5 s of start-up, paid only by a sharded run (evaluation and serving import this)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     # inputs uncast: the recursion's state stays float32 as under DDP, autocast casts per op
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
                                   cast_forward_inputs=False)
@@ -81,6 +84,8 @@ def write_rows(weight, draw):
     the RNG stream the unsharded model's init consumes), then this rank's part of it copied into its shard."""
     whole = torch.empty(weight.shape, dtype=weight.dtype, device="cpu")
     draw(whole)
+    from torch.distributed.tensor import DTensor  # lazy: as shard_model's
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     if not isinstance(weight, DTensor):
         weight.copy_(whole)
         return
