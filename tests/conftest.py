@@ -12,6 +12,23 @@ import torch
 WORDS = "the a model data refine step loss token draft answer of to in is was by with layer sweep".split()
 
 
+# The files with the longest single tests (--durations of dev/test.sh, 2026-11-29), handed to the workers first
+# (dev/test.sh's --no-loadscope-reorder keeps this order): the suite ends when its last file does, and xdist's own
+# order (most tests first) started the hops file, a few tests and ~2.5 minutes, last
+LONGEST_FIRST = ("test_hops.py", "test_launch.py", "test_hops_demo.py", "test_process_group_timeout.py",
+                 "test_lifecycle.py", "test_compare.py", "test_loop_gpu.py", "test_gpu_check.py", "test_fsdp.py",
+                 "test_base_train.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    count = {}
+    for item in items:
+        count[item.path] = count.get(item.path, 0) + 1
+    # then xdist's own rule, most tests first; stable, so each file's tests keep their order
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -count[item.path]))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
     # tiny ops on a loaded 2-core machine run 10-60x slower with 2 threads fighting over the cores
