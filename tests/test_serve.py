@@ -1017,7 +1017,7 @@ def pipeline_unread(port, request, seconds=2.0):
 def test_a_client_that_never_reads_is_dropped_after_the_write_timeout(trained):
     """Two connections pipeline GET / and never read (the page needs no key): they fill --max_connections, so a
     third is refused, until the write deadline drops them; then the server serves again."""
-    # a write timeout of 6 s: on a loaded machine the second is accepted seconds after the first, both must still be held
+    # a 6 s write timeout: on a loaded machine the second is accepted seconds after the first; both must be held
     http = guarded_server(trained, read_timeout=30.0, max_connections=2, write_timeout=6.0)
     with running(http) as base_url:
         port = int(base_url.rsplit(":", 1)[1])
