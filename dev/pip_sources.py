@@ -10,16 +10,13 @@ FLAGS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "fi
 
 
 def sources(listing):
-    flags = []
+    pairs = {}  # (flag, source) in first-seen order: a source set in two scopes is passed once
     for line in listing.splitlines():
         key, _, value = line.partition("=")
         name = key.rsplit(".", 1)[-1]
-        if name in FLAGS:
-            for item in value.strip().strip("'\"").split():
-                pair = [FLAGS[name], item]
-                if item and pair not in (flags[i:i + 2] for i in range(0, len(flags), 2)):
-                    flags += pair
-    return flags
+        for item in value.strip().strip("'\"").split() if name in FLAGS else []:
+            pairs[FLAGS[name], item] = None
+    return [part for pair in pairs for part in pair]
 
 
 if __name__ == "__main__":
