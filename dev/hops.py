@@ -23,7 +23,6 @@ import time
 import torch
 
 import nanochat.model.gpt
-from dev import consistency
 from nanochat.data.synthetic import HopsSpec, draw_table, hops_answers, hops_documents, pairs_answers, pairs_document
 from nanochat.data.tokenizer import RustBPETokenizer
 from nanochat.model.gpt import GPT, REFINEMENT_PRESETS, GPTConfig
@@ -412,8 +411,6 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--variant", default="default", choices=VARIANTS, help="the layer visit (an ablation)")
     ap.add_argument("--save", default=None, help="torch.save {config, state_dict} of the trained model here")
-    ap.add_argument("--consistency", type=float, default=0.0, help="research: dev/consistency.py's term at this "
-                    "weight (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -464,10 +461,9 @@ def main():
             log.append((step, [round(v, 3) for v in aux["step_losses"].tolist()]))
             print(f"{args.name} step {step} losses {log[-1][1]} {time.time() - start:.0f}s", flush=True)
 
-    with consistency.installed(args.consistency):
-        train(model, optimizers, spec, tok, args.steps, args.batch, args.seed, args.warmup, args.warmdown,
-              bool(args.answers_only), report, args.clip, args.pack, bool(args.momentum_warmup), args.docs_per_row,
-              args.row_offset, args.depth_warmup)
+    train(model, optimizers, spec, tok, args.steps, args.batch, args.seed, args.warmup, args.warmdown,
+          bool(args.answers_only), report, args.clip, args.pack, bool(args.momentum_warmup), args.docs_per_row,
+          args.row_offset, args.depth_warmup)
     train_s = time.time() - start
     acc, answer_loss = evaluate(model, val, args.eval_mult * args.n_sup, eval_hops)
     result = {"name": args.name, "seed": args.seed, "args": vars(args), "params": model.num_params(),

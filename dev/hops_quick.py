@@ -19,7 +19,6 @@ import time
 import torch
 
 import nanochat.model.gpt
-from dev import consistency
 from dev.hops import (
     FORMAT,
     VARIANTS,
@@ -132,8 +131,6 @@ def main():
                     "recipe's, CURRICULUM)")
     ap.add_argument("--cap", default="rising", choices=CAPS, help="the curriculum cap's shape after its warmup "
                     "(research: rising = train/depth.py's)")
-    ap.add_argument("--consistency", type=float, default=0.0, help="research: dev/consistency.py's term at this "
-                    "weight (0: none)")
     ap.add_argument("--name", default=None, help="the run's name in --out (default: the recipe)")
     ap.add_argument("--out", default=None, help="append the run's JSON line here")
     ap.add_argument("--save", default=None, help="torch.save {config, state_dict} of the trained model here")
@@ -151,8 +148,7 @@ def main():
     depth.curriculum_cap = CAPS[args.cap]  # train_depth reads it at call time
     if args.depth_warmup is None:
         args.depth_warmup = CURRICULUM.get(args.recipe, 0.0)
-    with consistency.installed(args.consistency):
-        model = trained(config, args.steps, args.seed, probe, args.depth_warmup)
+    model = trained(config, args.steps, args.seed, probe, args.depth_warmup)
     train_s = time.time() - start
     n = model.config.n_sup_train
     acc, answer_loss = evaluate(model, val, args.eval_mult * n, longest)
@@ -170,7 +166,6 @@ def main():
                                 "state_update": args.state_update, "variant": args.variant,
                                 "config": json.loads(args.config),
                                 "depth_warmup": args.depth_warmup, "cap": args.cap, "seed": args.seed,
-                                "consistency": args.consistency,
                                 "steps": args.steps,
                                 "n_sup_train": n, "train_s": round(train_s),
                                 "acc": [[round(v, 3) for v in row] for row in acc.tolist()],

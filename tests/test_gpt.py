@@ -122,12 +122,14 @@ def test_plain_blocks_with_no_grad_sweeps_are_rejected():
     (False, 1, 0, "residual", "extreme"), (False, 2, 2, "trm", "extreme"), (True, 1, 1, "postnorm", "moderate"),
     (False, 1, 2, "decay", "aggressive"), (True, 2, 1, "decay", "extreme"),
 ])
-def test_forward_backward_gives_the_gradients_of_the_total(detach, T_recursion, n_loops, state_update, preset):
+@pytest.mark.parametrize("consistency_weight", [0.0, 0.7])
+def test_forward_backward_gives_the_gradients_of_the_total(detach, T_recursion, n_loops, state_update, preset,
+                                                           consistency_weight):
     # each step's head is backpropagated on its own (and with detach, each step's trunk too): the gradients must
     # equal total.backward()'s
     config = GPTConfig.with_refinement_preset(preset, **tiny_config(
         n_loops=n_loops, T_recursion=T_recursion, n_sup_train=3, detach_between_steps=detach,
-        state_update=state_update).to_dict())
+        state_update=state_update, consistency_weight=consistency_weight).to_dict())
     model = random_model(config)
     stepwise = twin(model, config)
     batch = random_batch(config)
@@ -141,6 +143,27 @@ def test_forward_backward_gives_the_gradients_of_the_total(detach, T_recursion, 
         torch.testing.assert_close(aux_s["step_losses"], aux["step_losses"])
         assert aux_s["state"].shape == (n_sup, len(STATE_DIAGNOSTICS))
         assert_same_grads(model, stepwise)
+
+
+def test_the_consistency_term_is_each_later_steps_relative_move_weighed_as_its_loss():
+    # worked by hand from model.refine and plain cross-entropy: no supervision code but the weights' formula
+    config = tiny_config(n_loops=2, n_sup_train=3, consistency_weight=0.7)
+    model = random_model(config)
+    idx, targets = random_batch(config)
+    ys = [y for y, _ in model.refine(idx, 4)]
+    ce = [F.cross_entropy(model.head(y).flatten(0, 1), targets.flatten()) for y in ys]
+    base, scale = config.supervision_weight_base, config.improvement_reward_scale
+    w = [base ** s / sum(base ** j for j in range(4)) for s in range(4)]
+    total = sum(w[s] * ce[s] for s in range(4))
+    for s in range(1, 4):
+        reward = scale / ce[s - 1].detach()
+        moved = ((ys[s] - ys[s - 1].detach()).square().sum(-1) / ys[s - 1].detach().square().sum(-1)).mean()
+        total = total - reward * (ce[s - 1].detach() - ce[s]) + (w[s] + reward) * 0.7 * moved
+    got, aux = model(idx, targets, n_sup=4)
+    torch.testing.assert_close(got, total)
+    torch.testing.assert_close(aux["step_losses"], torch.stack(ce).detach())  # reported losses stay cross-entropy
+    without, _ = twin(model, config.replace(consistency_weight=0.0))(idx, targets, n_sup=4)
+    assert without < got - 1e-3  # the term is there to be found
 
 
 def test_detach_between_steps_keeps_forward_and_still_trains_every_parameter():

@@ -29,6 +29,7 @@ from .supervision import (
     SOFTCAP,
     ChunkedHeadLoss,
     chunked_token_losses,
+    consistency_term,
     deep_supervision_loss,
     loss_aux,
     normed_head_chunk_loss_and_grads,
@@ -55,7 +56,7 @@ N_SUP_SAMPLERS = ("uniform", "lognormal_poisson")
 
 # Config fields added after checkpoints existed, and the behaviour those checkpoints were trained with.
 FIELDS_BEFORE_THEY_EXISTED = {"state_update": "residual", "sample_n_sup": False, "state_dtype": "float32",
-                              "backprop_steps": 1}
+                              "backprop_steps": 1, "consistency_weight": 0.0}
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -96,6 +97,9 @@ class GPTConfig:
     # The guides tell users to edit these two lines between phases (aggressive -> extreme): keep them plain literals.
     supervision_weight_base: float = 5.0
     improvement_reward_scale: float = 1.0
+    # each supervision step after the first also pays this x its relative move of the answer y (consistency_term), so
+    # the steps past N settle where the loss is lowest instead of drifting past it (issue 57, dev/LOG.md); 0 = off
+    consistency_weight: float = 0.0
 
     def __post_init__(self):
         if self.n_sup_inference is None:
@@ -138,6 +142,9 @@ class GPTConfig:
         if not self.improvement_reward_scale >= 0:
             raise ValueError(f"GPTConfig.improvement_reward_scale={self.improvement_reward_scale} must be >= 0 "
                              f"(a negative scale would reward making later steps worse)")
+        if not self.consistency_weight >= 0:
+            raise ValueError(f"GPTConfig.consistency_weight={self.consistency_weight} must be >= 0 "
+                             f"(a negative weight would reward moving the answer)")
 
     @classmethod
     def with_refinement_preset(cls, name, **overrides):
@@ -542,10 +549,13 @@ class GPT(nn.Module):
             if kv_cache is not None:
                 kv_cache.advance(idx.size(1))
             return logits
-        step_losses = [self.step_loss(y, targets, loss_reduction) for y, _ in self.refine(idx, n_sup or c.n_sup_train)]
+        states = [y for y, _ in self.refine(idx, n_sup or c.n_sup_train)]
+        step_losses = [self.step_loss(y, targets, loss_reduction) for y in states]
         if loss_reduction == "none":
             return torch.stack(step_losses)
-        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
+        moves = [consistency_term(y, prev, c.consistency_weight) for prev, y in zip(states, states[1:])
+                 if c.consistency_weight]
+        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale, moves)
         return total, loss_aux(torch.stack([l.detach() for l in step_losses]))
 
     def halt_probability(self, y):
@@ -583,7 +593,7 @@ class GPT(nn.Module):
         x_leaf = x.detach().requires_grad_()  # every step reads x: collect its gradient, backprop into wte once
         step_losses, states, pending = [], [], []  # pending: (y_s, d loss / d y_s) of the trunk, not yet run
         previous = x_leaf.detach()
-        halt_losses, previous_token_losses = [], None
+        halt_losses, previous_token_losses, moves = [], None, []
         for s, (y, z) in enumerate(self.refine(idx, n_sup, x=x_leaf)):
             y_leaf = y.detach().requires_grad_()
             loss = self.step_loss(y_leaf, targets)
@@ -594,7 +604,11 @@ class GPT(nn.Module):
                     self.backward_part([halt_losses[-1] * HALT_LOSS_WEIGHT * loss_scale])
                 previous_token_losses = token_losses
             weight = weights[s] + (reward_weight(step_losses[-1], c.improvement_reward_scale) if s else 0.0)
-            self.backward_part([loss * weight * loss_scale])
+            objective = loss
+            if s and c.consistency_weight:  # the step's move of the answer, weighed as its loss
+                moves.append(consistency_term(y_leaf, previous, c.consistency_weight))
+                objective = loss + moves[-1]
+            self.backward_part([objective * weight * loss_scale])
             pending.append((y, y_leaf.grad))
             if self.cuts_after(s):  # the next step starts from detached states: these steps' graphs can go now
                 self.backward_part(*zip(*pending))
@@ -606,7 +620,8 @@ class GPT(nn.Module):
         if pending:
             self.backward_part(*zip(*pending))
         self.backward_part([x], [x_leaf.grad], last=True)
-        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale)
+        total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale,
+                                      [m.detach() for m in moves])
         aux = {**loss_aux(torch.stack(step_losses)), "state": torch.stack(states) if diagnostics else None}
         if halt_losses:
             aux["halt_loss"] = torch.stack(halt_losses).detach().mean()

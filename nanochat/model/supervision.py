@@ -3,7 +3,8 @@ The deep-supervision loss and the training head, kept out of the model file as T
 head apart (halting.py holds the halting head's loss). gpt.py imports it relatively, so the Hugging Face export
 carries it beside gpt.py: it imports only torch.
 
-- The loss over the supervision steps: weights base**s (normalised) plus the improvement reward (deep_supervision_loss),
+- The loss over the supervision steps: weights base**s (normalised) plus the improvement reward (deep_supervision_loss)
+  and, optionally, a consistency term on each later step's move of the answer (consistency_term),
   what a step's losses report (loss_aux, refinement) and the recursion's state per step (state_diagnostics).
 - The head's loss in chunks: the softcapped cross-entropy of lm_head in training (ChunkedHeadLoss, gradients computed
   in forward; as many rows a chunk as the caller gives, by default HEAD_CHUNK_ELEMENTS logits at a time, and the
@@ -32,18 +33,28 @@ def reward_weight(previous_loss, scale):
     return scale / previous_loss.detach().clamp(min=REWARD_LOSS_FLOOR)
 
 
-def deep_supervision_loss(step_losses, base, scale):
+def deep_supervision_loss(step_losses, base, scale, consistency=None):
     """total = sum_s w_s loss_s - scale * sum_{s>=1} (sg(loss_{s-1}) - loss_s) / max(sg(loss_{s-1}), floor).
 
     The stop-gradient means a step can never earn reward by making the previous draft worse. Because of it the
     reward acts as an extra weight scale/loss_{s-1} on each later step's loss (reward_weight), which at typical
     losses (~3-10) dominates the base**s weights.
+    consistency: per step s >= 1, a term (consistency_term) added to that step's loss, weighed as the loss is.
     """
     weights = supervision_weights(len(step_losses), base)
     total = sum(w * loss for w, loss in zip(weights, step_losses))
     for prev, cur in zip(step_losses[:-1], step_losses[1:]):
         total = total - reward_weight(prev, scale) * (prev.detach() - cur)
+    for s, term in enumerate(consistency or [], start=1):
+        total = total + (weights[s] + reward_weight(step_losses[s - 1], scale)) * term
     return total
+
+
+def consistency_term(y, previous, weight):
+    """weight x ||y - sg(previous)||^2 / ||sg(previous)||^2 per position, averaged (GPTConfig.consistency_weight): what
+    a supervision step pays for moving the answer, so it moves it only as far as its loss gains by it."""
+    y, previous = y.float(), previous.detach().float()
+    return weight * ((y - previous).square().sum(-1) / previous.square().sum(-1).clamp(min=1e-12)).mean()
 
 
 def refinement(values):

@@ -135,6 +135,9 @@ def build_parser():
                        help=f"how much later steps outweigh earlier ones {gpt_default('supervision_weight_base')}")
     model.add_argument("--improvement_reward_scale", type=float, default=None,
                        help=f"reward for improving on the previous step {gpt_default('improvement_reward_scale')}")
+    model.add_argument("--consistency_weight", type=float, default=None,
+                       help="what each step after the first pays for moving the answer (relative squared move), so "
+                            f"later steps settle instead of drifting {gpt_default('consistency_weight')}")
     batch = p.add_argument_group("batch (effective batch = processes x device batch x accumulation)")
     batch.add_argument("--device_batch_size", type=int, default=None,
                        help=f"sequences per micro-batch per process (default: the largest, up to {MAX_DEVICE_BATCH}, "
@@ -307,6 +310,7 @@ class RunConfig:
     preset: str | None
     supervision_weight_base: float | None
     improvement_reward_scale: float | None
+    consistency_weight: float | None
     # batch
     device_batch_size: int  # settled: the flag, or the largest the memory estimate fits
     total_batch_size: int  # settled: tokens per optimizer step

@@ -26,7 +26,8 @@ from nanochat.train.probe import build as build_probe
 MODEL_FLAGS = ["n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "activation_fn", "state_update",
                "state_dtype", "sample_n_sup", "detach_between_steps", "backprop_steps",
                "activation_checkpointing",
-               "supervision_weight_base", "improvement_reward_scale", "halt_head", "n_prelude", "n_coda"]
+               "supervision_weight_base", "improvement_reward_scale", "consistency_weight", "halt_head", "n_prelude",
+               "n_coda"]
 # The compute-optimal batch, as nanochat HEAD derives it: B_REF tokens for the depth-12 reference at its horizon
 # D_REF, and B ~ D^BATCH_EXPONENT for other horizons (Power Lines, arXiv 2505.13738), rounded to a power of 2.
 B_REF = 2 ** 19
