@@ -43,14 +43,17 @@ CONFIGS = {
     # issue 57 item 4's longer tail: the draws beyond N trained more. The curriculum's cap reaches 2N+1 by the end at
     # warmup 0.5, 4N+1 at 0.25 (and 2N+1 at half the run), none at 0 (issue 51's holding, draws up to 4N throughout)
     "tail": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4 --n_sup_warmup=0.25",
-    "open": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4 --n_sup_warmup=0",
+    # issue 57 item 4's lever that held on CPU text and masked rows: the new default, each later step paying for its
+    # move of the answer (GPTConfig.consistency_weight)
+    "consist": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4 --n_sup_warmup=0.5 "
+               "--consistency_weight=1.0",
 }
 # c: issue 57 item 8, the equal-FLOPs question: the new default (holding) against the deeper plain and loopnc
-# d: issue 57 item 4, do later steps stop hurting on text when the steps past N are trained (the tail levers)?
+# d: issue 57 item 4, do later steps stop hurting on text with the consistency term, or with a longer tail?
 PARTS = {"a": ["plain2", "plain24", "loopnc"], "b": ["default", "holding"], "c": ["holding", "plain24", "loopnc"],
-         "d": ["holding", "tail", "open"], "all": ["plain2", "plain24", "loopnc", "default", "holding"]}
+         "d": ["holding", "consist", "tail"], "all": ["plain2", "plain24", "loopnc", "default", "holding"]}
 CONCURRENT = ("c", "d")  # parts whose models run at once, each in a process of its own (run_concurrently)
-# the call each concurrent part is planned into: d's three recursions (~370 s at 4e7 tokens) take one 7-minute call
+# the call each concurrent part is planned into: d's three recursions (~330 s at 4e7 tokens) take one 7-minute call
 CALL_S = {"c": 300, "d": 420}
 SHARED = ["--n_embd=384", "--n_head=3", "--max_seq_len=2048", "--device_batch_size=16", "--compile=true",
           "--dtype=bfloat16", "--eval_tokens=1048576", "--sample_every=0"]
@@ -80,7 +83,7 @@ MEASURED_H200 = {"holding": {"tokens_per_s": 304 * 131072 / 64.96, "compile_s": 
                  "plain24": {"tokens_per_s": 227 * 131072 / 56.13, "compile_s": 66.9},
                  "plain2": {"tokens_per_s": 304 * 131072 / 22.87, "compile_s": 19.1}}
 # unmeasured: (whose FLOP rate, whose compile); tail and open are holding's model and shapes with other draws
-ASSUMED_LIKE = {"loopnc": ("holding", "plain2"), "tail": ("holding", "holding"), "open": ("holding", "holding")}
+ASSUMED_LIKE = {"loopnc": ("holding", "plain2"), "tail": ("holding", "holding"), "consist": ("holding", "holding")}
 PART_C = {"evals": 2, "flags": ["--eval_tokens=262144"],  # evaluation trimmed: 4 evaluations of 262,144 tokens
           "call_s": 300, "prepare_s": 10, "start_s": 20, "eval_compile_s": 18.6, "eval_s": 0.86 * 262144 / 524288,
           "sweep_s": 5, "compile_contention": 1.5}

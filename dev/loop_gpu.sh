@@ -15,10 +15,10 @@
 # the one GPU, each into $OUT/<model>/ with its log $OUT/<model>.log; ~275 s planned from the H200's measured speeds
 # and compile times (python -m dev.loop_gpu plan c: the sums and their sources):
 #   TOKENS=4e7 bash dev/loop_gpu.sh c
-# Part d (issue 57 item 4: do later steps stop hurting on text when the steps past N are trained?), one call of at
-# most 7 minutes at TOKENS=4e7: the new default (holding, the curriculum's cap 2N+1 at the end) beside two longer
-# tails, tail (--n_sup_warmup=0.25: cap 4N+1) and open (no curriculum: draws to 4N throughout), all at once;
-# compare.md's bpb at N, 2N, 4N answers it (~370 s planned: python -m dev.loop_gpu plan d --tokens 4e7):
+# Part d (issue 57 item 4: do later steps stop hurting on text?), one call of at most 7 minutes at TOKENS=4e7: the
+# new default (holding) beside the same with the consistency term (consist: --consistency_weight=1.0, which held on
+# CPU text) and a longer tail (tail: --n_sup_warmup=0.25, cap 4N+1), all at once; compare.md's bpb at N, 2N, 4N
+# answers it (~350 s planned: python -m dev.loop_gpu plan d --tokens 4e7):
 #   TOKENS=4e7 bash dev/loop_gpu.sh d
 # Run a and b in two parts, each one 9-minute call (estimated at 40% MFU by train/flops.estimate_flops, printed
 # first; plan without training: python -m dev.loop_gpu plan a):

@@ -55,18 +55,20 @@ def test_part_c_fits_a_5_minute_call_at_4e7_tokens_by_the_h200s_measured_speeds(
     assert "part c: ~" in out and "of a 300 s call" in out and all(f"{name} " in out for name in by_name)
 
 
-def test_part_d_plans_the_tail_levers_beside_the_default_in_one_7_minute_call():
-    """Issue 57 item 4's GPU run: the new default and its two longer tails, equal in all but the curriculum's warmup."""
+def test_part_d_plans_the_levers_beside_the_default_in_one_7_minute_call():
+    """Issue 57 item 4's GPU run: the new default, the same with the consistency term, and with a longer tail; equal
+    in all but the lever."""
     rows, total = loop_gpu.plan_c("4e7", part="d")
-    assert [name for name, *_ in rows] == loop_gpu.PARTS["d"] == ["holding", "tail", "open"]
+    assert sorted(name for name, *_ in rows) == sorted(loop_gpu.PARTS["d"]) == ["consist", "holding", "tail"]
     assert total <= loop_gpu.CALL_S["d"] == 420
     flags = {name: loop_gpu.CONFIGS[name].split() for name in loop_gpu.PARTS["d"]}
-    same = [[f for f in flags[name] if "n_sup_warmup" not in f] for name in ("holding", "tail", "open")]
-    assert same[0] == same[1] == same[2]
-    assert "--n_sup_warmup=0.25" in flags["tail"] and "--n_sup_warmup=0" in flags["open"]
-    # a longer tail trains more steps a token: the plan's GPU time grows with it
+    assert flags["consist"] == flags["holding"] + ["--consistency_weight=1.0"]
+    assert [f for f in flags["tail"] if "n_sup_warmup" not in f] == [f for f in flags["holding"]
+                                                                      if "n_sup_warmup" not in f]
+    assert "--n_sup_warmup=0.25" in flags["tail"] and "--n_sup_warmup=0.5" in flags["holding"]
+    # a longer tail trains more steps a token: the plan's GPU time grows with it; the term costs no steps
     train = {name: train_s for name, _, train_s, _ in rows}
-    assert train["holding"] < train["tail"] < train["open"]
+    assert train["holding"] == train["consist"] < train["tail"]
 
 
 def test_part_c_runs_its_models_at_once_at_toy_size(base_dir, tmp_path, monkeypatch):
