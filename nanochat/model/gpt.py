@@ -549,12 +549,14 @@ class GPT(nn.Module):
             if kv_cache is not None:
                 kv_cache.advance(idx.size(1))
             return logits
-        states = [y for y, _ in self.refine(idx, n_sup or c.n_sup_train)]
-        step_losses = [self.step_loss(y, targets, loss_reduction) for y in states]
+        step_losses, moves, previous = [], [], None
+        for y, _ in self.refine(idx, n_sup or c.n_sup_train):  # one step's state alive at a time in evaluation
+            step_losses.append(self.step_loss(y, targets, loss_reduction))
+            if previous is not None:
+                moves.append(consistency_term(y, previous, c.consistency_weight))
+            previous = y if c.consistency_weight and loss_reduction != "none" else None
         if loss_reduction == "none":
             return torch.stack(step_losses)
-        moves = [consistency_term(y, prev, c.consistency_weight) for prev, y in zip(states, states[1:])
-                 if c.consistency_weight]
         total = deep_supervision_loss(step_losses, c.supervision_weight_base, c.improvement_reward_scale, moves)
         return total, loss_aux(torch.stack([l.detach() for l in step_losses]))
 
