@@ -53,7 +53,7 @@ CONFIGS = {
 PARTS = {"a": ["plain2", "plain24", "loopnc"], "b": ["default", "holding"], "c": ["holding", "plain24", "loopnc"],
          "d": ["holding", "consist", "tail"], "all": ["plain2", "plain24", "loopnc", "default", "holding"]}
 CONCURRENT = ("c", "d")  # parts whose models run at once, each in a process of its own (run_concurrently)
-# the call each concurrent part is planned into: d's three recursions (~330 s at 4e7 tokens) take one 7-minute call
+# the call each concurrent part is planned into: d's three recursions (~347 s at 4e7 tokens) take one 7-minute call
 CALL_S = {"c": 300, "d": 420}
 SHARED = ["--n_embd=384", "--n_head=3", "--max_seq_len=2048", "--device_batch_size=16", "--compile=true",
           "--dtype=bfloat16", "--eval_tokens=1048576", "--sample_every=0"]
@@ -82,7 +82,7 @@ MEASURED_H200 = {"holding": {"tokens_per_s": 304 * 131072 / 64.96, "compile_s": 
                  "default": {"tokens_per_s": 304 * 131072 / 79.95, "compile_s": 41.9},
                  "plain24": {"tokens_per_s": 227 * 131072 / 56.13, "compile_s": 66.9},
                  "plain2": {"tokens_per_s": 304 * 131072 / 22.87, "compile_s": 19.1}}
-# unmeasured: (whose FLOP rate, whose compile); tail and open are holding's model and shapes with other draws
+# unmeasured: (whose FLOP rate, whose compile); tail and consist are holding's model and shapes (other draws, a term)
 ASSUMED_LIKE = {"loopnc": ("holding", "plain2"), "tail": ("holding", "holding"), "consist": ("holding", "holding")}
 PART_C = {"evals": 2, "flags": ["--eval_tokens=262144"],  # evaluation trimmed: 4 evaluations of 262,144 tokens
           "call_s": 300, "prepare_s": 10, "start_s": 20, "eval_compile_s": 18.6, "eval_s": 0.86 * 262144 / 524288,
