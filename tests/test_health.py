@@ -38,3 +38,25 @@ def test_one_inverted_batch_in_a_good_run_is_smoothed_away_and_a_large_gradient_
     health.check(22, [3.0, 2.0], grad_norm=25.0)
     assert capsys.readouterr().out == "WARNING step 22: gradient norm 25.0 > 20: training may diverge. Lower " \
                                       "--matrix_lr or switch to a milder --preset (extreme -> aggressive).\n"
+
+
+def test_drawn_step_counts_on_a_falling_loss_do_not_read_as_an_inversion(capsys):
+    """Every batch in order (each step 2% under the one before), the loss falling over the run, and the deep steps drawn
+    rarely (as lognormal_poisson draws them): their smoothed losses are older than their neighbours', which the check
+    read as an inversion before it compared steps within a batch (dev/runcpu.sh warned at step 112 on every run)."""
+    health = Health(window=50)
+    for step in range(300):
+        depth = 6 if step % 10 == 0 else 1 + step % 3  # 6 steps one batch in 10, else 1-3
+        level = 6.0 * 0.997 ** step
+        health.check(step, [level * 0.98 ** s for s in range(depth)], grad_norm=1.0)
+    assert capsys.readouterr().out == ""
+
+
+def test_a_later_step_slightly_worse_than_the_one_before_it_is_not_a_broken_run(capsys):
+    health = Health(window=3)
+    for step in range(10):  # step 3 0.1% over step 2 in every batch: a recursion past its best step, as on text
+        health.check(step, [5.7, 5.6, 5.6056], grad_norm=1.0)
+    assert capsys.readouterr().out == ""
+    for step in range(10, 20):  # 5% over: broken, warned once the smoothed rise has passed the tolerance 3 steps
+        health.check(step, [5.7, 5.6, 5.88], grad_norm=1.0)
+    assert "WARNING step 13: supervision order inverted for 3 steps" in capsys.readouterr().out
