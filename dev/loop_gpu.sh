@@ -17,8 +17,8 @@
 #   TOKENS=4e7 bash dev/loop_gpu.sh c
 # Part d (issue 57 item 4: do later steps stop hurting on text?), one call of at most 7 minutes at TOKENS=4e7: the
 # new default (holding) beside the same with the consistency term (consist: --consistency_weight=1.0, which held on
-# CPU text) and a longer tail (tail: --n_sup_warmup=0.25, cap 4N+1), all at once; compare.md's bpb at N, 2N, 4N
-# answers it (~347 s planned: python -m dev.loop_gpu plan d --tokens 4e7):
+# CPU text but slowed the CPU demo's climb; consist03: 0.3), all at once; compare.md's bpb at N, 2N, 4N answers it
+# (python -m dev.loop_gpu plan d --tokens 4e7 prints the planned time):
 #   TOKENS=4e7 bash dev/loop_gpu.sh d
 # Run a and b in two parts, each one 9-minute call (estimated at 40% MFU by train/flops.estimate_flops, printed
 # first; plan without training: python -m dev.loop_gpu plan a):
