@@ -460,7 +460,7 @@ def time_nanochat_step(ctx, config, batch):
     with other_nanochat(ctx.nanochat) as load:
         model = nanochat_model(load("nanochat.gpt"), ctx, config)
         optimizers = nanochat_optimizers(model)
-        compiled = torch.compile(model, dynamic=False)
+        compiled = torch.compile(model, dynamic=False, backend=ctx.sizes.compile_backend)  # as ours: aot_eager on CPU
         x, y = random_batch(ctx, config, batch)
         facts = nanochat_facts(load)
         autocast = ctx.autocast if facts["compute_dtype"] is None else contextlib.nullcontext

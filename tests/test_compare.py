@@ -108,6 +108,8 @@ def test_tiny_grid_end_to_end_then_interrupted_rerun_skips_finished_configs(base
         assert [r["name"] for r in json.load(f)["runs"]] == ["plain"]
     first = read(os.path.join(out, "compare.json"))
 
+    # plain trained as a process above; the later children in this process (a start costs seconds here)
+    monkeypatch.setattr(compare.lifecycle, "run_child", base_train_child_in_process)
     trained.clear()
     monkeypatch.setattr(compare, "run_base_train", lambda argv: trained.append(model_tag(argv)) or real_train(argv))
     capsys.readouterr()

@@ -10,7 +10,7 @@ import pytest
 
 from dev import loop_gpu
 from scripts import compare
-from tests.support.helpers import base_train_child_in_process
+from tests.support.helpers import ROOT, base_train_child_in_process
 
 
 @pytest.mark.parametrize("part", ["a", "b"])
@@ -69,6 +69,13 @@ def test_part_d_plans_the_levers_beside_the_default_in_one_7_minute_call():
     assert train["holding"] == train["consist"] == train["consist03"]
 
 
+# Part c's compare processes, each running its base_train in itself (a process start costs seconds here; compare's
+# base_train as a process: test_compare's tiny grid)
+COMPARE_WITH_CHILDREN_IN_PROCESS = (
+    "import sys\nfrom scripts import compare\nfrom tests.support.helpers import base_train_child_in_process\n"
+    "compare.lifecycle.run_child = base_train_child_in_process\ncompare.main(sys.argv[1:])")
+
+
 def test_part_c_runs_its_models_at_once_at_toy_size(base_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     out = str(tmp_path / "out")
@@ -78,10 +85,12 @@ def test_part_c_runs_its_models_at_once_at_toy_size(base_dir, tmp_path, monkeypa
 
     def popen(cmd, **kwargs):  # the children get a hard timeout: a hang fails the test instead of stalling it
         started.append(cmd)
-        return real_popen(["timeout", "300", *cmd], **kwargs)
+        assert cmd[1:3] == ["-m", "scripts.compare"], cmd
+        return real_popen(["timeout", "300", cmd[0], "-c", COMPARE_WITH_CHILDREN_IN_PROCESS, *cmd[3:]], **kwargs)
 
     monkeypatch.setattr(loop_gpu.subprocess, "Popen", popen)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", ROOT)
     loop_gpu.main(["run", "c", "--tokens", "128", "--batch_tokens", "64", "--out", out, "--", *toy])
     assert len(started) == 3
     assert sorted(next(a for a in cmd if a.startswith("--only=")) for cmd in started) == [
