@@ -40,9 +40,6 @@ CONFIGS = {
     # issue 51's best candidate, issue 57's new default: the holding recipe (drawn step counts, gradients through 4)
     # with the curriculum
     "holding": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4 --n_sup_warmup=0.5",
-    # issue 57 item 4's longer tail: the draws beyond N trained more. The curriculum's cap reaches 2N+1 by the end at
-    # warmup 0.5, 4N+1 at 0.25 (and 2N+1 at half the run), none at 0 (issue 51's holding, draws up to 4N throughout)
-    "tail": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4 --n_sup_warmup=0.25",
     # issue 57 item 4's lever that held on CPU text and masked rows: the new default, each later step paying for its
     # move of the answer (GPTConfig.consistency_weight)
     "consist": f"--depth=2 {DEFAULT} --sample_n_sup=lognormal_poisson --backprop_steps=4 --n_sup_warmup=0.5 "
@@ -86,9 +83,8 @@ MEASURED_H200 = {"holding": {"tokens_per_s": 304 * 131072 / 64.96, "compile_s": 
                  "default": {"tokens_per_s": 304 * 131072 / 79.95, "compile_s": 41.9},
                  "plain24": {"tokens_per_s": 227 * 131072 / 56.13, "compile_s": 66.9},
                  "plain2": {"tokens_per_s": 304 * 131072 / 22.87, "compile_s": 19.1}}
-# unmeasured: (whose FLOP rate, whose compile); tail and the consists: holding's model and shapes (draws, a term)
-ASSUMED_LIKE = {"loopnc": ("holding", "plain2"), "tail": ("holding", "holding"), "consist": ("holding", "holding"),
-                "consist03": ("holding", "holding")}
+# unmeasured: (whose FLOP rate, whose compile); the consists are holding's model and shapes with a term
+ASSUMED_LIKE = {"loopnc": ("holding", "plain2"), "consist": ("holding", "holding"), "consist03": ("holding", "holding")}
 PART_C = {"evals": 2, "flags": ["--eval_tokens=262144"],  # evaluation trimmed: 4 evaluations of 262,144 tokens
           "call_s": 300, "prepare_s": 10, "start_s": 20, "eval_compile_s": 18.6, "eval_s": 0.86 * 262144 / 524288,
           "sweep_s": 5, "compile_contention": 1.5}
