@@ -28,7 +28,9 @@ def descendants(pid):
 
 
 def kill_all(proc):
-    for pid in [*descendants(proc.pid), proc.pid]:
+    """proc and everything below it (every rank of a forked.Ranks: its pids)."""
+    roots = getattr(proc, "pids", [proc.pid])
+    for pid in [pid for root in roots for pid in [*descendants(root), root]]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
