@@ -229,11 +229,25 @@ class _Process(multiprocessing.context.ForkServerProcess):
         return _NoMainPopen(process_obj)
 
 
+def _env(env):
+    """The child's environment: the one given, or this process's with the server's thread count (as inherited)."""
+    return dict(env) if env is not None else {**os.environ, **SERVER_ENV}
+
+
 def _pipes(stdout, stderr, text):
-    if stdout != PIPE or stderr not in (PIPE, STDOUT) or not text:
-        raise ValueError("forked: stdout=PIPE, stderr=PIPE or STDOUT, text=True")
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe() if stderr == PIPE else (None, None)
+    """(out_r, out_w, err_r, err_w): a pipe per PIPE (its read end ours), a duplicate of a file's descriptor, and for
+    stderr=STDOUT no descriptor of its own (the child writes both into out_w)."""
+    if not text:
+        raise ValueError("forked: text=True only")
+
+    def ends(where):
+        if where == PIPE:
+            return os.pipe()
+        if isinstance(where, int) and where >= 0 or hasattr(where, "fileno"):
+            return None, os.dup(where if isinstance(where, int) else where.fileno())
+        raise ValueError(f"forked: PIPE, a file or a descriptor, not {where!r}")
+    out_r, out_w = ends(stdout)
+    err_r, err_w = (None, None) if stderr == STDOUT else ends(stderr)
     return out_r, out_w, err_r, err_w
 
 
@@ -250,11 +264,14 @@ class Popen:
     """subprocess.Popen(args, stdout=PIPE, stderr=PIPE or STDOUT, text=True, env=..., cwd=...) as a fork of the
     server: args is `[sys.executable, "-m", module, ...]` (or -c, or a script's path)."""
 
-    def __init__(self, args, env=None, cwd=None, stdout=PIPE, stderr=PIPE, text=True, start_new_session=False):
+    def __init__(self, args, env=None, cwd=None, stdout=PIPE, stderr=PIPE, text=True, start_new_session=False,
+                 kill_after=None):
+        """kill_after: seconds after which the child is killed with everything it started (as `timeout -s KILL`
+        would), for callers that wait on it without a hard timeout of their own."""
         self.args = [str(a) for a in args]
         out_r, out_w, err_r, err_w = _pipes(stdout, stderr, text)
         try:
-            self._process = _spawn(self.args, dict(os.environ if env is None else env), cwd, out_w, err_w,
+            self._process = _spawn(self.args, _env(env), cwd, out_w, err_w,
                                    start_new_session)
         except BaseException:
             for fd in (out_r, err_r):
@@ -266,11 +283,25 @@ class Popen:
                 if fd is not None:
                     os.close(fd)
         self.pid = self._process.pid
-        self.stdout = open(out_r)
+        self.stdout = open(out_r) if out_r is not None else None
         self.stderr = open(err_r) if err_r is not None else None
         self.returncode = None
         self._readers = None
         _live.append(self)
+        if kill_after is not None:
+            timer = threading.Timer(kill_after, self._kill_tree)
+            timer.daemon = True
+            timer.start()
+
+    def _kill_tree(self):
+        # not poll(): the status is read by the thread that waits (two readers of one sentinel race)
+        from tests.support import processes
+        if self.returncode is None:
+            for pid in [*processes.descendants(self.pid), self.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def poll(self):
         if self.returncode is None:
@@ -342,7 +373,7 @@ class Ranks(Popen):
     after `grace` seconds). pid is rank 0's; pids every rank's (processes.kill_all takes them all down)."""
 
     def __init__(self, args, nproc=2, env=None, cwd=None, stdout=PIPE, stderr=PIPE, text=True, grace=10):
-        env = dict(os.environ if env is None else env)
+        env = _env(env)
         self.args = [str(a) for a in args]
         port = free_port()
         out_r, out_w, err_r, err_w = _pipes(stdout, stderr, text)
@@ -366,7 +397,7 @@ class Ranks(Popen):
                 if fd is not None:
                     os.close(fd)
         self.pid, self.pids = self._processes[0].pid, [p.pid for p in self._processes]
-        self.stdout = open(out_r)
+        self.stdout = open(out_r) if out_r is not None else None
         self.stderr = open(err_r) if err_r is not None else None
         self.returncode, self._readers, self._grace = None, None, grace
         self._done, self._ended = threading.Event(), set()
