@@ -22,7 +22,7 @@ from nanochat.data.tokenizer import get_tokenizer
 from nanochat.train import config as train_config
 from nanochat.train import planning
 from nanochat.train.flops import estimate_flops
-from tests.support import processes
+from tests.support import forked, processes
 from tests.support.helpers import (
     ROOT,
     TINY,
@@ -39,15 +39,15 @@ from tests.support.helpers import (
 
 def run(base_dir, *flags, torchrun=False, check=True, script="scripts.base_train"):
     """A finished run's CompletedProcess. One base_train or base_loss process runs in this process (a start costs
-    seconds here); torchrun and the other scripts run as real processes."""
+    seconds here); torchrun=True runs 2 ranks as torchrun starts them and other scripts run as processes of their
+    own, all forked from the torch-preloaded server (the claims are two ranks and a process, not torchrun's launch)."""
     if script in ("scripts.base_train", "scripts.base_loss") and not torchrun:
         proc = in_process(base_dir, flags, script)
     else:
         env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-                    if torchrun else [sys.executable])
-        proc = processes.run(launcher + ["-m", script] + (["--"] if torchrun else []) + list(flags),
-                             timeout=300, cwd=ROOT, env=env)
+        cmd = [sys.executable, "-m", script, *flags]
+        proc = forked.run(cmd, timeout=300, cwd=ROOT, env=env) if not torchrun else \
+            processes.finish(forked.Ranks(cmd, cwd=ROOT, env=env), 300)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -87,8 +87,8 @@ def test_sigkill_then_resume_is_bit_identical(base_dir):
     flags = TINY + ["--num_iterations=8", "--save_every=2"]
     run(base_dir, *flags, "--model_tag=straight")
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.base_train", *flags, "--model_tag=killed"], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = forked.Popen([sys.executable, "-m", "scripts.base_train", *flags, "--model_tag=killed"], cwd=ROOT,
+                        env=env, stderr=subprocess.STDOUT)
     processes.read_until(proc, "step 00005/", timeout=300)  # kill between checkpoints: after step 5, before 6 saves
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -118,7 +118,7 @@ from nanochat.checkpoint.writer import save_checkpoint
 save_checkpoint("midsave", 4, model, [], {**meta}, {"loaders": []})
 """
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir}
-    proc = processes.run([sys.executable, "-c", script], timeout=120, cwd=ROOT, env=env)
+    proc = forked.run([sys.executable, "-c", script], timeout=120, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert os.path.isdir(ckpt_dir(base_dir, "midsave", 4) + ".tmp")  # the half-written attempt
     from nanochat.checkpoint import manager as ckpt
@@ -568,11 +568,14 @@ def test_a_shard_damaged_mid_run_saves_the_last_step_and_stops_with_one_line(bas
     for name in ("base_data", "tokenizer"):
         shutil.copytree(os.path.join(base_dir, name), own / name)
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(own), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else \
-        [sys.executable]
-    proc = subprocess.Popen([*launcher, "-m", "scripts.base_train", *(["--"] if torchrun else []), *TINY,
-                             "--num_iterations=1000", "--eval_every=0", "--save_every=0", "--model_tag=damaged"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    flags = [*TINY, "--num_iterations=1000", "--eval_every=0", "--save_every=0", "--model_tag=damaged"]
+    if torchrun:  # torchrun's own report of a failed worker is part of the claim: the real launcher
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 "-m", "scripts.base_train", "--", *flags],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    else:
+        proc = forked.Popen([sys.executable, "-m", "scripts.base_train", *flags], cwd=ROOT, env=env,
+                            stderr=subprocess.STDOUT)
     processes.read_until(proc, "step 00002/", timeout=300)
     shard = own / "base_data" / "shard_00001.parquet"  # the second training shard: read some 30-60 steps later
     shard.write_bytes(shard.read_bytes()[:100])

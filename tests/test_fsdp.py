@@ -9,17 +9,18 @@ import pytest
 import torch
 
 from nanochat.train.optim import Muon
+from tests.support import forked, processes
 from tests.support import fsdp_worker as worker
-from tests.support import processes
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def torchrun(*args, timeout=120):
+    """The worker on 2 ranks as torchrun starts them, forked from the torch-preloaded server (the claim is two
+    sharded ranks, not torchrun)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = processes.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            str(REPO / "tests" / "support" / "fsdp_worker.py"), *map(str, args)], timeout, env=env,
-                           cwd=REPO)
+    result = processes.finish(forked.Ranks([sys.executable, str(REPO / "tests" / "support" / "fsdp_worker.py"),
+                                            *map(str, args)], env=env, cwd=REPO), timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
 
 

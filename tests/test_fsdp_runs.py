@@ -1,7 +1,7 @@
 """base_train --sharding=fsdp end to end on 1 and 2 Gloo processes: sharded checkpoints that resume on another process
 count as an uninterrupted run, a kill, SIGTERM and a budget stop, and one process reading a sharded checkpoint. The
-2-process runs are torchrun launches; the 1-process ones run in this process, in a process group of one (as torchrun
---nproc_per_node=1 gives them), since a launch costs seconds of starting Python and torch."""
+2-process runs are 2 ranks forked as torchrun starts them; the 1-process ones run in this process, in a process group
+of one (as torchrun --nproc_per_node=1 gives them), since a launch costs seconds of starting Python and torch."""
 
 import os
 import signal
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.support import processes
+from tests.support import forked, processes
 from tests.support.helpers import ROOT, TINY, ckpt_dir, finish, read_until
 from tests.test_base_train import in_process
 
@@ -22,11 +22,11 @@ FLAGS = TINY + ["--eval_every=0", "--keep_last=0", "--save_every_minutes=0", "--
 
 
 def base_train(base_dir, *flags):
-    """base_train under torchrun on 2 processes, one accumulation step each: 2 data ranks."""
+    """base_train on 2 processes as torchrun starts them (forked from the torch-preloaded server), one accumulation
+    step each: 2 data ranks."""
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "scripts.base_train", "--", *FLAGS, "--gradient_accumulation_steps=1", *flags]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, "-m", "scripts.base_train", *FLAGS, "--gradient_accumulation_steps=1", *flags]
+    return forked.Ranks(cmd, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
 
 
 def completed(proc):
@@ -93,7 +93,7 @@ def test_killed_on_two_processes_resumed_on_one_continues_as_the_uninterrupted_r
     flags = ["--num_iterations=6", "--save_every=2"]
     proc = base_train(base_dir, *flags, "--model_tag=fs_killed")
     read_until(proc, "step 00005/", timeout=150)  # after step 4's checkpoint, before step 6's
-    workers = processes.descendants(proc.pid)
+    workers = [*proc.pids, *(pid for rank in proc.pids for pid in processes.descendants(rank))]
     processes.kill_all(proc)
     wait_dead(workers)  # the kernel frees rank 0's run lock as it dies; the resume below starts at once
     assert sorted(os.listdir(ckpt_dir(base_dir, "fs_killed"))).count("step_000004") == 1

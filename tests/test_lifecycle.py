@@ -1,6 +1,6 @@
-"""The run lifecycle: stop and save decisions agreed by every rank (2 Gloo processes under torchrun, each with a
-hard timeout so a hang fails the test), SIGTERM from the launcher, a failing evaluation on one rank, the signal
-handler and the budget clock."""
+"""The run lifecycle: stop and save decisions agreed by every rank (2 Gloo processes, forked as torchrun would start
+them, or under torchrun where torchrun's part is the claim; each with a hard timeout so a hang fails the test), SIGTERM
+from the launcher, a failing evaluation on one rank, the signal handler and the budget clock."""
 
 import os
 import signal
@@ -14,6 +14,7 @@ import torch
 
 from nanochat.train import lifecycle
 from scripts.base_train import main as base_train_main
+from tests.support import forked
 from tests.support.helpers import ROOT, TINY, ckpt_dir, exit_code, finish, read_until, tree, weights
 from tests.test_base_train import in_process
 
@@ -24,6 +25,13 @@ def torchrun(base_dir, *args):
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def ranks(base_dir, *args):
+    """2 ranks as torchrun starts them, forked from the torch-preloaded server: for claims about two ranks, not about
+    torchrun (its signal and its failure report keep a real torchrun above)."""
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    return forked.Ranks([sys.executable, *args], env=env, cwd=ROOT, stderr=subprocess.STDOUT)
 
 
 def base_train(base_dir, *flags):
@@ -52,7 +60,7 @@ def test_a_write_that_fails_on_rank_0_stops_every_rank_together_with_one_line_ea
 def budget_run(base_dir):
     """(exit code, output, the step it stopped at) of one 2-rank run whose validation loader fails on rank 1
     (lifecycle_worker.py), stopped by its budget: the budget's test and the failing evaluation's read it."""
-    rc, out = finish(torchrun(base_dir, os.path.join("tests", "support", "lifecycle_worker.py"), *FLAGS,
+    rc, out = finish(ranks(base_dir, os.path.join("tests", "support", "lifecycle_worker.py"), *FLAGS,
                               "--num_iterations=100000", "--max_hours=0.0005", "--save_every_minutes=0",
                               "--eval_every=2", "--model_tag=budget2"))
     stop = [line for line in out.splitlines() if line.startswith("budget spent (--max_hours=0.0005) at step")]
@@ -121,7 +129,7 @@ def test_a_later_second_signal_exits_at_once():
     code = ("import os, signal, time\nfrom nanochat.train import lifecycle\nwith lifecycle.StopSignals() as s:\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n    s.first_at -= 60\n    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(5)\nprint('survived')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = forked.run([sys.executable, "-c", code], 60, cwd=ROOT)
     assert proc.returncode == -signal.SIGINT and "survived" not in proc.stdout
 
 
@@ -174,9 +182,10 @@ def test_the_garbage_collector_is_frozen_after_the_first_step_and_collected_by_h
 
 # ---------------------------------------------------------------------------------------------------- one run per tag
 def one_process(base_dir, *flags):
+    """base_train in a process of its own (forked: the lock's claim is another process's pid, not a fresh start)."""
     env = {**os.environ, "NANOCHAT_BASE_DIR": base_dir, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    return subprocess.Popen([sys.executable, "-m", "scripts.base_train", *flags], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return forked.Popen([sys.executable, "-m", "scripts.base_train", *flags], cwd=ROOT, env=env,
+                        stderr=subprocess.STDOUT)
 
 
 def test_a_second_run_on_a_live_tag_refuses_and_a_killed_run_leaves_no_lock(base_dir):

@@ -10,7 +10,7 @@ import torch
 
 from nanochat.train.optim import AdamW, Muon, clipped_step, reduce_gradients, zeropower_via_newtonschulz5
 from tests.support import dist_optim_worker as worker
-from tests.support import processes
+from tests.support import forked, processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -220,11 +220,9 @@ def test_the_optimizer_step_launches_as_many_ops_for_a_deeper_model():
 
 def test_dist_optimizers_on_two_gloo_ranks_match_single_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc_per_node={worker.WORLD_SIZE}",
-                             str(REPO / "tests" / "support" / "dist_optim_worker.py"),
-                             str(tmp_path)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    # the ranks as torchrun starts them, forked from the torch-preloaded server: the claim is two ranks
+    proc = forked.Ranks([sys.executable, str(REPO / "tests" / "support" / "dist_optim_worker.py"), str(tmp_path)],
+                        nproc=worker.WORLD_SIZE, env=env, cwd=REPO, stderr=subprocess.STDOUT)
     output = processes.finish(proc, timeout=180).stdout
     assert proc.returncode == 0, output[-6000:]
     reference = worker.run(distributed=False)

@@ -1,5 +1,6 @@
 """No rank waits alone past the process-group timeout: rank 0's checkpoint I/O and backup, longer than the timeout,
-with the other rank waiting (2 Gloo processes under torchrun, a 5 s timeout, one launch with a hard timeout)."""
+with the other rank waiting (2 Gloo processes as torchrun starts them, a 5 s timeout, one launch with a hard
+timeout)."""
 
 import os
 import sys
@@ -9,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from nanochat import common
-from tests.support import processes
+from tests.support import forked, processes
 from tests.support.helpers import ROOT, TINY, ckpt_dir
 
 TIMEOUT_S = "5"  # the process group's; rank 0's slow steps take 1.5x as long
@@ -19,15 +20,17 @@ GROUP_GAVE_UP = ("Connection closed", "Timed out", "timed out", "Timeout")
 
 @pytest.fixture(scope="module")
 def launch(base_dir, tmp_path_factory):
-    """(exit code, output, backup bucket) of one torchrun of tests/support/rank0_wait_worker.py: its slow steps,
+    """(exit code, output, backup bucket) of one 2-rank launch of tests/support/rank0_wait_worker.py: its slow steps,
     then a base_train run whose backup drains slowly."""
     bucket = tmp_path_factory.mktemp("rank0_wait") / "bucket"
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
            "NANOCHAT_PROCESS_GROUP_TIMEOUT_S": TIMEOUT_S}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join("tests", "support", "rank0_wait_worker.py"), str(bucket), *TINY, "--eval_every=0",
-           "--num_iterations=2", "--save_every=2", "--model_tag=slowbackup", f"--backup_dir={bucket}"]
-    done = processes.run(cmd, HANG, cwd=ROOT, env=env)
+    # 2 ranks as torchrun starts them, forked from the torch-preloaded server (nanochat is not preloaded: the
+    # ranks read the timeout from their environment at import, as a fresh start does)
+    cmd = [sys.executable, os.path.join("tests", "support", "rank0_wait_worker.py"), str(bucket), *TINY,
+           "--eval_every=0", "--num_iterations=2", "--save_every=2", "--model_tag=slowbackup",
+           f"--backup_dir={bucket}"]
+    done = processes.finish(forked.Ranks(cmd, cwd=ROOT, env=env), HANG)
     return done.returncode, done.stdout + done.stderr, bucket
 
 

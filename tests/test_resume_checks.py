@@ -1,5 +1,5 @@
 """What --resume checks before it writes anything: the process count the checkpoint was written by (1 and 2 Gloo
-processes under torchrun), the data it was trained on (its fingerprint), and the schedule it followed."""
+processes as torchrun starts them), the data it was trained on (its fingerprint), and the schedule it followed."""
 
 import json
 import os
