@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,6 +28,13 @@ def pytest_collection_modifyitems(items):
         count[item.path] = count.get(item.path, 0) + 1
     # then xdist's own rule, most tests first; stable, so each file's tests keep their order
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -count[item.path]))
+
+
+def pytest_unconfigure(config):
+    # the fork server (tests/support/forked.py) and anything it still runs end with the session, waited for here
+    forked = sys.modules.get("tests.support.forked")
+    if forked is not None:
+        forked.stop()
 
 
 @pytest.fixture(autouse=True, scope="session")

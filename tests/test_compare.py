@@ -13,7 +13,7 @@ from nanochat.data import dataloader
 from nanochat.model.gpt import GPT, GPTConfig
 from nanochat.train.flops import estimate_flops
 from scripts import compare
-from tests.support import processes
+from tests.support import forked, processes
 from tests.support.helpers import base_train_child_in_process
 
 TINY = ["--depth=1", "--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=128",
@@ -33,9 +33,11 @@ def base_dir(base_dir, monkeypatch):
 @pytest.fixture(autouse=True)
 def children_time_out(monkeypatch):
     """compare's base_train children get a hard timeout here: a hang fails the test instead of stalling CI."""
-    def run_child(cmd, env=None):
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, text=True)
-        return processes.finish(proc, timeout=300).returncode, None
+    def run_child(cmd, env=None):  # a process of its own, forked from the torch-preloaded server
+        proc = forked.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.STDOUT)
+        done = processes.finish(proc, timeout=300)
+        print(done.stdout, end="")  # where the child's inherited stdout put it: this test's captured output
+        return done.returncode, None
 
     monkeypatch.setattr(compare.lifecycle, "run_child", run_child)
 

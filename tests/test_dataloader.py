@@ -19,7 +19,7 @@ from nanochat.data.dataloader import DataLoader, evaluation_batches, evaluation_
 from nanochat.data.dataset import DatasetError, import_corpus
 from nanochat.data.tokenizer import RustBPETokenizer
 from tests.conftest import WORDS
-from tests.support import processes
+from tests.support import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -365,11 +365,12 @@ def write_long_documents(directory, num_groups, docs_per_group, words_per_doc):
 
 
 def resident_mb_with_loaders(base_dir, num_loaders):
-    """VmRSS of a fresh process that builds the loaders of data ranks 0..num_loaders-1 and draws a batch from each."""
+    """VmRSS of a process of its own (forked from the torch-preloaded server: the same base for every count) that
+    builds the loaders of data ranks 0..num_loaders-1 and draws a batch from each."""
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     env.pop("NANOCHAT_DATA_DIR", None)
-    proc = processes.run([sys.executable, "-m", "dev.bench_data", "--loaders", str(num_loaders), "--B", str(B),
-                          "--T", str(T), "--tokenizer_threads", "1"], timeout=180, cwd=ROOT, env=env)
+    proc = forked.run([sys.executable, "-m", "dev.bench_data", "--loaders", str(num_loaders), "--B", str(B),
+                       "--T", str(T), "--tokenizer_threads", "1"], timeout=180, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return float(re.search(r"after one batch each: VmRSS ([\d.]+) MB", proc.stdout).group(1))
 

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ from nanochat.model import gpt
 from nanochat.model.engine import Engine
 from nanochat.model.gpt import ACTIVATIONS, STATE_UPDATES, GPTConfig
 from scripts import export_hf
+from tests.support import forked
 from tests.support.helpers import ROOT, random_model
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
 from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line
@@ -195,8 +195,7 @@ def test_an_existing_directory_is_replaced_only_with_force_and_only_if_it_is_an_
 def test_without_transformers_the_export_says_what_to_install(tmp_path):
     hide = ("import runpy, sys; sys.modules['transformers'] = None; "
             "runpy.run_module('scripts.export_hf', run_name='__main__')")
-    result = subprocess.run([sys.executable, "-c", hide, "--out", str(tmp_path / "out")], capture_output=True,
-                            text=True, timeout=60, cwd=ROOT)
+    result = forked.run([sys.executable, "-c", hide, "--out", str(tmp_path / "out")], timeout=60, cwd=ROOT)
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
     assert "pip install -e '.[hf]'" in result.stderr and os.listdir(tmp_path) == []
 

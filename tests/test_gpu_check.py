@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dev import gpu_check
-from tests.support import processes
+from tests.support import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK_NAMES = {"environment", "peak_flops", "torch_lock", "allocator", "attention", "kv_cache_dtype",
@@ -24,10 +24,11 @@ def read_report(out):
 
 
 def run_kit(out, *flags):
-    """dev.gpu_check --device cpu as a process: every check it ran passed, each in the report, the table and stdout."""
+    """dev.gpu_check --device cpu as a process (forked from the torch-preloaded server): every check it ran passed,
+    each in the report, the table and stdout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = processes.run([sys.executable, "-m", "dev.gpu_check", "--device", "cpu", "--out", str(out), *flags],
-                         timeout=480, cwd=ROOT, env=env)
+    proc = forked.run([sys.executable, "-m", "dev.gpu_check", "--device", "cpu", "--out", str(out), *flags],
+                      timeout=480, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = read_report(out)
     assert all(set(check) == {"name", "ok", "value", "expected"} for check in report["checks"])

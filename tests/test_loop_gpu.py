@@ -4,12 +4,12 @@ on a CPU at toy size, writing bpb by supervision step, tokens/s and bpb by train
 at toy size."""
 
 import os
-import subprocess
 
 import pytest
 
 from dev import loop_gpu
 from scripts import compare
+from tests.support import forked
 from tests.support.helpers import ROOT, base_train_child_in_process
 
 
@@ -81,12 +81,14 @@ def test_part_c_runs_its_models_at_once_at_toy_size(base_dir, tmp_path, monkeypa
     out = str(tmp_path / "out")
     toy = ["--n_embd=32", "--n_head=2", "--max_seq_len=32", "--device_batch_size=2", "--eval_tokens=64",
            "--compile=false", "--dtype=float32", "--device_type=cpu"]
-    started, real_popen = [], subprocess.Popen
+    started = []
 
-    def popen(cmd, **kwargs):  # the children get a hard timeout: a hang fails the test instead of stalling it
+    # processes of their own, forked from the torch-preloaded server; a hard timeout: a hang fails the test instead
+    # of stalling it
+    def popen(cmd, **kwargs):
         started.append(cmd)
         assert cmd[1:3] == ["-m", "scripts.compare"], cmd
-        return real_popen(["timeout", "300", cmd[0], "-c", COMPARE_WITH_CHILDREN_IN_PROCESS, *cmd[3:]], **kwargs)
+        return forked.Popen([cmd[0], "-c", COMPARE_WITH_CHILDREN_IN_PROCESS, *cmd[3:]], kill_after=300, **kwargs)
 
     monkeypatch.setattr(loop_gpu.subprocess, "Popen", popen)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

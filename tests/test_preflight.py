@@ -14,7 +14,7 @@ import torch
 
 from nanochat.train import multinode, preflight
 from scripts import launch
-from tests.support import processes
+from tests.support import forked
 from tests.support.helpers import OVERRIDES, launcher_in_process
 
 PIP_FIX = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu124"
@@ -232,8 +232,8 @@ def test_a_second_node_that_never_sees_the_marker_exits_nonzero(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in OVERRIDES}
     env.update(NANOCHAT_BASE_DIR=str(tmp_path), NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1", DEVICE_TYPE="cpu",
                NPROC="1", FORCE="1", OMP_NUM_THREADS="1", **{multinode.WAIT_ENV: "1"})
-    done = processes.run([sys.executable, "-m", "scripts.launch", "train", "8xH100", "fast", "--depth=2"],
-                         timeout=120, cwd=launch.__file__.rsplit("/scripts/", 1)[0], env=env)
+    done = forked.run([sys.executable, "-m", "scripts.launch", "train", "8xH100", "fast", "--depth=2"],
+                      timeout=120, cwd=launch.__file__.rsplit("/scripts/", 1)[0], env=env)
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("launch: node 1 waited 1 s for node 0's")
 

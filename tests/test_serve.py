@@ -30,6 +30,7 @@ from nanochat.serve.http import HostCheck, client_key, guarded_http
 from nanochat.serve.server import Server, create_app
 from nanochat.serve.stops import Choice
 from scripts import serve
+from tests.support import forked
 from tests.support.processes import finish
 from tests.support.server import running
 from tests.support.tiny_checkpoint import MODEL_TAG, tiny_checkpoint
@@ -44,11 +45,11 @@ def trained(tmp_path_factory):
 
 
 def start_cli(base_dir, *flags, deadline_s=120, env=None):
-    """`python -m scripts.serve --port 0 ...` in a subprocess; (process, base URL read from its first line)."""
+    """`python -m scripts.serve --port 0 ...` in a process of its own (forked from the torch-preloaded server);
+    (process, base URL read from its first line)."""
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.serve", "--model_tag", MODEL_TAG, "--port", "0",
-                             "--device_type", "cpu", *flags], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = forked.Popen([sys.executable, "-m", "scripts.serve", "--model_tag", MODEL_TAG, "--port", "0",
+                         "--device_type", "cpu", *flags], cwd=REPO, env=env)
     deadline = time.monotonic() + deadline_s
     while not select.select([proc.stdout], [], [], 0.5)[0]:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -821,7 +822,7 @@ def test_serve_main_reports_a_missing_checkpoint(trained, monkeypatch, capsys):
 
 def test_without_uvicorn_the_server_says_what_to_install():
     hide = "import runpy, sys; sys.modules['uvicorn'] = None; runpy.run_module('scripts.serve', run_name='__main__')"
-    result = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=60, cwd=REPO)
+    result = forked.run([sys.executable, "-c", hide], timeout=60, cwd=REPO)
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
     assert "needs uvicorn" in result.stderr and "pip install -e '.[serve]'" in result.stderr
 

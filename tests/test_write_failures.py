@@ -13,7 +13,7 @@ import pytest
 from nanochat import trainer
 from nanochat.eval.metrics import MetricsLog
 from scripts import base_loss, base_train, plot_run
-from tests.support import processes
+from tests.support import forked
 from tests.support.helpers import ROOT, TINY, ckpt_dir, exit_code, private_base_dir, tree
 from tests.support.unwritable import FULL, READ_ONLY, dead_pid, fail_writes, one_line, temporaries
 
@@ -138,7 +138,7 @@ def tmpfs(tmp_path):
 
 def script(base, module, *argv, timeout=300):
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(base), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    return processes.run([sys.executable, "-m", module, *argv], timeout=timeout, cwd=ROOT, env=env)
+    return forked.run([sys.executable, "-m", module, *argv], timeout=timeout, cwd=ROOT, env=env)
 
 
 def test_a_real_full_disk_and_a_real_read_only_mount_give_one_line_and_exit_5(base_dir, tmpfs, monkeypatch, capsys):

@@ -16,6 +16,7 @@ Popen-like objects: processes.finish, processes.read_until and processes.kill_al
 """
 
 import atexit
+import json
 import multiprocessing.context
 import os
 import signal
@@ -28,6 +29,7 @@ from multiprocessing import popen_forkserver, spawn
 PRELOAD = ["torch", "numpy", "pyarrow"]
 SERVER_ENV = {"OMP_NUM_THREADS": "1"}  # libgomp reads it when torch loads in the server: every child has it
 STDOUT, PIPE = subprocess.STDOUT, subprocess.PIPE
+_POPEN = subprocess.Popen  # the real one, whatever a test later monkeypatches into the subprocess module
 
 _lock = threading.Lock()
 _context = None
@@ -55,23 +57,29 @@ def _start_server():
                     else:
                         os.environ[name] = value
             clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-            _fresh_path = subprocess.run([sys.executable, "-c", "import sys; print(repr(sys.path[1:]))"], env=clean,
-                                         capture_output=True, text=True, check=True, timeout=60).stdout
-            _fresh_path = eval(_fresh_path)  # a list of str literals that this interpreter printed
-            atexit.register(_stop_server)
+            probe = _POPEN([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], env=clean,
+                           text=True, stdout=subprocess.PIPE)
+            _fresh_path = json.loads(probe.communicate(timeout=60)[0])
+            atexit.register(stop)
             _context = context
     return _context
 
 
-def _stop_server():
+def stop():
     """Kill what is still running, then stop the server and wait for it: its CPU (and that of every child it reaped)
-    then counts in this process's children, as a subprocess's does."""
-    from tests.support import processes
-    for proc in list(_live):
-        if proc.poll() is None:
-            processes.kill_all(proc)
-    import multiprocessing.forkserver
-    multiprocessing.forkserver._forkserver._stop()
+    then counts in this process's children, as a subprocess's does. At the session's end (tests/conftest.py) and at
+    exit; again, nothing."""
+    global _context
+    with _lock:
+        if _context is None:
+            return
+        from tests.support import processes
+        for proc in list(_live):
+            if proc.poll() is None:
+                processes.kill_all(proc)
+        import multiprocessing.forkserver
+        multiprocessing.forkserver._forkserver._stop()
+        _context = None
 
 
 def server_cpu():
