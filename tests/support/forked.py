@@ -127,7 +127,7 @@ def _child(out, err, mode, target, argv, env, cwd, new_session, fresh_path):
     import io
     code = 1
     try:
-        out, err = out, err if err is not None else out
+        err = out if err is None else err  # stderr=STDOUT
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(out, 1)
