@@ -1,16 +1,16 @@
 """Test children forked from a server that has already imported torch: a `python -m module` child without the ~3 CPU s
-of `import torch` a fresh interpreter pays. A fork is a real separate process (its own pid, signals, exit status), so
-a test whose claim is a signal from outside, a second rank or an exit code keeps it; only the repeated import goes.
+of `import torch` a fresh interpreter pays. A fork is a real separate process (its own pid, signals, exit status), so a
+test whose claim is a signal from outside, a second rank or an exit code keeps it; only the repeated import goes.
 
-The server is the standard library's multiprocessing forkserver, one per pytest worker, started at the first fork
-(a worker that never forks pays nothing), with torch, numpy and pyarrow preloaded; nanochat is not preloaded, as its
+The server is the standard library's multiprocessing forkserver, one per pytest worker, started at the first fork (a
+worker that never forks pays nothing), with torch, numpy and pyarrow preloaded; nanochat is not preloaded, as its
 modules read environment variables at import. Its children get what a fresh `python` would: exactly the env given
-(os.environ replaced before the module is imported), the cwd, argv and sys.path of the command line, fresh stdio on
-pipes, and Python's exit status (SystemExit's code; 1 and a traceback on an uncaught exception; -N when killed by
-signal N), with threads joined, atexit handlers run and output flushed first. What a fork cannot give: a different
-OMP_NUM_THREADS (libgomp read the server's, 1, when torch loaded; refused below), and environment variables that the
-preloaded libraries read at their import. A test whose claim is a module's own `python -m` start (its `__main__`
-lines, its imports) keeps a real process.
+(os.environ replaced before the module is imported; OMP_NUM_THREADS=1 added where it lacks one, as the server has it),
+the cwd, argv and sys.path of the command line, fresh stdio on pipes, and Python's exit status (SystemExit's code; 1 and
+a traceback on an uncaught exception; -N when killed by signal N), with threads joined, atexit handlers run and output
+flushed first. What a fork cannot give: a different OMP_NUM_THREADS (libgomp read the server's, 1, when torch loaded;
+refused below), and environment variables that the preloaded libraries read at their import. A test whose claim is a
+module's own `python -m` start (the interpreter's start, its imports with nothing preloaded) keeps a real process.
 
 Popen-like objects: processes.finish, processes.read_until and processes.kill_all work on them as on subprocess.Popen.
 """
