@@ -259,6 +259,28 @@ def _pipes(stdout, stderr, text):
     return out_r, out_w, err_r, err_w
 
 
+def _started(envs, args, cwd, stdout, stderr, text, start_new_session=False):
+    """(processes, stdout, stderr): one fork of args per env, all writing into the same pipes or files; the write ends
+    closed here once the children have them, and on a failed start every child killed and the read ends closed."""
+    out_r, out_w, err_r, err_w = _pipes(stdout, stderr, text)
+    processes = []
+    try:
+        for env in envs:
+            processes.append(_spawn(args, env, cwd, out_w, err_w, start_new_session))
+    except BaseException:
+        for process in processes:
+            process.kill()
+        for fd in (out_r, err_r):
+            if fd is not None:
+                os.close(fd)
+        raise
+    finally:
+        for fd in (out_w, err_w):
+            if fd is not None:
+                os.close(fd)
+    return processes, open(out_r) if out_r is not None else None, open(err_r) if err_r is not None else None
+
+
 def _print_traceback(e):
     """The traceback Python prints, from the command's own frames (this module's are not a fresh process's)."""
     import traceback
@@ -277,22 +299,9 @@ class Popen:
         """kill_after: seconds after which the child is killed with everything it started (as `timeout -s KILL`
         would), for callers that wait on it without a hard timeout of their own."""
         self.args = [str(a) for a in args]
-        out_r, out_w, err_r, err_w = _pipes(stdout, stderr, text)
-        try:
-            self._process = _spawn(self.args, _env(env), cwd, out_w, err_w,
-                                   start_new_session)
-        except BaseException:
-            for fd in (out_r, err_r):
-                if fd is not None:
-                    os.close(fd)
-            raise
-        finally:
-            for fd in (out_w, err_w):
-                if fd is not None:
-                    os.close(fd)
+        (self._process,), self.stdout, self.stderr = _started([_env(env)], self.args, cwd, stdout, stderr, text,
+                                                               start_new_session)
         self.pid = self._process.pid
-        self.stdout = open(out_r) if out_r is not None else None
-        self.stderr = open(err_r) if err_r is not None else None
         self.returncode = None
         self._readers = None
         _live.append(self)
@@ -384,29 +393,12 @@ class Ranks(Popen):
         env = _env(env)
         self.args = [str(a) for a in args]
         port = free_port()
-        out_r, out_w, err_r, err_w = _pipes(stdout, stderr, text)
-        self._processes = []
-        try:
-            for rank in range(nproc):
-                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-                            "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
-                self._processes.append(_spawn(self.args, rank_env, cwd, out_w, err_w, False))
-        except BaseException:
-            for process in self._processes:
-                process.kill()
-            for fd in (out_r, err_r):
-                if fd is not None:
-                    os.close(fd)
-            raise
-        finally:
-            for fd in (out_w, err_w):
-                if fd is not None:
-                    os.close(fd)
+        rank_envs = [{**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                      "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                      "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                      "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"} for rank in range(nproc)]
+        self._processes, self.stdout, self.stderr = _started(rank_envs, self.args, cwd, stdout, stderr, text)
         self.pid, self.pids = self._processes[0].pid, [p.pid for p in self._processes]
-        self.stdout = open(out_r) if out_r is not None else None
-        self.stderr = open(err_r) if err_r is not None else None
         self.returncode, self._readers, self._grace = None, None, grace
         self._done, self._ended = threading.Event(), set()
         threading.Thread(target=self._watch, daemon=True).start()
